@@ -1,0 +1,293 @@
+"""ModelConfig: everything the forward pass needs, and nothing else.
+
+It knows Hugging Face `config.json` dictionaries (both the transformers 4.x layout with a
+top-level `rope_theta`/`rope_scaling` and the 5.x layout with `rope_parameters`) and turns
+them into one frozen, hashable description of a decoder. It does not know about weights,
+files, dtypes or devices. Anything a config asks for that the decoder cannot compute
+exactly raises `UnsupportedConfigError` here, at load time, never a wrong answer later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+Family = Literal["gpt2", "llama"]
+
+# model_type -> family. The Llama family differs only in flags this config carries.
+SUPPORTED_MODEL_TYPES: dict[str, Family] = {
+    "gpt2": "gpt2",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedConfigError(ValueError):
+    """The checkpoint asks for an architecture or feature specjax does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling (`rope_parameters` minus `rope_theta`)."""
+
+    rope_type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear and llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, GPT-2 or Llama family. Frozen and hashable: it is the
+    static half of `specjax.Model` and a jit cache key."""
+
+    model_type: str  # the HF model_type it came from: gpt2, llama, mistral, qwen2
+    vocab_size: int  # V
+    hidden_size: int  # E, the residual width
+    num_layers: int  # L
+    num_heads: int  # H, query heads
+    num_kv_heads: int  # G, key/value heads (GQA when G < H)
+    head_dim: int  # D
+    intermediate_size: int  # F, MLP width
+    max_position_embeddings: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    rope_theta: float = 10000.0  # Llama family only
+    rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False  # biases on q, k, v (GPT-2, Qwen2, Llama attention_bias)
+    out_bias: bool = False  # bias on the attention output projection (GPT-2, Llama attention_bias)
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # keys further back than this are not attended
+    layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"unsupported model_type {self.model_type!r}; specjax supports "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_scaling.rope_type not in ROPE_TYPES:
+            raise UnsupportedConfigError(
+                f"unsupported rope_type {self.rope_scaling.rope_type!r}; specjax supports {ROPE_TYPES}")
+        if self.family == "gpt2" and self.num_kv_heads != self.num_heads:
+            raise ValueError("GPT-2 has no grouped-query attention: num_kv_heads must equal num_heads")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers")
+            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise UnsupportedConfigError(f"unsupported layer types {sorted(unknown)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types names sliding_attention but sliding_window is None")
+
+    @property
+    def family(self) -> Family:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The attention window of each layer (None: full causal attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None
+                     for t in self.layer_types)
+
+    def num_params(self) -> int:
+        """Parameter count (a tied head counted once)."""
+        E, F, D = self.hidden_size, self.intermediate_size, self.head_dim
+        qkv = E * D * (self.num_heads + 2 * self.num_kv_heads)
+        out = self.num_heads * D * E
+        if self.family == "gpt2":
+            attn = qkv + out + D * (self.num_heads + 2 * self.num_kv_heads) + E
+            layer = attn + 2 * E * F + F + E + 4 * E
+            extra = self.max_position_embeddings * E + 2 * E
+        else:
+            attn = (qkv + out + (D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
+                    + (E if self.out_bias else 0))
+            layer = attn + 3 * E * F + (2 * F + E if self.mlp_bias else 0) + 2 * E
+            extra = E
+        head = 0 if self.tie_word_embeddings else E * self.vocab_size
+        return self.vocab_size * E + self.num_layers * layer + extra + head
+
+    # ---- Hugging Face config.json -------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Reads a config.json dict of a supported model_type."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = hf.get("architectures")
+            raise UnsupportedConfigError(
+                f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
+                f"supports {sorted(SUPPORTED_MODEL_TYPES)}")
+        if SUPPORTED_MODEL_TYPES[model_type] == "gpt2":
+            return cls._from_gpt2(hf)
+        return cls._from_llama_family(hf)
+
+    @classmethod
+    def _from_gpt2(cls, hf):
+        if hf.get("scale_attn_by_inverse_layer_idx"):
+            raise UnsupportedConfigError("GPT-2 scale_attn_by_inverse_layer_idx=True is not supported")
+        if not hf.get("scale_attn_weights", True):
+            raise UnsupportedConfigError("GPT-2 scale_attn_weights=False is not supported")
+        if hf.get("activation_function", "gelu_new") != "gelu_new":
+            raise UnsupportedConfigError(
+                f"GPT-2 activation_function {hf['activation_function']!r} is not supported (gelu_new is)")
+        E, H = hf["n_embd"], hf["n_head"]
+        if E % H:
+            raise ValueError(f"n_embd={E} is not a multiple of n_head={H}")
+        return cls(
+            model_type="gpt2", vocab_size=hf["vocab_size"], hidden_size=E,
+            num_layers=hf["n_layer"], num_heads=H, num_kv_heads=H, head_dim=E // H,
+            intermediate_size=hf.get("n_inner") or 4 * E,
+            max_position_embeddings=hf["n_positions"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            qkv_bias=True, out_bias=True, mlp_bias=True,
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    @classmethod
+    def _from_llama_family(cls, hf):
+        model_type = hf["model_type"]
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (silu is)")
+        if hf.get("pretraining_tp", 1) != 1:
+            raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedConfigError(
+                f"unsupported rope_type {rope_type!r}; specjax supports {ROPE_TYPES}")
+        scaling = RopeScaling(rope_type=rope_type, **{
+            k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings") if k in rope})
+        E, H = hf["hidden_size"], hf["num_attention_heads"]
+        G = hf.get("num_key_value_heads") or H
+        head_dim = hf.get("head_dim") or E // H
+        sliding_window, layer_types = None, None
+        if model_type == "mistral":
+            sliding_window = hf.get("sliding_window")
+        elif model_type == "qwen2" and hf.get("use_sliding_window"):
+            sliding_window = hf.get("sliding_window")
+            layer_types = tuple(hf.get("layer_types") or (
+                "sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
+                for i in range(hf["num_hidden_layers"])))
+            if "sliding_attention" not in layer_types:
+                sliding_window, layer_types = None, None
+        return cls(
+            model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
+            num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rope_theta=float(theta), rope_scaling=scaling,
+            # Qwen2 always has q/k/v biases; Llama's attention_bias covers q, k, v and o.
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            out_bias=model_type == "llama" and bool(hf.get("attention_bias", False)),
+            mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            sliding_window=sliding_window, layer_types=layer_types,
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict that transformers loads back into the same architecture."""
+        tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if getattr(self, k) is not None}
+        if self.family == "gpt2":
+            return {
+                "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": self.vocab_size, "n_embd": self.hidden_size,
+                "n_layer": self.num_layers, "n_head": self.num_heads,
+                "n_inner": self.intermediate_size, "n_positions": self.max_position_embeddings,
+                "layer_norm_epsilon": self.norm_eps, "activation_function": "gelu_new",
+                "tie_word_embeddings": self.tie_word_embeddings, **tokens,
+            }
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_scaling.rope_type == "linear":
+            rope["factor"] = self.rope_scaling.factor
+        elif self.rope_scaling.rope_type == "llama3":
+            rope.update({k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
+                         if k != "rope_type"})
+        out = {
+            "model_type": self.model_type, "architectures": [arch],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": rope, "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling.rope_type == "default" else rope,
+            **tokens,
+        }
+        if self.model_type == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            if self.layer_types is not None:
+                out["layer_types"] = list(self.layer_types)
+                out["max_window_layers"] = self.layer_types.index("sliding_attention")
+        return out
+
+
+def _first(token_id):
+    """HF allows a list of EOS ids; specjax stops on the first one."""
+    if isinstance(token_id, (list, tuple)):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+def rope_inv_freq(config: ModelConfig):
+    """Rotary inverse frequencies [D/2] as transformers computes them (numpy float64)."""
+    import numpy as np
+
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    s = config.rope_scaling
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    if s.rope_type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled)
+    return inv_freq

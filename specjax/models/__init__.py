@@ -1,0 +1,82 @@
+"""`Model`: a config (static) and its params (leaves), one pytree that passes through jit.
+
+This module knows how to run a model (`apply`, `forward`) and make a random one (`init`).
+It does not know about files (see hf.py, checkpoint.py) or decoding (see generate.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.models.transformer import Decoder
+
+Params = Any  # nested dict of arrays, layer weights stacked on a leading [L] axis
+
+
+@struct.dataclass
+class Model:
+    config: ModelConfig = struct.field(pytree_node=False)
+    params: Params
+
+    @property
+    def dtype(self):
+        return self.params["embedding"].dtype
+
+
+def default_dtype():
+    """float32 on CPU (bfloat16 is several times slower there), bfloat16 on TPU/GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def cast(params: Params, dtype) -> Params:
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
+    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    params = Decoder(config).init(key, tokens, tokens)["params"]
+    return Model(config, cast(params, dtype or default_dtype()))
+
+
+def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None):
+    """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache)."""
+    return Decoder(model.config).apply({"params": model.params}, tokens, positions, cache)
+
+
+@jax.jit
+def _forward(model: Model, tokens: jax.Array) -> jax.Array:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return apply(model, tokens, positions)[0]
+
+
+def forward(model: Model, tokens) -> jax.Array:
+    """Full causal pass without a cache: tokens int [B, T] -> float32 logits [B, T, V].
+
+    Right padding is harmless: a token never attends to positions after its own."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+    c = model.config
+    if tokens.shape[1] > c.max_position_embeddings:
+        raise ValueError(f"{tokens.shape[1]} tokens exceed max_position_embeddings="
+                         f"{c.max_position_embeddings}")
+    check_token_ids(tokens, c.vocab_size)
+    return _forward(model, tokens.astype(jnp.int32))
+
+
+def check_token_ids(tokens, vocab_size: int):
+    """Raises if concrete token ids fall outside [0, vocab_size) (traced ids are not checked)."""
+    if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got range [{lo}, {hi}]")

@@ -1,0 +1,77 @@
+"""One decoder for GPT-2 and the Llama family (Llama, Mistral, Qwen2).
+
+`Decoder` is a pure function of (params, tokens [B, T], positions [B, T], cache) returning
+(logits [B, T, V] float32, hidden [B, T, E], cache). Layers are stacked ([L, ...] leaves)
+and run with `nn.scan`, so compile time does not grow with depth. With a cache, each layer
+writes its new keys/values at each row's own positions and attends over the whole buffer,
+masked by position; without one, it attends over the T tokens given (a full causal pass).
+
+The decoder does not touch `cache.lengths`: which written entries are valid is decided by
+whoever drives it (the decoding loop). It knows nothing about checkpoints or sampling.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from specjax.cache import KVCache, attention_mask, write
+from specjax.config import ModelConfig
+from specjax.models.layers import MLP, Attention, Norm, init
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer. Scanned over layers: carry is (x, cache k, cache v)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer, positions, masks):
+        x, cache_k, cache_v = carry  # x [B, T, E]; cache_k/v [L, B, S, G, D] or None
+        attn = Attention(self.config, name="attn")
+        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions)
+        if cache_k is not None:
+            cache_k = cache_k.at[layer["index"]].set(write(cache_k[layer["index"]], k, positions))
+            cache_v = cache_v.at[layer["index"]].set(write(cache_v[layer["index"]], v, positions))
+            k, v = cache_k[layer["index"]], cache_v[layer["index"]]  # [B, S, G, D]
+        full_mask, window_mask = masks
+        mask = full_mask if window_mask is None else jnp.where(layer["sliding"], window_mask, full_mask)
+        x = x + attn.attend(q, k, v, mask)
+        x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
+        return (x, cache_k, cache_v), None
+
+
+class Decoder(nn.Module):
+    """Activations take the parameters' dtype; logits are always float32."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache: KVCache | None = None):
+        c = self.config
+        embedding = self.param("embedding", init, (c.vocab_size, c.hidden_size))
+        x = embedding[tokens]  # [B, T, E]
+        if c.family == "gpt2":
+            pos_embedding = self.param("pos_embedding", init,
+                                       (c.max_position_embeddings, c.hidden_size))
+            x = x + pos_embedding[jnp.minimum(positions, c.max_position_embeddings - 1)]
+
+        windows = c.layer_windows()
+        window = next((w for w in windows if w is not None), None)
+        kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
+        masks = (attention_mask(positions, kv_positions),
+                 None if window is None else attention_mask(positions, kv_positions, window))
+        layers = {"index": jnp.arange(c.num_layers),
+                  "sliding": jnp.array([w is not None for w in windows])}
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
+        carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
+        (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, masks)
+        hidden = Norm(c, name="final_norm")(x)
+        head = embedding.T if c.tie_word_embeddings else self.param(
+            "lm_head", init, (c.hidden_size, c.vocab_size))
+        logits = jnp.einsum("bte,ev->btv", hidden, head, preferred_element_type=jnp.float32)
+        if cache is not None:
+            cache = cache.replace(k=cache_k, v=cache_v)
+        return logits, hidden, cache
