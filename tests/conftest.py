@@ -1,0 +1,28 @@
+"""Shared test setup: offline hub, CPU float32, and tiny random transformers models."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """hf_folder(name) -> (folder, torch model): a tiny random model saved once per session."""
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            model = tiny.build(name)
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder)
+            cache[name] = (folder, model)
+        return cache[name]
+
+    return make

@@ -1,0 +1,90 @@
+"""Parity with transformers' PyTorch logits, and cached decoding == one full pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.cache import KVCache
+from specjax.models import apply
+from tests import tiny
+
+ARCHS = list(tiny.CONFIGS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_matches_transformers(arch, hf_folder):
+    folder, torch_model = hf_folder(arch)
+    model = specjax.load_model(folder, dtype=jnp.float32)
+    tokens = np.random.RandomState(1).randint(0, tiny.VOCAB, (2, 16))
+    ref = tiny.logits(torch_model, tokens)
+    assert ref.std() > 0.5, "logits too close to uniform for the comparison to mean much"
+    np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+def test_ragged_batch_matches_each_row_alone(arch, hf_folder):
+    """Right-padded rows of different lengths in one batch give each row's own logits."""
+    folder, torch_model = hf_folder(arch)
+    model = specjax.load_model(folder)
+    rng = np.random.RandomState(2)
+    lengths = [16, 9, 3]
+    tokens = np.full((3, 16), 5)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = rng.randint(0, tiny.VOCAB, n)
+    out = np.asarray(specjax.forward(model, tokens))
+    for b, n in enumerate(lengths):
+        ref = tiny.logits(torch_model, tokens[b:b + 1, :n])[0]
+        np.testing.assert_allclose(out[b, :n], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral"])
+def test_cached_decoding_equals_full_pass(arch, hf_folder):
+    """Prefill ragged rows, then feed one token at a time at each row's own offset."""
+    folder, _ = hf_folder(arch)
+    model = specjax.load_model(folder)
+    rng = np.random.RandomState(3)
+    B, P, N = 3, 8, 6
+    prompt_lengths = np.array([8, 5, 2])
+    seqs = rng.randint(0, tiny.VOCAB, (B, P + N))
+    full = np.asarray(specjax.forward(model, seqs))
+
+    step = jax.jit(apply)
+    cache = KVCache.init(model.config, B, 32)
+    # Prefill the padded prompt block; rows shorter than P write stale entries past their end.
+    prompt = np.where(np.arange(P)[None] < prompt_lengths[:, None], seqs[:, :P], 0)
+    positions = np.broadcast_to(np.arange(P), (B, P))
+    logits, _, cache = step(model, prompt, positions, cache)
+    for b in range(B):
+        n = prompt_lengths[b]
+        np.testing.assert_allclose(np.asarray(logits[b, :n]), full[b, :n], atol=1e-4, rtol=0)
+    for t in range(N):
+        pos = prompt_lengths + t  # each row at its own offset
+        token = seqs[np.arange(B), pos][:, None]
+        logits, _, cache = step(model, token, pos[:, None], cache)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), full[np.arange(B), pos], atol=1e-4, rtol=0)
+
+
+def test_stale_cache_entries_are_ignored(hf_folder):
+    """Garbage beyond a row's position never changes its logits: masks come from positions."""
+    folder, _ = hf_folder("llama")
+    model = specjax.load_model(folder)
+    tokens = np.random.RandomState(4).randint(0, tiny.VOCAB, (2, 6))
+    positions = np.broadcast_to(np.arange(6), (2, 6))
+    clean = KVCache.init(model.config, 2, 16)
+    dirty = clean.replace(k=clean.k + 7.0, v=clean.v - 3.0)
+    a = apply(model, tokens, positions, clean)[0]
+    b = apply(model, tokens, positions, dirty)[0]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_forward_rejects_bad_tokens(hf_folder):
+    folder, _ = hf_folder("gpt2")
+    model = specjax.load_model(folder)
+    with pytest.raises(ValueError, match="token ids"):
+        specjax.forward(model, np.array([[1, tiny.VOCAB]]))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        specjax.forward(model, np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        specjax.forward(model, np.zeros((1, 65), np.int32))

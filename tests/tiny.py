@@ -1,0 +1,70 @@
+"""Tiny random transformers models for parity tests: no downloads, weights large enough
+(std 0.15+) that logits are far from uniform and a wrong mapping shows."""
+
+import torch
+import transformers as tr
+
+VOCAB = 97
+
+CONFIGS = {
+    # GPT-2: learned positions, LayerNorm with bias, fused c_attn, tied head.
+    "gpt2": lambda: tr.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0),
+    # GPT-2 with an untied head and an explicit MLP width.
+    "gpt2_untied": lambda: tr.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_inner=40,
+                                         n_positions=64, tie_word_embeddings=False,
+                                         bos_token_id=0, eos_token_id=0),
+    # Llama: GQA (4 query heads over 2 kv heads), explicit head_dim != E/H, untied head.
+    "llama": lambda: tr.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    intermediate_size=48, max_position_embeddings=128,
+                                    bos_token_id=0, eos_token_id=1, pad_token_id=None),
+    # Llama-3 rope scaling, tied head, attention and MLP biases, a legacy top-level rope_theta.
+    "llama3": lambda: tr.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1,
+                                     intermediate_size=48, max_position_embeddings=128,
+                                     tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                     rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16},
+                                     rope_theta=500.0, bos_token_id=0, eos_token_id=1),
+    # Mistral: GQA down to one kv head, a sliding window shorter than the test sequences.
+    "mistral": lambda: tr.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1,
+                                        intermediate_size=48, sliding_window=5,
+                                        max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Qwen2: q/k/v biases, tied head.
+    "qwen2": lambda: tr.Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=48, tie_word_embeddings=True,
+                                    max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Qwen2 with sliding-window attention on its upper layers only (per-layer windows).
+    "qwen2_sliding": lambda: tr.Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=48, use_sliding_window=True,
+                                            sliding_window=4, max_window_layers=1,
+                                            max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+}
+CLASSES = {"gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
+           "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
+           "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
+           "qwen2_sliding": tr.Qwen2ForCausalLM}
+
+
+def build(name: str, seed: int = 0, std: float = 0.15):
+    """A random float32 transformers model with weights ~ N(0, std) and norms ~ 1 + N(0, std)."""
+    torch.manual_seed(seed)
+    model = CLASSES[name](CONFIGS[name]()).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.normal_(0.0, std)
+            if "norm" in pname or ".ln_" in pname:
+                if pname.endswith("weight"):
+                    p.add_(1.0)
+    return model
+
+
+def logits(model, tokens):
+    """transformers' float32 logits of an int array [B, T], no padding."""
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.numpy()
