@@ -1,0 +1,203 @@
+"""The decoding loop: autoregressive and speculative, one machinery, one `lax.while_loop`.
+
+Invariant at the top of every step: row b holds `length[b]` final tokens in `tokens`; the
+target's cache holds correct entries for positions < length[b] - 1 (the last token is in
+no cache yet); entries at or beyond that are stale and masked by position, never cleared.
+
+One step, all shapes fixed:
+  1. the drafter proposes K tokens d and the probabilities q they were drawn from;
+  2. the target scores [last token, d_1..d_K] at positions length-1 .. length+K-1 in one
+     pass, giving its warped probabilities p at K+1 positions;
+  3. `acceptance.accept` keeps n leading drafts and draws one token of the target's own;
+  4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
+     and at max_new_tokens). Rolling back the rejected drafts is only this: the target
+     wrote their keys/values, and they are now beyond length-1, stale and masked;
+  5. a row that emitted EOS or reached max_new_tokens is done: its state is frozen under
+     masks while the other rows go on. The loop ends when every row is done.
+Autoregressive decoding is the same step with K = 0 and no drafter.
+
+The loop knows drafters only through the interface in `specjax.drafters`, and nothing of
+tokenizers or files.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import acceptance
+from specjax.cache import KVCache
+from specjax.drafters import DraftModel
+from specjax.drafters.model import check_vocabularies
+from specjax.models import Model, apply, check_token_ids
+from specjax.sampling import Sampling, validate, warp
+
+
+@struct.dataclass
+class Stats:
+    steps: jax.Array  # int32 [B]: target verification passes the row took part in
+    drafted: jax.Array  # int32 [B]: draft tokens proposed to the row
+    accepted: jax.Array  # int32 [B]: draft tokens accepted and emitted in the row
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # int32 [B, max_new_tokens]: new tokens only; 0 after num_tokens[b]
+    num_tokens: jax.Array  # int32 [B]: tokens generated, an emitted EOS included
+    stats: Stats
+
+
+@struct.dataclass
+class LoopState:
+    tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
+    length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
+    target_cache: KVCache  # [L, B, S, G, D]; valid below length - 1
+    draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
+    done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
+    key: jax.Array  # PRNG key, split once per step
+    stats: Stats
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
+    """Right-pads token-id lists to a multiple of `bucket`, so that prompts of different
+    lengths share one compilation. Returns (int32 [B, P], int32 [B])."""
+    if len(prompts) == 0:
+        raise ValueError("pad_prompts needs at least one prompt")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs at least one token")
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    P = -(-int(lengths.max()) // bucket) * bucket
+    out = np.zeros((len(prompts), P), np.int32)
+    for b, p in enumerate(prompts):
+        out[b, : len(p)] = p
+    return out, lengths
+
+
+def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
+             num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0,
+             eos_token_id: int | None = None) -> GenerateOutput:
+    """Generates up to max_new_tokens per row; exactly the target's own output distribution.
+
+    target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
+    draft: None (plain autoregressive decoding), a draft `Model`, or a drafter.
+    Shapes, num_draft_tokens (K) and max_new_tokens are static; the key, temperature, top_k,
+    top_p and eos_token_id are traced, so changing them never recompiles.
+    """
+    prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+    c = target.config
+    if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and lengths [B]; got {prompts.shape} and {lengths.shape}")
+    if not (jnp.issubdtype(prompts.dtype, jnp.integer) and jnp.issubdtype(lengths.dtype, jnp.integer)):
+        raise ValueError(f"prompts and lengths must be integers, got {prompts.dtype} and {lengths.dtype}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    longest = prompts.shape[1]
+    if not isinstance(lengths, jax.core.Tracer):
+        if lengths.min() < 1:
+            raise ValueError(f"prompt {int(lengths.argmin())} is empty (length 0); prompts need a token")
+        if lengths.max() > prompts.shape[1]:
+            raise ValueError(f"lengths go up to {int(lengths.max())} but prompts hold {prompts.shape[1]} tokens")
+        longest = int(lengths.max())
+    check_token_ids(prompts, c.vocab_size)
+    validate(temperature, top_k, top_p)
+    if eos_token_id is not None and not 0 <= eos_token_id < c.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {c.vocab_size})")
+
+    if draft is None:
+        drafter, K = None, 0
+    else:
+        if not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1 with a draft, got {num_draft_tokens!r}")
+        K = int(num_draft_tokens)
+        if isinstance(draft, Model):
+            check_vocabularies(c.vocab_size, draft)
+            drafter = DraftModel(draft, c.vocab_size)
+        else:
+            drafter = draft
+    models = [target] + ([drafter.model] if isinstance(drafter, DraftModel) else [])
+    for m in models:
+        if longest + max_new_tokens > m.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"{m.config.model_type} model's max_position_embeddings "
+                f"({m.config.max_position_embeddings})")
+
+    key = jax.random.key(0) if key is None else key
+    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
+    return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
+                     Sampling.make(temperature, top_k, top_p), eos,
+                     max_new_tokens=int(max_new_tokens), K=K)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K"))
+def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos,
+              *, max_new_tokens: int, K: int) -> GenerateOutput:
+    B, P = prompts.shape
+    S = P + max_new_tokens + K  # room for the furthest draft of an unfinished row
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    offsets = jnp.arange(K + 1)[None, :]  # [1, K+1]
+
+    # Prefill. The padded prompt block is written whole: slots past a row's length are
+    # stale and will be overwritten before any query can see them.
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    cache = KVCache.init(target.config, B, S, target.dtype)
+    _, _, cache = apply(target, prompts, positions, cache)
+    tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = LoopState(
+        tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
+        draft_state=None if drafter is None else drafter.init(prompts, lengths, S),
+        done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros))
+
+    def step(state: LoopState) -> LoopState:
+        key, draft_key, accept_key = jax.random.split(state.key, 3)
+        length, active = state.length, ~state.done
+        if drafter is None:
+            draft_state = None
+            drafts = jnp.zeros((B, 0), jnp.int32)
+            q = jnp.zeros((B, 0, target.config.vocab_size), jnp.float32)
+        else:
+            draft_state, drafts, q = drafter.propose(
+                state.draft_state, state.tokens, length, draft_key, sampling, K)
+
+        # Verify: one target pass over [last token, d_1..d_K].
+        last = state.tokens[rows[:, 0], length - 1]
+        verify = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
+        logits, _, cache = apply(target, verify, length[:, None] - 1 + offsets, state.target_cache)
+        p = warp(logits, sampling)  # [B, K+1, V]
+        n, extra = acceptance.accept(accept_key, drafts, q, p)
+
+        # The row's new tokens: d_1..d_n then the target's own; cut after EOS and at the
+        # max_new_tokens budget; nothing for rows already done.
+        new = jnp.where(offsets < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])
+        count = n + 1
+        eos_at = (new == eos) & (offsets < count[:, None])
+        count = jnp.where(eos_at.any(axis=1), jnp.argmax(eos_at, axis=1) + 1, count)
+        count = jnp.minimum(count, max_new_tokens - (length - lengths))
+        count = jnp.where(active, count, 0)
+        keep = offsets < count[:, None]
+        tokens = state.tokens.at[rows, jnp.where(keep, length[:, None] + offsets, S)].set(new, mode="drop")
+        new_length = length + count
+        done = state.done | (eos_at & keep).any(axis=1) | (new_length - lengths >= max_new_tokens)
+
+        a = active.astype(jnp.int32)
+        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + K * a,
+                      accepted=state.stats.accepted + jnp.minimum(n, count))
+        return LoopState(tokens=tokens, length=new_length,
+                         target_cache=cache.replace(lengths=new_length - 1),
+                         draft_state=draft_state, done=done, key=key, stats=stats)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+    num_tokens = state.length - lengths
+    cols = jnp.arange(max_new_tokens)[None, :]
+    out = state.tokens[rows, lengths[:, None] + cols]
+    out = jnp.where(cols < num_tokens[:, None], out, 0)
+    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats)

@@ -1,0 +1,75 @@
+"""Logits -> the distribution that is sampled from, with transformers' semantics.
+
+`Sampling` holds temperature, top-k and top-p as traced values (changing them never
+recompiles). `warp` applies them in transformers' order: temperature, then top-k, then
+top-p. Temperature 0 is greedy, expressed as a one-hot distribution on the argmax, so
+greedy decoding is the same arithmetic as sampling and needs no separate code path.
+This module knows nothing about models, drafts or loops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Sampling:
+    temperature: jax.Array  # float32 []; 0 means greedy
+    top_k: jax.Array  # int32 []; 0 means off
+    top_p: jax.Array  # float32 []; 1 means off
+
+    @classmethod
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "Sampling":
+        return cls(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                   jnp.asarray(top_p, jnp.float32))
+
+
+def validate(temperature, top_k, top_p):
+    """Clear errors for nonsense values (traced values are not checked)."""
+    def concrete(x):
+        return not isinstance(x, jax.core.Tracer)
+
+    if concrete(temperature) and not float(temperature) >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if concrete(top_k) and (int(top_k) != top_k or top_k < 0):
+        raise ValueError(f"top_k must be an int >= 0 (0 is off), got {top_k}")
+    if concrete(top_p) and not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
+
+
+def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p (transformers' TopK/TopPLogitsWarper) by one ascending sort.
+
+    scores [..., V] -> scores with filtered entries set to -inf."""
+    V = scores.shape[-1]
+    ascending = jnp.sort(scores, axis=-1)  # [..., V]
+    # top-k keeps every score >= the k-th largest (ties included, as transformers does).
+    k = jnp.clip(top_k, 1, V)
+    kth = jnp.take(ascending, V - k, axis=-1)[..., None]
+    kth = jnp.where(top_k > 0, kth, -jnp.inf)
+    scores = jnp.where(scores < kth, -jnp.inf, scores)
+    ascending = jnp.where(ascending < kth, -jnp.inf, ascending)  # still sorted
+    # top-p removes the ascending prefix whose cumulative probability is <= 1 - top_p,
+    # always keeping the largest score.
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    removed = jnp.sum(cumulative[..., :-1] <= 1.0 - top_p, axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(ascending, removed, axis=-1)
+    return jnp.where(scores < cutoff, -jnp.inf, scores)
+
+
+def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
+    logits = logits.astype(jnp.float32)
+    greedy = sampling.temperature == 0
+    scores = logits / jnp.where(greedy, 1.0, sampling.temperature)
+    filtering = (sampling.top_k > 0) | (sampling.top_p < 1.0)
+    scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, sampling.top_k, sampling.top_p)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draws from probabilities [..., V] -> int32 [...]; zero-probability ids are never drawn."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
