@@ -1,0 +1,166 @@
+"""Sampling is exact: warping matches transformers' processors, and the speculative joint
+distribution of the first two tokens matches the target's, by a chi-square test that
+fails when the acceptance rule is broken."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tr
+from scipy import stats
+
+import specjax
+from specjax import acceptance
+from specjax.sampling import Sampling, warp
+
+SETTINGS = [  # (temperature, top_k, top_p)
+    (1.0, 0, 1.0),
+    (0.7, 4, 1.0),
+    (1.3, 0, 0.8),
+    (1.5, 5, 0.9),
+]
+
+
+def _transformers_probs(logits, temperature, top_k, top_p):
+    procs = tr.LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(tr.TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        procs.append(tr.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(tr.TopPLogitsWarper(top_p))
+    scores = procs(None, torch.as_tensor(np.asarray(logits)))
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS + [(0.5, 1, 1.0), (1.0, 0, 0.3)])
+def test_warp_matches_transformers(temperature, top_k, top_p):
+    logits = np.random.RandomState(0).randn(6, 50).astype(np.float32) * 2
+    ours = warp(jnp.asarray(logits), Sampling.make(temperature, top_k, top_p))
+    np.testing.assert_allclose(np.asarray(ours), _transformers_probs(logits, temperature, top_k, top_p),
+                               atol=1e-6)
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = np.random.RandomState(1).randn(4, 30).astype(np.float32)
+    probs = np.asarray(warp(jnp.asarray(logits), Sampling.make(0.0, 3, 0.5)))
+    np.testing.assert_array_equal(probs, np.eye(30)[logits.argmax(-1)])
+
+
+# ---- the joint distribution of the first two tokens -------------------------------------
+
+V, ROWS, PROMPT = 8, 6000, [1, 2, 3]
+
+
+def _tiny(seed, std, base=None):
+    config = specjax.ModelConfig(
+        model_type="llama", vocab_size=V, hidden_size=16, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=8, intermediate_size=24, max_position_embeddings=64,
+        norm_eps=1e-6, tie_word_embeddings=False)
+    model = specjax.models.init(config, jax.random.key(seed), jnp.float32)
+    rng = np.random.RandomState(seed)
+    base = model.params if base is None else base.params
+    params = jax.tree.map(lambda b, x: b + jnp.asarray(rng.randn(*x.shape) * std, jnp.float32)
+                          if x.ndim > 1 else b, base, model.params)
+    return specjax.Model(config, params)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A target and a draft that accepts about three tokens in four (sum min(p, q) = 0.75)."""
+    target = _tiny(0, 0.6)
+    return target, _tiny(1, 0.15, base=target)
+
+
+def _exact_joint(target, temperature, top_k, top_p):
+    """P(t1, t2 | prompt) [V, V], enumerated with transformers' processors."""
+    seqs = np.array([PROMPT + [t1] for t1 in range(V)])
+    logits = np.asarray(specjax.forward(target, seqs))  # [V, T, V]
+    p1 = _transformers_probs(logits[:1, len(PROMPT) - 1], temperature, top_k, top_p)[0]
+    p2 = _transformers_probs(logits[:, len(PROMPT)], temperature, top_k, top_p)
+    return p1[:, None] * p2
+
+
+def _sampled_joint(target, draft, seed, temperature, top_k, top_p, K=2):
+    prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
+    lengths = np.full(ROWS, len(PROMPT), np.int32)
+    out = specjax.generate(target, prompts, lengths, draft=draft, key=jax.random.key(seed),
+                           max_new_tokens=2, num_draft_tokens=K, temperature=temperature,
+                           top_k=top_k, top_p=top_p)
+    t = np.asarray(out.tokens)
+    return np.bincount(t[:, 0] * V + t[:, 1], minlength=V * V).reshape(V, V)
+
+
+def _chi_square_p(observed, expected_probs):
+    """p-value of observed counts under expected probabilities; bins with expected < 5 merged."""
+    expected = expected_probs.ravel() * observed.sum()
+    observed = observed.ravel()
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
+def test_speculative_sampling_is_exact(tiny_pair, temperature, top_k, top_p):
+    target, draft = tiny_pair
+    expected = _exact_joint(target, temperature, top_k, top_p)
+    observed = _sampled_joint(target, draft, 0, temperature, top_k, top_p)
+    # Tokens outside top-k/top-p are never drawn.
+    assert observed[expected == 0].sum() == 0
+    assert _chi_square_p(observed, expected) > 1e-3
+
+
+def test_autoregressive_sampling_is_exact(tiny_pair):
+    target, _ = tiny_pair
+    expected = _exact_joint(target, 1.0, 0, 1.0)
+    observed = _sampled_joint(target, None, 1, 1.0, 0, 1.0)
+    assert _chi_square_p(observed, expected) > 1e-3
+
+
+def _accept_all(key, drafts, q, p):
+    """Broken: every draft accepted, so the draft's distribution leaks through."""
+    B, K = drafts.shape
+    return jnp.full((B,), K, jnp.int32), specjax.sampling.sample(key, p[:, K])
+
+
+def _resample_from_p(key, drafts, q, p):
+    """Broken: the right acceptance test, but after a rejection draws from p, not p - q."""
+    u_key, key = jax.random.split(key)
+    B, K = drafts.shape
+    p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    passed = jax.random.uniform(u_key, (B, K)) * q_d < p_d
+    n = jnp.sum(jnp.cumprod(passed, axis=1), axis=1).astype(jnp.int32)
+    return n, specjax.sampling.sample(key, jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0])
+
+
+@pytest.mark.parametrize("broken", [_accept_all, _resample_from_p])
+def test_broken_acceptance_fails_the_test(tiny_pair, monkeypatch, broken):
+    """Proof that the chi-square test has teeth."""
+    target, draft = tiny_pair
+    monkeypatch.setattr(acceptance, "accept", broken)
+    jax.clear_caches()
+    try:
+        observed = _sampled_joint(target, draft, 0, 1.0, 0, 1.0)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert _chi_square_p(observed, _exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+def test_residual_distribution_is_guarded():
+    """q == p everywhere (p - q <= 0): no division by zero, no NaN, a valid token."""
+    p = jnp.full((2, 2, 5), 0.2)
+    q = jnp.full((2, 1, 5), 0.2)
+    drafts = jnp.array([[1], [4]], jnp.int32)
+    n, extra = acceptance.accept(jax.random.key(0), drafts, q, p)
+    assert n.tolist() == [1, 1] and ((extra >= 0) & (extra < 5)).all()
+    # a rejection where the residual is all zeros up to rounding
+    q0 = jnp.zeros((2, 1, 5)).at[:, :, 0].set(1.0)
+    p0 = jnp.zeros((2, 2, 5)).at[:, :, 0].set(1.0)
+    n, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32), q0, p0)
+    assert n.tolist() == [1, 1] and extra.tolist() == [0, 0]
