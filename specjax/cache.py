@@ -40,13 +40,13 @@ class KVCache:
         return self.k.shape[1]
 
 
-def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes new[b, t] into buffer[b, positions[b, t]] for each row at its own offset.
+def write(buffer: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes new[b, t] into buffer[layer, b, positions[b, t]]: each row at its own offset.
 
-    buffer [B, S, G, D], new [B, T, G, D], positions int32 [B, T]. Writes at positions >= S
-    are dropped (finished rows keep computing under masks and may point past the end)."""
-    rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
-    return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
+    buffer [L, B, S, G, D], new [B, T, G, D], positions int32 [B, T]. One scatter into the
+    carried buffer (in place inside a loop). Writes at positions >= S are dropped."""
+    rows = jnp.arange(buffer.shape[1])[:, None]  # [B, 1]
+    return buffer.at[layer, rows, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,

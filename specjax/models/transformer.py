@@ -32,9 +32,9 @@ class Block(nn.Module):
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions)
         if cache_k is not None:
-            cache_k = cache_k.at[layer["index"]].set(write(cache_k[layer["index"]], k, positions))
-            cache_v = cache_v.at[layer["index"]].set(write(cache_v[layer["index"]], v, positions))
-            k, v = cache_k[layer["index"]], cache_v[layer["index"]]  # [B, S, G, D]
+            i = layer["index"]
+            cache_k, cache_v = write(cache_k, i, k, positions), write(cache_v, i, v, positions)
+            k, v = cache_k[i], cache_v[i]  # [B, S, G, D]
         full_mask, window_mask = masks
         mask = full_mask if window_mask is None else jnp.where(layer["sliding"], window_mask, full_mask)
         x = x + attn.attend(q, k, v, mask)

@@ -1,0 +1,23 @@
+"""The benchmark script runs end to end (a smoke test; its timings are not asserted)."""
+
+from specjax import bench, theory
+
+
+def test_bench_runs_and_stays_exact(capsys):
+    rows = bench.run(size="tiny", draft_layers=2, ks=(2,), max_new_tokens=16, repeats=1)
+    assert [r["drafter"] for r in rows] == ["small", "target"]
+    assert all(r["exact"] for r in rows)
+    target_row = rows[1]
+    assert target_row["acceptance"] > 0.9  # the target drafting for itself
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_theory():
+    assert theory.expected_tokens_per_pass(0.0, 4) == 1.0
+    assert theory.expected_tokens_per_pass(1.0, 4) == 5.0
+    assert abs(theory.expected_tokens_per_pass(0.5, 2) - 1.75) < 1e-12
+    assert abs(theory.predicted_speedup(0.5, 2, 0.1) - 1.75 / 1.2) < 1e-12
+    for alpha in (0.3, 0.8):
+        accepted = sum(alpha ** i for i in range(1, 5))
+        assert abs(theory.alpha_from_accepted(accepted, 4) - alpha) < 1e-6
+    assert theory.best_num_draft_tokens(0.9, 0.05) > theory.best_num_draft_tokens(0.5, 0.05)
