@@ -1,10 +1,13 @@
-"""The `specjax` command. It parses arguments and calls the public API; no logic of its own."""
+"""The `specjax` command. It parses arguments and calls the library; no logic of its own."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import sys
+from pathlib import Path
 
 
 def _info(args):
@@ -17,12 +20,150 @@ def _info(args):
                       "kv_heads": c.num_kv_heads, "vocab": c.vocab_size}, indent=2))
 
 
+def _model_config(args, vocab_size, tokenizer):
+    from specjax.config import ModelConfig
+
+    return ModelConfig(
+        model_type="llama", vocab_size=vocab_size, hidden_size=args.hidden, num_layers=args.layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        intermediate_size=args.intermediate, max_position_embeddings=args.max_positions,
+        norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def _train_config(args):
+    from specjax.train import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+
+
+def _train(args):
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import init
+    from specjax.train import data, train
+
+    tokenizer, stream, held, held_modules = data.prepare(args.out, vocab_size=args.vocab)
+    config = _model_config(args, len(tokenizer), tokenizer)
+    model = init(config, jax.random.key(args.init_seed), jnp.float32)
+    print(f"target: {config.num_params() / 1e6:.2f}M params; {len(stream)} training tokens; "
+          f"held out: {', '.join(held_modules)}")
+    model, metrics = train(model, stream, held, _train_config(args), args.out,
+                           record={"held_out_modules": held_modules})
+    _export(model, Path(args.out) / "tokenizer", Path(args.out) / "hf", args.dtype)
+
+
+def _distill(args):
+    import jax
+    import jax.numpy as jnp
+
+    import specjax
+    from specjax.models import init
+    from specjax.train import data, train
+
+    teacher = specjax.load_model(args.target, dtype=jnp.float32)
+    tokenizer, stream, held, held_modules = data.prepare(args.out, tokenizer_folder=args.target)
+    config = _model_config(args, teacher.config.vocab_size, tokenizer)
+    model = init(config, jax.random.key(args.init_seed), jnp.float32)
+    print(f"draft: {config.num_params() / 1e6:.2f}M params distilled from "
+          f"{teacher.config.num_params() / 1e6:.2f}M ({args.loss}, T={args.temperature}, "
+          f"ce_weight={args.ce_weight})")
+    model, metrics = train(model, stream, held, _train_config(args), args.out, teacher=teacher,
+                           record={"held_out_modules": held_modules, "target": str(args.target)})
+    _export(model, args.target, Path(args.out) / "hf", args.dtype)
+
+
+def _export(model, tokenizer_folder, out, dtype):
+    import jax.numpy as jnp
+
+    import specjax
+
+    specjax.save_model(model, out, dtype=None if dtype == "float32" else jnp.dtype(dtype))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tokenizer_folder) / name).exists():
+            shutil.copy(Path(tokenizer_folder) / name, Path(out) / name)
+    print(f"exported to {out}")
+
+
+def _export_run(args):
+    import json as _json
+
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.checkpoint import CheckpointManager
+    from specjax.config import ModelConfig
+    from specjax.models import Model, init
+
+    manager = CheckpointManager(Path(args.run_dir) / "checkpoints")
+    record = manager.record()
+    config = ModelConfig.from_hf_config(record["model"])
+    abstract = init(config, jax.random.key(0), jnp.float32).params
+    from specjax.train.loop import TrainConfig, make_optimizer, TrainState
+
+    cfg = TrainConfig(**record["train"])
+    state = TrainState(abstract, make_optimizer(cfg).init(abstract), jnp.zeros((), jnp.int32))
+    state, _ = manager.restore(jax.device_get(state))
+    tokenizer = Path(record.get("target") or Path(args.run_dir) / "tokenizer")
+    _export(Model(config, jax.tree.map(jnp.asarray, state.params)), tokenizer, args.out, args.dtype)
+    print(_json.dumps(record.get("metrics", {}), indent=2))
+
+
+def _add_model_args(p, hidden, layers, heads, kv_heads, intermediate):
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--kv-heads", type=int, default=kv_heads)
+    p.add_argument("--intermediate", type=int, default=intermediate)
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--init-seed", type=int, default=0)
+
+
+def _add_train_args(p, steps, lr):
+    p.add_argument("--out", required=True, help="run directory (checkpoints, data, export)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0, help="data order")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="storage dtype of the exported Hugging Face folder")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
-    info.add_argument("path")
-    info.set_defaults(run=_info)
+
+    p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
+    p.add_argument("path")
+    p.set_defaults(run=_info)
+
+    p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
+    _add_train_args(p, steps=1000, lr=1.5e-3)
+    _add_model_args(p, hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024)
+    p.add_argument("--vocab", type=int, default=4096, help="byte-level BPE vocabulary size")
+    p.set_defaults(run=_train)
+
+    p = sub.add_parser("distill", help="distill a small draft from a target folder")
+    p.add_argument("--target", default="checkpoints/target")
+    _add_train_args(p, steps=1000, lr=3e-3)
+    _add_model_args(p, hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384)
+    p.add_argument("--loss", default="kl", choices=["kl", "tv"])
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--ce-weight", type=float, default=0.0)
+    p.set_defaults(run=_distill)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.set_defaults(run=_export_run)
+
     args = parser.parse_args(argv)
     return args.run(args)
 

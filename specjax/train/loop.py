@@ -1,0 +1,164 @@
+"""Jitted optax training over specjax models: a target from scratch, or a draft distilled
+from a frozen target. AdamW with warmup + cosine decay and gradient clipping; batches are a
+pure function of (seed, step); orbax checkpoints make an interrupted run resume to the same
+parameters as an uninterrupted one. Periodic evaluation reports held-out loss and, for
+drafts, the acceptance the draft would get (alpha) and the tokens per target pass it
+predicts for K = 1..8.
+
+It knows models and token streams; tokenizers and corpora live in data.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from tqdm.auto import tqdm
+
+from specjax import theory
+from specjax.checkpoint import CheckpointManager
+from specjax.models import Model, apply
+from specjax.train import losses
+from specjax.train.data import batch_at, eval_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    batch: int = 16  # windows per step
+    seq_len: int = 256  # tokens per window
+    lr: float = 1e-3  # peak learning rate
+    warmup: int = 100  # linear warmup steps, then cosine decay to lr / 10
+    weight_decay: float = 0.1  # on matrices and embeddings only
+    clip: float = 1.0  # global gradient-norm clip
+    seed: int = 0  # data order
+    eval_every: int = 250
+    eval_batches: int = 8
+    checkpoint_every: int = 250
+    # distillation only
+    loss: str = "kl"  # kl | tv (see losses.py)
+    temperature: float = 1.0
+    ce_weight: float = 0.0  # weight of cross-entropy on the data, mixed into the loss
+
+
+@struct.dataclass
+class TrainState:
+    params: dict
+    opt_state: optax.OptState
+    step: jax.Array  # int32 []
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10)
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: str(path[-1].key).endswith(("kernel", "embedding", "lm_head")), params)
+
+    return optax.chain(optax.clip_by_global_norm(cfg.clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                                   mask=decay_mask))
+
+
+def _logits(model: Model, params, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return apply(Model(model.config, params), tokens, positions)[0]
+
+
+def make_step(model: Model, cfg: TrainConfig, teacher: Model | None):
+    """One jitted update: (state, batch [B, T+1]) -> (state, loss)."""
+    optimizer = make_optimizer(cfg)
+
+    def loss_fn(params, batch):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = _logits(model, params, inputs)
+        if teacher is None:
+            return losses.cross_entropy(logits, targets)
+        p_logits = _logits(teacher, teacher.params, inputs)
+        return losses.distill_loss(logits, p_logits, targets, cfg.loss, cfg.temperature, cfg.ce_weight)
+
+    @jax.jit
+    def step(state: TrainState, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1), loss
+
+    return optimizer, step
+
+
+def make_eval(model: Model, teacher: Model | None):
+    @jax.jit
+    def metrics(params, batch):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = _logits(model, params, inputs)
+        out = {"loss": losses.cross_entropy(logits, targets)}
+        if teacher is not None:
+            out.update(losses.acceptance_metrics(logits, _logits(teacher, teacher.params, inputs)))
+        return out
+
+    def evaluate(params, batches) -> dict:
+        results = [jax.device_get(metrics(params, b)) for b in batches]
+        out = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+        if "greedy_alpha" in out:
+            out["greedy_tokens_per_pass"] = {
+                K: theory.expected_tokens_per_pass(out["greedy_alpha"], K) for K in range(1, 9)}
+        return out
+
+    return evaluate
+
+
+def train(model: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
+          run_dir: str | Path, teacher: Model | None = None, record: dict | None = None,
+          log: Callable[[str], None] = print, progress: bool = True) -> tuple[Model, dict]:
+    """Trains `model` (from scratch, or distilled from `teacher`) for cfg.steps steps,
+    resuming from the latest checkpoint in run_dir/checkpoints if there is one.
+    Returns (trained model, last evaluation)."""
+    optimizer, step_fn = make_step(model, cfg, teacher)
+    evaluate = make_eval(model, teacher)
+    eval_set = eval_batches(held_out, cfg.batch, cfg.seq_len, cfg.eval_batches)
+    manager = CheckpointManager(Path(run_dir) / "checkpoints")
+    record = {"model": model.config.to_hf_config(), "train": dataclasses.asdict(cfg),
+              "kind": "lm" if teacher is None else "distill", **(record or {})}
+
+    state = TrainState(model.params, optimizer.init(model.params), jnp.zeros((), jnp.int32))
+    if manager.latest_step() is not None:
+        state, saved = manager.restore(jax.tree.map(np.zeros_like, jax.device_get(state)))
+        state = jax.tree.map(jnp.asarray, state)
+        for key in ("model", "train", "kind"):
+            if saved.get(key) != record[key]:
+                raise ValueError(f"{run_dir} holds a run with a different {key}: {saved.get(key)} "
+                                 f"!= {record[key]}; use a new run directory")
+        log(f"resumed from step {int(state.step)} in {manager.directory}")
+
+    start = int(state.step)
+    tokens_per_step = cfg.batch * cfg.seq_len
+    metrics: dict = {}
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
+               dynamic_ncols=True, mininterval=5.0)
+    tick, ticked = time.perf_counter(), 0
+    for step in bar:
+        state, loss = step_fn(state, jnp.asarray(batch_at(stream, step, cfg.batch, cfg.seq_len, cfg.seed)))
+        ticked += 1
+        done = step + 1
+        if done % 10 == 0 or done == cfg.steps:
+            loss = float(loss)
+            rate = ticked * tokens_per_step / (time.perf_counter() - tick)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+            tick, ticked = time.perf_counter(), 0
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            metrics = {"step": done, "train_loss": float(loss), **evaluate(state.params, eval_set)}
+            log(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
+                                             if isinstance(v, float)))
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            manager.save(done, jax.device_get(state), {**record, "step": done, "metrics": metrics})
+    manager.close()
+    return Model(model.config, state.params), metrics

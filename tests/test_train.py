@@ -1,0 +1,117 @@
+"""Training: loss goes down, distillation raises acceptance, resume is exact, export loads
+in transformers, and the losses mean what they claim."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tr
+
+import specjax
+from specjax.config import ModelConfig
+from specjax.models import init
+from specjax.train import TrainConfig, train
+from specjax.train import losses
+
+V = 64
+
+
+def _config(hidden=32, layers=2):
+    return ModelConfig(model_type="llama", vocab_size=V, hidden_size=hidden, num_layers=layers,
+                       num_heads=2, num_kv_heads=1, head_dim=hidden // 2, intermediate_size=2 * hidden,
+                       max_position_embeddings=128, norm_eps=1e-5, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def stream():
+    """A Markov chain over V tokens with a few likely successors each: learnable structure."""
+    rng = np.random.RandomState(0)
+    successors = rng.randint(0, V, (V, 3))
+    out = [0]
+    for _ in range(20000):
+        out.append(successors[out[-1], rng.randint(3)] if rng.rand() < 0.9 else rng.randint(V))
+    return np.array(out, np.int32)
+
+
+CFG = TrainConfig(steps=40, batch=8, seq_len=32, lr=3e-3, warmup=5, eval_every=20,
+                  eval_batches=2, checkpoint_every=20)
+
+
+def test_training_lowers_the_loss(stream, tmp_path):
+    model = init(_config(), jax.random.key(0), jnp.float32)
+    _, first = train(model, stream, stream[-3000:], TrainConfig(**{**CFG.__dict__, "steps": 1}),
+                     tmp_path / "a", progress=False, log=lambda s: None)
+    _, last = train(model, stream, stream[-3000:], CFG, tmp_path / "b", progress=False, log=lambda s: None)
+    assert last["loss"] < first["loss"] - 0.5, (first, last)
+
+
+def test_resume_gives_the_same_params(stream, tmp_path, monkeypatch):
+    """A run killed after 20 of 40 steps, started again, ends where an unbroken run ends."""
+    from specjax.train import loop
+
+    model = init(_config(), jax.random.key(1), jnp.float32)
+    quiet = dict(progress=False, log=lambda s: None)
+    straight, _ = train(model, stream, stream[-3000:], CFG, tmp_path / "straight", **quiet)
+
+    real = loop.batch_at
+
+    def crash_at_20(stream, step, *args):
+        if step == 20:
+            raise KeyboardInterrupt
+        return real(stream, step, *args)
+
+    monkeypatch.setattr(loop, "batch_at", crash_at_20)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, stream, stream[-3000:], CFG, tmp_path / "resumed", **quiet)
+    monkeypatch.undo()
+    logs = []
+    resumed, _ = train(model, stream, stream[-3000:], CFG, tmp_path / "resumed", progress=False,
+                       log=logs.append)
+    assert any("resumed from step 20" in line for line in logs)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 straight.params, resumed.params)
+
+
+def test_distillation_raises_acceptance(stream, tmp_path):
+    teacher, _ = train(init(_config(hidden=48), jax.random.key(2), jnp.float32), stream,
+                       stream[-3000:], CFG, tmp_path / "teacher", progress=False, log=lambda s: None)
+    draft = init(_config(hidden=16, layers=1), jax.random.key(3), jnp.float32)
+    for loss in ("kl", "tv"):
+        cfg = TrainConfig(**{**CFG.__dict__, "loss": loss, "steps": 1})
+        _, before = train(draft, stream, stream[-3000:], cfg, tmp_path / f"{loss}0", teacher=teacher,
+                          progress=False, log=lambda s: None)
+        cfg = TrainConfig(**{**CFG.__dict__, "loss": loss})
+        _, after = train(draft, stream, stream[-3000:], cfg, tmp_path / loss, teacher=teacher,
+                         progress=False, log=lambda s: None)
+        assert after["alpha"] > before["alpha"] + 0.05, (loss, before, after)
+        assert after["greedy_alpha"] > before["greedy_alpha"] + 0.05, (loss, before, after)
+        assert after["greedy_tokens_per_pass"][4] > before["greedy_tokens_per_pass"][4]
+
+
+def test_losses_mean_what_they_say():
+    rng = np.random.RandomState(0)
+    q, p = jnp.asarray(rng.randn(2, 3, 10)), jnp.asarray(rng.randn(2, 3, 10))
+    targets = jnp.zeros((2, 3), jnp.int32)
+    tv = losses.distill_loss(q, p, targets, "tv")
+    alpha = losses.acceptance_metrics(q, p)["alpha"]
+    assert abs(float(tv) - (1 - float(alpha))) < 1e-5  # acceptance = 1 - TV(p, q)
+    assert float(losses.distill_loss(p, p, targets, "kl")) == pytest.approx(0.0, abs=1e-6)
+    assert float(losses.distill_loss(q, p, targets, "kl")) > 0
+    with pytest.raises(ValueError, match="distillation loss"):
+        losses.distill_loss(q, p, targets, "js")
+
+
+def test_export_loads_in_transformers(stream, tmp_path):
+    from specjax.cli import main
+
+    model = init(_config(), jax.random.key(4), jnp.float32)
+    train(model, stream, stream[-3000:], TrainConfig(**{**CFG.__dict__, "steps": 5}), tmp_path / "run",
+          progress=False, log=lambda s: None)
+    main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"])
+    ours = specjax.load_model(tmp_path / "hf")
+    theirs = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = stream[:24][None]
+    with torch.no_grad():
+        ref = theirs(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(specjax.forward(ours, tokens)), ref, atol=1e-4)
