@@ -20,6 +20,74 @@ def _info(args):
                       "kv_heads": c.num_kv_heads, "vocab": c.vocab_size}, indent=2))
 
 
+def default_checkpoint(name: str) -> str:
+    """checkpoints/NAME in the working directory, else beside the installed package (an
+    editable install from a clone)."""
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (root / "checkpoints" / name / "config.json").exists():
+            return str(root / "checkpoints" / name)
+    return str(Path("checkpoints") / name)
+
+
+def _generate(args):
+    import time
+
+    import jax
+    import numpy as np
+
+    import specjax
+
+    prompts = [args.prompt] if args.prompt is not None else []
+    if args.batch_file:
+        prompts += [line.rstrip("\n").replace("\\n", "\n")
+                    for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit("specjax generate: give a PROMPT or --batch-file")
+    target = specjax.load_model(args.target)
+    tokenizer = specjax.load_tokenizer(args.target)
+    draft = None if args.no_draft else specjax.load_model(args.draft)
+    ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
+    padded, lengths = specjax.pad_prompts(ids)
+    kwargs = dict(draft=draft, key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
+                  num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p,
+                  eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id)
+
+    start = time.perf_counter()
+    jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
+    first = time.perf_counter() - start  # compile + one run
+    start = time.perf_counter()
+    out = jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
+    seconds = time.perf_counter() - start
+    out = jax.tree.map(np.asarray, out)
+
+    generated = int(out.num_tokens.sum())
+    steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
+    stats = {
+        "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+        "compile_seconds": max(first - seconds, 0.0), "batch": len(prompts),
+        "drafter": "none" if draft is None else "draft model",
+        "num_draft_tokens": 0 if draft is None else args.num_draft_tokens,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
+    }
+    texts = [tokenizer.decode(out.tokens[b, : out.num_tokens[b]].tolist()) for b in range(len(prompts))]
+    if args.json:
+        rows = [{"prompt": p, "text": t, "num_tokens": int(n), "steps": int(st), "drafted": int(d),
+                 "accepted": int(a)} for p, t, n, st, d, a in zip(
+                    prompts, texts, out.num_tokens, out.stats.steps, out.stats.drafted, out.stats.accepted)]
+        print(json.dumps({"outputs": rows, "stats": stats}, indent=2))
+        return
+    for p, t in zip(prompts, texts):
+        print(p + t)
+        print("-" * 40)
+    acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
+    print(f"{generated} tokens in {seconds:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | acceptance "
+          f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
+          f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
+          f"(not included)")
+
+
 def _model_config(args, vocab_size, tokenizer):
     from specjax.config import ModelConfig
 
@@ -142,6 +210,22 @@ def main(argv=None):
     p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
     p.add_argument("path")
     p.set_defaults(run=_info)
+
+    p = sub.add_parser("generate", help="speculative decoding on the shipped pair (or any pair)")
+    p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file)")
+    p.add_argument("--target", default=default_checkpoint("target"))
+    p.add_argument("--draft", default=default_checkpoint("draft"))
+    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_generate)
 
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
     _add_train_args(p, steps=1000, lr=1.5e-3)

@@ -50,6 +50,9 @@ class GenerateOutput:
     tokens: jax.Array  # int32 [B, max_new_tokens]: new tokens only; 0 after num_tokens[b]
     num_tokens: jax.Array  # int32 [B]: tokens generated, an emitted EOS included
     stats: Stats
+    # int32 [B, max_new_tokens]: tokens each step emitted per row (0 once the row is done);
+    # None unless generate(..., return_trace=True).
+    trace: jax.Array | None = None
 
 
 @struct.dataclass
@@ -61,6 +64,8 @@ class LoopState:
     done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
     key: jax.Array  # PRNG key, split once per step
     stats: Stats
+    step: jax.Array  # int32 []: steps taken
+    trace: jax.Array | None  # int32 [B, max_new_tokens] tokens emitted per step, if asked for
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
@@ -82,13 +87,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0,
-             eos_token_id: int | None = None) -> GenerateOutput:
+             eos_token_id: int | None = None, return_trace: bool = False) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
     draft: None (plain autoregressive decoding), a draft `Model`, or a drafter.
     Shapes, num_draft_tokens (K) and max_new_tokens are static; the key, temperature, top_k,
     top_p and eos_token_id are traced, so changing them never recompiles.
+    return_trace: also return the tokens each step emitted per row (GenerateOutput.trace);
+    off, it costs nothing.
     """
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     c = target.config
@@ -133,12 +140,12 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
     return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
                      Sampling.make(temperature, top_k, top_p), eos,
-                     max_new_tokens=int(max_new_tokens), K=K)
+                     max_new_tokens=int(max_new_tokens), K=K, return_trace=bool(return_trace))
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace"))
 def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos,
-              *, max_new_tokens: int, K: int) -> GenerateOutput:
+              *, max_new_tokens: int, K: int, return_trace: bool) -> GenerateOutput:
     B, P = prompts.shape
     S = P + max_new_tokens + K  # room for the furthest draft of an unfinished row
     rows = jnp.arange(B)[:, None]  # [B, 1]
@@ -154,7 +161,9 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     state = LoopState(
         tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
         draft_state=None if drafter is None else drafter.init(prompts, lengths, S),
-        done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros))
+        done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros),
+        step=jnp.zeros((), jnp.int32),
+        trace=jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None)
 
     def step(state: LoopState) -> LoopState:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
@@ -190,9 +199,11 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         a = active.astype(jnp.int32)
         stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + K * a,
                       accepted=state.stats.accepted + jnp.minimum(n, count))
+        trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
         return LoopState(tokens=tokens, length=new_length,
                          target_cache=cache.replace(lengths=new_length - 1),
-                         draft_state=draft_state, done=done, key=key, stats=stats)
+                         draft_state=draft_state, done=done, key=key, stats=stats,
+                         step=state.step + 1, trace=trace)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
@@ -200,4 +211,4 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     cols = jnp.arange(max_new_tokens)[None, :]
     out = state.tokens[rows, lengths[:, None] + cols]
     out = jnp.where(cols < num_tokens[:, None], out, 0)
-    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats)
+    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=state.trace)

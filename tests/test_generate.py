@@ -200,3 +200,15 @@ def test_vocabulary_mismatch_is_refused(pair, hf_folder):
     padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)
     with pytest.raises(ValueError, match="differ by more than padding"):
         specjax.generate(target, padded, lengths, draft=big)
+
+
+def test_trace_records_tokens_per_step(pair):
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(3, seed=12), bucket=16)
+    out = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=MAX_NEW,
+                           num_draft_tokens=4, return_trace=True)
+    trace = np.asarray(out.trace)
+    np.testing.assert_array_equal(trace.sum(axis=1), out.num_tokens)
+    np.testing.assert_array_equal((trace > 0).sum(axis=1), out.stats.steps)
+    assert trace.max() <= 5
+    assert specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).trace is None
