@@ -4,14 +4,14 @@ The public API, re-exports only.
 """
 
 from specjax.cache import KVCache
-from specjax.drafters import DraftModel
+from specjax.drafters import DraftModel, EarlyExit, PromptLookup
 from specjax.generate import GenerateOutput, Stats, generate, pad_prompts
 from specjax.config import ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, load_model, load_tokenizer, save_model
 from specjax.models import Model, forward
 
 __all__ = [
-    "CheckpointError", "DraftModel", "GenerateOutput", "KVCache", "Model", "ModelConfig",
+    "CheckpointError", "DraftModel", "EarlyExit", "PromptLookup", "GenerateOutput", "KVCache", "Model", "ModelConfig",
     "Stats", "UnsupportedConfigError", "forward", "generate", "load_model", "load_tokenizer",
     "pad_prompts", "save_model",
 ]

@@ -18,20 +18,23 @@ import jax.numpy as jnp
 from specjax.sampling import sample
 
 
-def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array):
+def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array, num_drafted: jax.Array):
     """Rejection sampling for a batch of rows.
 
     drafts int32 [B, K]; q [B, K, V] (the draft's warped probabilities; one-hot for a
-    deterministic drafter); p [B, K+1, V] (the target's warped probabilities).
+    deterministic drafter); p [B, K+1, V] (the target's warped probabilities);
+    num_drafted int32 [B]: drafts at j >= num_drafted[b] were not proposed.
     Returns (n int32 [B]: leading drafts accepted, extra int32 [B]: the target's token)."""
     B, K = drafts.shape
     u_key, extra_key = jax.random.split(key)
+    proposed = jnp.arange(K)[None, :] < num_drafted[:, None]  # [B, K]
+    q = jnp.where(proposed[..., None], q, 0.0)  # no draft, no q: the target's p decides alone
     p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]  # [B, K]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, K]
     u = jax.random.uniform(u_key, (B, K))
-    # u < p/q without dividing: q_d > 0 for any token the draft could have drawn; a q_d of
-    # 0 (impossible draw) is rejected unless p_d is positive and q_d is exactly 0.
-    passed = u * q_d < p_d
+    # u < p/q, written as a product: a token drawn from q has q_d > 0, and no division
+    # can blow up.
+    passed = (u * q_d < p_d) & proposed
     n = jnp.sum(jnp.cumprod(passed, axis=1), axis=1).astype(jnp.int32)  # [B]
 
     p_next = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]

@@ -45,13 +45,21 @@ def _generate(args):
         raise SystemExit("specjax generate: give a PROMPT or --batch-file")
     target = specjax.load_model(args.target)
     tokenizer = specjax.load_tokenizer(args.target)
-    draft = None if args.no_draft else specjax.load_model(args.draft)
+    if args.no_draft:
+        draft, drafter_name = None, "none"
+    elif args.early_exit:
+        draft, drafter_name = specjax.EarlyExit(args.early_exit), f"early exit after {args.early_exit} layers"
+    elif args.prompt_lookup:
+        draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
+    else:
+        draft, drafter_name = specjax.load_model(args.draft), f"draft model {args.draft}"
     ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
     padded, lengths = specjax.pad_prompts(ids)
     kwargs = dict(draft=draft, key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p,
-                  eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id)
+                  eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id,
+                  adaptive_k=args.adaptive_k)
 
     start = time.perf_counter()
     jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
@@ -66,7 +74,7 @@ def _generate(args):
     stats = {
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": max(first - seconds, 0.0), "batch": len(prompts),
-        "drafter": "none" if draft is None else "draft model",
+        "drafter": drafter_name,
         "num_draft_tokens": 0 if draft is None else args.num_draft_tokens,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
@@ -215,7 +223,14 @@ def main(argv=None):
     p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file)")
     p.add_argument("--target", default=default_checkpoint("target"))
     p.add_argument("--draft", default=default_checkpoint("draft"))
-    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    drafters = p.add_mutually_exclusive_group()
+    drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    drafters.add_argument("--early-exit", type=int, metavar="N",
+                          help="draft with the target's own first N layers")
+    drafters.add_argument("--prompt-lookup", action="store_true",
+                          help="draft by n-gram lookup in the prompt and output")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="move each row's draft length in 1..K by its acceptance")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

@@ -32,7 +32,7 @@ from flax import struct
 
 from specjax import acceptance
 from specjax.cache import KVCache
-from specjax.drafters import DraftModel
+from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids
 from specjax.sampling import Sampling, validate, warp
@@ -61,6 +61,7 @@ class LoopState:
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
     target_cache: KVCache  # [L, B, S, G, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
+    k_limit: jax.Array  # int32 [B]: drafts each row may propose next step (K unless adaptive)
     done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
     key: jax.Array  # PRNG key, split once per step
     stats: Stats
@@ -87,15 +88,21 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0,
-             eos_token_id: int | None = None, return_trace: bool = False) -> GenerateOutput:
+             eos_token_id: int | None = None, return_trace: bool = False,
+             adaptive_k: bool = False, draft_threshold=0.0) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
-    draft: None (plain autoregressive decoding), a draft `Model`, or a drafter.
+    draft: None (plain autoregressive decoding), a draft `Model`, or a drafter
+        (`specjax.EarlyExit`, `specjax.PromptLookup`, or anything with their interface).
     Shapes, num_draft_tokens (K) and max_new_tokens are static; the key, temperature, top_k,
     top_p and eos_token_id are traced, so changing them never recompiles.
     return_trace: also return the tokens each step emitted per row (GenerateOutput.trace);
     off, it costs nothing.
+    adaptive_k: move each row's draft length between 1 and K by its last step (+2 when every
+        draft was accepted, -1 otherwise: transformers' heuristic schedule), on the device.
+    draft_threshold: a model drafter stops a row's drafting once its own confidence (max
+        probability at temperature 1) falls below this (traced; 0 drafts all K).
     """
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     c = target.config
@@ -114,6 +121,8 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         longest = int(lengths.max())
     check_token_ids(prompts, c.vocab_size)
     validate(temperature, top_k, top_p)
+    if not isinstance(draft_threshold, jax.core.Tracer) and not 0.0 <= float(draft_threshold) <= 1.0:
+        raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
     if eos_token_id is not None and not 0 <= eos_token_id < c.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {c.vocab_size})")
 
@@ -123,12 +132,13 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         if not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1 with a draft, got {num_draft_tokens!r}")
         K = int(num_draft_tokens)
-        if isinstance(draft, Model):
-            check_vocabularies(c.vocab_size, draft)
-            drafter = DraftModel(draft, c.vocab_size)
-        else:
-            drafter = draft
-    models = [target] + ([drafter.model] if isinstance(drafter, DraftModel) else [])
+        drafter = DraftModel(draft) if isinstance(draft, Model) else draft
+        if not (hasattr(drafter, "init") and hasattr(drafter, "propose")):
+            raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
+    models = [target]
+    if isinstance(drafter, DraftModel):
+        check_vocabularies(c.vocab_size, drafter.model)
+        models.append(drafter.model)
     for m in models:
         if longest + max_new_tokens > m.config.max_position_embeddings:
             raise ValueError(
@@ -140,12 +150,13 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
     return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
                      Sampling.make(temperature, top_k, top_p), eos,
-                     max_new_tokens=int(max_new_tokens), K=K, return_trace=bool(return_trace))
+                     jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
+                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k))
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace"))
-def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos,
-              *, max_new_tokens: int, K: int, return_trace: bool) -> GenerateOutput:
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace", "adaptive_k"))
+def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
+              *, max_new_tokens: int, K: int, return_trace: bool, adaptive_k: bool) -> GenerateOutput:
     B, P = prompts.shape
     S = P + max_new_tokens + K  # room for the furthest draft of an unfinished row
     rows = jnp.arange(B)[:, None]  # [B, 1]
@@ -160,7 +171,8 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     zeros = jnp.zeros((B,), jnp.int32)
     state = LoopState(
         tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
-        draft_state=None if drafter is None else drafter.init(prompts, lengths, S),
+        draft_state=None if drafter is None else drafter.init(target, prompts, lengths, S),
+        k_limit=jnp.full((B,), K, jnp.int32),
         done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros),
         step=jnp.zeros((), jnp.int32),
         trace=jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None)
@@ -169,19 +181,21 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         key, draft_key, accept_key = jax.random.split(state.key, 3)
         length, active = state.length, ~state.done
         if drafter is None:
-            draft_state = None
-            drafts = jnp.zeros((B, 0), jnp.int32)
-            q = jnp.zeros((B, 0, target.config.vocab_size), jnp.float32)
+            draft_state, cache = None, state.target_cache
+            proposal = Proposal(jnp.zeros((B, 0), jnp.int32),
+                                jnp.zeros((B, 0, target.config.vocab_size), jnp.float32), zeros)
         else:
-            draft_state, drafts, q = drafter.propose(
-                state.draft_state, state.tokens, length, draft_key, sampling, K)
+            draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
+                target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
+                key=draft_key, sampling=sampling, k_limit=state.k_limit, threshold=threshold, K=K))
+        drafts = proposal.drafts
 
         # Verify: one target pass over [last token, d_1..d_K].
         last = state.tokens[rows[:, 0], length - 1]
         verify = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
-        logits, _, cache = apply(target, verify, length[:, None] - 1 + offsets, state.target_cache)
+        logits, _, cache = apply(target, verify, length[:, None] - 1 + offsets, cache)
         p = warp(logits, sampling)  # [B, K+1, V]
-        n, extra = acceptance.accept(accept_key, drafts, q, p)
+        n, extra = acceptance.accept(accept_key, drafts, proposal.q, p, proposal.num_drafted)
 
         # The row's new tokens: d_1..d_n then the target's own; cut after EOS and at the
         # max_new_tokens budget; nothing for rows already done.
@@ -197,12 +211,16 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         done = state.done | (eos_at & keep).any(axis=1) | (new_length - lengths >= max_new_tokens)
 
         a = active.astype(jnp.int32)
-        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + K * a,
+        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + proposal.num_drafted * a,
                       accepted=state.stats.accepted + jnp.minimum(n, count))
+        k_limit = state.k_limit
+        if adaptive_k:  # transformers' heuristic: +2 after a clean sweep, -1 after a rejection
+            grown = jnp.where(n >= proposal.num_drafted, k_limit + 2, k_limit - 1)
+            k_limit = jnp.where(active, jnp.clip(grown, 1, K), k_limit)
         trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
         return LoopState(tokens=tokens, length=new_length,
                          target_cache=cache.replace(lengths=new_length - 1),
-                         draft_state=draft_state, done=done, key=key, stats=stats,
+                         draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,
                          step=state.step + 1, trace=trace)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)

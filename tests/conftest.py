@@ -26,3 +26,13 @@ def hf_folder(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def pair(hf_folder):
+    """A tiny Llama target, a draft that agrees often, one that agrees rarely, and torch's copy."""
+    import specjax
+
+    folder, torch_model = hf_folder("llama")
+    target = specjax.load_model(folder)
+    return target, {"near": tiny.noisy(target, 0.002, 1), "far": tiny.noisy(target, 0.03, 2)}, torch_model

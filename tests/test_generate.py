@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import specjax
 from specjax.generate import _generate
@@ -14,34 +13,16 @@ from tests import tiny
 MAX_NEW = 12
 
 
-def _noisy(model, std, seed):
-    rng = np.random.RandomState(seed)
-    params = jax.tree.map(lambda x: x + std * rng.randn(*x.shape).astype(np.float32), model.params)
-    return specjax.Model(model.config, params)
-
-
-@pytest.fixture(scope="module")
-def pair(hf_folder):
-    """A tiny Llama target, a draft that agrees often, one that agrees rarely, and torch."""
-    folder, torch_model = hf_folder("llama")
-    target = specjax.load_model(folder)
-    return target, {"near": _noisy(target, 0.002, 1), "far": _noisy(target, 0.03, 2)}, torch_model
-
-
 def _prompts(batch, seed=0):
     rng = np.random.RandomState(seed)
     return [list(rng.randint(2, tiny.VOCAB, n)) for n in rng.randint(1, 14, batch)]
 
 
 def _transformers_greedy(torch_model, prompt, eos):
-    torch_model.generation_config.eos_token_id = eos
-    out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                               pad_token_id=0, eos_token_id=eos)
-    return out[0, len(prompt):].numpy().tolist()
+    return tiny.transformers_greedy(torch_model, prompt, MAX_NEW, eos)
 
 
-def _rows(out):
-    return [out.tokens[b, : out.num_tokens[b]].tolist() for b in range(out.tokens.shape[0])]
+_rows = tiny.rows
 
 
 @pytest.mark.parametrize("K, batch", [(1, 1), (2, 2), (4, 3), (7, 5), (4, 4)])
@@ -84,7 +65,7 @@ def test_gpt2_speculative_greedy(hf_folder):
     target = specjax.load_model(folder)
     prompts = _prompts(3, seed=5)
     padded, lengths = specjax.pad_prompts(prompts, bucket=16)
-    out = specjax.generate(target, padded, lengths, draft=_noisy(target, 0.05, 3),
+    out = specjax.generate(target, padded, lengths, draft=tiny.noisy(target, 0.05, 3),
                            max_new_tokens=MAX_NEW, num_draft_tokens=3)
     assert _rows(out) == [_transformers_greedy(torch_model, p, None) for p in prompts]
 

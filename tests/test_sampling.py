@@ -50,12 +50,12 @@ def test_greedy_is_one_hot_argmax():
 
 # ---- the joint distribution of the first two tokens -------------------------------------
 
-V, ROWS, PROMPT = 8, 6000, [1, 2, 3]
+V, ROWS, PROMPT = 8, 6000, [1, 2, 3, 1, 2]
 
 
 def _tiny(seed, std, base=None):
     config = specjax.ModelConfig(
-        model_type="llama", vocab_size=V, hidden_size=16, num_layers=1, num_heads=2,
+        model_type="llama", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
         num_kv_heads=1, head_dim=8, intermediate_size=24, max_position_embeddings=64,
         norm_eps=1e-6, tie_word_embeddings=False)
     model = specjax.models.init(config, jax.random.key(seed), jnp.float32)
@@ -107,6 +107,16 @@ def _chi_square_p(observed, expected_probs):
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
 def test_speculative_sampling_is_exact(tiny_pair, temperature, top_k, top_p):
     target, draft = tiny_pair
+    _check_exact(target, draft, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("drafter", [specjax.EarlyExit(1), specjax.PromptLookup(2, 1)],
+                         ids=["early_exit", "prompt_lookup"])
+def test_sampling_is_exact_with_other_drafters(tiny_pair, drafter):
+    _check_exact(tiny_pair[0], drafter, *SETTINGS[3])
+
+
+def _check_exact(target, draft, temperature, top_k, top_p):
     expected = _exact_joint(target, temperature, top_k, top_p)
     observed = _sampled_joint(target, draft, 0, temperature, top_k, top_p)
     # Tokens outside top-k/top-p are never drawn.
@@ -121,13 +131,13 @@ def test_autoregressive_sampling_is_exact(tiny_pair):
     assert _chi_square_p(observed, expected) > 1e-3
 
 
-def _accept_all(key, drafts, q, p):
+def _accept_all(key, drafts, q, p, num_drafted):
     """Broken: every draft accepted, so the draft's distribution leaks through."""
     B, K = drafts.shape
     return jnp.full((B,), K, jnp.int32), specjax.sampling.sample(key, p[:, K])
 
 
-def _resample_from_p(key, drafts, q, p):
+def _resample_from_p(key, drafts, q, p, num_drafted):
     """Broken: the right acceptance test, but after a rejection draws from p, not p - q."""
     u_key, key = jax.random.split(key)
     B, K = drafts.shape
@@ -157,10 +167,11 @@ def test_residual_distribution_is_guarded():
     p = jnp.full((2, 2, 5), 0.2)
     q = jnp.full((2, 1, 5), 0.2)
     drafts = jnp.array([[1], [4]], jnp.int32)
-    n, extra = acceptance.accept(jax.random.key(0), drafts, q, p)
+    n, extra = acceptance.accept(jax.random.key(0), drafts, q, p, jnp.array([1, 1]))
     assert n.tolist() == [1, 1] and ((extra >= 0) & (extra < 5)).all()
     # a rejection where the residual is all zeros up to rounding
     q0 = jnp.zeros((2, 1, 5)).at[:, :, 0].set(1.0)
     p0 = jnp.zeros((2, 2, 5)).at[:, :, 0].set(1.0)
-    n, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32), q0, p0)
+    n, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32), q0, p0,
+                                 jnp.array([1, 1]))
     assert n.tolist() == [1, 1] and extra.tolist() == [0, 0]

@@ -68,3 +68,29 @@ def logits(model, tokens):
     """transformers' float32 logits of an int array [B, T], no padding."""
     with torch.no_grad():
         return model(torch.as_tensor(tokens)).logits.numpy()
+
+
+def transformers_greedy(model, prompt, max_new_tokens, eos=None):
+    """transformers' greedy continuation of one unpadded prompt (new tokens only)."""
+    model.generation_config.eos_token_id = eos
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, eos_token_id=eos)
+    return out[0, len(prompt):].numpy().tolist()
+
+
+def rows(out):
+    """A GenerateOutput's rows as lists of their generated tokens."""
+    return [out.tokens[b, : out.num_tokens[b]].tolist() for b in range(out.tokens.shape[0])]
+
+
+def noisy(model, std, seed):
+    """A specjax Model with Gaussian noise added to every weight: a draft that agrees with
+    the original more or less often."""
+    import jax
+    import numpy as np
+
+    import specjax
+
+    rng = np.random.RandomState(seed)
+    params = jax.tree.map(lambda x: x + std * rng.randn(*x.shape).astype(np.float32), model.params)
+    return specjax.Model(model.config, params)

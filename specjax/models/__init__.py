@@ -45,9 +45,13 @@ def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
     return Model(config, cast(params, dtype or default_dtype()))
 
 
-def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None):
-    """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache)."""
-    return Decoder(model.config).apply({"params": model.params}, tokens, positions, cache)
+def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+          exit_layer: int | None = None):
+    """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache).
+
+    exit_layer: run only the first exit_layer layers, then the final norm and head."""
+    decoder = Decoder(model.config, exit_layer=exit_layer)
+    return decoder.apply({"params": model.params}, tokens, positions, cache)
 
 
 @jax.jit

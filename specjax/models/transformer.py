@@ -46,6 +46,7 @@ class Decoder(nn.Module):
     """Activations take the parameters' dtype; logits are always float32."""
 
     config: ModelConfig
+    exit_layer: int | None = None  # run only the first exit_layer layers, then norm and head
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None = None):
@@ -67,7 +68,19 @@ class Decoder(nn.Module):
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
         carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
-        (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, masks)
+        if self.exit_layer is None or self.is_initializing():
+            (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, masks)
+        else:
+            # Early exit: the first exit_layer layers, each read in place from the stacked
+            # weights (no copy of the slice), writing the shared cache's own layers.
+            stacked = self.variables["params"]["layers"]
+
+            def run_layer(i, carry):
+                params = jax.tree.map(lambda w: w[i], stacked)
+                layer = jax.tree.map(lambda a: a[i], layers)
+                return Block(c).apply({"params": params}, carry, layer, positions, masks)[0]
+
+            x, cache_k, cache_v = jax.lax.fori_loop(0, self.exit_layer, run_layer, carry)
         hidden = Norm(c, name="final_norm")(x)
         head = embedding.T if c.tie_word_embeddings else self.param(
             "lm_head", init, (c.hidden_size, c.vocab_size))

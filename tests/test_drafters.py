@@ -1,0 +1,109 @@
+"""Drafters beyond a second model: early exit, prompt lookup, adaptive draft length.
+Each keeps greedy output equal to transformers' (sampling exactness: test_sampling.py)."""
+
+import numpy as np
+import pytest
+
+import specjax
+from tests import tiny
+
+MAX_NEW = 12
+
+
+def _prompts(batch, seed):
+    rng = np.random.RandomState(seed)
+    # Short repeated motifs, so that prompt lookup finds matches and also misses.
+    return [list(np.tile(rng.randint(2, tiny.VOCAB, rng.randint(2, 5)), 3)[: rng.randint(3, 14)])
+            for _ in range(batch)]
+
+
+DRAFTERS = {
+    "early_exit": lambda pair: specjax.EarlyExit(1),
+    "prompt_lookup": lambda pair: specjax.PromptLookup(max_ngram=3, min_ngram=1),
+    "model_adaptive": lambda pair: pair[1]["near"],
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.parametrize("K, batch", [(2, 3), (5, 4)])
+def test_greedy_equals_transformers(pair, name, K, batch):
+    target, _, torch_model = pair
+    prompts = _prompts(batch, seed=K)
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    extra = dict(adaptive_k=True, draft_threshold=0.3) if name == "model_adaptive" else {}
+    out = specjax.generate(target, padded, lengths, draft=DRAFTERS[name](pair), max_new_tokens=MAX_NEW,
+                           num_draft_tokens=K, **extra)
+    assert tiny.rows(out) == [tiny.transformers_greedy(torch_model, p, MAX_NEW) for p in prompts]
+    assert (out.stats.drafted <= K * out.stats.steps).all()
+
+
+def test_early_exit_of_gpt2(hf_folder):
+    folder, torch_model = hf_folder("gpt2")
+    target = specjax.load_model(folder)
+    prompts = _prompts(3, seed=1)
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    out = specjax.generate(target, padded, lengths, draft=specjax.EarlyExit(1),
+                           max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert tiny.rows(out) == [tiny.transformers_greedy(torch_model, p, MAX_NEW) for p in prompts]
+
+
+def test_prompt_lookup_accepts_many_tokens_on_repetitive_text(pair):
+    """Random models soon loop; a prompt made of the target's own looping text repeats
+    itself, and prompt lookup proposes its continuation, which is mostly accepted."""
+    target, _, _ = pair
+    seed = [46, 49, 66, 69]  # this target's greedy text from here settles into "32 8 32 8 ..."
+    padded, lengths = specjax.pad_prompts([seed], bucket=16)
+    looping = specjax.generate(target, padded, lengths, max_new_tokens=100).tokens[0].tolist()
+    padded, lengths = specjax.pad_prompts([seed + looping], bucket=8)
+    auto = specjax.generate(target, padded, lengths, max_new_tokens=24)
+    out = specjax.generate(target, padded, lengths, draft=specjax.PromptLookup(3, 1),
+                           max_new_tokens=24, num_draft_tokens=6)
+    np.testing.assert_array_equal(out.tokens, auto.tokens)
+    tokens_per_pass = int(out.num_tokens[0]) / int(out.stats.steps[0])
+    print(f"prompt lookup on repeated text: {tokens_per_pass:.2f} tokens per target pass, "
+          f"acceptance {int(out.stats.accepted[0]) / int(out.stats.drafted[0]):.2f}")
+    assert tokens_per_pass > 3.0
+
+
+def test_prompt_lookup_without_a_match_still_advances(pair):
+    target, _, _ = pair
+    padded, lengths = specjax.pad_prompts([[5]], bucket=16)  # one token: nothing to match
+    out = specjax.generate(target, padded, lengths, draft=specjax.PromptLookup(), max_new_tokens=4,
+                           num_draft_tokens=3)
+    auto = specjax.generate(target, padded, lengths, max_new_tokens=4)
+    np.testing.assert_array_equal(out.tokens, auto.tokens)
+    assert out.stats.steps[0] <= 4
+
+
+def test_adaptive_draft_length_moves_k(pair):
+    """With a draft that is often wrong, the schedule shrinks K: fewer drafts than K per step."""
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(3, seed=3), bucket=16)
+    fixed = specjax.generate(target, padded, lengths, draft=drafts["far"], max_new_tokens=MAX_NEW,
+                             num_draft_tokens=6)
+    adaptive = specjax.generate(target, padded, lengths, draft=drafts["far"], max_new_tokens=MAX_NEW,
+                                num_draft_tokens=6, adaptive_k=True)
+    np.testing.assert_array_equal(fixed.tokens, adaptive.tokens)
+    assert (fixed.stats.drafted == 6 * fixed.stats.steps).all()
+    assert adaptive.stats.drafted.sum() < fixed.stats.drafted.sum() / 2
+
+
+def test_confidence_threshold_stops_drafting(pair):
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(2, seed=4), bucket=16)
+    base = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=MAX_NEW)
+    never = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=MAX_NEW,
+                             draft_threshold=1.0)  # no draft is ever that sure
+    np.testing.assert_array_equal(base.tokens, never.tokens)
+    assert never.stats.drafted.sum() == 0 and (never.stats.steps == MAX_NEW).all()
+
+
+@pytest.mark.parametrize("drafter, message", [
+    (specjax.EarlyExit(2), "num_layers < the target's 2 layers"),
+    (specjax.PromptLookup(max_ngram=1, min_ngram=2), "min_ngram <= max_ngram"),
+])
+def test_bad_drafters(pair, drafter, message):
+    target, _, _ = pair
+    padded, lengths = specjax.pad_prompts([[3, 4]], bucket=16)
+    with pytest.raises(ValueError, match=message):
+        specjax.generate(target, padded, lengths, draft=drafter)
