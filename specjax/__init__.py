@@ -9,9 +9,10 @@ from specjax.generate import GenerateOutput, Stats, generate, pad_prompts
 from specjax.config import ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, load_model, load_tokenizer, save_model
 from specjax.models import Model, forward
+from specjax.sharding import make_mesh, shard_model
 
 __all__ = [
     "CheckpointError", "DraftModel", "EarlyExit", "PromptLookup", "GenerateOutput", "KVCache", "Model", "ModelConfig",
     "Stats", "UnsupportedConfigError", "forward", "generate", "load_model", "load_tokenizer",
-    "pad_prompts", "save_model",
+    "make_mesh", "pad_prompts", "save_model", "shard_model",
 ]

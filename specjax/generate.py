@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import acceptance
+from specjax import acceptance, sharding
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.model import check_vocabularies
@@ -89,7 +89,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0,
              eos_token_id: int | None = None, return_trace: bool = False,
-             adaptive_k: bool = False, draft_threshold=0.0) -> GenerateOutput:
+             adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
@@ -103,6 +103,8 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         draft was accepted, -1 otherwise: transformers' heuristic schedule), on the device.
     draft_threshold: a model drafter stops a row's drafting once its own confidence (max
         probability at temperature 1) falls below this (traced; 0 drafts all K).
+    mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
+        `data`, caches' heads over `model`, as the models' params are (see shard_model).
     """
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     c = target.config
@@ -148,19 +150,40 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
 
     key = jax.random.key(0) if key is None else key
     eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
+    rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
+    if mesh is not None:
+        prompts = jax.device_put(prompts, sharding.batch_sharding(prompts.shape, mesh, rules))
+        lengths = jax.device_put(lengths, sharding.batch_sharding(lengths.shape, mesh, rules))
     return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
                      Sampling.make(temperature, top_k, top_p), eos,
                      jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
-                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k))
+                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
+                     mesh=mesh, rules=rules)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace", "adaptive_k"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace", "adaptive_k",
+                                             "mesh", "rules"))
 def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
-              *, max_new_tokens: int, K: int, return_trace: bool, adaptive_k: bool) -> GenerateOutput:
+              *, max_new_tokens: int, K: int, return_trace: bool, adaptive_k: bool,
+              mesh, rules) -> GenerateOutput:
     B, P = prompts.shape
     S = P + max_new_tokens + K  # room for the furthest draft of an unfinished row
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(K + 1)[None, :]  # [1, K+1]
+
+    def place(state: LoopState) -> LoopState:
+        """Pins the carry's layout on a mesh: rows over data, cache heads over model."""
+        if mesh is None:
+            return state
+
+        def constrain(x):
+            if isinstance(x, KVCache):
+                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, rules))
+            if getattr(x, "ndim", 0) >= 1 and x.shape[0] == B:
+                return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(x.shape, mesh, rules))
+            return x
+
+        return jax.tree.map(constrain, state, is_leaf=lambda x: isinstance(x, KVCache))
 
     # Prefill. The padded prompt block is written whole: slots past a row's length are
     # stale and will be overwritten before any query can see them.
@@ -223,7 +246,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
                          draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,
                          step=state.step + 1, trace=trace)
 
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: place(step(s)), place(state))
 
     num_tokens = state.length - lengths
     cols = jnp.arange(max_new_tokens)[None, :]

@@ -209,8 +209,10 @@ def read_tensors(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dtype) -> dict:
-    """Checks every tensor against the layout, then converts and stacks layers."""
+def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dtype,
+                        mesh=None, rules=None) -> dict:
+    """Checks every tensor against the layout, then converts and stacks layers. With a
+    mesh, each device receives only its own shard of each parameter."""
     tensors = {_canonical(name, config): t for name, t in tensors.items()}
     expected = {}
     for spec in layout(config):
@@ -237,17 +239,31 @@ def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dty
         else:
             values = spec.to_ours(tensors[spec.name])
         for path, value in zip(spec.paths, values):
-            _set(params, path, jnp.asarray(value, dtype=dtype))
+            _set(params, path, _place(value.astype(jnp.dtype(dtype)), path, mesh, rules))
     return params
 
 
-def load_model(path: str | os.PathLike, dtype=None) -> Model:
+def _place(value: np.ndarray, path: tuple[str, ...], mesh, rules):
+    if mesh is None:
+        return jnp.asarray(value)
+    from jax.sharding import NamedSharding
+
+    from specjax import sharding
+
+    axes = sharding.logical_axes(path, value.ndim)
+    placement = NamedSharding(mesh, sharding.spec(value.shape, axes, mesh, rules or sharding.DEFAULT_RULES))
+    return jax.make_array_from_callback(value.shape, placement, lambda index: value[index])
+
+
+def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None) -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
-    dtype: parameter dtype; default float32 on CPU, bfloat16 on TPU/GPU."""
+    dtype: parameter dtype; default float32 on CPU, bfloat16 on TPU/GPU.
+    mesh, rules: place each parameter straight into its shards (see specjax.sharding);
+    no device ever holds a whole tensor that the rules split."""
     folder = resolve(path)
     config = read_config(folder)
-    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype())
+    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules)
     return Model(config, params)
 
 

@@ -1,0 +1,94 @@
+"""Run in a subprocess by test_sharding.py with 8 emulated CPU devices: sharded generate
+equals single-device generate, weights and caches are really split, and the compiled loop
+gathers no whole weight. Prints one JSON line of findings."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax.generate import _generate  # noqa: E402
+from specjax.sampling import Sampling  # noqa: E402
+
+# 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
+CONFIG = specjax.ModelConfig(
+    model_type="llama", vocab_size=389, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
+    head_dim=16, intermediate_size=128, max_position_embeddings=128, norm_eps=1e-5,
+    tie_word_embeddings=False)
+K, MAX_NEW = 3, 12
+
+
+def random_model(seed, base=None, std=0.1):
+    model = specjax.models.init(CONFIG, jax.random.key(seed), jnp.float32)
+    rng = np.random.RandomState(seed)
+    ref = model.params if base is None else base.params
+    params = jax.tree.map(lambda b, x: np.asarray(b) + std * rng.randn(*x.shape).astype(np.float32)
+                          if x.ndim > 1 else np.asarray(b), ref, model.params)
+    return specjax.Model(CONFIG, jax.tree.map(jnp.asarray, params))
+
+
+def main():
+    assert len(jax.devices()) == 8, jax.devices()
+    target = random_model(0)
+    draft = random_model(1, base=target, std=0.02)
+    folder = tempfile.mkdtemp()
+    specjax.save_model(target, folder)
+    rng = np.random.RandomState(0)
+    prompts, lengths = specjax.pad_prompts(
+        [list(rng.randint(0, 389, n)) for n in rng.randint(2, 15, 8)], bucket=16)
+    kwargs = dict(draft=draft, max_new_tokens=MAX_NEW, num_draft_tokens=K)
+    single = specjax.generate(target, prompts, lengths, **kwargs)
+    findings = {"single_accepted": int(single.stats.accepted.sum()), "meshes": {}}
+
+    full_shapes = set()
+    for leaf in jax.tree.leaves(target.params):
+        if leaf.ndim >= 2:
+            full_shapes.add(tuple(leaf.shape))
+            full_shapes.add(tuple(leaf.shape[1:]))  # one layer of a stacked weight
+    total_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(target.params))
+
+    for data, model in ((1, 8), (2, 4), (8, 1)):
+        mesh = specjax.make_mesh(data=data, model=model)
+        sharded_target = specjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+        sharded_draft = specjax.shard_model(draft, mesh)
+        out = specjax.generate(sharded_target, prompts, lengths, mesh=mesh,
+                               **{**kwargs, "draft": sharded_draft})
+        per_device = {}
+        for leaf in jax.tree.leaves(sharded_target.params):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+        # The compiled loop: which all-gathers does it contain, and of what shapes?
+        hlo = _generate.lower(
+            sharded_target, specjax.DraftModel(sharded_draft), jnp.asarray(prompts), jnp.asarray(lengths),
+            jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0), max_new_tokens=MAX_NEW,
+            K=K, return_trace=False, adaptive_k=False, mesh=mesh,
+            rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
+        gathered = [tuple(int(d) for d in m.split(",") if d) for m in
+                    re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+        S = prompts.shape[1] + MAX_NEW + K
+        full_cache = f"f32[2,8,{S},2,16]"  # [L, B, S, G, D] of either model, unsharded
+        findings["meshes"][f"{data}x{model}"] = {
+            "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
+                          and np.array_equal(np.asarray(out.num_tokens), np.asarray(single.num_tokens))),
+            "max_device_fraction": max(per_device.values()) / total_bytes,
+            "whole_weight_gathers": sorted({str(g) for g in gathered if g in full_shapes}),
+            "all_gathers": len(gathered),
+            "whole_cache_in_program": full_cache in hlo,
+            "cache_spec": str(specjax.sharding.cache_shardings(
+                specjax.KVCache.init(CONFIG, 8, S), mesh).k.spec),
+        }
+    print(json.dumps(findings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Sharding on 8 emulated CPU devices (in a subprocess: the device count is fixed when jax
+starts), plus the rules on their own."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from specjax import sharding
+
+
+@pytest.fixture(scope="module")
+def findings():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_check.py")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4", "8x1"])
+def test_sharded_generate_equals_single_device(findings, mesh):
+    assert findings["single_accepted"] > 0  # both the accept and the reject paths ran
+    assert findings["meshes"][mesh]["equal"]
+
+
+@pytest.mark.parametrize("mesh, most", [("1x8", 0.2), ("2x4", 0.5)])
+def test_weights_are_split(findings, mesh, most):
+    """Heads (6, 2) and vocab (389) divide no model axis: the fallbacks still split them."""
+    assert findings["meshes"][mesh]["max_device_fraction"] <= most
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4", "8x1"])
+def test_no_whole_weight_is_gathered_and_the_cache_is_sharded(findings, mesh):
+    m = findings["meshes"][mesh]
+    assert m["whole_weight_gathers"] == []
+    assert not m["whole_cache_in_program"]
+
+
+def test_rules_replicate_what_does_not_divide():
+    class FakeMesh:  # spec() reads only .shape
+        shape = {"data": 2, "model": 4}
+
+    P = jax.sharding.PartitionSpec
+    assert sharding.spec((389, 64), ("vocab", "embed"), FakeMesh) == P(None, "model")
+    assert sharding.spec((64, 8, 16), ("embed", "heads", "head_dim"), FakeMesh) == P(None, "model", None)
+    assert sharding.spec((64, 6, 16), ("embed", "heads", "head_dim"), FakeMesh) == P(None, None, "model")
+    assert sharding.spec((6, 64), ("batch", "embed"), FakeMesh) == P("data", None)
+    assert sharding.spec((5, 64), ("batch", "embed"), FakeMesh) == P(None, None)
+    custom = (("batch", "data"), ("mlp", "data"))
+    assert sharding.spec((64, 128), ("embed", "mlp"), FakeMesh, custom) == P(None, "data")
+    with pytest.raises(ValueError, match="logical axes"):
+        sharding.spec((3, 4), ("embed",), FakeMesh)
+
+
+def test_make_mesh_checks_the_device_count():
+    with pytest.raises(ValueError, match="needs 6 devices"):
+        sharding.make_mesh(data=3, model=2, devices=jax.devices()[:1])
