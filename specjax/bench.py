@@ -1,24 +1,25 @@
-"""Benchmark: autoregressive vs speculative `generate`, timed side by side in one run.
+"""Benchmarks behind `specjax bench`: autoregressive vs speculative `generate`, timed side
+by side in one run, with the speedup theory predicts set beside the measured one.
 
-    python -m specjax.bench                 # GPT-2-small-sized random target (124M params)
-    python -m specjax.bench --size tiny     # a seconds-long smoke run
+    specjax bench                         # the shipped pair on held-out stdlib code
+    specjax bench --hf                    # ... and transformers' generate on the same pair
+    specjax bench --synthetic gpt2-small  # no checkpoints: a random GPT-2-small-shaped pair
 
-With no checkpoints to download, it builds its models: a random GPT-2-small-shaped target
-whose layers past the first `--draft-layers` write only faintly into the residual stream
-(their output projections scaled by 0.01), so that the target's own first layers make a
-small draft that really agrees with it; and the target itself as a perfect draft (every
-token accepted, cost ratio 1). For each it prints tokens/s, the speedup over autoregressive
-decoding, acceptance, tokens per target pass, the measured time of one draft step and one
-target pass, and the speedup theory predicts from those (`specjax.theory`), so that
-measured / predicted shows what the loop wastes. Times are medians over --repeats runs.
+Times are medians over --repeats runs after a warm-up (compile) run; machines are noisy, so
+read the ratios. "theory" is Leviathan et al.: E[tokens per pass] / (K c + 1) with alpha
+fitted to the measured accepted drafts per step and c the measured cost of one draft step
+over one target pass. "passes" replaces (K c + 1) by the measured time of the step's own
+model passes (draft catch-up, K-1 draft steps, verification): measured / passes is what
+the loop costs beyond the models' own work.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,37 +28,12 @@ import numpy as np
 from specjax import theory
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
+from specjax.drafters import DraftModel, EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
 from specjax.models import Model, apply, init
 
-SIZES = {
-    "gpt2-small": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
-                       intermediate_size=3072, max_position_embeddings=1024),
-    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
-                 intermediate_size=256, max_position_embeddings=256),
-}
-RESIDUAL_OUTPUTS = (("attn", "o_kernel"), ("attn", "o_bias"), ("mlp", "proj_kernel"), ("mlp", "proj_bias"))
 
-
-def build_pair(size: str, draft_layers: int, seed: int = 0):
-    """(target, draft): the draft is the target's first `draft_layers` layers and head."""
-    shape = SIZES[size]
-    config = ModelConfig(model_type="gpt2", num_kv_heads=shape["num_heads"],
-                         head_dim=shape["hidden_size"] // shape["num_heads"], norm_eps=1e-5,
-                         tie_word_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True,
-                         **shape)
-    target = init(config, jax.random.key(seed), jnp.float32)
-    params = jax.tree.map(lambda x: x, target.params)  # a copy we may edit
-    layers = params["layers"]
-    for module, name in RESIDUAL_OUTPUTS:
-        w = layers[module][name]
-        layers[module][name] = w.at[draft_layers:].multiply(0.01)
-    # Spread the embeddings so logits are far from uniform and greedy choices are stable.
-    params["embedding"] = params["embedding"] * 10.0
-    target = Model(config, params)
-    draft_config = dataclasses.replace(config, num_layers=draft_layers)
-    draft_params = dict(params, layers=jax.tree.map(lambda x: x[:draft_layers], params["layers"]))
-    return target, Model(draft_config, draft_params)
+# ---- timing ----------------------------------------------------------------------------
 
 
 def median_time(fn, repeats: int) -> float:
@@ -70,92 +46,404 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int) -> float:
+def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, exit_layer=None) -> float:
     """Median seconds of one cached forward pass over T tokens per row."""
     cache = KVCache.init(model.config, batch, cache_len, model.dtype)
     tokens = jnp.ones((batch, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + cache_len // 2, (batch, T))
-    step = jax.jit(apply)
-    return median_time(lambda: jax.block_until_ready(step(model, tokens, positions, cache)), repeats)
+    step = jax.jit(apply, static_argnames="exit_layer")
+    return median_time(lambda: jax.block_until_ready(
+        step(model, tokens, positions, cache, exit_layer=exit_layer)), repeats)
 
 
-def run(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, prompt_len=32,
-        max_new_tokens=64, repeats=3, seed=0):
-    target, small = build_pair(size, draft_layers, seed)
+@dataclasses.dataclass
+class Run:
+    """One timed configuration over the whole prompt set."""
+
+    drafter: str
+    K: int
+    temperature: float
+    batch: int
+    seconds: float
+    tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    tokens_per_s: float = 0.0
+    speedup: float = 1.0
+    theory: float | None = None
+    passes: float | None = None
+    exact: bool | None = None
+    trace: list | None = None  # tokens per step of the first row of the first batch
+
+    @property
+    def acceptance(self):
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_pass(self):
+        return self.tokens / self.steps
+
+
+def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, drafter=None, K=0,
+                  name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0) -> tuple[Run, list]:
+    """Runs every prompt (in batches of `batch`) and times the whole set; returns the Run and
+    the generated rows (for exactness checks)."""
+    groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+    padded = [pad_prompts(g) for g in groups]
+    result = {}
+
+    def call():
+        result["outs"] = [jax.block_until_ready(generate(
+            target, p, l, draft=drafter, key=jax.random.key(seed), max_new_tokens=max_new_tokens,
+            num_draft_tokens=max(K, 1), temperature=temperature, eos_token_id=eos_token_id,
+            return_trace=True)) for p, l in padded]
+
+    seconds = median_time(call, repeats)
+    outs = [jax.tree.map(np.asarray, o) for o in result["outs"]]
+    total = lambda f: int(sum(f(o).sum() for o in outs))  # noqa: E731
+    rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
+    first = outs[0]
+    trace = first.trace[0, : int(first.stats.steps[0])].tolist()
+    run = Run(name, K, temperature, batch, seconds, total(lambda o: o.num_tokens),
+              total(lambda o: o.stats.steps), total(lambda o: o.stats.drafted),
+              total(lambda o: o.stats.accepted), trace=trace)
+    run.tokens_per_s = run.tokens / seconds
+    return run, rows
+
+
+def per_position_acceptance(traces: list[list[int]], K: int) -> list[float]:
+    """P(draft i accepted | drafts 1..i-1 accepted), from tokens emitted per step (n + 1 in
+    a step that was not cut short; the last step of a row may be, and is left out)."""
+    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
+    if accepted.size == 0:
+        return []
+    return [float(np.mean(accepted[accepted >= i - 1] >= i)) if np.any(accepted >= i - 1) else 0.0
+            for i in range(1, K + 1)]
+
+
+# ---- prompts ---------------------------------------------------------------------------
+
+
+def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Windows of held-out standard-library code (modules the shipped pair never saw),
+    each starting at a line that opens a def or class."""
+    from specjax.train.data import split_corpus
+
+    _, texts, _ = split_corpus()
     rng = np.random.RandomState(seed)
-    prompts, lengths = pad_prompts(
-        [list(rng.randint(0, target.config.vocab_size, prompt_len)) for _ in range(batch)], bucket=32)
-    cache_len = prompts.shape[1] + max_new_tokens
+    prompts = []
+    for _ in range(1000):
+        if len(prompts) == num_prompts:
+            break
+        text = texts[rng.randint(len(texts))]
+        starts = [i for i, line in enumerate(text.splitlines(keepends=True))
+                  if line.lstrip().startswith(("def ", "class "))]
+        if not starts:
+            continue
+        lines = text.splitlines(keepends=True)
+        start = starts[rng.randint(len(starts))]
+        ids = tokenizer.encode("".join(lines[start:]), add_special_tokens=False)
+        if len(ids) >= prompt_tokens + 64:
+            prompts.append(ids[:prompt_tokens])
+    return prompts
 
-    def timed(draft, K):
-        result = {}
 
-        def call():
-            result["out"] = jax.block_until_ready(generate(
-                target, prompts, lengths, draft=draft, max_new_tokens=max_new_tokens,
-                num_draft_tokens=K))
-        seconds = median_time(call, repeats)
-        out = result["out"]
-        return seconds, int(out.num_tokens.sum()), out
+# ---- the shipped pair (or any --target/--draft) -----------------------------------------
 
-    print(f"target: {size}, {target.config.num_params() / 1e6:.1f}M params; small draft: its first "
-          f"{draft_layers} layers, {small.config.num_params() / 1e6:.1f}M params; "
-          f"{jax.default_backend()} float32, batch {batch}, prompt {prompt_len}, "
-          f"{max_new_tokens} new tokens, median of {repeats}")
-    ar_seconds, ar_tokens, ar_out = timed(None, 0)
-    ar_rate = ar_tokens / ar_seconds
-    def passes(model, T):
-        return pass_time(model, batch, T, cache_len, repeats * 5)
 
-    t_target_1 = passes(target, 1)
-    t_draft = {"target": (t_target_1, passes(target, 2)), "small": (passes(small, 1), passes(small, 2))}
-    print(f"one target pass (1 token): {t_target_1 * 1e3:.2f} ms; one small-draft step: "
-          f"{t_draft['small'][0] * 1e3:.2f} ms (c = {t_draft['small'][0] / t_target_1:.3f})")
-    print(f"\n{'drafter':<8} {'K':>2} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} "
-          f"{'verify ms':>9} {'theory':>7} {'passes':>7} {'meas/theory':>11} {'meas/passes':>11}  exact")
-    print(f"{'none':<8} {0:>2} {ar_rate:>8.1f} {1.0:>8.2f} {'-':>7} {1.0:>8.2f} "
-          f"{t_target_1 * 1e3:>9.2f}")
-    rows = []
-    for name, draft in (("small", small), ("target", target)):
+def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
+             temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
+             max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, log=print) -> dict:
+    from specjax.hf import load_model, load_tokenizer
+
+    target, draft = load_model(target_path), load_model(draft_path)
+    tokenizer = load_tokenizer(target_path)
+    prompts = held_out_prompts(tokenizer, num_prompts, prompt_tokens)
+    cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max(ks)
+    t_target = pass_time(target, 1, 1, cache_len, repeats * 10)
+    t_draft = pass_time(draft, 1, 1, cache_len, repeats * 10)
+    t_catch_up = pass_time(draft, 1, 2, cache_len, repeats * 10)
+    c = t_draft / t_target
+    log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.config.num_params() / 1e6:.2f}M; "
+        f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
+        f"{max_new_tokens} new tokens each; median of {repeats}")
+    log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
+
+    def speculate(K, temperature, batch, drafter=None, name="draft"):
+        run, rows = time_generate(target, prompts, batch, repeats, drafter or draft, K, name,
+                                  temperature, max_new_tokens)
+        alpha = theory.alpha_from_accepted(run.accepted / run.steps, K) if name == "draft" else None
+        if alpha is not None:
+            run.theory = theory.predicted_speedup(alpha, K, c)
+            t_verify = verify_times.setdefault(K, pass_time(target, 1, K + 1, cache_len, repeats * 10))
+            run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_draft + t_verify)
+        return run, rows
+
+    verify_times: dict[int, float] = {}
+    runs: list[Run] = []
+    auto = {}
+    for temperature in temperatures:
+        auto[temperature], auto_rows = time_generate(target, prompts, 1, repeats, None, 0, "none",
+                                                     temperature, max_new_tokens)
+        runs.append(auto[temperature])
         for K in ks:
-            seconds, tokens, out = timed(draft, K)
-            steps, accepted, drafted = (int(x.sum()) for x in (out.stats.steps, out.stats.accepted,
-                                                              out.stats.drafted))
-            tokens_per_pass = tokens / steps
-            alpha = theory.alpha_from_accepted(accepted / steps, K)
-            t_step, t_catch_up = t_draft[name]
-            predicted = theory.predicted_speedup(alpha, K, t_step / t_target_1)
-            t_verify = passes(target, K + 1)
-            # The models' own work per step: the draft's two-token catch-up, K-1 single
-            # steps, one verification pass. What the loop adds beyond that is waste.
-            from_passes = tokens_per_pass * t_target_1 / (t_catch_up + (K - 1) * t_step + t_verify)
-            speedup = (tokens / seconds) / ar_rate
-            exact = bool(np.array_equal(np.asarray(out.tokens), np.asarray(ar_out.tokens)))
-            rows.append(dict(drafter=name, K=K, tokens_per_s=tokens / seconds, speedup=speedup,
-                             acceptance=accepted / drafted, tokens_per_pass=tokens_per_pass,
-                             predicted=predicted, from_passes=from_passes, exact=exact))
-            print(f"{name:<8} {K:>2} {tokens / seconds:>8.1f} {speedup:>8.2f} {accepted / drafted:>7.2f} "
-                  f"{tokens_per_pass:>8.2f} {t_verify * 1e3:>9.2f} {predicted:>7.2f} {from_passes:>7.2f} "
-                  f"{speedup / predicted:>11.2f} {speedup / from_passes:>11.2f}  {exact}")
-    print("\naccept: accepted / drafted. theory: Leviathan et al., E[tokens per pass] / (K c + 1), "
-          "alpha fitted to the accepted drafts per step. passes: tokens per pass x the time of "
-          "one target pass / the measured time of the step's model passes (draft catch-up, K-1 "
-          "draft steps, verification). exact: output equals autoregressive decoding.")
-    return rows
+            run, rows = speculate(K, temperature, 1)
+            run.speedup = run.tokens_per_s / auto[temperature].tokens_per_s
+            run.exact = rows == auto_rows if temperature == 0 else None
+            runs.append(run)
+    greedy = [r for r in runs if r.drafter == "draft" and r.temperature == 0]
+    best_k = best_k or max(greedy, key=lambda r: r.speedup).K
+    by_batch = []
+    for batch in batches:
+        base, _ = time_generate(target, prompts, batch, repeats, None, 0, "none", 0.0, max_new_tokens)
+        spec, _ = speculate(best_k, 0.0, batch)
+        spec.speedup = spec.tokens_per_s / base.tokens_per_s
+        by_batch.append((base, spec))
+    others = []
+    for name, drafter in (("prompt lookup", PromptLookup(3, 1)),
+                          ("early exit", EarlyExit(max(1, target.config.num_layers // 3)))):
+        run, rows = speculate(best_k, 0.0, 1, drafter, name)
+        run.speedup = run.tokens_per_s / auto[0.0].tokens_per_s
+        others.append(run)
+    # Per-position acceptance over every row of every prompt, at the largest K.
+    full_traces = _all_traces(target, draft, prompts, max(ks), max_new_tokens)
+    positions = per_position_acceptance(full_traces, max(ks))
+
+    _print_tables(runs, by_batch, others, positions, best_k, log)
+    report = {"c": c, "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
+              "runs": [_as_dict(r) for r in runs], "batches": [[_as_dict(b), _as_dict(s)] for b, s in by_batch],
+              "other_drafters": [_as_dict(r) for r in others], "per_position_acceptance": positions}
+    if hf:
+        report["transformers"] = run_transformers(target_path, draft_path, prompts, max_new_tokens,
+                                                  repeats, auto[0.0], [r for r in greedy if r.K == best_k][0], log)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, out)
+        log(f"wrote {out / 'bench.json'} and plots in {out}/")
+    return report
+
+
+def _all_traces(target, draft, prompts, K, max_new_tokens):
+    padded, lengths = pad_prompts(prompts)
+    out = generate(target, padded, lengths, draft=draft, max_new_tokens=max_new_tokens,
+                   num_draft_tokens=K, return_trace=True)
+    trace, steps = np.asarray(out.trace), np.asarray(out.stats.steps)
+    return [trace[b, : steps[b]].tolist() for b in range(len(prompts))]
+
+
+def _as_dict(run: Run) -> dict:
+    d = dataclasses.asdict(run)
+    d.update(acceptance=run.acceptance, tokens_per_pass=run.tokens_per_pass)
+    return d
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _print_tables(runs, by_batch, others, positions, best_k, log):
+    log(f"\n{'drafter':<14} {'temp':>4} {'K':>2} {'tok/s':>8} {'speedup':>7} {'accept':>6} "
+        f"{'tok/pass':>8} {'theory':>6} {'passes':>6} {'meas/theory':>11} {'meas/passes':>11} exact")
+    for r in runs + others:
+        log(f"{r.drafter:<14} {r.temperature:>4.1f} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
+            f"{_fmt(r.acceptance):>6} {r.tokens_per_pass:>8.2f} {_fmt(r.theory):>6} {_fmt(r.passes):>6} "
+            f"{_fmt(r.theory and r.speedup / r.theory):>11} {_fmt(r.passes and r.speedup / r.passes):>11} "
+            f"{_fmt(r.exact, '')}")
+    log(f"\nbatch size (greedy, K={best_k}): autoregressive tok/s -> speculative tok/s (speedup)")
+    for base, spec in by_batch:
+        log(f"  B={base.batch:<3} {base.tokens_per_s:>8.1f} -> {spec.tokens_per_s:>8.1f} ({spec.speedup:.2f}x, "
+            f"acceptance {_fmt(spec.acceptance)})")
+    log(f"acceptance by draft position (greedy, K={len(positions)}): " + " ".join(f"{p:.2f}" for p in positions))
+
+
+# ---- transformers on the same checkpoints -----------------------------------------------
+
+
+def run_transformers(target_path, draft_path, prompts, max_new_tokens, repeats, auto: Run, spec: Run, log):
+    """transformers' generate, batch 1 (it refuses more for assisted decoding), float32,
+    greedy: plain, assistant_model, prompt_lookup_num_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+    modes = {"plain": {}, "assistant_model": {"assistant_model": draft},
+             "prompt_lookup_num_tokens": {"prompt_lookup_num_tokens": 10}}
+    results = {}
+    for name, extra in modes.items():
+        def call():
+            with torch.no_grad():
+                return [target.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                        do_sample=False, pad_token_id=0, **extra) for p in prompts]
+        seconds = median_time(call, repeats)
+        tokens = len(prompts) * max_new_tokens
+        results[name] = {"tokens_per_s": tokens / seconds}
+    log("\ntransformers (torch, float32, batch 1, greedy) on the same checkpoints and prompts:")
+    for name, r in results.items():
+        log(f"  {name:<26} {r['tokens_per_s']:>8.1f} tok/s; specjax speculative (K={spec.K}) is "
+            f"{spec.tokens_per_s / r['tokens_per_s']:.2f}x, specjax autoregressive "
+            f"{auto.tokens_per_s / r['tokens_per_s']:.2f}x")
+    return results
+
+
+# ---- plots -----------------------------------------------------------------------------
+
+
+def plot(report: dict, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r["drafter"] == "draft"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for temperature in sorted({r["temperature"] for r in runs}):
+        rs = [r for r in runs if r["temperature"] == temperature]
+        ax.plot([r["K"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"measured, T={temperature:g}")
+        ax.plot([r["K"] for r in rs], [r["theory"] for r in rs], "x--", label=f"theory, T={temperature:g}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xlabel="draft tokens per step (K)", ylabel="speedup over autoregressive", title="Speedup vs K")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_k.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    positions = report["per_position_acceptance"]
+    ax.bar(range(1, len(positions) + 1), positions)
+    ax.set(xlabel="draft position i", ylabel="P(accept d_i | d_1..d_{i-1} accepted)", ylim=(0, 1),
+           title="Acceptance by draft position (greedy)")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batches = report["batches"]
+    sizes = [b["batch"] for b, _ in batches]
+    ax.plot(sizes, [b["tokens_per_s"] for b, _ in batches], "o-", label="autoregressive")
+    ax.plot(sizes, [s["tokens_per_s"] for _, s in batches], "o-", label=f"speculative, K={report['best_k']}")
+    ax.set(xscale="log", xticks=sizes, xticklabels=[str(s) for s in sizes], xlabel="batch size",
+           ylabel="tokens/s", title="Throughput vs batch size (greedy)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s_vs_batch.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    best = [r for r in runs if r["temperature"] == 0 and r["K"] == report["best_k"]][0]
+    ax.bar(range(len(best["trace"])), best["trace"])
+    ax.set(xlabel="step", ylabel="tokens emitted", title=f"Tokens per step over one generation (K={best['K']})")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_step.png", dpi=120)
+    plt.close("all")
+
+
+# ---- a synthetic pair: no checkpoints needed -------------------------------------------
+
+SIZES = {
+    "gpt2-small": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+                       intermediate_size=3072, max_position_embeddings=1024),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                 intermediate_size=256, max_position_embeddings=256),
+}
+RESIDUAL_OUTPUTS = (("attn", "o_kernel"), ("attn", "o_bias"), ("mlp", "proj_kernel"), ("mlp", "proj_bias"))
+
+
+def build_synthetic_pair(size: str, draft_layers: int, seed: int = 0):
+    """(target, draft): a random GPT-2-shaped target whose layers past `draft_layers` write
+    only faintly into the residual stream (output projections x 0.01), and as draft its own
+    first `draft_layers` layers and head, which therefore really agree with it."""
+    shape = SIZES[size]
+    config = ModelConfig(model_type="gpt2", num_kv_heads=shape["num_heads"],
+                         head_dim=shape["hidden_size"] // shape["num_heads"], norm_eps=1e-5,
+                         tie_word_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True,
+                         **shape)
+    params = jax.tree.map(lambda x: x, init(config, jax.random.key(seed), jnp.float32).params)
+    layers = params["layers"]
+    for module, name in RESIDUAL_OUTPUTS:
+        layers[module][name] = layers[module][name].at[draft_layers:].multiply(0.01)
+    # Spread the embeddings so logits are far from uniform and greedy choices are stable.
+    params["embedding"] = params["embedding"] * 10.0
+    target = Model(config, params)
+    draft_params = dict(params, layers=jax.tree.map(lambda x: x[:draft_layers], params["layers"]))
+    return target, Model(dataclasses.replace(config, num_layers=draft_layers), draft_params)
+
+
+def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, prompt_len=32,
+                  max_new_tokens=64, repeats=3, seed=0, log=print) -> list[Run]:
+    """The random pair, and the target drafting for itself (acceptance 1, c = 1)."""
+    target, small = build_synthetic_pair(size, draft_layers, seed)
+    rng = np.random.RandomState(seed)
+    prompts = [list(rng.randint(0, target.config.vocab_size, prompt_len)) for _ in range(batch)]
+    cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max(ks)
+    log(f"target: {size}, {target.config.num_params() / 1e6:.1f}M params; small draft: its first "
+        f"{draft_layers} layers, {small.config.num_params() / 1e6:.1f}M params; "
+        f"{jax.default_backend()} float32, batch {batch}, prompt {prompt_len}, "
+        f"{max_new_tokens} new tokens, median of {repeats}")
+    auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens)
+    t_target = pass_time(target, batch, 1, cache_len, repeats * 5)
+    costs = {"small": (pass_time(small, batch, 1, cache_len, repeats * 5),
+                       pass_time(small, batch, 2, cache_len, repeats * 5)),
+             "target": (t_target, pass_time(target, batch, 2, cache_len, repeats * 5))}
+    log(f"one target pass (1 token): {t_target * 1e3:.2f} ms; one small-draft step: "
+        f"{costs['small'][0] * 1e3:.2f} ms (c = {costs['small'][0] / t_target:.3f})")
+    runs = [auto]
+    for name, draft in (("small", small), ("target", target)):
+        t_step, t_catch_up = costs[name]
+        for K in ks:
+            run, rows = time_generate(target, prompts, batch, repeats, draft, K, name, 0.0, max_new_tokens)
+            alpha = theory.alpha_from_accepted(run.accepted / run.steps, K)
+            run.theory = theory.predicted_speedup(alpha, K, t_step / t_target)
+            t_verify = pass_time(target, batch, K + 1, cache_len, repeats * 5)
+            run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_step + t_verify)
+            run.speedup = run.tokens_per_s / auto.tokens_per_s
+            run.exact = rows == auto_rows
+            runs.append(run)
+    log(f"\n{'drafter':<8} {'K':>2} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} "
+        f"{'theory':>7} {'passes':>7} {'meas/theory':>11} {'meas/passes':>11}  exact")
+    for r in runs:
+        log(f"{r.drafter:<8} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>8.2f} {_fmt(r.acceptance):>7} "
+            f"{r.tokens_per_pass:>8.2f} {_fmt(r.theory):>7} {_fmt(r.passes):>7} "
+            f"{_fmt(r.theory and r.speedup / r.theory):>11} {_fmt(r.passes and r.speedup / r.passes):>11}  "
+            f"{_fmt(r.exact, '')}")
+    return runs
 
 
 def main(argv=None):
+    import argparse
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="gpt2-small")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("-k", "--ks", type=int, nargs="+", default=[1, 2, 4, 6])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=32)
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
+
+
+def add_arguments(parser):
+    from specjax.cli import default_checkpoint
+
+    parser.add_argument("--target", default=default_checkpoint("target"))
+    parser.add_argument("--draft", default=default_checkpoint("draft"))
+    parser.add_argument("--synthetic", choices=sorted(SIZES), help="benchmark a random pair instead")
+    parser.add_argument("-k", "--ks", type=int, nargs="+", default=None, help="K values (default 1..8)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    run(args.size, args.draft_layers, tuple(args.ks), args.batch, args.prompt_len,
-        args.max_new_tokens, args.repeats)
+    parser.add_argument("--out", default="bench", help="folder for bench.json and the plots")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate (needs torch)")
+
+
+def run_from_args(args):
+    if args.synthetic:
+        run_synthetic(args.synthetic, ks=tuple(args.ks or (1, 2, 4, 6)), max_new_tokens=args.max_new_tokens,
+                      repeats=args.repeats)
+        return
+    run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
+             temperatures=tuple(args.temperatures), batches=tuple(args.batches),
+             num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+             max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf)
 
 
 if __name__ == "__main__":

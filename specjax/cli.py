@@ -242,6 +242,12 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_generate)
 
+    p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")
+    from specjax import bench
+
+    bench.add_arguments(p)
+    p.set_defaults(run=bench.run_from_args)
+
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
     _add_train_args(p, steps=1000, lr=1.5e-3)
     _add_model_args(p, hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024)

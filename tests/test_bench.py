@@ -3,13 +3,17 @@
 from specjax import bench, theory
 
 
-def test_bench_runs_and_stays_exact(capsys):
-    rows = bench.run(size="tiny", draft_layers=2, ks=(2,), max_new_tokens=16, repeats=1)
-    assert [r["drafter"] for r in rows] == ["small", "target"]
-    assert all(r["exact"] for r in rows)
-    target_row = rows[1]
-    assert target_row["acceptance"] > 0.9  # the target drafting for itself
+def test_synthetic_bench_runs_and_stays_exact(capsys):
+    runs = bench.run_synthetic(size="tiny", draft_layers=2, ks=(2,), max_new_tokens=16, repeats=1)
+    assert [r.drafter for r in runs] == ["none", "small", "target"]
+    assert all(r.exact for r in runs[1:])
+    assert runs[2].acceptance > 0.9  # the target drafting for itself
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_per_position_acceptance():
+    # steps emitting 3, 1, 2 tokens (then a cut last step): n = 2, 0, 1
+    assert bench.per_position_acceptance([[3, 1, 2, 1]], 3) == [2 / 3, 1 / 2, 0.0]
 
 
 def test_theory():
