@@ -67,7 +67,7 @@ def _generate(args):
     start = time.perf_counter()
     out = jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
     seconds = time.perf_counter() - start
-    out = jax.tree.map(np.asarray, out)
+    out = jax.tree.map(_to_host, out)
 
     generated = int(out.num_tokens.sum())
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
@@ -94,6 +94,18 @@ def _generate(args):
           f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
           f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
           f"(not included)")
+
+
+def _to_host(x):
+    """A global array as numpy on every process (multi-host arrays are not fully addressable)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _model_config(args, vocab_size, tokenizer):

@@ -106,6 +106,8 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
         `data`, caches' heads over `model`, as the models' params are (see shard_model).
     """
+    if mesh is not None:  # each process supplies the shards its devices hold
+        prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     c = target.config
     if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
@@ -151,9 +153,6 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     key = jax.random.key(0) if key is None else key
     eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
-    if mesh is not None:
-        prompts = jax.device_put(prompts, sharding.batch_sharding(prompts.shape, mesh, rules))
-        lengths = jax.device_put(lengths, sharding.batch_sharding(lengths.shape, mesh, rules))
     return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
                      Sampling.make(temperature, top_k, top_p), eos,
                      jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),

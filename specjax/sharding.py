@@ -129,6 +129,16 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
+def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
+    """A batch-major array with rows over `data`. From host data (identical in every
+    process), each process builds only its own devices' shards, so it works multi-host."""
+    placement = batch_sharding(np.shape(x), mesh, tuple(rules or DEFAULT_RULES))
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, placement)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, placement, lambda index: x[index])
+
+
 def shard_model(model, mesh: Mesh, rules=None):
     """The model with its parameters placed in their shards on the mesh."""
     from specjax.models import Model
