@@ -86,7 +86,8 @@ class Run:
 
 
 def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, drafter=None, K=0,
-                  name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0) -> tuple[Run, list]:
+                  name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0,
+                  **options) -> tuple[Run, list]:
     """Runs every prompt (in batches of `batch`) and times the whole set; returns the Run and
     the generated rows (for exactness checks)."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
@@ -97,7 +98,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
         result["outs"] = [jax.block_until_ready(generate(
             target, p, l, draft=drafter, key=jax.random.key(seed), max_new_tokens=max_new_tokens,
             num_draft_tokens=max(K, 1), temperature=temperature, eos_token_id=eos_token_id,
-            return_trace=True)) for p, l in padded]
+            return_trace=True, **options)) for p, l in padded]
 
     seconds = median_time(call, repeats)
     outs = [jax.tree.map(np.asarray, o) for o in result["outs"]]
@@ -170,9 +171,9 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         f"{max_new_tokens} new tokens each; median of {repeats}")
     log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
 
-    def speculate(K, temperature, batch, drafter=None, name="draft"):
-        run, rows = time_generate(target, prompts, batch, repeats, drafter or draft, K, name,
-                                  temperature, max_new_tokens)
+    def speculate(K, temperature, batch, drafter=None, name="draft", on=None, **options):
+        run, rows = time_generate(target, on or prompts, batch, repeats, drafter or draft, K, name,
+                                  temperature, max_new_tokens, **options)
         alpha = theory.alpha_from_accepted(run.accepted / run.steps, K) if name == "draft" else None
         if alpha is not None:
             run.theory = theory.predicted_speedup(alpha, K, c)
@@ -192,6 +193,8 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
             run.speedup = run.tokens_per_s / auto[temperature].tokens_per_s
             run.exact = rows == auto_rows if temperature == 0 else None
             runs.append(run)
+        if temperature == 0:
+            auto_greedy_rows = auto_rows
     greedy = [r for r in runs if r.drafter == "draft" and r.temperature == 0]
     best_k = best_k or max(greedy, key=lambda r: r.speedup).K
     by_batch = []
@@ -200,12 +203,25 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         spec, _ = speculate(best_k, 0.0, batch)
         spec.speedup = spec.tokens_per_s / base.tokens_per_s
         by_batch.append((base, spec))
+    # Every drafter on the same prompts (greedy, batch 1), and prompt lookup where it shines:
+    # text that repeats itself (each prompt followed by its own first half again).
+    L = target.config.num_layers
     others = []
-    for name, drafter in (("prompt lookup", PromptLookup(3, 1)),
-                          ("early exit", EarlyExit(max(1, target.config.num_layers // 3)))):
-        run, rows = speculate(best_k, 0.0, 1, drafter, name)
+    for name, drafter, K, options in (
+            ("draft, adaptive", None, max(ks), dict(adaptive_k=True)),
+            (f"early exit {max(1, L // 3)}", EarlyExit(max(1, L // 3)), best_k, {}),
+            (f"early exit {max(1, L // 2)}", EarlyExit(max(1, L // 2)), best_k, {}),
+            ("prompt lookup", PromptLookup(3, 1), best_k, {})):
+        run, rows = speculate(K, 0.0, 1, drafter, name, **options)
         run.speedup = run.tokens_per_s / auto[0.0].tokens_per_s
+        run.exact = rows == auto_greedy_rows
         others.append(run)
+    repetitive = [p + p[: len(p) // 2] + p for p in prompts]
+    base, base_rows = time_generate(target, repetitive, 1, repeats, None, 0, "none (repetitive)",
+                                    0.0, max_new_tokens)
+    run, rows = speculate(best_k, 0.0, 1, PromptLookup(3, 1), "lookup (repetitive)", on=repetitive)
+    run.speedup, run.exact = run.tokens_per_s / base.tokens_per_s, rows == base_rows
+    others += [base, run]
     # Per-position acceptance over every row of every prompt, at the largest K.
     full_traces = _all_traces(target, draft, prompts, max(ks), max_new_tokens)
     positions = per_position_acceptance(full_traces, max(ks))
@@ -245,10 +261,10 @@ def _fmt(x, spec=".2f"):
 
 
 def _print_tables(runs, by_batch, others, positions, best_k, log):
-    log(f"\n{'drafter':<14} {'temp':>4} {'K':>2} {'tok/s':>8} {'speedup':>7} {'accept':>6} "
+    log(f"\n{'drafter':<20} {'temp':>4} {'K':>2} {'tok/s':>8} {'speedup':>7} {'accept':>6} "
         f"{'tok/pass':>8} {'theory':>6} {'passes':>6} {'meas/theory':>11} {'meas/passes':>11} exact")
     for r in runs + others:
-        log(f"{r.drafter:<14} {r.temperature:>4.1f} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
+        log(f"{r.drafter:<20} {r.temperature:>4.1f} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
             f"{_fmt(r.acceptance):>6} {r.tokens_per_pass:>8.2f} {_fmt(r.theory):>6} {_fmt(r.passes):>6} "
             f"{_fmt(r.theory and r.speedup / r.theory):>11} {_fmt(r.passes and r.speedup / r.passes):>11} "
             f"{_fmt(r.exact, '')}")

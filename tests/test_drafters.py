@@ -107,3 +107,28 @@ def test_bad_drafters(pair, drafter, message):
     padded, lengths = specjax.pad_prompts([[3, 4]], bucket=16)
     with pytest.raises(ValueError, match=message):
         specjax.generate(target, padded, lengths, draft=drafter)
+
+
+def test_early_exit_holds_no_copy_of_the_weights():
+    """The compiled loop with EarlyExit(2) needs no more scratch memory than plain decoding
+    beyond a small fraction of the two layers it drafts with: it reads them in place."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.generate import _generate
+    from specjax.models import init
+    from specjax.sampling import Sampling
+
+    config = specjax.ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, num_layers=4,
+                                 num_heads=4, num_kv_heads=4, head_dim=64, intermediate_size=1024,
+                                 max_position_embeddings=256, norm_eps=1e-5, tie_word_embeddings=True)
+    target = init(config, jax.random.key(0), jnp.float32)
+    two_layers = sum(x.nbytes for x in jax.tree.leaves(target.params["layers"])) / 2
+
+    def scratch(drafter, K):
+        return _generate.lower(target, drafter, jnp.ones((1, 16), jnp.int32), jnp.array([8], jnp.int32),
+                               jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
+                               max_new_tokens=16, K=K, return_trace=False, adaptive_k=False, mesh=None,
+                               rules=None).compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch(specjax.EarlyExit(2), 4) - scratch(None, 0) < 0.25 * two_layers
