@@ -106,9 +106,27 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
         `data`, caches' heads over `model`, as the models' params are (see shard_model).
     """
-    if mesh is not None:  # each process supplies the shards its devices hold
+    drafter, K = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
+                                max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
+                                eos_token_id, draft_threshold)
+    if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+
+    key = jax.random.key(0) if key is None else key
+    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
+    rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
+    return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
+                     Sampling.make(temperature, top_k, top_p), eos,
+                     jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
+                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
+                     mesh=mesh, rules=rules)
+
+
+def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_tokens,
+                   temperature, top_k, top_p, eos_token_id, draft_threshold):
+    """Clear errors for bad requests (values that are traced are not checked); returns the
+    drafter and the static K."""
     c = target.config
     if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] and lengths [B]; got {prompts.shape} and {lengths.shape}")
@@ -150,14 +168,7 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
                 f"{m.config.model_type} model's max_position_embeddings "
                 f"({m.config.max_position_embeddings})")
 
-    key = jax.random.key(0) if key is None else key
-    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
-    rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
-    return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
-                     Sampling.make(temperature, top_k, top_p), eos,
-                     jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
-                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
-                     mesh=mesh, rules=rules)
+    return drafter, K
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace", "adaptive_k",
