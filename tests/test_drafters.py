@@ -109,16 +109,10 @@ def test_bad_drafters(pair, drafter, message):
         specjax.generate(target, padded, lengths, draft=drafter)
 
 
-def test_early_exit_holds_no_copy_of_the_weights(monkeypatch):
+def test_early_exit_holds_no_copy_of_the_weights():
     """The compiled loop with EarlyExit(2) needs no more scratch memory than plain decoding
-    beyond a small fraction of the two layers it drafts with: it reads them in place. (With
-    layers rolled, as on TPU/GPU; on CPU small models trade a copy for speed, see
-    transformer.layer_unroll.)"""
+    beyond a small fraction of the two layers it drafts with: it reads them in place."""
     import jax
-
-    from specjax.models import transformer
-
-    monkeypatch.setattr(transformer, "CPU_UNROLL_MAX_BYTES", 0)
     import jax.numpy as jnp
 
     from specjax.generate import _generate
