@@ -47,13 +47,21 @@ def median_time(fn, repeats: int) -> float:
 
 
 def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, exit_layer=None) -> float:
-    """Median seconds of one cached forward pass over T tokens per row."""
+    """Median seconds of one cached forward pass over T tokens per row, timed as 50 passes
+    inside one compiled loop (as generate runs them: no Python dispatch in between)."""
     cache = KVCache.init(model.config, batch, cache_len, model.dtype)
     tokens = jnp.ones((batch, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + cache_len // 2, (batch, T))
-    step = jax.jit(apply, static_argnames="exit_layer")
-    return median_time(lambda: jax.block_until_ready(
-        step(model, tokens, positions, cache, exit_layer=exit_layer)), repeats)
+    passes = 50
+
+    @jax.jit
+    def loop(model, cache):
+        def one(i, cache):
+            logits, _, cache = apply(model, tokens, positions, cache, exit_layer=exit_layer)
+            return cache.replace(lengths=cache.lengths + (logits[:, 0, 0] > jnp.inf))  # keep it live
+        return jax.lax.fori_loop(0, passes, one, cache)
+
+    return median_time(lambda: jax.block_until_ready(loop(model, cache)), repeats) / passes
 
 
 @dataclasses.dataclass
@@ -162,9 +170,9 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     tokenizer = load_tokenizer(target_path)
     prompts = held_out_prompts(tokenizer, num_prompts, prompt_tokens)
     cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max(ks)
-    t_target = pass_time(target, 1, 1, cache_len, repeats * 10)
-    t_draft = pass_time(draft, 1, 1, cache_len, repeats * 10)
-    t_catch_up = pass_time(draft, 1, 2, cache_len, repeats * 10)
+    t_target = pass_time(target, 1, 1, cache_len, repeats)
+    t_draft = pass_time(draft, 1, 1, cache_len, repeats)
+    t_catch_up = pass_time(draft, 1, 2, cache_len, repeats)
     c = t_draft / t_target
     log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.config.num_params() / 1e6:.2f}M; "
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
@@ -177,7 +185,9 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         alpha = theory.alpha_from_accepted(run.accepted / run.steps, K) if name == "draft" else None
         if alpha is not None:
             run.theory = theory.predicted_speedup(alpha, K, c)
-            t_verify = verify_times.setdefault(K, pass_time(target, 1, K + 1, cache_len, repeats * 10))
+            if K not in verify_times:
+                verify_times[K] = pass_time(target, 1, K + 1, cache_len, repeats)
+            t_verify = verify_times[K]
             run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_draft + t_verify)
         return run, rows
 
@@ -398,10 +408,10 @@ def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, p
         f"{jax.default_backend()} float32, batch {batch}, prompt {prompt_len}, "
         f"{max_new_tokens} new tokens, median of {repeats}")
     auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens)
-    t_target = pass_time(target, batch, 1, cache_len, repeats * 5)
-    costs = {"small": (pass_time(small, batch, 1, cache_len, repeats * 5),
-                       pass_time(small, batch, 2, cache_len, repeats * 5)),
-             "target": (t_target, pass_time(target, batch, 2, cache_len, repeats * 5))}
+    t_target = pass_time(target, batch, 1, cache_len, repeats)
+    costs = {"small": (pass_time(small, batch, 1, cache_len, repeats),
+                       pass_time(small, batch, 2, cache_len, repeats)),
+             "target": (t_target, pass_time(target, batch, 2, cache_len, repeats))}
     log(f"one target pass (1 token): {t_target * 1e3:.2f} ms; one small-draft step: "
         f"{costs['small'][0] * 1e3:.2f} ms (c = {costs['small'][0] / t_target:.3f})")
     runs = [auto]
@@ -411,7 +421,7 @@ def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, p
             run, rows = time_generate(target, prompts, batch, repeats, draft, K, name, 0.0, max_new_tokens)
             alpha = theory.alpha_from_accepted(run.accepted / run.steps, K)
             run.theory = theory.predicted_speedup(alpha, K, t_step / t_target)
-            t_verify = pass_time(target, batch, K + 1, cache_len, repeats * 5)
+            t_verify = pass_time(target, batch, K + 1, cache_len, repeats)
             run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_step + t_verify)
             run.speedup = run.tokens_per_s / auto.tokens_per_s
             run.exact = rows == auto_rows
