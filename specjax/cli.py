@@ -176,27 +176,12 @@ def _export(model, tokenizer_folder, out, dtype):
 
 
 def _export_run(args):
-    import json as _json
+    from specjax.train.loop import restore_model
 
-    import jax
-    import jax.numpy as jnp
-
-    from specjax.checkpoint import CheckpointManager
-    from specjax.config import ModelConfig
-    from specjax.models import Model, init
-
-    manager = CheckpointManager(Path(args.run_dir) / "checkpoints")
-    record = manager.record()
-    config = ModelConfig.from_hf_config(record["model"])
-    abstract = init(config, jax.random.key(0), jnp.float32).params
-    from specjax.train.loop import TrainConfig, make_optimizer, TrainState
-
-    cfg = TrainConfig(**record["train"])
-    state = TrainState(abstract, make_optimizer(cfg).init(abstract), jnp.zeros((), jnp.int32))
-    state, _ = manager.restore(jax.device_get(state))
+    model, record = restore_model(args.run_dir)
     tokenizer = Path(record.get("target") or Path(args.run_dir) / "tokenizer")
-    _export(Model(config, jax.tree.map(jnp.asarray, state.params)), tokenizer, args.out, args.dtype)
-    print(_json.dumps(record.get("metrics", {}), indent=2))
+    _export(model, tokenizer, args.out, args.dtype)
+    print(json.dumps(record.get("metrics", {}), indent=2))
 
 
 def _add_model_args(p, hidden, layers, heads, kv_heads, intermediate):

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from specjax import theory
 from specjax.checkpoint import CheckpointManager
-from specjax.models import Model, apply
+from specjax.config import ModelConfig
+from specjax.models import Model, apply, init
 from specjax.train import losses
 from specjax.train.data import batch_at, eval_batches
 
@@ -162,3 +163,16 @@ def train(model: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConf
             manager.save(done, jax.device_get(state), {**record, "step": done, "metrics": metrics})
     manager.close()
     return Model(model.config, state.params), metrics
+
+
+def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
+    """The model of a run's latest checkpoint, and the checkpoint's JSON record."""
+    manager = CheckpointManager(Path(run_dir) / "checkpoints")
+    record = manager.record()
+    config = ModelConfig.from_hf_config(record["model"])
+    params = init(config, jax.random.key(0), jnp.float32).params
+    abstract = TrainState(params, make_optimizer(TrainConfig(**record["train"])).init(params),
+                          jnp.zeros((), jnp.int32))
+    state, _ = manager.restore(jax.device_get(abstract))
+    manager.close()
+    return Model(config, jax.tree.map(jnp.asarray, state.params)), record
