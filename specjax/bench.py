@@ -166,6 +166,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
              max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, log=print) -> dict:
     from specjax.hf import load_model, load_tokenizer
 
+    temperatures = tuple(sorted(set(temperatures) | {0.0}))  # greedy is the reference run
     target, draft = load_model(target_path), load_model(draft_path)
     tokenizer = load_tokenizer(target_path)
     prompts = held_out_prompts(tokenizer, num_prompts, prompt_tokens)

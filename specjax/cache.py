@@ -35,10 +35,6 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
 
 def write(buffer: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Writes new[b, t] into buffer[layer, b, positions[b, t]]: each row at its own offset.
