@@ -64,7 +64,8 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     logits = logits.astype(jnp.float32)
     greedy = sampling.temperature == 0
     scores = logits / jnp.where(greedy, 1.0, sampling.temperature)
-    filtering = (sampling.top_k > 0) | (sampling.top_p < 1.0)
+    # The sort runs only when a filter is on and its result is used (not when greedy).
+    filtering = ~greedy & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
     scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, sampling.top_k, sampling.top_p)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.sampling import Sampling, sample
+from specjax.sampling import Sampling, sample, warp
 
 
 @struct.dataclass
@@ -43,8 +43,6 @@ def draft_autoregressively(forward: Forward, cache, logits0: jax.Array, request:
     (temperature-1) confidence max q falls below the threshold; the loop stops as soon as
     no row goes on, and never runs a forward pass whose output nobody needs.
     Returns (cache, Proposal)."""
-    from specjax.sampling import warp
-
     B, V = logits0.shape
     K = request.K
 
