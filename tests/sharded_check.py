@@ -37,6 +37,22 @@ def random_model(seed, base=None, std=0.1):
     return specjax.Model(CONFIG, jax.tree.map(jnp.asarray, params))
 
 
+def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Result shapes of every all-gather in compiled HLO text."""
+    return [tuple(int(d) for d in m.split(",") if d) for m in
+            re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+
+
+def detector_sees_a_whole_weight_gather() -> bool:
+    """The detector's own check: a program that needs a model-sharded weight whole (it
+    returns it replicated) must show up as an all-gather of the weight's full shape."""
+    mesh = specjax.make_mesh(data=2, model=4)
+    w = jax.device_put(jnp.ones((64, 128)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model")))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    hlo = jax.jit(lambda w: w * 2, out_shardings=replicated).lower(w).compile().as_text()
+    return (64, 128) in all_gather_shapes(hlo)
+
+
 def main():
     assert len(jax.devices()) == 8, jax.devices()
     target = random_model(0)
@@ -48,7 +64,8 @@ def main():
         [list(rng.randint(0, 389, n)) for n in rng.randint(2, 15, 8)], bucket=16)
     kwargs = dict(draft=draft, max_new_tokens=MAX_NEW, num_draft_tokens=K)
     single = specjax.generate(target, prompts, lengths, **kwargs)
-    findings = {"single_accepted": int(single.stats.accepted.sum()), "meshes": {}}
+    findings = {"single_accepted": int(single.stats.accepted.sum()), "meshes": {},
+                "detector_works": detector_sees_a_whole_weight_gather()}
 
     full_shapes = set()
     for leaf in jax.tree.leaves(target.params):
@@ -73,8 +90,7 @@ def main():
             jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0), max_new_tokens=MAX_NEW,
             K=K, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
-        gathered = [tuple(int(d) for d in m.split(",") if d) for m in
-                    re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+        gathered = all_gather_shapes(hlo)
         S = prompts.shape[1] + MAX_NEW + K
         full_cache = f"f32[2,8,{S},2,16]"  # [L, B, S, G, D] of either model, unsharded
         findings["meshes"][f"{data}x{model}"] = {
