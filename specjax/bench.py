@@ -81,6 +81,7 @@ class Run:
     speedup: float = 1.0
     theory: float | None = None
     passes: float | None = None
+    verify_ms: float | None = None  # one target pass over K+1 tokens, in a compiled loop
     exact: bool | None = None
     trace: list | None = None  # tokens per step of the first row of the first batch
 
@@ -129,6 +130,17 @@ def per_position_acceptance(traces: list[list[int]], K: int) -> list[float]:
         return []
     return [float(np.mean(accepted[accepted >= i - 1] >= i)) if np.any(accepted >= i - 1) else 0.0
             for i in range(1, K + 1)]
+
+
+def predict(run: Run, K: int, t_target: float, t_step: float, t_catch_up: float, t_verify: float):
+    """Sets the run's two predicted speedups from measured pass times (seconds): Leviathan
+    et al.'s E[tokens per pass] / (K c + 1), alpha fitted to the accepted drafts per step;
+    and tokens per pass x one target pass / the step's own model passes (draft catch-up,
+    K-1 draft steps, the K+1-token verification)."""
+    alpha = theory.alpha_from_accepted(run.accepted / run.steps, K)
+    run.theory = theory.predicted_speedup(alpha, K, t_step / t_target)
+    run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_step + t_verify)
+    run.verify_ms = t_verify * 1e3
 
 
 # ---- prompts ---------------------------------------------------------------------------
@@ -183,13 +195,10 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     def speculate(K, temperature, batch, drafter=None, name="draft", on=None, **options):
         run, rows = time_generate(target, on or prompts, batch, repeats, drafter or draft, K, name,
                                   temperature, max_new_tokens, **options)
-        alpha = theory.alpha_from_accepted(run.accepted / run.steps, K) if name == "draft" else None
-        if alpha is not None:
-            run.theory = theory.predicted_speedup(alpha, K, c)
+        if name == "draft":
             if K not in verify_times:
                 verify_times[K] = pass_time(target, 1, K + 1, cache_len, repeats)
-            t_verify = verify_times[K]
-            run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_draft + t_verify)
+            predict(run, K, t_target, t_draft, t_catch_up, verify_times[K])
         return run, rows
 
     verify_times: dict[int, float] = {}
@@ -218,10 +227,10 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     # text that repeats itself (each prompt followed by its own first half again).
     L = target.config.num_layers
     others = []
+    depths = sorted({max(1, L // 3), max(1, L // 2)})  # two depths where the target has them
     for name, drafter, K, options in (
             ("draft, adaptive", None, max(ks), dict(adaptive_k=True)),
-            (f"early exit {max(1, L // 3)}", EarlyExit(max(1, L // 3)), best_k, {}),
-            (f"early exit {max(1, L // 2)}", EarlyExit(max(1, L // 2)), best_k, {}),
+            *((f"early exit {n}", EarlyExit(n), best_k, {}) for n in depths),
             ("prompt lookup", PromptLookup(3, 1), best_k, {})):
         run, rows = speculate(K, 0.0, 1, drafter, name, **options)
         run.speedup = run.tokens_per_s / auto[0.0].tokens_per_s
@@ -271,14 +280,19 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def _print_tables(runs, by_batch, others, positions, best_k, log):
+def _print_runs(runs, log):
     log(f"\n{'drafter':<20} {'temp':>4} {'K':>2} {'tok/s':>8} {'speedup':>7} {'accept':>6} "
-        f"{'tok/pass':>8} {'theory':>6} {'passes':>6} {'meas/theory':>11} {'meas/passes':>11} exact")
-    for r in runs + others:
+        f"{'tok/pass':>8} {'verify ms':>9} {'theory':>6} {'passes':>6} {'meas/theory':>11} "
+        f"{'meas/passes':>11} exact")
+    for r in runs:
         log(f"{r.drafter:<20} {r.temperature:>4.1f} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} "
-            f"{_fmt(r.acceptance):>6} {r.tokens_per_pass:>8.2f} {_fmt(r.theory):>6} {_fmt(r.passes):>6} "
-            f"{_fmt(r.theory and r.speedup / r.theory):>11} {_fmt(r.passes and r.speedup / r.passes):>11} "
-            f"{_fmt(r.exact, '')}")
+            f"{_fmt(r.acceptance):>6} {r.tokens_per_pass:>8.2f} {_fmt(r.verify_ms):>9} "
+            f"{_fmt(r.theory):>6} {_fmt(r.passes):>6} {_fmt(r.theory and r.speedup / r.theory):>11} "
+            f"{_fmt(r.passes and r.speedup / r.passes):>11} {_fmt(r.exact, '')}")
+
+
+def _print_tables(runs, by_batch, others, positions, best_k, log):
+    _print_runs(runs + others, log)
     log(f"\nbatch size (greedy, K={best_k}): autoregressive tok/s -> speculative tok/s (speedup)")
     for base, spec in by_batch:
         log(f"  B={base.batch:<3} {base.tokens_per_s:>8.1f} -> {spec.tokens_per_s:>8.1f} ({spec.speedup:.2f}x, "
@@ -420,20 +434,11 @@ def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, p
         t_step, t_catch_up = costs[name]
         for K in ks:
             run, rows = time_generate(target, prompts, batch, repeats, draft, K, name, 0.0, max_new_tokens)
-            alpha = theory.alpha_from_accepted(run.accepted / run.steps, K)
-            run.theory = theory.predicted_speedup(alpha, K, t_step / t_target)
-            t_verify = pass_time(target, batch, K + 1, cache_len, repeats)
-            run.passes = run.tokens_per_pass * t_target / (t_catch_up + (K - 1) * t_step + t_verify)
+            predict(run, K, t_target, t_step, t_catch_up, pass_time(target, batch, K + 1, cache_len, repeats))
             run.speedup = run.tokens_per_s / auto.tokens_per_s
             run.exact = rows == auto_rows
             runs.append(run)
-    log(f"\n{'drafter':<8} {'K':>2} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} "
-        f"{'theory':>7} {'passes':>7} {'meas/theory':>11} {'meas/passes':>11}  exact")
-    for r in runs:
-        log(f"{r.drafter:<8} {r.K:>2} {r.tokens_per_s:>8.1f} {r.speedup:>8.2f} {_fmt(r.acceptance):>7} "
-            f"{r.tokens_per_pass:>8.2f} {_fmt(r.theory):>7} {_fmt(r.passes):>7} "
-            f"{_fmt(r.theory and r.speedup / r.theory):>11} {_fmt(r.passes and r.speedup / r.passes):>11}  "
-            f"{_fmt(r.exact, '')}")
+    _print_runs(runs, log)
     return runs
 
 
