@@ -28,7 +28,7 @@ import numpy as np
 from specjax import theory
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
-from specjax.drafters import DraftModel, EarlyExit, PromptLookup
+from specjax.drafters import EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
 from specjax.models import Model, apply, init
 

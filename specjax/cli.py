@@ -33,7 +33,6 @@ def _generate(args):
     import time
 
     import jax
-    import numpy as np
 
     import specjax
 

@@ -2,7 +2,6 @@
 pip-installs this checkout, and the benchmark cell, which takes minutes."""
 
 import json
-import os
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
