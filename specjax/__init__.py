@@ -10,9 +10,10 @@ from specjax.config import ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, load_model, load_tokenizer, save_model
 from specjax.models import Model, forward
 from specjax.sharding import make_mesh, shard_model
+from specjax.tree import Tree
 
 __all__ = [
     "CheckpointError", "DraftModel", "EarlyExit", "PromptLookup", "GenerateOutput", "KVCache", "Model", "ModelConfig",
     "Stats", "UnsupportedConfigError", "forward", "generate", "load_model", "load_tokenizer",
-    "make_mesh", "pad_prompts", "save_model", "shard_model",
+    "make_mesh", "pad_prompts", "save_model", "shard_model", "Tree",
 ]

@@ -7,6 +7,12 @@ cleared: attention masks are derived from positions (a query at position t sees 
 overwritten before any query can see it. Rolling back rejected draft tokens is therefore
 only a matter of lowering `lengths`.
 
+A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
+have the same depth), so they are written at consecutive slots after the prefix and each
+sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
+accepted path's entries to the slots of their positions, and the rest of the tree is
+stale like any rejected draft.
+
 The cache knows nothing about models beyond their shapes, nor about decoding.
 """
 
@@ -45,6 +51,44 @@ def write(buffer: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Ar
     return buffer.at[layer, rows, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
+@struct.dataclass
+class Placement:
+    """Where a pass's T tokens go in the cache and what each of them sees, when that is not
+    "slot = position, causal" (token trees)."""
+
+    slots: jax.Array  # int32 [B, T]: where each token's key/value is written
+    kv_positions: jax.Array  # int32 [B, S]: the position of the token each slot holds
+    visible: jax.Array  # bool [B, T, S]: the slots each token attends to
+
+
+def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array,
+                   max_len: int) -> Placement:
+    """Tokens that see the whole prefix (slots < start) and, of the R slots from `start` on
+    (a tree region), those that `sees` marks.
+
+    start int32 [B]; slots int32 [B, T]; region_offsets int [R] or [B, R]: the position of
+    region slot r minus start; sees bool [B, T, R]."""
+    R = sees.shape[-1]
+    s = jnp.arange(max_len)[None, :]  # [1, S]
+    r = s - start[:, None]  # [B, S]: the slot's index in the region
+    in_region = (r >= 0) & (r < R)
+    r = jnp.clip(r, 0, R - 1)
+    offsets = jnp.broadcast_to(jnp.asarray(region_offsets, jnp.int32), (start.shape[0], R))
+    kv_positions = jnp.where(in_region, start[:, None] + jnp.take_along_axis(offsets, r, axis=1), s)
+    seen = jnp.take_along_axis(sees, jnp.broadcast_to(r[:, None, :], sees.shape[:2] + r.shape[1:]), axis=2)
+    visible = (s < start[:, None])[:, None, :] | (in_region[:, None, :] & seen)
+    return Placement(slots=slots, kv_positions=kv_positions, visible=visible)
+
+
+def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies every layer's entries at slots src [B, M] to slots dst [B, M] (dst >= max_len:
+    skipped). All reads happen before any write, so src and dst may overlap."""
+    rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
+    k, v = cache.k[:, rows, src], cache.v[:, rows, src]  # [L, B, M, G, D]
+    return cache.replace(k=cache.k.at[:, rows, dst].set(k, mode="drop"),
+                         v=cache.v.at[:, rows, dst].set(v, mode="drop"))
+
+
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,
                    window: int | None = None) -> jax.Array:
     """bool [B, T, S]: a query at position t sees a key at position s iff s <= t, and
@@ -55,4 +99,12 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,
     mask = kv <= q
     if window is not None:
         mask &= q - kv < window
+    return mask
+
+
+def placement_mask(q_positions: jax.Array, placement: Placement, window: int | None = None) -> jax.Array:
+    """bool [B, T, S]: what a `Placement` lets each query see, within the window if any."""
+    mask = placement.visible
+    if window is not None:
+        mask &= q_positions[:, :, None] - placement.kv_positions[:, None, :] < window
     return mask

@@ -5,16 +5,22 @@ target's cache holds correct entries for positions < length[b] - 1 (the last tok
 no cache yet); entries at or beyond that are stale and masked by position, never cleared.
 
 One step, all shapes fixed:
-  1. the drafter proposes K tokens d and the probabilities q they were drawn from;
-  2. the target scores [last token, d_1..d_K] at positions length-1 .. length+K-1 in one
-     pass, giving its warped probabilities p at K+1 positions;
-  3. `acceptance.accept` keeps n leading drafts and draws one token of the target's own;
+  1. the drafter proposes a token tree per row (a chain of K drafts is the tree where each
+     node has one child): N tokens, their parents, which were proposed, and the
+     distributions q they were drawn from (None when deterministic);
+  2. the target scores [last token, the N nodes] in one pass, node i at position
+     length-1+depth(i), written at slot length-1+i and seeing the prefix, its ancestors
+     and itself; p is its warped distribution at all N+1 of them;
+  3. `acceptance.accept` walks each row's tree: it keeps the longest path the target
+     agrees with (n nodes) and draws one token of the target's own;
   4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
-     and at max_new_tokens). Rolling back the rejected drafts is only this: the target
-     wrote their keys/values, and they are now beyond length-1, stale and masked;
+     and at max_new_tokens); the accepted path's keys/values move to the slots of their
+     positions (nothing moves for a chain: its nodes are already there). Rolling back the
+     rest of the tree is only this: its entries are now beyond length-1, stale and masked;
   5. a row that emitted EOS or reached max_new_tokens is done: its state is frozen under
-     masks while the other rows go on. The loop ends when every row is done.
-Autoregressive decoding is the same step with K = 0 and no drafter.
+     masks while the other rows go on, and drafters are told. The loop ends when every
+     row is done.
+Autoregressive decoding is the same step with an empty tree and no drafter.
 
 The loop knows drafters only through the interface in `specjax.drafters`, and nothing of
 tokenizers or files.
@@ -31,11 +37,12 @@ import numpy as np
 from flax import struct
 
 from specjax import acceptance, sharding
-from specjax.cache import KVCache
+from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids
 from specjax.sampling import Sampling, validate, warp
+from specjax.tree import ancestors, depths
 
 
 @struct.dataclass
@@ -61,7 +68,7 @@ class LoopState:
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
     target_cache: KVCache  # [L, B, S, G, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
-    k_limit: jax.Array  # int32 [B]: drafts each row may propose next step (K unless adaptive)
+    k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
     done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
     key: jax.Array  # PRNG key, split once per step
     stats: Stats
@@ -87,26 +94,30 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
-             num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0,
+             num_draft_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
              eos_token_id: int | None = None, return_trace: bool = False,
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
     draft: None (plain autoregressive decoding), a draft `Model`, or a drafter
-        (`specjax.EarlyExit`, `specjax.PromptLookup`, or anything with their interface).
-    Shapes, num_draft_tokens (K) and max_new_tokens are static; the key, temperature, top_k,
-    top_p and eos_token_id are traced, so changing them never recompiles.
+        (`specjax.DraftModel`, `specjax.EarlyExit`, `specjax.PromptLookup`, or anything with
+        their interface).
+    num_draft_tokens: K, the length of a drafter's chain (default 4). A drafter given a
+        `specjax.Tree` proposes that tree instead: leave it unset (a different K is an error).
+    Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
+    and eos_token_id are traced, so changing them never recompiles.
     return_trace: also return the tokens each step emitted per row (GenerateOutput.trace);
     off, it costs nothing.
-    adaptive_k: move each row's draft length between 1 and K by its last step (+2 when every
-        draft was accepted, -1 otherwise: transformers' heuristic schedule), on the device.
+    adaptive_k: move each row's draft depth between 1 and K (the tree's depth) by its last
+        step (+2 when the deepest proposed node was accepted, -1 otherwise: transformers'
+        heuristic schedule), on the device.
     draft_threshold: a model drafter stops a row's drafting once its own confidence (max
         probability at temperature 1) falls below this (traced; 0 drafts all K).
     mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
         `data`, caches' heads over `model`, as the models' params are (see shard_model).
     """
-    drafter, K = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
+    drafter = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
                                 max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
                                 eos_token_id, draft_threshold)
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
@@ -119,14 +130,14 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
     return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
                      Sampling.make(temperature, top_k, top_p), eos,
                      jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
-                     K=K, return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
+                     return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
                      mesh=mesh, rules=rules)
 
 
 def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_tokens,
                    temperature, top_k, top_p, eos_token_id, draft_threshold):
     """Clear errors for bad requests (values that are traced are not checked); returns the
-    drafter and the static K."""
+    drafter, its shape resolved (None without a draft)."""
     c = target.config
     if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] and lengths [B]; got {prompts.shape} and {lengths.shape}")
@@ -149,14 +160,15 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {c.vocab_size})")
 
     if draft is None:
-        drafter, K = None, 0
+        drafter = None
     else:
-        if not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
+        if num_draft_tokens is not None and (
+                not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 with a draft, got {num_draft_tokens!r}")
-        K = int(num_draft_tokens)
         drafter = DraftModel(draft) if isinstance(draft, Model) else draft
-        if not (hasattr(drafter, "init") and hasattr(drafter, "propose")):
+        if not all(hasattr(drafter, a) for a in ("resolve", "init", "propose")):
             raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
+        drafter = drafter.resolve(None if num_draft_tokens is None else int(num_draft_tokens))
     models = [target]
     if isinstance(drafter, DraftModel):
         check_vocabularies(c.vocab_size, drafter.model)
@@ -168,18 +180,20 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
                 f"{m.config.model_type} model's max_position_embeddings "
                 f"({m.config.max_position_embeddings})")
 
-    return drafter, K
+    return drafter
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "K", "return_trace", "adaptive_k",
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k",
                                              "mesh", "rules"))
 def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
-              *, max_new_tokens: int, K: int, return_trace: bool, adaptive_k: bool,
+              *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
               mesh, rules) -> GenerateOutput:
     B, P = prompts.shape
-    S = P + max_new_tokens + K  # room for the furthest draft of an unfinished row
+    N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
+    # Room for the furthest tree node (or drafter write) of an unfinished row.
+    S = P + max_new_tokens + max(N, 0 if drafter is None else drafter.target_room)
     rows = jnp.arange(B)[:, None]  # [B, 1]
-    offsets = jnp.arange(K + 1)[None, :]  # [1, K+1]
+    offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 
     def place(state: LoopState) -> LoopState:
         """Pins the carry's layout on a mesh: rows over data, cache heads over model."""
@@ -205,7 +219,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     state = LoopState(
         tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
         draft_state=None if drafter is None else drafter.init(target, prompts, lengths, S),
-        k_limit=jnp.full((B,), K, jnp.int32),
+        k_limit=jnp.full((B,), D, jnp.int32),
         done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros),
         step=jnp.zeros((), jnp.int32),
         trace=jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None)
@@ -215,24 +229,39 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         length, active = state.length, ~state.done
         if drafter is None:
             draft_state, cache = None, state.target_cache
-            proposal = Proposal(jnp.zeros((B, 0), jnp.int32),
-                                jnp.zeros((B, 0, target.config.vocab_size), jnp.float32), zeros)
+            proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32),
+                                jnp.zeros((B, 0), bool), None)
         else:
             draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
                 target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
-                key=draft_key, sampling=sampling, k_limit=state.k_limit, threshold=threshold, K=K))
-        drafts = proposal.drafts
+                done=state.done, key=draft_key, sampling=sampling, k_limit=state.k_limit,
+                threshold=threshold))
+        valid = proposal.valid & active[:, None]  # [B, N]
 
-        # Verify: one target pass over [last token, d_1..d_K].
+        # Verify: one target pass over [last token, the N nodes], node i at slot
+        # length-1+i and position length-1+depth(i). A fixed tree's masks are constants;
+        # a chain needs none beyond the causal one.
+        parents = proposal.parents
+        ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
+        depth = depths(ancestor)  # [N+1] or [B, N+1]
+        chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N))
         last = state.tokens[rows[:, 0], length - 1]
-        verify = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, K+1]
-        logits, _, cache = apply(target, verify, length[:, None] - 1 + offsets, cache)
-        p = warp(logits, sampling)  # [B, K+1, V]
-        n, extra = acceptance.accept(accept_key, drafts, proposal.q, p, proposal.num_drafted)
+        verify = jnp.concatenate([last[:, None], proposal.tokens], axis=1)  # [B, N+1]
+        start = length - 1  # the root's slot
+        slots = start[:, None] + jnp.arange(N + 1)[None]  # [B, N+1]
+        placement = None if chain else tree_placement(
+            start, slots, depth, jnp.broadcast_to(ancestor, (B, N + 1, N + 1)), S)
+        logits, _, cache = apply(target, verify, start[:, None] + depth, cache, placement=placement)
+        p = warp(logits, sampling)  # [B, N+1, V]
+        n, path, extra = acceptance.accept(accept_key, proposal.tokens, parents, valid, proposal.q, p, D)
+        if not chain:  # the path's node at depth j+1 moves to slot length+j
+            cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
+                                                                 length[:, None] + offsets[:, :D], S))
 
-        # The row's new tokens: d_1..d_n then the target's own; cut after EOS and at the
+        # The row's new tokens: the path's then the target's own; cut after EOS and at the
         # max_new_tokens budget; nothing for rows already done.
-        new = jnp.where(offsets < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])
+        path_tokens = jnp.take_along_axis(verify, path, axis=1)  # [B, D]
+        new = jnp.where(offsets < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), extra[:, None])
         count = n + 1
         eos_at = (new == eos) & (offsets < count[:, None])
         count = jnp.where(eos_at.any(axis=1), jnp.argmax(eos_at, axis=1) + 1, count)
@@ -244,12 +273,13 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         done = state.done | (eos_at & keep).any(axis=1) | (new_length - lengths >= max_new_tokens)
 
         a = active.astype(jnp.int32)
-        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + proposal.num_drafted * a,
+        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + valid.sum(axis=1),
                       accepted=state.stats.accepted + jnp.minimum(n, count))
         k_limit = state.k_limit
         if adaptive_k:  # transformers' heuristic: +2 after a clean sweep, -1 after a rejection
-            grown = jnp.where(n >= proposal.num_drafted, k_limit + 2, k_limit - 1)
-            k_limit = jnp.where(active, jnp.clip(grown, 1, K), k_limit)
+            reach = jnp.max(jnp.where(valid, depth[..., 1:], 0), axis=1, initial=0)  # deepest proposed
+            grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
+            k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
         trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
         return LoopState(tokens=tokens, length=new_length,
                          target_cache=cache.replace(lengths=new_length - 1),

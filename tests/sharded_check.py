@@ -86,9 +86,9 @@ def main():
                 per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
         # The compiled loop: which all-gathers does it contain, and of what shapes?
         hlo = _generate.lower(
-            sharded_target, specjax.DraftModel(sharded_draft), jnp.asarray(prompts), jnp.asarray(lengths),
-            jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0), max_new_tokens=MAX_NEW,
-            K=K, return_trace=False, adaptive_k=False, mesh=mesh,
+            sharded_target, specjax.DraftModel(sharded_draft).resolve(K), jnp.asarray(prompts),
+            jnp.asarray(lengths), jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
+            max_new_tokens=MAX_NEW, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
         S = prompts.shape[1] + MAX_NEW + K

@@ -125,10 +125,10 @@ def test_early_exit_holds_no_copy_of_the_weights():
     target = init(config, jax.random.key(0), jnp.float32)
     two_layers = sum(x.nbytes for x in jax.tree.leaves(target.params["layers"])) / 2
 
-    def scratch(drafter, K):
+    def scratch(drafter):
         return _generate.lower(target, drafter, jnp.ones((1, 16), jnp.int32), jnp.array([8], jnp.int32),
                                jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
-                               max_new_tokens=16, K=K, return_trace=False, adaptive_k=False, mesh=None,
+                               max_new_tokens=16, return_trace=False, adaptive_k=False, mesh=None,
                                rules=None).compile().memory_analysis().temp_size_in_bytes
 
-    assert scratch(specjax.EarlyExit(2), 4) - scratch(None, 0) < 0.25 * two_layers
+    assert scratch(specjax.EarlyExit(2).resolve(4)) - scratch(None) < 0.25 * two_layers

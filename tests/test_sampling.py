@@ -131,28 +131,24 @@ def test_autoregressive_sampling_is_exact(tiny_pair):
     assert _chi_square_p(observed, expected) > 1e-3
 
 
-def _accept_all(key, drafts, q, p, num_drafted):
-    """Broken: every draft accepted, so the draft's distribution leaks through."""
-    B, K = drafts.shape
-    return jnp.full((B,), K, jnp.int32), specjax.sampling.sample(key, p[:, K])
+def _accept_all(key, tokens, parents, valid, q, p, max_depth):
+    """Broken: every draft of the chain accepted, so the draft's distribution leaks through."""
+    B, N = tokens.shape
+    path = jnp.broadcast_to(jnp.arange(1, max_depth + 1, dtype=jnp.int32), (B, max_depth))
+    return jnp.full((B,), N, jnp.int32), path, specjax.sampling.sample(key, p[:, N])
 
 
-def _resample_from_p(key, drafts, q, p, num_drafted):
+def _keep_p_after_rejection(r, q, x):
     """Broken: the right acceptance test, but after a rejection draws from p, not p - q."""
-    u_key, key = jax.random.split(key)
-    B, K = drafts.shape
-    p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    passed = jax.random.uniform(u_key, (B, K)) * q_d < p_d
-    n = jnp.sum(jnp.cumprod(passed, axis=1), axis=1).astype(jnp.int32)
-    return n, specjax.sampling.sample(key, jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0])
+    return r
 
 
-@pytest.mark.parametrize("broken", [_accept_all, _resample_from_p])
-def test_broken_acceptance_fails_the_test(tiny_pair, monkeypatch, broken):
+@pytest.mark.parametrize("target_name, broken", [("accept", _accept_all),
+                                                 ("remove_rejected", _keep_p_after_rejection)])
+def test_broken_acceptance_fails_the_test(tiny_pair, monkeypatch, target_name, broken):
     """Proof that the chi-square test has teeth."""
     target, draft = tiny_pair
-    monkeypatch.setattr(acceptance, "accept", broken)
+    monkeypatch.setattr(acceptance, target_name, broken)
     jax.clear_caches()
     try:
         observed = _sampled_joint(target, draft, 0, 1.0, 0, 1.0)
@@ -167,11 +163,14 @@ def test_residual_distribution_is_guarded():
     p = jnp.full((2, 2, 5), 0.2)
     q = jnp.full((2, 1, 5), 0.2)
     drafts = jnp.array([[1], [4]], jnp.int32)
-    n, extra = acceptance.accept(jax.random.key(0), drafts, q, p, jnp.array([1, 1]))
-    assert n.tolist() == [1, 1] and ((extra >= 0) & (extra < 5)).all()
+    valid = jnp.ones((2, 1), bool)
+    n, path, extra = acceptance.accept(jax.random.key(0), drafts, np.zeros(1, np.int32), valid, q, p, 1)
+    assert n.tolist() == [1, 1] and path.tolist() == [[1], [1]] and ((extra >= 0) & (extra < 5)).all()
     # a rejection where the residual is all zeros up to rounding
+    left = acceptance.remove_rejected(jnp.full((2, 5), 0.2), jnp.full((2, 5), 0.2), jnp.array([1, 4]))
+    np.testing.assert_allclose(left, 0.2)
     q0 = jnp.zeros((2, 1, 5)).at[:, :, 0].set(1.0)
     p0 = jnp.zeros((2, 2, 5)).at[:, :, 0].set(1.0)
-    n, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32), q0, p0,
-                                 jnp.array([1, 1]))
+    n, _, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32),
+                                    np.zeros(1, np.int32), valid, q0, p0, 1)
     assert n.tolist() == [1, 1] and extra.tolist() == [0, 0]

@@ -1,14 +1,17 @@
 """What proposes tokens. The decoding loop knows drafters only through this interface:
 
+    drafter = drafter.resolve(K)      # its shape: its own tree, or a chain of K (static)
+    drafter.tree, drafter.target_room # N nodes, depth; slots it writes past the target's root
     state = drafter.init(target, prompts, lengths, max_len)     # once, before the loop
     state, target_cache, proposal = drafter.propose(state, request)
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final
-tokens — everything a drafter needs to know about what was accepted last step — plus the
-target and its cache (which a drafter that shares the target's weights may write into and
-must hand back), the key, the sampling parameters, K, and how many tokens each row may
-draft. A `Proposal` holds the drafts, the probabilities q they were drawn from (warped
-like the target's; one-hot for a deterministic drafter) and how many each row proposed.
+tokens — everything a drafter needs to know about what was accepted last step — plus
+which rows are done, the target and its cache (which a drafter that shares the target's
+weights may write into and must hand back), the key, the sampling parameters, and how deep
+each row may draft. A `Proposal` is a token tree per row: the tokens, each node's parent
+(numpy for a fixed shape), which nodes were proposed, and the distributions q they were
+drawn from — or None when the drafter is deterministic (one-hot q, never materialised).
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
 """
 

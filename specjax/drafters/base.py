@@ -1,5 +1,5 @@
-"""The drafter interface's two records and the autoregressive proposal loop that model
-drafters (a second model, an early exit of the target) share."""
+"""The drafter interface's two records, and `grow`, the tree expansion that model drafters
+(a second model, an early exit of the target) share: a chain is its one-child case."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from specjax.cache import KVCache
+from specjax.cache import KVCache, tree_placement
 from specjax.sampling import Sampling, sample, warp
+from specjax.tree import Tree
 
 
 @struct.dataclass
@@ -19,58 +21,154 @@ class DraftRequest:
     target_cache: KVCache  # valid below length - 1; a drafter may write beyond, and returns it
     tokens: jax.Array  # int32 [B, S]: the loop's token buffer
     length: jax.Array  # int32 [B]: final tokens per row
+    done: jax.Array  # bool [B]: finished rows; nothing drafted for them is used
     key: jax.Array
     sampling: Sampling
-    k_limit: jax.Array  # int32 [B]: at most this many drafts per row this step (<= K)
+    k_limit: jax.Array  # int32 [B]: no node deeper than this per row (<= the tree's depth)
     threshold: jax.Array  # float32 []: stop a row's drafting when the draft's confidence is lower
-    K: int = struct.field(pytree_node=False)  # the static maximum
 
 
 @struct.dataclass
 class Proposal:
-    drafts: jax.Array  # int32 [B, K]; entries at j >= num_drafted[b] are ignored
-    q: jax.Array  # float32 [B, K, V]: what each draft was drawn from
-    num_drafted: jax.Array  # int32 [B]
+    """A token tree per row. Node i (1..N) is tokens[:, i-1]; node 0 is the root, the row's
+    last final token. Nodes come after their parents."""
+
+    tokens: jax.Array  # int32 [B, N]
+    # Each node's parent (0 = the root): numpy int32 [N] for a tree of fixed shape, which
+    # the loop turns into masks at trace time, or int32 [B, N] for per-row trees.
+    parents: Any
+    valid: jax.Array  # bool [B, N]: proposed nodes (a valid node's parent is valid)
+    # float32 [B, N, V]: the distribution each node was drawn from (warped like the
+    # target's), or None when every node is deterministic (its q is one-hot).
+    q: jax.Array | None
 
 
-# forward(cache, tokens [B, T], positions [B, T]) -> (cache, logits [B, T, V_target])
-Forward = Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]]
+# forward(cache, tokens [B, T], positions [B, T], placement) -> (cache, logits [B, T, V_target])
+Forward = Callable[[Any, jax.Array, jax.Array, Any], tuple[Any, jax.Array]]
 
 
-def draft_autoregressively(forward: Forward, cache, logits0: jax.Array, request: DraftRequest):
-    """Proposes up to K tokens one at a time from logits0 [B, V] (the distribution of the
-    token at position length). A row stops at its k_limit or when the draft's own
-    (temperature-1) confidence max q falls below the threshold; the loop stops as soon as
-    no row goes on, and never runs a forward pass whose output nobody needs.
-    Returns (cache, Proposal)."""
+def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request: DraftRequest,
+         tree: Tree):
+    """Grows each row's tree from logits0 [B, V], the draft's logits for the token after the
+    root, with the draft's cache valid for positions < start [B] (= length).
+
+    Depth by depth, every frontier node's top_k candidates (or top_k samples for sampled
+    siblings) form a [W, C] grid; the next frontier is picked from it (by the static tree's
+    table, or the W of highest cumulative draft log-probability) and fed to the draft in
+    one pass of W tokens, written at region slots start + d*W + w and each seeing its own
+    ancestors. The deepest candidates are never fed. A row stops growing at its k_limit or
+    when its frontier's best confidence (max probability at temperature 1) falls below the
+    threshold; the loop stops when no row grows. Returns (cache, Proposal)."""
     B, V = logits0.shape
-    K = request.K
+    D, W, C, R = tree.depth, tree.width, tree.top_k, tree.region
+    sampled = tree.siblings == "sampled"
+    S = cache.max_len
+    region_offsets = np.arange(R) // W  # region slot r holds a node of depth r // W + 1, at position start + r // W
+    if tree.is_static:
+        expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
 
-    def distributions(logits):
-        return warp(logits, request.sampling), jax.nn.softmax(logits, axis=-1).max(axis=-1)
+    def grid(d, logits, f_valid, f_score, going, key):
+        """Candidates of depth d+1 from the frontier at depth d: tokens, log q, validity [B, W, C]
+        and (sampled siblings) the distribution they were drawn from [B, W, V]."""
+        logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
+        if sampled:
+            q = warp(logits, request.sampling)
+            tokens = sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V)))
+        else:
+            q = None
+            tokens = jax.lax.top_k(logits, C)[1]
+        score = f_score[:, :, None] + jnp.take_along_axis(logq, tokens, axis=-1)
+        valid = f_valid[:, :, None] & going[:, None, None]
+        if tree.is_static:
+            valid &= node_table[d][None] > 0
+        return tokens.astype(jnp.int32), score, valid, q
+
+    def next_frontier(d, score, valid):
+        """Which W cells of the depth-(d+1) grid (flat w*C + c) are expanded next."""
+        flat_valid = valid.reshape(B, W * C)
+        if tree.is_static:
+            cells = jnp.broadcast_to(jnp.maximum(expand_table[d + 1], 0), (B, W))
+            return cells, (expand_table[d + 1] >= 0)[None] & jnp.take_along_axis(flat_valid, cells, 1)
+        ranked = jnp.where(flat_valid, score.reshape(B, W * C), -jnp.inf)
+        cells = jax.lax.top_k(ranked, W)[1]
+        return cells, jnp.take_along_axis(flat_valid, cells, 1)
 
     def go_on(carry):
-        j, _, _, _, _, _, going, _ = carry
-        return (j < K) & jnp.any(going)
+        d, going = carry[0], carry[-1]
+        return (d < D) & jnp.any(going)
 
     def step(carry):
-        j, cache, q, confidence, drafts, qs, going, num = carry
-        going = going & (j < request.k_limit) & (confidence >= request.threshold)
-        token = sample(jax.random.fold_in(request.key, j), q)  # [B]
-        drafts = drafts.at[:, j].set(token)
-        qs = qs.at[:, j].set(q)
-        num = num + going.astype(jnp.int32)
+        d, cache, logits, f_valid, f_score, f_pool, f_sees, pool, going = carry
+        confidence = jnp.max(jnp.where(f_valid[..., None], jax.nn.softmax(logits, axis=-1), 0.0), axis=(1, 2))
+        going = going & (d < request.k_limit) & (confidence >= request.threshold)
+        tokens, score, valid, q = grid(d, logits, f_valid, f_score, going, jax.random.fold_in(request.key, d))
+        parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
+        pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool,
+                            (tokens, score, valid, parent, q if sampled else None))
 
         def feed(cache):
-            cache, logits = forward(cache, token[:, None], (request.length + j)[:, None])
-            return (cache, *distributions(logits[:, 0]))
+            cells, n_valid = next_frontier(d, score, valid)
+            take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
+            slots = start[:, None] + d * W + jnp.arange(W)[None]  # [B, W]
+            own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
+            sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
+            positions = jnp.broadcast_to(start[:, None] + d, (B, W))
+            placement = None if tree.is_chain else tree_placement(start, slots, region_offsets, sees, S)
+            cache, logits = forward(cache, take(tokens), positions, placement)
+            return cache, logits, n_valid, take(score), d * W * C + cells, sees
 
-        cache, q, confidence = jax.lax.cond((j + 1 < K) & jnp.any(going), feed,
-                                            lambda cache: (cache, q, confidence), cache)
-        return j + 1, cache, q, confidence, drafts, qs, going, num
+        frontier = (cache, logits, f_valid, f_score, f_pool, f_sees)
+        cache, logits, f_valid, f_score, f_pool, f_sees = jax.lax.cond(
+            (d + 1 < D) & jnp.any(going), lambda f: feed(f[0]), lambda f: f, frontier)
+        return d + 1, cache, logits, f_valid, f_score, f_pool, f_sees, pool, going
 
-    q0, confidence0 = distributions(logits0)
-    carry = (jnp.zeros((), jnp.int32), cache, q0, confidence0, jnp.zeros((B, K), jnp.int32),
-             jnp.zeros((B, K, V), jnp.float32), jnp.ones((B,), bool), jnp.zeros((B,), jnp.int32))
-    _, cache, _, _, drafts, qs, _, num = jax.lax.while_loop(go_on, step, carry)
-    return cache, Proposal(drafts, qs, num)
+    pool = (jnp.zeros((B, D, W, C), jnp.int32), jnp.full((B, D, W, C), -jnp.inf),
+            jnp.zeros((B, D, W, C), bool), jnp.full((B, D, W, C), -1, jnp.int32),
+            jnp.zeros((B, D, W, V), jnp.float32) if sampled else None)
+    first = jnp.arange(W)[None] == 0  # the root is the only frontier node at depth 0
+    carry = (jnp.zeros((), jnp.int32), cache, jnp.broadcast_to(logits0[:, None], (B, W, V)),
+             jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
+             jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
+    carry = jax.lax.while_loop(go_on, step, carry)
+    cache, (tokens, score, valid, parent, q) = carry[1], carry[7]
+    return cache, _select(tree, tokens, score, valid, parent, q)
+
+
+def _select(tree: Tree, tokens, score, valid, parent, q) -> Proposal:
+    """The tree's N nodes out of the pool of candidates [B, D, W, C] (parent: pool index, -1
+    for the root's children; q [B, D, W, V] or None)."""
+    B, D, W, C = tokens.shape
+    flat = lambda x: x.reshape(B, D * W * C)  # noqa: E731
+    if tree.is_static:
+        _, node_table = tree.frontier_tables
+        cell = np.argsort(node_table.ravel(), kind="stable")[-tree.nodes:]  # node i's pool cell
+        chosen = jnp.broadcast_to(jnp.asarray(cell), (B, tree.nodes))
+        parents, valid_chosen = tree.parents, jnp.take_along_axis(flat(valid), chosen, 1)
+    else:
+        ranked = jnp.where(flat(valid), flat(score), -jnp.inf)
+        chosen = jnp.sort(jax.lax.top_k(ranked, tree.nodes)[1], axis=1)  # parents before children
+        verify_index = jnp.zeros((B, D * W * C + 1), jnp.int32).at[
+            jnp.arange(B)[:, None], chosen].set(jnp.arange(1, tree.nodes + 1)[None])
+        pool_parent = jnp.take_along_axis(flat(parent), chosen, 1)
+        parents = jnp.where(pool_parent < 0, 0, jnp.take_along_axis(verify_index, jnp.maximum(pool_parent, 0), 1))
+        # Closed under prefixes: a child never outscores its parent, and ties go to the
+        # lower (parent's) index; a node whose parent was not kept is dropped regardless.
+        valid_chosen = jnp.take_along_axis(flat(valid), chosen, 1) & ((pool_parent < 0) | (parents > 0))
+    q_chosen = None
+    if q is not None:
+        q_chosen = jnp.take_along_axis(q.reshape(B, D * W, -1), (chosen // C)[..., None], axis=1)
+    return Proposal(tokens=jnp.take_along_axis(flat(tokens), chosen, 1), parents=parents,
+                    valid=valid_chosen, q=q_chosen)
+
+
+def shape_for(tree: Tree | None, K: int | None, siblings: str) -> Tree:
+    """The tree a drafter proposes: its own, or a chain of K (`generate`'s num_draft_tokens).
+    With a tree the tree fixes the shape, so a different K is an error."""
+    if tree is None:
+        return Tree.chain(4 if K is None else K, siblings)
+    if not isinstance(tree, Tree):
+        raise TypeError(f"tree must be a specjax.Tree, got {type(tree).__name__}")
+    if K is not None and K != tree.nodes:
+        raise ValueError(f"the tree fixes the draft's shape ({tree.nodes} nodes, depth {tree.depth}); "
+                         f"num_draft_tokens={K} conflicts with it: leave num_draft_tokens unset")
+    return tree

@@ -1,10 +1,12 @@
 """Self-speculation by early exit (LayerSkip; "draft with the first N layers"): the draft
-is the target's first N layers, its final norm and its head.
+is the target's first N layers, its final norm and its head, proposing a chain (sampled)
+or a `specjax.Tree`.
 
 It holds no weights of its own — it runs the target's, read in place — and no cache of
-its own: it writes the target's cache for layers < N at the positions it drafts. That is
-correct because the target's verification pass rewrites every one of those positions
-(length-1 .. length+K-1) in every layer before anything reads them as final.
+its own: it writes the target's cache for layers < N, at the last final token's slot and
+at the slots of the tree it grows past it. That is correct because the verification pass
+rewrites the root's and every node's slot in every layer before anything reads them as
+final, and slots past those are stale by the loop's invariant.
 """
 
 from __future__ import annotations
@@ -12,13 +14,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import DraftRequest, draft_autoregressively
+from specjax.drafters.base import DraftRequest, grow, shape_for
 from specjax.models import Model, apply
+from specjax.tree import Tree
 
 
 @struct.dataclass
 class EarlyExit:
     num_layers: int = struct.field(pytree_node=False)
+    tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
+
+    def resolve(self, K: int | None) -> "EarlyExit":
+        return self.replace(tree=shape_for(self.tree, K, "sampled"))
+
+    @property
+    def target_room(self) -> int:
+        """Slots past the root it writes in the target's cache: the tree's region."""
+        return self.tree.region
 
     def init(self, target: Model, prompts, lengths, max_len):
         if not 1 <= self.num_layers < target.config.num_layers:
@@ -27,15 +39,14 @@ class EarlyExit:
         return None
 
     def propose(self, state, request: DraftRequest):
-        def forward(cache, tokens, positions):
+        def forward(cache, tokens, positions, placement=None):
             logits, _, cache = apply(request.target, tokens, positions, cache,
-                                     exit_layer=self.num_layers)
+                                     exit_layer=self.num_layers, placement=placement)
             return cache, logits
 
         # The target's cache holds every position < length - 1: feed only the last token.
         last = (request.length - 1)[:, None]  # [B, 1]
         rows = jnp.arange(last.shape[0])[:, None]
         cache, logits = forward(request.target_cache, request.tokens[rows, last], last)
-        cache, proposal = draft_autoregressively(forward, cache, logits[:, -1], request)
+        cache, proposal = grow(forward, cache, logits[:, -1], request.length, request, self.tree)
         return state, cache, proposal
-

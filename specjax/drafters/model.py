@@ -1,9 +1,13 @@
-"""A second, smaller model as the drafter.
+"""A second, smaller model as the drafter, proposing a chain (sampled from its warped q) or
+a `specjax.Tree`.
 
-It keeps its own KV cache. Each step it first feeds the last two final tokens at positions
-length-2 and length-1 (its cache lacks one of them, or both when every draft was accepted;
-rewriting a slot it already holds is harmless), then proposes tokens one at a time. It
-knows the target only through the vocabulary it must speak.
+It keeps its own KV cache. Each step it first catches up on the final tokens its cache
+lacks, then grows the tree (`base.grow`). After a chain, its drafts sit at the slots of
+their positions, so feeding the last two final tokens (positions length-2, length-1) is
+enough: its cache lacks one of them, or both when every draft was accepted. A tree's nodes
+sit in a region of its own, so it re-feeds every token since the last step's length (at
+most depth + 1), overwriting the region in position order. It knows the target only
+through the vocabulary it must speak.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.drafters.base import DraftRequest, draft_autoregressively
+from specjax.drafters.base import DraftRequest, grow, shape_for
 from specjax.models import Model, apply
+from specjax.tree import Tree
 
 # Embedding tables that differ by at most this many rows are taken to be padded copies of
 # one vocabulary (e.g. rounded up to a multiple of 64/128 for the hardware).
@@ -32,11 +37,18 @@ def check_vocabularies(target_vocab: int, draft: Model):
 @struct.dataclass
 class DraftModel:
     model: Model
+    tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
+
+    def resolve(self, K: int | None) -> "DraftModel":
+        return self.replace(tree=shape_for(self.tree, K, "sampled"))
+
+    target_room = 0  # it never writes the target's cache
 
     def init(self, target: Model, prompts, lengths, max_len):
         """Prefills the draft's cache with the prompts. prompts [B, P], lengths [B]."""
         B, P = prompts.shape
-        cache = KVCache.init(self.model.config, B, max_len, self.model.dtype)
+        cache = KVCache.init(self.model.config, B, max_len + self.tree.region + self.tree.depth + 1,
+                             self.model.dtype)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         _, _, cache = apply(self.model, prompts, positions, cache)
         return cache.replace(lengths=lengths - 1)
@@ -44,8 +56,8 @@ class DraftModel:
     def propose(self, cache, request: DraftRequest):
         V = request.target.config.vocab_size
 
-        def forward(cache, tokens, positions):
-            logits, _, cache = apply(self.model, tokens, positions, cache)
+        def forward(cache, tokens, positions, placement=None):
+            logits, _, cache = apply(self.model, tokens, positions, cache, placement=placement)
             Vd = logits.shape[-1]
             if Vd > V:  # the draft's padding rows are not tokens of the target
                 logits = logits[..., :V]
@@ -53,9 +65,14 @@ class DraftModel:
                 logits = jnp.pad(logits, ((0, 0), (0, 0), (0, V - Vd)), constant_values=-jnp.inf)
             return cache, logits
 
-        rows = jnp.arange(request.length.shape[0])[:, None]
-        positions = jnp.maximum(request.length[:, None] + jnp.arange(-2, 0), 0)  # [B, 2]
+        length = request.length
+        rows = jnp.arange(length.shape[0])[:, None]
+        if self.tree.is_chain:
+            first, count = jnp.maximum(length - 2, 0), 2
+        else:  # cache.lengths: the length at the last step, whose region is now overwritten
+            first, count = cache.lengths, self.tree.depth + 1
+        positions = first[:, None] + jnp.arange(count)[None]  # [B, count]
         cache, logits = forward(cache, request.tokens[rows, positions], positions)
-        cache = cache.replace(lengths=request.length)  # what follows is speculative
-        cache, proposal = draft_autoregressively(forward, cache, logits[:, -1], request)
-        return cache, request.target_cache, proposal
+        last = jnp.take_along_axis(logits, (length - 1 - first)[:, None, None], axis=1)[:, 0]  # [B, V]
+        cache, proposal = grow(forward, cache, last, length, request, self.tree)
+        return cache.replace(lengths=length), request.target_cache, proposal

@@ -6,7 +6,8 @@ e it measures how many tokens ending at e equal the tokens ending at length-1 (u
 max_ngram), takes the longest match of at least min_ngram tokens (among equals, the one
 followed by the most known tokens, up to K, then the most recent), and proposes the up to
 K tokens that followed it. Without a match a row proposes
-nothing and the step yields the target's own token. Its q is one-hot: it does not sample.
+nothing and the step yields the target's own token. Its drafts are deterministic (q is
+one-hot, never built): a chain verified by the top-k rule.
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import DraftRequest, Proposal
+from specjax.drafters.base import DraftRequest, Proposal, shape_for
+from specjax.tree import Tree
 
 
 @struct.dataclass
 class PromptLookup:
     max_ngram: int = struct.field(pytree_node=False, default=3)
     min_ngram: int = struct.field(pytree_node=False, default=1)
+    tree: Tree | None = struct.field(pytree_node=False, default=None)  # a chain of K, set by generate
+    target_room = 0
+
+    def resolve(self, K: int | None) -> "PromptLookup":
+        tree = shape_for(self.tree, K, "top_k")
+        if not tree.is_chain:
+            raise ValueError("PromptLookup proposes one continuation: a chain, not a tree")
+        return self.replace(tree=tree)
 
     def init(self, target, prompts, lengths, max_len):
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -30,7 +40,7 @@ class PromptLookup:
         return None
 
     def propose(self, state, request: DraftRequest):
-        tokens, length, K = request.tokens, request.length, request.K
+        tokens, length, K = request.tokens, request.length, self.tree.nodes
         B, S = tokens.shape
         rows = jnp.arange(B)[:, None, None]
         ends = jnp.arange(S)[None, None, :]  # [1, 1, S]: candidate match ends e
@@ -52,8 +62,7 @@ class PromptLookup:
 
         follow = end[:, None] + 1 + jnp.arange(K)[None]  # [B, K]
         available = jnp.where(found, length - 1 - end, 0)  # tokens known after the match
-        num = jnp.minimum(jnp.minimum(available, K), request.k_limit).astype(jnp.int32)
+        num = jnp.where(request.done, 0, jnp.minimum(available, request.k_limit))
         drafts = jnp.take_along_axis(tokens, jnp.clip(follow, 0, S - 1), axis=1)
-        V = request.target.config.vocab_size
-        q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
-        return state, request.target_cache, Proposal(drafts, q, num)
+        valid = jnp.arange(K)[None] < num[:, None]
+        return state, request.target_cache, Proposal(drafts, self.tree.parents, valid, q=None)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.cache import KVCache
+from specjax.cache import KVCache, Placement
 from specjax.config import ModelConfig
 from specjax.models.transformer import Decoder
 
@@ -46,12 +46,14 @@ def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
 
 
 def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-          exit_layer: int | None = None):
+          exit_layer: int | None = None, placement: Placement | None = None):
     """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache).
 
-    exit_layer: run only the first exit_layer layers, then the final norm and head."""
+    exit_layer: run only the first exit_layer layers, then the final norm and head.
+    placement: where the tokens go in the cache and what they see, when not "slot =
+    position, causal" (a token tree; see cache.Placement)."""
     decoder = Decoder(model.config, exit_layer=exit_layer)
-    return decoder.apply({"params": model.params}, tokens, positions, cache)
+    return decoder.apply({"params": model.params}, tokens, positions, cache, placement)
 
 
 @jax.jit

@@ -6,6 +6,9 @@ and run with `nn.scan`, so compile time does not grow with depth. With a cache, 
 writes its new keys/values at each row's own positions and attends over the whole buffer,
 masked by position; without one, it attends over the T tokens given (a full causal pass).
 
+A `Placement` (cache.py) overrides "slot = position, causal" for one pass: token trees
+write their nodes at consecutive slots and let each see only its ancestors.
+
 The decoder does not touch `cache.lengths`: which written entries are valid is decided by
 whoever drives it (the decoding loop). It knows nothing about checkpoints or sampling.
 """
@@ -16,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from specjax.cache import KVCache, attention_mask, write
+from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
 from specjax.config import ModelConfig
 from specjax.models.layers import MLP, Attention, Norm, init
 
@@ -27,13 +30,13 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions, masks):
+    def __call__(self, carry, layer, positions, slots, masks):
         x, cache_k, cache_v = carry  # x [B, T, E]; cache_k/v [L, B, S, G, D] or None
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions)
         if cache_k is not None:
             i = layer["index"]
-            cache_k, cache_v = write(cache_k, i, k, positions), write(cache_v, i, v, positions)
+            cache_k, cache_v = write(cache_k, i, k, slots), write(cache_v, i, v, slots)
             k, v = cache_k[i], cache_v[i]  # [B, S, G, D]
         full_mask, window_mask = masks
         mask = full_mask if window_mask is None else jnp.where(layer["sliding"], window_mask, full_mask)
@@ -49,7 +52,7 @@ class Decoder(nn.Module):
     exit_layer: int | None = None  # run only the first exit_layer layers, then norm and head
 
     @nn.compact
-    def __call__(self, tokens, positions, cache: KVCache | None = None):
+    def __call__(self, tokens, positions, cache: KVCache | None = None, placement: Placement | None = None):
         c = self.config
         embedding = self.param("embedding", init, (c.vocab_size, c.hidden_size))
         x = embedding[tokens]  # [B, T, E]
@@ -60,16 +63,22 @@ class Decoder(nn.Module):
 
         windows = c.layer_windows()
         window = next((w for w in windows if w is not None), None)
-        kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
-        masks = (attention_mask(positions, kv_positions),
-                 None if window is None else attention_mask(positions, kv_positions, window))
+        if placement is not None:
+            slots = placement.slots
+            masks = (placement_mask(positions, placement),
+                     None if window is None else placement_mask(positions, placement, window))
+        else:
+            slots = positions
+            kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
+            masks = (attention_mask(positions, kv_positions),
+                     None if window is None else attention_mask(positions, kv_positions, window))
         layers = {"index": jnp.arange(c.num_layers),
                   "sliding": jnp.array([w is not None for w in windows])}
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
+                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
         if self.exit_layer is None or self.is_initializing():
-            (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, masks)
+            (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, slots, masks)
         else:
             # Early exit: the first exit_layer layers, each read in place from the stacked
             # weights (no copy of the slice), writing the shared cache's own layers.
@@ -78,7 +87,7 @@ class Decoder(nn.Module):
             def run_layer(i, carry):
                 params = jax.tree.map(lambda w: w[i], stacked)
                 layer = jax.tree.map(lambda a: a[i], layers)
-                return Block(c).apply({"params": params}, carry, layer, positions, masks)[0]
+                return Block(c).apply({"params": params}, carry, layer, positions, slots, masks)[0]
 
             x, cache_k, cache_v = jax.lax.fori_loop(0, self.exit_layer, run_layer, carry)
         hidden = Norm(c, name="final_norm")(x)
