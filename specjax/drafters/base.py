@@ -78,7 +78,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
             q = None
             tokens = jax.lax.top_k(logits, C)[1]
         score = f_score[:, :, None] + jnp.take_along_axis(logq, tokens, axis=-1)
-        valid = f_valid[:, :, None] & going[:, None, None]
+        valid = jnp.broadcast_to(f_valid[:, :, None] & going[:, None, None], (B, W, C))
         if tree.is_static:
             valid &= node_table[d][None] > 0
         return tokens.astype(jnp.int32), score, valid, q
