@@ -64,6 +64,9 @@ def main():
         [list(rng.randint(0, 389, n)) for n in rng.randint(2, 15, 8)], bucket=16)
     kwargs = dict(draft=draft, max_new_tokens=MAX_NEW, num_draft_tokens=K)
     single = specjax.generate(target, prompts, lengths, **kwargs)
+    tree = specjax.Tree(depth=3, top_k=2, nodes=6)
+    single_tree = specjax.generate(target, prompts, lengths, max_new_tokens=MAX_NEW,
+                                   draft=specjax.DraftModel(draft, tree))
     findings = {"single_accepted": int(single.stats.accepted.sum()), "meshes": {},
                 "detector_works": detector_sees_a_whole_weight_gather()}
 
@@ -80,6 +83,8 @@ def main():
         sharded_draft = specjax.shard_model(draft, mesh)
         out = specjax.generate(sharded_target, prompts, lengths, mesh=mesh,
                                **{**kwargs, "draft": sharded_draft})
+        out_tree = specjax.generate(sharded_target, prompts, lengths, mesh=mesh, max_new_tokens=MAX_NEW,
+                                    draft=specjax.DraftModel(sharded_draft, tree))
         per_device = {}
         for leaf in jax.tree.leaves(sharded_target.params):
             for shard in leaf.addressable_shards:
@@ -96,6 +101,8 @@ def main():
         findings["meshes"][f"{data}x{model}"] = {
             "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
                           and np.array_equal(np.asarray(out.num_tokens), np.asarray(single.num_tokens))),
+            "tree_equal": bool(np.array_equal(np.asarray(out_tree.tokens), np.asarray(single_tree.tokens))
+                               and np.array_equal(np.asarray(out_tree.tokens), np.asarray(single.tokens))),
             "max_device_fraction": max(per_device.values()) / total_bytes,
             "whole_weight_gathers": sorted({str(g) for g in gathered if g in full_shapes}),
             "all_gathers": len(gathered),

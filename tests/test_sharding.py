@@ -26,6 +26,7 @@ def findings():
 def test_sharded_generate_equals_single_device(findings, mesh):
     assert findings["single_accepted"] > 0  # both the accept and the reject paths ran
     assert findings["meshes"][mesh]["equal"]
+    assert findings["meshes"][mesh]["tree_equal"]  # a token tree too, and greedy == the chain's
 
 
 @pytest.mark.parametrize("mesh, most", [("1x8", 0.2), ("2x4", 0.5)])
