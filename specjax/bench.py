@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import theory
-from specjax.cache import KVCache
+from specjax.cache import KVCache, tree_placement
 from specjax.config import ModelConfig
-from specjax.drafters import EarlyExit, PromptLookup
+from specjax.drafters import DraftModel, EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
 from specjax.models import Model, apply, init
+from specjax.tree import Tree, ancestors, depths
 
 
 # ---- timing ----------------------------------------------------------------------------
@@ -46,18 +47,27 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, exit_layer=None) -> float:
+def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, exit_layer=None,
+              tree: bool = False) -> float:
     """Median seconds of one cached forward pass over T tokens per row, timed as 50 passes
-    inside one compiled loop (as generate runs them: no Python dispatch in between)."""
+    inside one compiled loop (as generate runs them: no Python dispatch in between).
+    tree: with a tree's placement (its mask built in the pass), as tree verification runs."""
     cache = KVCache.init(model.config, batch, cache_len, model.dtype)
     tokens = jnp.ones((batch, T), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + cache_len // 2, (batch, T))
+    start = jnp.full((batch,), cache_len // 2, jnp.int32)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
     passes = 50
 
     @jax.jit
     def loop(model, cache):
         def one(i, cache):
-            logits, _, cache = apply(model, tokens, positions, cache, exit_layer=exit_layer)
+            placement = None
+            if tree:  # the mask's content does not change the cost; a chain's shape serves
+                anc = ancestors(np.arange(T - 1, dtype=np.int32))
+                placement = tree_placement(start + i % 2, positions, depths(anc),
+                                           jnp.broadcast_to(anc, (batch, T, T)), cache_len)
+            logits, _, cache = apply(model, tokens, positions, cache, exit_layer=exit_layer,
+                                     placement=placement)
             return cache.replace(lengths=cache.lengths + (logits[:, 0, 0] > jnp.inf))  # keep it live
         return jax.lax.fori_loop(0, passes, one, cache)
 
@@ -69,7 +79,7 @@ class Run:
     """One timed configuration over the whole prompt set."""
 
     drafter: str
-    K: int
+    K: int  # draft tokens per step (a tree's node count)
     temperature: float
     batch: int
     seconds: float
@@ -84,6 +94,8 @@ class Run:
     verify_ms: float | None = None  # one target pass over K+1 tokens, in a compiled loop
     exact: bool | None = None
     trace: list | None = None  # tokens per step of the first row of the first batch
+    shape: str = ""  # "chain" or the tree: depth/top_k/nodes
+    accelerator: float | None = None  # predicted speedup where a pass costs its one-token time
 
     @property
     def acceptance(self):
@@ -98,7 +110,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
                   name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0,
                   **options) -> tuple[Run, list]:
     """Runs every prompt (in batches of `batch`) and times the whole set; returns the Run and
-    the generated rows (for exactness checks)."""
+    the generated rows (for exactness checks). K=None: the drafter's own tree fixes the shape."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
     padded = [pad_prompts(g) for g in groups]
     result = {}
@@ -106,7 +118,8 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     def call():
         result["outs"] = [jax.block_until_ready(generate(
             target, p, l, draft=drafter, key=jax.random.key(seed), max_new_tokens=max_new_tokens,
-            num_draft_tokens=max(K, 1), temperature=temperature, eos_token_id=eos_token_id,
+            num_draft_tokens=None if K is None else max(K, 1), temperature=temperature,
+            eos_token_id=eos_token_id,
             return_trace=True, **options)) for p, l in padded]
 
     seconds = median_time(call, repeats)
@@ -115,7 +128,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
     first = outs[0]
     trace = first.trace[0, : int(first.stats.steps[0])].tolist()
-    run = Run(name, K, temperature, batch, seconds, total(lambda o: o.num_tokens),
+    run = Run(name, K or 0, temperature, batch, seconds, total(lambda o: o.num_tokens),
               total(lambda o: o.stats.steps), total(lambda o: o.stats.drafted),
               total(lambda o: o.stats.accepted), trace=trace)
     run.tokens_per_s = run.tokens / seconds
@@ -175,7 +188,8 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int 
 
 def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
-             max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, log=print) -> dict:
+             max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, trees_only=False,
+             log=print) -> dict:
     from specjax.hf import load_model, load_tokenizer
 
     temperatures = tuple(sorted(set(temperatures) | {0.0}))  # greedy is the reference run
@@ -191,6 +205,12 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each; median of {repeats}")
     log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
+    if trees_only:
+        auto, auto_rows = time_generate(target, prompts, 1, repeats, None, 0, "none", 0.0, max_new_tokens)
+        report = {"trees": run_trees(target, draft, prompts, auto, auto_rows, max_new_tokens, repeats,
+                                     cache_len + 64, log=log)}
+        _write(report, out_dir, "trees.json", log)
+        return report
 
     def speculate(K, temperature, batch, drafter=None, name="draft", on=None, **options):
         run, rows = time_generate(target, on or prompts, batch, repeats, drafter or draft, K, name,
@@ -247,19 +267,76 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     positions = per_position_acceptance(full_traces, max(ks))
 
     _print_tables(runs, by_batch, others, positions, best_k, log)
-    report = {"c": c, "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
+    trees = run_trees(target, draft, prompts, auto[0.0], auto_greedy_rows, max_new_tokens, repeats,
+                      cache_len + 64, log=log)
+    report = {"trees": trees, "c": c, "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
               "runs": [_as_dict(r) for r in runs], "batches": [[_as_dict(b), _as_dict(s)] for b, s in by_batch],
               "other_drafters": [_as_dict(r) for r in others], "per_position_acceptance": positions}
     if hf:
         report["transformers"] = run_transformers(target_path, draft_path, prompts, max_new_tokens,
                                                   repeats, auto[0.0], [r for r in greedy if r.K == best_k][0], log)
     if out_dir:
+        _write(report, out_dir, "bench.json", log)
+        plot(report, Path(out_dir))
+        log(f"wrote plots in {out_dir}/")
+    return report
+
+
+def _write(report: dict, out_dir: str | None, name: str, log):
+    if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out)
-        log(f"wrote {out / 'bench.json'} and plots in {out}/")
-    return report
+        (out / name).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {out / name}")
+
+
+# ---- trees ----------------------------------------------------------------------------
+
+# Top-2 dynamic trees of depths 5..10 against chains of the same depths, and a static tree.
+TREES = (Tree(5, 2, 16), Tree(6, 2, 20), Tree(8, 2, 24), Tree(10, 2, 32), Tree(8, 4, 32),
+         Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0),
+                          (0, 0, 0, 0, 0)]))
+
+
+def describe(tree: Tree) -> str:
+    if tree.is_chain:
+        return f"chain {tree.depth}"
+    return f"{'static' if tree.is_static else 'tree'} d{tree.depth} k{tree.top_k} n{tree.nodes}"
+
+
+def run_trees(target, draft, prompts, auto: Run, auto_rows, max_new_tokens, repeats, cache_len,
+              trees=TREES, log=print) -> dict:
+    """Chains against trees for the draft model and early exit (greedy, batch 1): tokens per
+    target pass, tok/s, speedup, exactness; the verification pass's measured cost by node
+    count; and what the tokens per pass predict on an accelerator, where a pass over up to
+    ~64 tokens costs about what one token costs at batch 1: tokens per pass / (1 + depth x c),
+    c the measured one-token cost of a draft step over a target pass."""
+    L = target.config.num_layers
+    t_target = pass_time(target, 1, 1, cache_len, repeats)
+    exit_layers = max(1, L // 2)
+    drafters = {"draft": (lambda tree: DraftModel(draft, tree), pass_time(draft, 1, 1, cache_len, repeats)),
+                f"early exit {exit_layers}": (lambda tree: EarlyExit(exit_layers, tree),
+                                              pass_time(target, 1, 1, cache_len, repeats, exit_layer=exit_layers))}
+    shapes = sorted({t.depth for t in trees})
+    runs = []
+    for name, (make, t_draft) in drafters.items():
+        for tree in [Tree.chain(d) for d in shapes] + list(trees):
+            run, rows = time_generate(target, prompts, 1, repeats, make(tree), None, name, 0.0, max_new_tokens)
+            run.shape, run.K = describe(tree), tree.nodes
+            run.speedup, run.exact = run.tokens_per_s / auto.tokens_per_s, rows == auto_rows
+            run.accelerator = run.tokens_per_pass / (1 + tree.depth * t_draft / t_target)
+            runs.append(run)
+    costs = {T: pass_time(target, 1, T, cache_len, repeats, tree=T > 1) / t_target
+             for T in sorted({1} | {t.depth + 1 for t in trees} | {t.nodes + 1 for t in trees})}
+    log(f"\ntrees vs chains (greedy, batch 1; autoregressive {auto.tokens_per_s:.1f} tok/s); "
+        f"'accel' = tokens per pass / (1 + depth x c): the speedup if every pass cost its one-token time")
+    log(f"{'drafter':<14} {'shape':<18} {'tok/pass':>8} {'tok/s':>8} {'speedup':>7} {'accel':>6} exact")
+    for r in runs:
+        log(f"{r.drafter:<14} {r.shape:<18} {r.tokens_per_pass:>8.2f} {r.tokens_per_s:>8.1f} "
+            f"{r.speedup:>7.2f} {r.accelerator:>6.2f} {r.exact}")
+    log("target verification pass over T tokens (tree mask), in one-token passes: " +
+        ", ".join(f"T={T}: {c:.2f}" for T, c in costs.items()))
+    return {"runs": [_as_dict(r) for r in runs], "verify_cost": costs, "t_target_ms": t_target * 1e3}
 
 
 def _all_traces(target, draft, prompts, K, max_new_tokens):
@@ -465,6 +542,8 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench", help="folder for bench.json and the plots")
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate (needs torch)")
+    parser.add_argument("--trees-only", action="store_true",
+                        help="only the chains-vs-trees comparison (writes trees.json)")
 
 
 def run_from_args(args):
@@ -475,7 +554,8 @@ def run_from_args(args):
     run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),
              num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
-             max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf)
+             max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf,
+             trees_only=args.trees_only)
 
 
 if __name__ == "__main__":

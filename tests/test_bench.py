@@ -25,3 +25,16 @@ def test_theory():
         accepted = sum(alpha ** i for i in range(1, 5))
         assert abs(theory.alpha_from_accepted(accepted, 4) - alpha) < 1e-6
     assert theory.best_num_draft_tokens(0.9, 0.05) > theory.best_num_draft_tokens(0.5, 0.05)
+
+
+def test_tree_bench_runs_and_stays_exact(capsys):
+    from specjax import Tree
+
+    target, small = bench.build_synthetic_pair("tiny", 2)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=16)
+    report = bench.run_trees(target, small, prompts, auto, rows, 16, 1, 64, trees=(Tree(3, 2, 6),))
+    assert [r["shape"] for r in report["runs"]] == ["chain 3", "tree d3 k2 n6"] * 2
+    assert all(r["exact"] for r in report["runs"])
+    assert set(report["verify_cost"]) >= {1, 7}
+    assert "trees vs chains" in capsys.readouterr().out
