@@ -44,14 +44,19 @@ def _generate(args):
         raise SystemExit("specjax generate: give a PROMPT or --batch-file")
     target = specjax.load_model(args.target)
     tokenizer = specjax.load_tokenizer(args.target)
+    tree = _parse_tree(args.tree)
+    if tree is not None and (args.no_draft or args.prompt_lookup):
+        raise SystemExit("specjax generate: --tree needs a draft model or --early-exit")
     if args.no_draft:
         draft, drafter_name = None, "none"
     elif args.early_exit:
-        draft, drafter_name = specjax.EarlyExit(args.early_exit), f"early exit after {args.early_exit} layers"
+        draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
     else:
-        draft, drafter_name = specjax.load_model(args.draft), f"draft model {args.draft}"
+        draft, drafter_name = specjax.DraftModel(specjax.load_model(args.draft), tree), f"draft model {args.draft}"
+    if tree is not None:
+        drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
     ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
     padded, lengths = specjax.pad_prompts(ids)
     kwargs = dict(draft=draft, key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
@@ -74,7 +79,7 @@ def _generate(args):
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": max(first - seconds, 0.0), "batch": len(prompts),
         "drafter": drafter_name,
-        "num_draft_tokens": 0 if draft is None else args.num_draft_tokens,
+        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else args.num_draft_tokens or 4,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
     }
@@ -93,6 +98,22 @@ def _generate(args):
           f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
           f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
           f"(not included)")
+
+
+def _parse_tree(text):
+    """--tree DEPTH,TOP_K,NODES (dynamic) or a JSON list of rank paths (static)."""
+    import specjax
+
+    if text is None:
+        return None
+    try:
+        if text.lstrip().startswith("["):
+            return specjax.Tree.from_paths(json.loads(text))
+        depth, top_k, nodes = (int(x) for x in text.split(","))
+        return specjax.Tree(depth, top_k, nodes)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"specjax generate: --tree {text!r}: {e} (give DEPTH,TOP_K,NODES such as 8,2,24, "
+                         f"or rank paths such as '[[0], [1], [0, 0]]')")
 
 
 def _to_host(x):
@@ -228,7 +249,9 @@ def main(argv=None):
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="chain length K (default 4)")
+    p.add_argument("--tree", metavar="SHAPE",
+                   help="draft a token tree: DEPTH,TOP_K,NODES (dynamic, e.g. 8,2,24) or JSON rank paths")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

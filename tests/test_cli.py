@@ -44,3 +44,18 @@ def test_missing_checkpoint_is_named(tmp_path):
 
     with pytest.raises(CheckpointError, match="does not exist"):
         main(["generate", "x", "--target", str(tmp_path / "nope")])
+
+
+def test_generate_with_a_tree_equals_the_chain(capsys):
+    """--tree (dynamic and static) on the shipped pair: greedy text equal to the chain's."""
+    texts = {}
+    for shape in ([], ["--tree", "4,2,8"], ["--early-exit", "3", "--tree", "[[0], [1], [0, 0]]"]):
+        main(["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--target", str(TARGET),
+              "--draft", str(DRAFT), *shape])
+        result = json.loads(capsys.readouterr().out)
+        texts[" ".join(shape)] = result["outputs"][0]["text"]
+    assert len(set(texts.values())) == 1, texts
+    with pytest.raises(SystemExit, match="DEPTH,TOP_K,NODES"):
+        main(["generate", "x", "--tree", "4,2", "--target", str(TARGET), "--draft", str(DRAFT)])
+    with pytest.raises(SystemExit, match="needs a draft model"):
+        main(["generate", "x", "--tree", "4,2,8", "--prompt-lookup", "--target", str(TARGET)])
