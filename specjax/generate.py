@@ -166,7 +166,7 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
                 not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 with a draft, got {num_draft_tokens!r}")
         drafter = DraftModel(draft) if isinstance(draft, Model) else draft
-        if not all(hasattr(drafter, a) for a in ("resolve", "init", "propose")):
+        if not all(hasattr(drafter, a) for a in ("resolve", "start", "propose")):
             raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
         drafter = drafter.resolve(None if num_draft_tokens is None else int(num_draft_tokens))
     models = [target]
@@ -218,7 +218,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     zeros = jnp.zeros((B,), jnp.int32)
     state = LoopState(
         tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
-        draft_state=None if drafter is None else drafter.init(target, prompts, lengths, S),
+        draft_state=None if drafter is None else drafter.start(target, prompts, lengths, S),
         k_limit=jnp.full((B,), D, jnp.int32),
         done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros),
         step=jnp.zeros((), jnp.int32),

@@ -2,7 +2,7 @@
 
     drafter = drafter.resolve(K)      # its shape: its own tree, or a chain of K (static)
     drafter.tree, drafter.target_room # N nodes, depth; slots it writes past the target's root
-    state = drafter.init(target, prompts, lengths, max_len)     # once, before the loop
+    state = drafter.start(target, prompts, lengths, max_len)    # once, before the loop
     state, target_cache, proposal = drafter.propose(state, request)
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final

@@ -32,7 +32,7 @@ class EarlyExit:
         """Slots past the root it writes in the target's cache: the tree's region."""
         return self.tree.region
 
-    def init(self, target: Model, prompts, lengths, max_len):
+    def start(self, target: Model, prompts, lengths, max_len):
         if not 1 <= self.num_layers < target.config.num_layers:
             raise ValueError(f"EarlyExit({self.num_layers}) needs 1 <= num_layers < the target's "
                              f"{target.config.num_layers} layers")

@@ -44,7 +44,7 @@ class DraftModel:
 
     target_room = 0  # it never writes the target's cache
 
-    def init(self, target: Model, prompts, lengths, max_len):
+    def start(self, target: Model, prompts, lengths, max_len):
         """Prefills the draft's cache with the prompts. prompts [B, P], lengths [B]."""
         B, P = prompts.shape
         cache = KVCache.init(self.model.config, B, max_len + self.tree.region + self.tree.depth + 1,

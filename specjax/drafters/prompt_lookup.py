@@ -33,7 +33,7 @@ class PromptLookup:
             raise ValueError("PromptLookup proposes one continuation: a chain, not a tree")
         return self.replace(tree=tree)
 
-    def init(self, target, prompts, lengths, max_len):
+    def start(self, target, prompts, lengths, max_len):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got "
                              f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
