@@ -67,12 +67,24 @@ def _linear_out(path, name, in_shape, n_out):
                   lambda ps: ps[0].reshape(n_in, n_out).T)
 
 
+def _fused_linear(paths, name, n_in, out_shapes):
+    """One torch Linear [sum of outs, in] whose output concatenates several kernels
+    (Phi-3's qkv_proj, gate_up_proj) -> kernels [in, *out_shape] each."""
+    sizes = [int(np.prod(s)) for s in out_shapes]
+    splits = np.cumsum(sizes)[:-1]
+    return Tensor(name, (sum(sizes), n_in), paths,
+                  lambda w: tuple(p.T.reshape(n_in, *s) for p, s in zip(np.split(w, splits), out_shapes)),
+                  lambda ps: np.concatenate([p.reshape(n_in, n).T for p, n in zip(ps, sizes)]))
+
+
 def _bias(path, name, shape):
     n = int(np.prod(shape))
     return Tensor(name, (n,), (path,), lambda w: (w.reshape(shape),), lambda ps: ps[0].reshape(n))
 
 
 def llama_layout(c: ModelConfig) -> list[Tensor]:
+    """The Llama and Gemma families: one Linear per projection, except Phi-3, which fuses
+    q, k, v into qkv_proj and gate, up into gate_up_proj (concatenated along the output)."""
     E, H, G, D, F, V = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                         c.intermediate_size, c.vocab_size)
     L = "model.layers.{i}."
@@ -81,15 +93,29 @@ def llama_layout(c: ModelConfig) -> list[Tensor]:
         _same(("embedding",), (V, E), "model.embed_tokens.weight"),
         _same(("final_norm", "scale"), (E,), "model.norm.weight"),
         _same(("layers", "attn_norm", "scale"), (E,), L + "input_layernorm.weight"),
-        _same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
-        _linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
-        _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
-        _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
         _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E),
-        _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
-        _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,)),
         _linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)),
     ]
+    if c.family == "gemma":  # a norm before and after each of attention and the MLP
+        out += [_same(attn + ("post_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
+                _same(("layers", "mlp_norm", "scale"), (E,), L + "pre_feedforward_layernorm.weight"),
+                _same(mlp + ("post_norm", "scale"), (E,), L + "post_feedforward_layernorm.weight")]
+    else:
+        out.append(_same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"))
+    if c.model_type == "phi3":
+        out += [_fused_linear(tuple(attn + (n,) for n in ("q_kernel", "k_kernel", "v_kernel")),
+                              L + "self_attn.qkv_proj.weight", E, ((H, D), (G, D), (G, D))),
+                _fused_linear(tuple(mlp + (n,) for n in ("gate_kernel", "up_kernel")),
+                              L + "mlp.gate_up_proj.weight", E, ((F,), (F,)))]
+    else:
+        out += [_linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
+                _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
+                _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
+                _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
+                _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,))]
+    if c.qk_norm:
+        out += [_same(attn + ("q_norm", "scale"), (D,), L + "self_attn.q_norm.weight"),
+                _same(attn + ("k_norm", "scale"), (D,), L + "self_attn.k_norm.weight")]
     if c.qkv_bias:
         out += [_bias(attn + ("q_bias",), L + "self_attn.q_proj.bias", (H, D)),
                 _bias(attn + ("k_bias",), L + "self_attn.k_proj.bias", (G, D)),
