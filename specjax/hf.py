@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import quant
 from specjax.config import ModelConfig
-from specjax.models import Model, default_dtype
+from specjax.models import Model, default_dtype, layers
 
 # Buffers some checkpoints carry that hold no weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -236,9 +237,11 @@ def read_tensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dtype,
-                        mesh=None, rules=None) -> dict:
+                        mesh=None, rules=None, quantize: str | None = None) -> dict:
     """Checks every tensor against the layout, then converts and stacks layers. With a
-    mesh, each device receives only its own shard of each parameter."""
+    mesh, each device receives only its own shard of each parameter. quantize="int8":
+    matmul weights and the embedding are quantised on the host, before placement."""
+    quant.check_method(quantize)
     tensors = {_canonical(name, config): t for name, t in tensors.items()}
     expected = {}
     for spec in layout(config):
@@ -265,31 +268,39 @@ def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dty
         else:
             values = spec.to_ours(tensors[spec.name])
         for path, value in zip(spec.paths, values):
-            _set(params, path, _place(value.astype(jnp.dtype(dtype)), path, mesh, rules))
+            if quantize and quant.quantizable(path):
+                value = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
+            else:
+                value = value.astype(jnp.dtype(dtype))
+            _set(params, path, _place(value, path, mesh, rules))
     return params
 
 
-def _place(value: np.ndarray, path: tuple[str, ...], mesh, rules):
+def _place(value, path: tuple[str, ...], mesh, rules):
+    """A host array (or int8 pair) onto the device(s); with a mesh, each device gets only
+    its shards."""
     if mesh is None:
-        return jnp.asarray(value)
-    from jax.sharding import NamedSharding
-
+        return jax.tree.map(jnp.asarray, value)
     from specjax import sharding
 
-    axes = sharding.logical_axes(path, value.ndim)
-    placement = NamedSharding(mesh, sharding.spec(value.shape, axes, mesh, rules or sharding.DEFAULT_RULES))
-    return jax.make_array_from_callback(value.shape, placement, lambda index: value[index])
+    placement = sharding.param_sharding(path, value, mesh, rules or sharding.DEFAULT_RULES)
+    return jax.tree.map(lambda v, p: jax.make_array_from_callback(v.shape, p, lambda index: v[index]),
+                        value, placement)
 
 
-def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None) -> Model:
+def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
+               quantize: str | None = None) -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
-    dtype: parameter dtype; default float32 on CPU, bfloat16 on TPU/GPU.
+    dtype: parameter dtype (with quantize: of the scales, norms and activations); default
+    float32 on CPU, bfloat16 on TPU/GPU.
     mesh, rules: place each parameter straight into its shards (see specjax.sharding);
-    no device ever holds a whole tensor that the rules split."""
+    no device ever holds a whole tensor that the rules split.
+    quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none."""
     folder = resolve(path)
     config = read_config(folder)
-    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules)
+    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules,
+                                 quantize)
     return Model(config, params)
 
 
@@ -304,8 +315,10 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
+    """Hugging Face tensors of a model's params (int8 weights written dequantised)."""
     c = model.config
-    params = jax.tree.map(np.asarray, jax.device_get(model.params))
+    params = jax.tree.map(lambda w: np.asarray(jax.device_get(layers.dequantize(w))), model.params,
+                          is_leaf=lambda x: isinstance(x, quant.Int8))
     out = {}
     for spec in layout(c):
         ours = tuple(_get(params, p) for p in spec.paths)
@@ -320,7 +333,8 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
 def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
     """Writes config.json + model.safetensors that specjax and transformers both load.
 
-    dtype: storage dtype (default: the params' own)."""
+    dtype: storage dtype (default: the params' own; an int8 model is written dequantised,
+    in its scales' dtype, so what loads back computes what the int8 model computed)."""
     from safetensors.numpy import save_file
 
     folder = Path(path)

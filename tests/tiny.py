@@ -90,15 +90,17 @@ NEW_FAMILIES = ["gemma2", "gemma3", "qwen3", "qwen3_tied", "phi3"]
 
 
 def build(name: str, seed: int = 0, std: float = 0.15):
-    """A random float32 transformers model with weights ~ N(0, std) and norms ~ 1 + N(0, std)."""
+    """A random float32 transformers model with weights ~ N(0, std) and norms that scale by
+    1 + N(0, std) (Gemma's norms scale by 1 + w, so there w ~ N(0, std))."""
     torch.manual_seed(seed)
     model = CLASSES[name](CONFIGS[name]()).eval()
+    offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():
             p.normal_(0.0, std)
             if "norm" in pname or ".ln_" in pname:
                 if pname.endswith("weight"):
-                    p.add_(1.0)
+                    p.add_(offset)
     return model
 
 
