@@ -253,8 +253,8 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers loads back into the same architecture."""
-        tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                  if getattr(self, k) is not None}
+        # None written out: some classes default to ids outside a small vocabulary (Phi-3's 32000)
+        tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         if self.family == "gpt2":
             return {
                 "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
@@ -290,7 +290,7 @@ class ModelConfig:
         if self.family == "gemma":
             g = self.gemma
             out.update(hidden_activation="gelu_pytorch_tanh",
-                       query_pre_attn_scalar=g.query_pre_attn_scalar,
+                       query_pre_attn_scalar=_int_if_whole(g.query_pre_attn_scalar),
                        final_logit_softcapping=g.final_softcap,
                        attn_logit_softcapping=g.attn_softcap,
                        # transformers builds a sliding mask even with no sliding layer
@@ -399,6 +399,11 @@ def _read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
     if "sliding_attention" not in layer_types:
         return None, None
     return hf.get("sliding_window", 4096), layer_types
+
+
+def _int_if_whole(x: float):
+    """transformers' Gemma configs type query_pre_attn_scalar as int."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _optional_float(x):

@@ -94,8 +94,6 @@ def llama_layout(c: ModelConfig) -> list[Tensor]:
         _same(("embedding",), (V, E), "model.embed_tokens.weight"),
         _same(("final_norm", "scale"), (E,), "model.norm.weight"),
         _same(("layers", "attn_norm", "scale"), (E,), L + "input_layernorm.weight"),
-        _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E),
-        _linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)),
     ]
     if c.family == "gemma":  # a norm before and after each of attention and the MLP
         out += [_same(attn + ("post_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
@@ -103,17 +101,21 @@ def llama_layout(c: ModelConfig) -> list[Tensor]:
                 _same(mlp + ("post_norm", "scale"), (E,), L + "post_feedforward_layernorm.weight")]
     else:
         out.append(_same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"))
+    o_proj = _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E)
     if c.model_type == "phi3":
         out += [_fused_linear(tuple(attn + (n,) for n in ("q_kernel", "k_kernel", "v_kernel")),
                               L + "self_attn.qkv_proj.weight", E, ((H, D), (G, D), (G, D))),
+                o_proj,
                 _fused_linear(tuple(mlp + (n,) for n in ("gate_kernel", "up_kernel")),
                               L + "mlp.gate_up_proj.weight", E, ((F,), (F,)))]
     else:
         out += [_linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
                 _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
                 _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
+                o_proj,
                 _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
                 _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,))]
+    out.append(_linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)))
     if c.qk_norm:
         out += [_same(attn + ("q_norm", "scale"), (D,), L + "self_attn.q_norm.weight"),
                 _same(attn + ("k_norm", "scale"), (D,), L + "self_attn.k_norm.weight")]
