@@ -42,7 +42,7 @@ def _generate(args):
                     for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise SystemExit("specjax generate: give a PROMPT or --batch-file")
-    target = specjax.load_model(args.target)
+    target = specjax.load_model(args.target, quantize=args.quantize)
     tokenizer = specjax.load_tokenizer(args.target)
     if args.no_draft:
         draft, drafter_name = None, "none"
@@ -51,7 +51,8 @@ def _generate(args):
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
     else:
-        draft, drafter_name = specjax.load_model(args.draft), f"draft model {args.draft}"
+        draft, drafter_name = (specjax.load_model(args.draft, quantize=args.quantize),
+                               f"draft model {args.draft}")
     ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
     padded, lengths = specjax.pad_prompts(ids)
     kwargs = dict(draft=draft, key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
@@ -236,6 +237,8 @@ def main(argv=None):
     p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8 weight-only quantisation of the target and the draft, each on its own")
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")
