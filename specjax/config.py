@@ -2,9 +2,10 @@
 
 It knows Hugging Face `config.json` dictionaries (both the transformers 4.x layout with a
 top-level `rope_theta`/`rope_scaling` and the 5.x layout with `rope_parameters`, per layer
-type for Gemma 3) and turns them into one frozen, hashable description of a decoder. It does not know about weights,
-files, dtypes or devices. Anything a config asks for that the decoder cannot compute
-exactly raises `UnsupportedConfigError` here, at load time, never a wrong answer later.
+type for Gemma 3) and turns them into one frozen, hashable description of a decoder. It
+does not know about weights, files, dtypes or devices. Anything a config asks for that the
+decoder cannot compute exactly raises `UnsupportedConfigError` here, at load time, never a
+wrong answer later.
 """
 
 from __future__ import annotations

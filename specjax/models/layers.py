@@ -161,9 +161,10 @@ class MLP(nn.Module):
         E, F = c.hidden_size, c.intermediate_size
         zeros = nn.initializers.zeros
         if c.family == "gpt2":
-            h = x @ dequantize(self.param("fc_kernel", init, (E, F))) + self.param("fc_bias", zeros, (F,))
-            h = jax.nn.gelu(h, approximate=True)  # gelu_new
-            return h @ dequantize(self.param("proj_kernel", init, (F, E))) + self.param("proj_bias", zeros, (E,))
+            h = x @ dequantize(self.param("fc_kernel", init, (E, F)))
+            h = jax.nn.gelu(h + self.param("fc_bias", zeros, (F,)), approximate=True)  # gelu_new
+            out = h @ dequantize(self.param("proj_kernel", init, (F, E)))
+            return out + self.param("proj_bias", zeros, (E,))
         gate = x @ dequantize(self.param("gate_kernel", init, (E, F)))
         up = x @ dequantize(self.param("up_kernel", init, (E, F)))
         down = dequantize(self.param("down_kernel", init, (F, E)))
