@@ -42,7 +42,7 @@ def _generate(args):
                     for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise SystemExit("specjax generate: give a PROMPT or --batch-file")
-    target = specjax.load_model(args.target)
+    target = specjax.load_model(args.target, quantize=args.quantize)
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
     if tree is not None and (args.no_draft or args.prompt_lookup):
@@ -54,7 +54,8 @@ def _generate(args):
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
     else:
-        draft, drafter_name = specjax.DraftModel(specjax.load_model(args.draft), tree), f"draft model {args.draft}"
+        draft = specjax.load_model(args.draft, quantize=args.quantize)
+        draft, drafter_name = specjax.DraftModel(draft, tree), f"draft model {args.draft}"
     if tree is not None:
         drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
     ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
@@ -259,6 +260,8 @@ def main(argv=None):
     p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8 weight-only quantisation of the target and the draft, each on its own")
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")

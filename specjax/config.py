@@ -1,10 +1,11 @@
 """ModelConfig: everything the forward pass needs, and nothing else.
 
 It knows Hugging Face `config.json` dictionaries (both the transformers 4.x layout with a
-top-level `rope_theta`/`rope_scaling` and the 5.x layout with `rope_parameters`) and turns
-them into one frozen, hashable description of a decoder. It does not know about weights,
-files, dtypes or devices. Anything a config asks for that the decoder cannot compute
-exactly raises `UnsupportedConfigError` here, at load time, never a wrong answer later.
+top-level `rope_theta`/`rope_scaling` and the 5.x layout with `rope_parameters`, per layer
+type for Gemma 3) and turns them into one frozen, hashable description of a decoder. It
+does not know about weights, files, dtypes or devices. Anything a config asks for that the
+decoder cannot compute exactly raises `UnsupportedConfigError` here, at load time, never a
+wrong answer later.
 """
 
 from __future__ import annotations
@@ -13,16 +14,23 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-Family = Literal["gpt2", "llama"]
+Family = Literal["gpt2", "llama", "gemma"]
 
-# model_type -> family. The Llama family differs only in flags this config carries.
+# model_type -> family. Within the Llama family models differ only in flags this config
+# carries (biases, q/k norms, windows); Phi-3 differs only in how its checkpoint fuses
+# weights (hf.py). Gemma differs by more than a flag: see `Gemma` below.
 SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "gpt2": "gpt2",
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
+    "qwen3": "llama",
+    "phi3": "llama",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # names transformers gives the tanh-approximated gelu
 
 
 class UnsupportedConfigError(ValueError):
@@ -41,11 +49,25 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """A decoder-only transformer, GPT-2 or Llama family. Frozen and hashable: it is the
-    static half of `specjax.Model` and a jit cache key."""
+class Gemma:
+    """What the Gemma family (Gemma 2, Gemma 3 text) computes beyond a Llama decoder.
 
-    model_type: str  # the HF model_type it came from: gpt2, llama, mistral, qwen2
+    Present exactly when the family is "gemma". Its presence also means what has no number
+    to carry: the embedding is scaled by sqrt(E); every RMSNorm scales by (1 + w) in
+    float32; the MLP is GeGLU (tanh gelu); and the outputs of attention and of the MLP
+    are normed again before they join the residual stream (pre- and post-norms)."""
+
+    query_pre_attn_scalar: float  # attention scores are scaled by this ** -0.5, not D ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer of the GPT-2, Llama or Gemma family. Frozen and hashable:
+    it is the static half of `specjax.Model` and a jit cache key."""
+
+    model_type: str  # the HF model_type it came from (a key of SUPPORTED_MODEL_TYPES)
     vocab_size: int  # V
     hidden_size: int  # E, the residual width
     num_layers: int  # L
@@ -56,13 +78,16 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float
     tie_word_embeddings: bool
-    rope_theta: float = 10000.0  # Llama family only
-    rope_scaling: RopeScaling = RopeScaling()
-    qkv_bias: bool = False  # biases on q, k, v (GPT-2, Qwen2, Llama attention_bias)
-    out_bias: bool = False  # bias on the attention output projection (GPT-2, Llama attention_bias)
+    rope_theta: float = 10000.0  # rotary base (not GPT-2); of the full-attention layers
+    rope_scaling: RopeScaling = RopeScaling()  # of the full-attention layers
+    local_rope_theta: float | None = None  # rotary base of sliding-window layers, unscaled (Gemma 3)
+    qkv_bias: bool = False  # biases on q, k, v (GPT-2, Qwen2, attention_bias)
+    out_bias: bool = False  # bias on the attention output projection (GPT-2, attention_bias)
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over D of each query and key head, before rotary (Qwen3, Gemma 3)
     sliding_window: int | None = None  # keys further back than this are not attended
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    gemma: Gemma | None = None  # the Gemma family's own computation (see `Gemma`)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -88,6 +113,11 @@ class ModelConfig:
                 f"unsupported rope_type {self.rope_scaling.rope_type!r}; specjax supports {ROPE_TYPES}")
         if self.family == "gpt2" and self.num_kv_heads != self.num_heads:
             raise ValueError("GPT-2 has no grouped-query attention: num_kv_heads must equal num_heads")
+        if (self.family == "gemma") != (self.gemma is not None):
+            raise ValueError(f"model_type {self.model_type!r} needs gemma=Gemma(...) exactly when "
+                             f"its family is gemma")
+        if self.family == "gpt2" and (self.qk_norm or self.local_rope_theta is not None):
+            raise ValueError("GPT-2 has no rotary embedding and no q/k norms")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -122,8 +152,9 @@ class ModelConfig:
             extra = self.max_position_embeddings * E + 2 * E
         else:
             attn = (qkv + out + (D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
-                    + (E if self.out_bias else 0))
-            layer = attn + 3 * E * F + (2 * F + E if self.mlp_bias else 0) + 2 * E
+                    + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0))
+            norms = (4 if self.family == "gemma" else 2) * E
+            layer = attn + 3 * E * F + (2 * F + E if self.mlp_bias else 0) + norms
             extra = E
         head = 0 if self.tie_word_embeddings else E * self.vocab_size
         return self.vocab_size * E + self.num_layers * layer + extra + head
@@ -136,12 +167,14 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = hf.get("architectures")
+            hint = (" (for Gemma 3, specjax reads the text-only gemma3_text / Gemma3ForCausalLM "
+                    "checkpoints)" if model_type == "gemma3" else "")
             raise UnsupportedConfigError(
                 f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
-                f"supports {sorted(SUPPORTED_MODEL_TYPES)}")
+                f"supports {sorted(SUPPORTED_MODEL_TYPES)}{hint}")
         if SUPPORTED_MODEL_TYPES[model_type] == "gpt2":
             return cls._from_gpt2(hf)
-        return cls._from_llama_family(hf)
+        return cls._from_rotary(hf)
 
     @classmethod
     def _from_gpt2(cls, hf):
@@ -168,60 +201,61 @@ class ModelConfig:
         )
 
     @classmethod
-    def _from_llama_family(cls, hf):
+    def _from_rotary(cls, hf):
+        """The Llama and Gemma families. Where config.json omits a field, the default is the
+        one transformers' config class gives it (they differ by model_type)."""
         model_type = hf["model_type"]
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (silu is)")
+        gemma = SUPPORTED_MODEL_TYPES[model_type] == "gemma"
+        if gemma:
+            act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+            if act not in GELU_TANH:
+                raise UnsupportedConfigError(
+                    f"hidden_activation {act!r} is not supported (the tanh gelu {GELU_TANH} is)")
+            if hf.get("use_bidirectional_attention"):
+                raise UnsupportedConfigError("use_bidirectional_attention=True is not supported: "
+                                             "specjax decodes causally")
+        else:
+            act = hf.get("hidden_act", "silu")
+            if act != "silu":
+                raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (silu is)")
         if hf.get("pretraining_tp", 1) != 1:
             raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
-        if rope_type not in ROPE_TYPES:
-            raise UnsupportedConfigError(
-                f"unsupported rope_type {rope_type!r}; specjax supports {ROPE_TYPES}")
-        scaling = RopeScaling(rope_type=rope_type, **{
-            k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                 "original_max_position_embeddings") if k in rope})
+        theta, scaling, local_theta = _read_rope(hf)
         E, H = hf["hidden_size"], hf["num_attention_heads"]
         G = hf.get("num_key_value_heads") or H
-        head_dim = hf.get("head_dim") or E // H
-        sliding_window, layer_types = None, None
-        if model_type == "mistral":
-            sliding_window = hf.get("sliding_window")
-        elif model_type == "qwen2" and hf.get("use_sliding_window"):
-            sliding_window = hf.get("sliding_window")
-            layer_types = tuple(hf.get("layer_types") or (
-                "sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
-                for i in range(hf["num_hidden_layers"])))
-            if "sliding_attention" not in layer_types:
-                sliding_window, layer_types = None, None
+        head_dim = hf.get("head_dim") or DEFAULT_HEAD_DIM.get(model_type) or E // H
+        sliding_window, layer_types = _read_windows(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            rope_theta=float(theta), rope_scaling=scaling,
-            # Qwen2 always has q/k/v biases; Llama's attention_bias covers q, k, v and o.
-            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            out_bias=model_type == "llama" and bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
+            rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+            # Qwen2 always has q/k/v biases; elsewhere attention_bias covers q, k, v and o.
+            qkv_bias=model_type == "qwen2" or (model_type in ATTENTION_BIAS and attention_bias),
+            out_bias=model_type in ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=sliding_window, layer_types=layer_types,
+            gemma=Gemma(
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                # transformers' Gemma 3 reads attn_logit_softcapping but never applies it.
+                attn_softcap=_optional_float(hf.get("attn_logit_softcapping", 50.0))
+                if model_type == "gemma2" else None,
+                final_softcap=_optional_float(hf.get(
+                    "final_logit_softcapping", 30.0 if model_type == "gemma2" else None)),
+            ) if gemma else None,
             bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
             pad_token_id=hf.get("pad_token_id"),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers loads back into the same architecture."""
-        tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                  if getattr(self, k) is not None}
+        # None written out: some classes default to ids outside a small vocabulary (Phi-3's 32000)
+        tokens = {k: getattr(self, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         if self.family == "gpt2":
             return {
                 "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
@@ -231,8 +265,6 @@ class ModelConfig:
                 "layer_norm_epsilon": self.norm_eps, "activation_function": "gelu_new",
                 "tie_word_embeddings": self.tie_word_embeddings, **tokens,
             }
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}[self.model_type]
         rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type == "linear":
             rope["factor"] = self.rope_scaling.factor
@@ -240,28 +272,143 @@ class ModelConfig:
             rope.update({k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
                          if k != "rope_type"})
         out = {
-            "model_type": self.model_type, "architectures": [arch],
+            "model_type": self.model_type, "architectures": [ARCHITECTURES[self.model_type]],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+            "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_parameters": rope, "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling.rope_type == "default" else rope,
             **tokens,
         }
+        if self.model_type == "gemma3_text":  # rope per layer type; no legacy keys
+            out["rope_parameters"] = {
+                "full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_theta}}
+        else:
+            out.update(rope_parameters=rope, rope_theta=self.rope_theta,
+                       rope_scaling=None if self.rope_scaling.rope_type == "default" else rope)
+        if self.family == "gemma":
+            g = self.gemma
+            out.update(hidden_activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=_int_if_whole(g.query_pre_attn_scalar),
+                       final_logit_softcapping=g.final_softcap,
+                       attn_logit_softcapping=g.attn_softcap,
+                       # transformers builds a sliding mask even with no sliding layer
+                       attention_bias=self.qkv_bias, sliding_window=self.sliding_window or 4096,
+                       layer_types=list(self.layer_types or ["full_attention"] * self.num_layers),
+                       use_bidirectional_attention=False)
+            return out
+        out["hidden_act"] = "silu"
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
-            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        if self.model_type == "mistral":
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type in ("mistral", "phi3"):
             out["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window
             if self.layer_types is not None:
                 out["layer_types"] = list(self.layer_types)
                 out["max_window_layers"] = self.layer_types.index("sliding_attention")
         return out
+
+    @property
+    def local_theta(self) -> float:
+        """The rotary base of sliding-window layers."""
+        return self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
+
+
+# Where a config.json omits head_dim, transformers' class default (else E // H).
+DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+# The model types whose attention_bias puts biases on q, k, v and o.
+ATTENTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3_text")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, RopeScaling]:
+    """One rope_parameters dict -> (theta, scaling); refuses what specjax cannot compute."""
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+    if rope_type in ("longrope", "su"):
+        raise UnsupportedConfigError(
+            f"rope_type {rope_type!r} (Phi-3's long-context scaling, {where}) is not supported; "
+            f"specjax supports {ROPE_TYPES}: use a checkpoint with plain rope, e.g. Phi-3's "
+            f"4k-context variants")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"unsupported rope_type {rope_type!r} ({where}); specjax supports {ROPE_TYPES}")
+    return theta, RopeScaling(rope_type=rope_type, **{
+        k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings") if k in rope})
+
+
+def _read_rope(hf) -> tuple[float, RopeScaling, float | None]:
+    """(theta, scaling) of full-attention layers and the base of sliding ones (Gemma 3 only).
+
+    transformers 5.x writes `rope_parameters` (for Gemma 3: one dict per layer type); 4.x
+    wrote top-level `rope_theta` / `rope_scaling` (Gemma 3: and `rope_local_base_freq`)."""
+    model_type = hf["model_type"]
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+    params = dict(hf.get("rope_parameters") or {})
+    if model_type != "gemma3_text":
+        legacy = hf.get("rope_scaling") or {}
+        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters")
+        return theta, scaling, None
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:  # the 4.x layout: rope_scaling applies to the global layers only
+        full = {**(hf.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers")
+    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers")
+    if local_scaling.rope_type != "default":
+        raise UnsupportedConfigError(
+            f"rope scaling of sliding-window layers ({local_scaling.rope_type!r}) is not supported; "
+            f"specjax scales only the full-attention layers' rope, as Gemma 3 checkpoints do")
+    return theta, scaling, local_theta
+
+
+def _read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers reads them for each model_type."""
+    model_type, L = hf["model_type"], hf["num_hidden_layers"]
+    if model_type in ("mistral", "phi3"):  # one window for every layer, if any
+        return hf.get("sliding_window", 4096 if model_type == "mistral" else None), None
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window"):
+            return None, None
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(L)))
+    elif model_type in ("gemma2", "gemma3_text"):
+        # Gemma 2 alternates sliding and global layers; Gemma 3's older configs give a
+        # pattern (every n-th layer global, 6 by default) instead of layer_types.
+        every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern",
+                                                           hf.get("_sliding_window_pattern", 6))
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(L)))
+    else:
+        return None, None
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return hf.get("sliding_window", 4096), layer_types
+
+
+def _int_if_whole(x: float):
+    """transformers' Gemma configs type query_pre_attn_scalar as int."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _optional_float(x):
+    return None if x is None else float(x)
 
 
 def _first(token_id):
@@ -271,11 +418,14 @@ def _first(token_id):
     return token_id
 
 
-def rope_inv_freq(config: ModelConfig):
-    """Rotary inverse frequencies [D/2] as transformers computes them (numpy float64)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False):
+    """Rotary inverse frequencies [D/2] as transformers computes them (numpy float64), of
+    the full-attention layers, or (local=True) of the sliding-window layers."""
     import numpy as np
 
     D = config.head_dim
+    if local and config.local_rope_theta is not None:  # Gemma 3: its own base, unscaled
+        return 1.0 / (config.local_rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     s = config.rope_scaling
     if s.rope_type == "linear":
@@ -291,3 +441,11 @@ def rope_inv_freq(config: ModelConfig):
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def layer_inv_freqs(config: ModelConfig):
+    """Each layer's rotary inverse frequencies, float32 [L, D/2]."""
+    import numpy as np
+
+    table = {w is not None: rope_inv_freq(config, local=w is not None) for w in config.layer_windows()}
+    return np.stack([table[w is not None] for w in config.layer_windows()]).astype(np.float32)

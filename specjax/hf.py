@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import quant
 from specjax.config import ModelConfig
-from specjax.models import Model, default_dtype
+from specjax.models import Model, default_dtype, layers
 
 # Buffers some checkpoints carry that hold no weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -67,12 +68,24 @@ def _linear_out(path, name, in_shape, n_out):
                   lambda ps: ps[0].reshape(n_in, n_out).T)
 
 
+def _fused_linear(paths, name, n_in, out_shapes):
+    """One torch Linear [sum of outs, in] whose output concatenates several kernels
+    (Phi-3's qkv_proj, gate_up_proj) -> kernels [in, *out_shape] each."""
+    sizes = [int(np.prod(s)) for s in out_shapes]
+    splits = np.cumsum(sizes)[:-1]
+    return Tensor(name, (sum(sizes), n_in), paths,
+                  lambda w: tuple(p.T.reshape(n_in, *s) for p, s in zip(np.split(w, splits), out_shapes)),
+                  lambda ps: np.concatenate([p.reshape(n_in, n).T for p, n in zip(ps, sizes)]))
+
+
 def _bias(path, name, shape):
     n = int(np.prod(shape))
     return Tensor(name, (n,), (path,), lambda w: (w.reshape(shape),), lambda ps: ps[0].reshape(n))
 
 
 def llama_layout(c: ModelConfig) -> list[Tensor]:
+    """The Llama and Gemma families: one Linear per projection, except Phi-3, which fuses
+    q, k, v into qkv_proj and gate, up into gate_up_proj (concatenated along the output)."""
     E, H, G, D, F, V = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                         c.intermediate_size, c.vocab_size)
     L = "model.layers.{i}."
@@ -81,15 +94,31 @@ def llama_layout(c: ModelConfig) -> list[Tensor]:
         _same(("embedding",), (V, E), "model.embed_tokens.weight"),
         _same(("final_norm", "scale"), (E,), "model.norm.weight"),
         _same(("layers", "attn_norm", "scale"), (E,), L + "input_layernorm.weight"),
-        _same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
-        _linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
-        _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
-        _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
-        _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E),
-        _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
-        _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,)),
-        _linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)),
     ]
+    if c.family == "gemma":  # a norm before and after each of attention and the MLP
+        out += [_same(attn + ("post_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
+                _same(("layers", "mlp_norm", "scale"), (E,), L + "pre_feedforward_layernorm.weight"),
+                _same(mlp + ("post_norm", "scale"), (E,), L + "post_feedforward_layernorm.weight")]
+    else:
+        out.append(_same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"))
+    o_proj = _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E)
+    if c.model_type == "phi3":
+        out += [_fused_linear(tuple(attn + (n,) for n in ("q_kernel", "k_kernel", "v_kernel")),
+                              L + "self_attn.qkv_proj.weight", E, ((H, D), (G, D), (G, D))),
+                o_proj,
+                _fused_linear(tuple(mlp + (n,) for n in ("gate_kernel", "up_kernel")),
+                              L + "mlp.gate_up_proj.weight", E, ((F,), (F,)))]
+    else:
+        out += [_linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
+                _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
+                _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
+                o_proj,
+                _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
+                _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,))]
+    out.append(_linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)))
+    if c.qk_norm:
+        out += [_same(attn + ("q_norm", "scale"), (D,), L + "self_attn.q_norm.weight"),
+                _same(attn + ("k_norm", "scale"), (D,), L + "self_attn.k_norm.weight")]
     if c.qkv_bias:
         out += [_bias(attn + ("q_bias",), L + "self_attn.q_proj.bias", (H, D)),
                 _bias(attn + ("k_bias",), L + "self_attn.k_proj.bias", (G, D)),
@@ -210,9 +239,11 @@ def read_tensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dtype,
-                        mesh=None, rules=None) -> dict:
+                        mesh=None, rules=None, quantize: str | None = None) -> dict:
     """Checks every tensor against the layout, then converts and stacks layers. With a
-    mesh, each device receives only its own shard of each parameter."""
+    mesh, each device receives only its own shard of each parameter. quantize="int8":
+    matmul weights and the embedding are quantised on the host, before placement."""
+    quant.check_method(quantize)
     tensors = {_canonical(name, config): t for name, t in tensors.items()}
     expected = {}
     for spec in layout(config):
@@ -239,31 +270,39 @@ def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dty
         else:
             values = spec.to_ours(tensors[spec.name])
         for path, value in zip(spec.paths, values):
-            _set(params, path, _place(value.astype(jnp.dtype(dtype)), path, mesh, rules))
+            if quantize and quant.quantizable(path):
+                value = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
+            else:
+                value = value.astype(jnp.dtype(dtype))
+            _set(params, path, _place(value, path, mesh, rules))
     return params
 
 
-def _place(value: np.ndarray, path: tuple[str, ...], mesh, rules):
+def _place(value, path: tuple[str, ...], mesh, rules):
+    """A host array (or int8 pair) onto the device(s); with a mesh, each device gets only
+    its shards."""
     if mesh is None:
-        return jnp.asarray(value)
-    from jax.sharding import NamedSharding
-
+        return jax.tree.map(jnp.asarray, value)
     from specjax import sharding
 
-    axes = sharding.logical_axes(path, value.ndim)
-    placement = NamedSharding(mesh, sharding.spec(value.shape, axes, mesh, rules or sharding.DEFAULT_RULES))
-    return jax.make_array_from_callback(value.shape, placement, lambda index: value[index])
+    placement = sharding.param_sharding(path, value, mesh, rules or sharding.DEFAULT_RULES)
+    return jax.tree.map(lambda v, p: jax.make_array_from_callback(v.shape, p, lambda index: v[index]),
+                        value, placement)
 
 
-def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None) -> Model:
+def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
+               quantize: str | None = None) -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
-    dtype: parameter dtype; default float32 on CPU, bfloat16 on TPU/GPU.
+    dtype: parameter dtype (with quantize: of the scales, norms and activations); default
+    float32 on CPU, bfloat16 on TPU/GPU.
     mesh, rules: place each parameter straight into its shards (see specjax.sharding);
-    no device ever holds a whole tensor that the rules split."""
+    no device ever holds a whole tensor that the rules split.
+    quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none."""
     folder = resolve(path)
     config = read_config(folder)
-    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules)
+    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules,
+                                 quantize)
     return Model(config, params)
 
 
@@ -278,8 +317,10 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
+    """Hugging Face tensors of a model's params (int8 weights written dequantised)."""
     c = model.config
-    params = jax.tree.map(np.asarray, jax.device_get(model.params))
+    params = jax.tree.map(lambda w: np.asarray(jax.device_get(layers.dequantize(w))), model.params,
+                          is_leaf=lambda x: isinstance(x, quant.Int8))
     out = {}
     for spec in layout(c):
         ours = tuple(_get(params, p) for p in spec.paths)
@@ -294,7 +335,8 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
 def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
     """Writes config.json + model.safetensors that specjax and transformers both load.
 
-    dtype: storage dtype (default: the params' own)."""
+    dtype: storage dtype (default: the params' own; an int8 model is written dequantised,
+    in its scales' dtype, so what loads back computes what the int8 model computed)."""
     from safetensors.numpy import save_file
 
     folder = Path(path)

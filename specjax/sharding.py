@@ -19,15 +19,20 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from specjax.cache import KVCache
+from specjax.quant import Int8
 
 DATA, MODEL = "data", "model"
 
-# Logical axes of each parameter by its name; per-layer weights get a leading "layers".
+# Logical axes of each parameter by its name (or "module/name" where the name alone is
+# ambiguous); per-layer weights get a leading "layers". An int8 weight's scale has the
+# weight's axes (its contracted ones of size 1) and shards as the weight does.
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "embedding": ("vocab", "embed"),
     "pos_embedding": ("positions", "embed"),
     "lm_head": ("embed", "vocab"),
-    "scale": ("embed",),  # norms
+    "scale": ("embed",),  # norms over E (pre-norms, Gemma's post-norms, the final norm)
+    "q_norm/scale": ("head_dim",),  # q/k norms over D (Qwen3, Gemma 3)
+    "k_norm/scale": ("head_dim",),
     "bias": ("embed",),
     "q_kernel": ("embed", "heads", "head_dim"),
     "k_kernel": ("embed", "kv_heads", "head_dim"),
@@ -97,7 +102,7 @@ def spec(shape: Sequence[int], logical: Sequence[str], mesh: Mesh,
 
 def logical_axes(path: Sequence[str], ndim: int) -> tuple[str, ...]:
     """The logical axes of the parameter at `path` (e.g. ("layers", "attn", "q_kernel"))."""
-    name = path[-1]
+    name = "/".join(path[-2:]) if "/".join(path[-2:]) in LOGICAL_AXES else path[-1]
     if name not in LOGICAL_AXES:
         raise ValueError(f"parameter {'/'.join(path)} has no logical axes; add it to "
                          f"specjax.sharding.LOGICAL_AXES")
@@ -107,16 +112,38 @@ def logical_axes(path: Sequence[str], ndim: int) -> tuple[str, ...]:
     return axes
 
 
+def _is_int8(x) -> bool:
+    return isinstance(x, Int8)
+
+
 def param_logical_axes(params: Mapping) -> Any:
-    """The logical axes of every parameter, as a pytree shaped like params."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: logical_axes([str(k.key) for k in path], np.ndim(leaf)), params)
+    """The logical axes of every parameter, as a pytree shaped like params (an int8
+    weight's value and scale both get the weight's axes)."""
+    def one(path, leaf):
+        axes = logical_axes([str(k.key) for k in path], len(np.shape(leaf)))
+        return Int8(axes, axes) if _is_int8(leaf) else axes
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_int8)
+
+
+def scale_spec(weight: PartitionSpec, scale_shape: Sequence[int]) -> PartitionSpec:
+    """An int8 scale's spec: its weight's, except along the contracted axes (size 1)."""
+    axes = tuple(weight) + (None,) * (len(scale_shape) - len(weight))
+    return PartitionSpec(*(a if n > 1 else None for a, n in zip(axes, scale_shape)))
+
+
+def param_sharding(path: Sequence[str], param, mesh: Mesh, rules=DEFAULT_RULES):
+    """The NamedSharding of one parameter (for an int8 weight: Int8 of two shardings, the
+    scale split exactly as its weight is along the output channels)."""
+    weight = spec(np.shape(param), logical_axes(path, len(np.shape(param))), mesh, rules)
+    if _is_int8(param):
+        return Int8(NamedSharding(mesh, weight), NamedSharding(mesh, scale_spec(weight, param.scale.shape)))
+    return NamedSharding(mesh, weight)
 
 
 def param_shardings(params: Mapping, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
-    logical = param_logical_axes(params)
-    return jax.tree.map(lambda p, ax: NamedSharding(mesh, spec(np.shape(p), ax, mesh, rules)),
-                        params, logical, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: param_sharding([str(k.key) for k in path], p, mesh, rules), params,
+        is_leaf=_is_int8)
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules=DEFAULT_RULES) -> KVCache:

@@ -110,7 +110,35 @@ def main():
             "cache_spec": str(specjax.sharding.cache_shardings(
                 specjax.KVCache.init(CONFIG, 8, S), mesh).k.spec),
         }
+    findings["int8"] = int8_findings(folder)
     print(json.dumps(findings))
+
+
+def int8_findings(folder) -> dict:
+    """int8 on a 2x4 mesh: each scale is split as its weight is along the output channels,
+    the sharded model computes what the single-device one does, no whole weight is gathered."""
+    mesh = specjax.make_mesh(data=2, model=4)
+    single = specjax.load_model(folder, dtype=jnp.float32, quantize="int8")
+    sharded = specjax.load_model(folder, dtype=jnp.float32, quantize="int8", mesh=mesh)
+    leaves = [x for x in jax.tree.leaves(sharded.params, is_leaf=lambda x: isinstance(x, specjax.Int8))
+              if isinstance(x, specjax.Int8)]
+
+    def padded(spec, n):
+        return tuple(spec) + (None,) * (n - len(spec))
+
+    follow = all(padded(q.scale.sharding.spec, q.ndim) == padded(
+        specjax.sharding.scale_spec(q.value.sharding.spec, q.scale.shape), q.ndim) for q in leaves)
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 389, (8, 16)), jnp.int32)
+    a, b = specjax.forward(single, tokens), specjax.forward(sharded, tokens)
+    hlo = specjax.models._forward.lower(sharded, tokens).compile().as_text()
+    whole = {tuple(q.shape) for q in leaves} | {tuple(q.shape[1:]) for q in leaves}
+    return {
+        "num_int8": len(leaves),
+        "scales_follow_weights": follow,
+        "scales_split": sum(any(a is not None for a in q.scale.sharding.spec) for q in leaves),
+        "equal": bool(np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)),
+        "whole_weight_gathers": sorted({str(g) for g in all_gather_shapes(hlo) if g in whole}),
+    }
 
 
 if __name__ == "__main__":

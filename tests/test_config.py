@@ -58,6 +58,53 @@ def test_invalid_configs(change, error, message):
         ModelConfig.from_hf_config({**LEGACY_LLAMA3, **change})
 
 
+def test_gemma3_legacy_layout_reads_as_transformers_does():
+    """transformers 4.x Gemma 3 configs: rope_theta (global), rope_local_base_freq,
+    rope_scaling for the global layers only, sliding_window_pattern instead of layer_types."""
+    import transformers as tr
+
+    legacy = {k: v for k, v in tiny.CONFIGS["gemma3"]().to_dict().items()
+              if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    legacy.update(rope_theta=5000.0, rope_local_base_freq=30.0, sliding_window_pattern=3,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    ours = ModelConfig.from_hf_config(legacy)
+    theirs = ModelConfig.from_hf_config(tr.Gemma3TextConfig(**legacy).to_dict())
+    assert ours == theirs
+    assert ours.layer_windows() == (4, 4, None)
+    assert (ours.rope_theta, ours.rope_scaling.factor, ours.local_rope_theta) == (5000.0, 4.0, 30.0)
+    # The sliding layers' frequencies are their own base's, unscaled.
+    local, full = rope_inv_freq(ours, local=True), rope_inv_freq(ours)
+    assert local[1] == pytest.approx(30.0 ** (-2 / 16)) and full[1] == pytest.approx(5000.0 ** (-2 / 16) / 4)
+
+
+def test_gemma2_defaults_alternate_sliding_and_global_layers():
+    hf = {k: v for k, v in tiny.CONFIGS["gemma2"]().to_dict().items()
+          if k not in ("layer_types", "final_logit_softcapping", "attn_logit_softcapping")}
+    config = ModelConfig.from_hf_config(hf)
+    assert config.layer_windows() == (5, None, 5)
+    assert (config.gemma.attn_softcap, config.gemma.final_softcap) == (50.0, 30.0)  # class defaults
+
+
+@pytest.mark.parametrize("arch, change, message", [
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                  "long_factor": [2.0] * 4}}, "rope_type 'longrope'.*Phi-3"),
+    ("phi3", {"rope_parameters": None, "rope_scaling": {"type": "su", "short_factor": [1.0] * 4}},
+     "rope_type 'su'"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope scaling of sliding-window layers"),
+    ("gemma3", {"model_type": "gemma3"}, "text-only gemma3_text"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+])
+def test_new_families_refuse_what_they_cannot_compute(arch, change, message):
+    with pytest.raises(UnsupportedConfigError, match=message):
+        ModelConfig.from_hf_config({**tiny.CONFIGS[arch]().to_dict(), **change})
+
+
 def test_gpt2_unsupported_options():
     hf = tiny.CONFIGS["gpt2"]().to_dict()
     with pytest.raises(UnsupportedConfigError, match="scale_attn_by_inverse_layer_idx"):

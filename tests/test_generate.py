@@ -70,6 +70,21 @@ def test_gpt2_speculative_greedy(hf_folder):
     assert _rows(out) == [_transformers_greedy(torch_model, p, None) for p in prompts]
 
 
+@pytest.mark.parametrize("arch", tiny.NEW_FAMILIES)
+def test_new_families_speculative_greedy_equals_transformers(arch, hf_folder):
+    """Gemma 2/3, Qwen3, Phi-3 with a noisy copy as draft, decoding past their sliding
+    windows (4 to 6): prompts of up to 11 tokens and 12 new ones."""
+    folder, torch_model = hf_folder(arch)
+    target = specjax.load_model(folder)
+    rng = np.random.RandomState(8)
+    prompts = [list(rng.randint(2, tiny.VOCAB, n)) for n in (11, 4, 8)]
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    out = specjax.generate(target, padded, lengths, draft=tiny.noisy(target, 0.015, 1),
+                           max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    assert _rows(out) == [_transformers_greedy(torch_model, p, None) for p in prompts]
+    assert 0 < out.stats.accepted.sum() < out.stats.drafted.sum()  # both paths ran
+
+
 def test_draft_equal_to_target_accepts_everything(pair):
     target, _, _ = pair
     padded, lengths = specjax.pad_prompts(_prompts(3, seed=7), bucket=16)

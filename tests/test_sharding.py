@@ -43,6 +43,13 @@ def test_no_whole_weight_is_gathered_and_the_cache_is_sharded(findings, mesh):
     assert not m["whole_cache_in_program"]
 
 
+def test_int8_scales_shard_with_their_weights(findings):
+    m = findings["int8"]
+    assert m["num_int8"] == 9  # q k v o gate up down, embedding, lm_head
+    assert m["scales_follow_weights"] and m["scales_split"] >= 5
+    assert m["equal"] and m["whole_weight_gathers"] == []
+
+
 def test_rules_replicate_what_does_not_divide():
     class FakeMesh:  # spec() reads only .shape
         shape = {"data": 2, "model": 4}

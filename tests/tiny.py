@@ -44,23 +44,63 @@ CONFIGS = {
                                             intermediate_size=48, use_sliding_window=True,
                                             sliding_window=4, max_window_layers=1,
                                             max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Gemma 2: sliding (window 5) and global layers alternating, both soft-caps low enough
+    # to bend, query_pre_attn_scalar != head_dim, tied head.
+    "gemma2": lambda: tr.Gemma2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      intermediate_size=48, query_pre_attn_scalar=24,
+                                      sliding_window=5, attn_logit_softcapping=3.0,
+                                      final_logit_softcapping=6.0, max_position_embeddings=128,
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=0),
+    # Gemma 3 text: q/k norms, local and global rope bases (linear scaling on the global
+    # layers only), an explicit layer pattern with a window of 4.
+    "gemma3": lambda: tr.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, intermediate_size=48, query_pre_attn_scalar=16,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}},
+        max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=0),
+    # Qwen3: q/k norms, head_dim 16 != E/H, untied head.
+    "qwen3": lambda: tr.Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    intermediate_size=48, max_position_embeddings=128,
+                                    bos_token_id=0, eos_token_id=1),
+    # Qwen3 with a tied head, attention biases and sliding windows on its upper layers.
+    "qwen3_tied": lambda: tr.Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         intermediate_size=48, tie_word_embeddings=True,
+                                         attention_bias=True, use_sliding_window=True,
+                                         sliding_window=4, max_window_layers=1,
+                                         max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Phi-3: fused qkv_proj and gate_up_proj, plain rope, a window of 6 on every layer.
+    "phi3": lambda: tr.Phi3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                                  sliding_window=6, max_position_embeddings=128,
+                                  bos_token_id=0, eos_token_id=1, pad_token_id=None),
 }
 CLASSES = {"gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
            "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
            "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
-           "qwen2_sliding": tr.Qwen2ForCausalLM}
+           "qwen2_sliding": tr.Qwen2ForCausalLM, "gemma2": tr.Gemma2ForCausalLM,
+           "gemma3": tr.Gemma3ForCausalLM, "qwen3": tr.Qwen3ForCausalLM,
+           "qwen3_tied": tr.Qwen3ForCausalLM, "phi3": tr.Phi3ForCausalLM}
+# The families added with Gemma, Qwen3 and Phi-3 (each checked end to end, with int8 too).
+NEW_FAMILIES = ["gemma2", "gemma3", "qwen3", "qwen3_tied", "phi3"]
 
 
 def build(name: str, seed: int = 0, std: float = 0.15):
-    """A random float32 transformers model with weights ~ N(0, std) and norms ~ 1 + N(0, std)."""
+    """A random float32 transformers model with weights ~ N(0, std) and norms that scale by
+    1 + N(0, std) (Gemma's norms scale by 1 + w, so there w ~ N(0, std))."""
     torch.manual_seed(seed)
     model = CLASSES[name](CONFIGS[name]()).eval()
+    offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():
             p.normal_(0.0, std)
             if "norm" in pname or ".ln_" in pname:
                 if pname.endswith("weight"):
-                    p.add_(1.0)
+                    p.add_(offset)
     return model
 
 

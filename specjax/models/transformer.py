@@ -1,4 +1,7 @@
-"""One decoder for GPT-2 and the Llama family (Llama, Mistral, Qwen2).
+"""One decoder for GPT-2, the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and the
+Gemma family (Gemma 2, Gemma 3 text). Where families differ, the difference is a named
+piece of layers.py (norms, activation, soft-caps, q/k norms, post-norms) or, here, the
+embedding scale and final soft-cap of Gemma and each layer's rotary frequencies.
 
 `Decoder` is a pure function of (params, tokens [B, T], positions [B, T], cache) returning
 (logits [B, T, V] float32, hidden [B, T, E], cache). Layers are stacked ([L, ...] leaves)
@@ -20,12 +23,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
-from specjax.config import ModelConfig
-from specjax.models.layers import MLP, Attention, Norm, init
+from specjax.config import ModelConfig, layer_inv_freqs
+from specjax.models.layers import MLP, Attention, Norm, dequantize, init, softcap
+from specjax.quant import Int8
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer. Scanned over layers: carry is (x, cache k, cache v)."""
+    """One pre-norm decoder layer. Scanned over layers: carry is (x, cache k, cache v).
+    (Gemma's attention and MLP also norm their own outputs: see layers.py.)"""
 
     config: ModelConfig
 
@@ -33,7 +38,8 @@ class Block(nn.Module):
     def __call__(self, carry, layer, positions, slots, masks):
         x, cache_k, cache_v = carry  # x [B, T, E]; cache_k/v [L, B, S, G, D] or None
         attn = Attention(self.config, name="attn")
-        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions)
+        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions,
+                                   layer.get("inv_freq"))
         if cache_k is not None:
             i = layer["index"]
             cache_k, cache_v = write(cache_k, i, k, slots), write(cache_v, i, v, slots)
@@ -55,7 +61,9 @@ class Decoder(nn.Module):
     def __call__(self, tokens, positions, cache: KVCache | None = None, placement: Placement | None = None):
         c = self.config
         embedding = self.param("embedding", init, (c.vocab_size, c.hidden_size))
-        x = embedding[tokens]  # [B, T, E]
+        x = embedding.rows(tokens) if isinstance(embedding, Int8) else embedding[tokens]  # [B, T, E]
+        if c.family == "gemma":  # scaled by sqrt(E), rounded to the dtype as transformers does
+            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         if c.family == "gpt2":
             pos_embedding = self.param("pos_embedding", init,
                                        (c.max_position_embeddings, c.hidden_size))
@@ -74,6 +82,8 @@ class Decoder(nn.Module):
                      None if window is None else attention_mask(positions, kv_positions, window))
         layers = {"index": jnp.arange(c.num_layers),
                   "sliding": jnp.array([w is not None for w in windows])}
+        if c.family != "gpt2":
+            layers["inv_freq"] = jnp.asarray(layer_inv_freqs(c))  # [L, D/2]
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
@@ -91,9 +101,11 @@ class Decoder(nn.Module):
 
             x, cache_k, cache_v = jax.lax.fori_loop(0, self.exit_layer, run_layer, carry)
         hidden = Norm(c, name="final_norm")(x)
-        head = embedding.T if c.tie_word_embeddings else self.param(
-            "lm_head", init, (c.hidden_size, c.vocab_size))
+        head = dequantize(embedding).T if c.tie_word_embeddings else dequantize(self.param(
+            "lm_head", init, (c.hidden_size, c.vocab_size)))
         logits = jnp.einsum("bte,ev->btv", hidden, head, preferred_element_type=jnp.float32)
+        if c.gemma and c.gemma.final_softcap is not None:
+            logits = softcap(logits, c.gemma.final_softcap)
         if cache is not None:
             cache = cache.replace(k=cache_k, v=cache_v)
         return logits, hidden, cache
