@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.generate import _generate  # noqa: E402
+from specjax.generate import _generate, stop_ids  # noqa: E402
 from specjax.sampling import Sampling  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
@@ -87,7 +87,7 @@ def main():
         # The compiled loop: which all-gathers does it contain, and of what shapes?
         hlo = _generate.lower(
             sharded_target, specjax.DraftModel(sharded_draft), jnp.asarray(prompts), jnp.asarray(lengths),
-            jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0), max_new_tokens=MAX_NEW,
+            jax.random.key(0), Sampling.make(), stop_ids(None), jnp.float32(0), max_new_tokens=MAX_NEW,
             K=K, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
