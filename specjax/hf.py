@@ -10,7 +10,6 @@ transformers. This module knows nothing about decoding.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import mmap
 import os
@@ -151,9 +150,9 @@ def layout(c: ModelConfig) -> list[Tensor]:
 
 # Weights stored with pickle (torch.save): unpickling runs whatever code the file names.
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
-# Parameters larger than this are written into their device buffer piece by piece (a layer
-# or this many bytes at a time), so that loading holds little more than the parameters.
-CHUNK_BYTES = 16 * 2**20
+# Tensors are copied out of their files this many bytes at a time, each piece's file pages
+# dropped before the next: loading holds little more than the parameters themselves.
+CHUNK_BYTES = 4 * 2**20
 PROGRESS_BYTES = 2**30  # checkpoints at least this large show a progress bar by default
 SAFETENSORS_DTYPES = {
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -424,60 +423,44 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress) ->
 
 
 def _assemble(view, stored, stacked: bool, dtype, path, mesh, rules) -> jax.Array:
-    """One parameter, read from its tensor(s) through `view` and placed: in one piece when
-    small, else written into a preallocated buffer a piece (a layer, or CHUNK_BYTES of the
-    file's outermost axis) at a time. Each device's piece reads only its own slice."""
+    """One parameter, read from its tensor(s) through `view` and placed. Each device's block
+    is copied out of the mapped file(s) into a fresh host buffer of the final dtype, a layer
+    or CHUNK_BYTES of the file at a time, the file's pages dropped after each; device_put
+    then moves the buffer to its device (on CPU it adopts the 64-byte-aligned buffer without
+    a copy). Host memory thus peaks near the parameters themselves, and no program is
+    compiled. Each device's block reads only its own slice of the files."""
     first = view(0)
     shape = ((len(stored),) if stacked else ()) + first.shape
-    placement = _placement(shape, path, mesh, rules)
+    # Copy along the axis of largest stride: the file's outermost, so pieces are contiguous bytes.
+    axis = max(range(first.ndim), key=lambda a: first.strides[a] if first.shape[a] > 1 else -1, default=0)
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
-        """The parameter's block `index`, read from the file(s), in dtype."""
-        if not stacked:
-            out = np.asarray(view(0)[index], dtype)
-        else:
-            layers = range(len(stored))[index[0]]
-            out = np.empty((len(layers),) + first[index[1:]].shape, dtype)
-            for j, i in enumerate(layers):
-                out[j] = view(i)[index[1:]]
+        """The parameter's block `index` (a tuple of slices), in dtype."""
+        layers = range(len(stored))[index[0]] if stacked else [0]
+        inner = index[1:] if stacked else index
+        piece = first[inner]  # a view: only its shape is used
+        out = _aligned_empty((len(layers),) + piece.shape if stacked else piece.shape, dtype)
+        rows = piece.shape[axis] if piece.ndim else 1
+        step = max(1, CHUNK_BYTES * rows // max(piece.size * stored[0].dtype.itemsize, 1))
+        for j, i in enumerate(layers):
+            src = view(i)[inner]
+            dst = out[j] if stacked else out
+            for lo in range(0, rows, step):  # a piece, then drop the file pages it touched
+                cut = (slice(None),) * axis + (slice(lo, lo + step),) if piece.ndim else ()
+                dst[cut] = src[cut]
                 stored[i].release()
         stats["elements_read"] += out.size
         return out
 
-    def release():
-        for s in stored:
-            s.release()
+    return jax.make_array_from_callback(shape, _placement(shape, path, mesh, rules), block)
 
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    spec = getattr(placement, "spec", ())
-    free = [a for a in range(len(shape)) if a >= len(spec) or spec[a] is None]  # unsplit axes
-    if stacked:
-        axis = 0 if 0 in free else None
-    else:  # the axis of largest stride is the file's outermost: its pieces are contiguous bytes
-        axis = max(free, key=lambda a: first.strides[a] if shape[a] > 1 else -1, default=None)
-    if nbytes <= CHUNK_BYTES or axis is None:
-        out = jax.make_array_from_callback(shape, placement, block)
-        out.block_until_ready()
-        release()
-        return out
 
-    step = 1 if stacked else max(1, CHUNK_BYTES * shape[axis] // nbytes)
-    buffer = jnp.zeros(shape, dtype, device=placement)
-    write = _writer(placement, axis)
-    for lo in range(0, shape[axis], step):
-        hi = min(lo + step, shape[axis])
-
-        def piece_block(index, lo=lo, hi=hi):  # an index into the piece -> into the parameter
-            start, stop, _ = index[axis].indices(hi - lo)
-            return block(index[:axis] + (slice(lo + start, lo + stop),) + index[axis + 1:])
-
-        piece = jax.make_array_from_callback(shape[:axis] + (hi - lo,) + shape[axis + 1:],
-                                             placement, piece_block)
-        buffer = write(buffer, piece, lo)
-        buffer.block_until_ready()  # one piece in flight: the host holds no more than that
-        del piece
-        release()
-    return buffer
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """np.empty aligned to `align` bytes (what XLA's CPU client needs to adopt it uncopied)."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n].view(dtype).reshape(shape)
 
 
 def _placement(shape, path, mesh, rules):
@@ -489,13 +472,6 @@ def _placement(shape, path, mesh, rules):
 
     axes = sharding.logical_axes(path, len(shape))
     return NamedSharding(mesh, sharding.spec(shape, axes, mesh, rules or sharding.DEFAULT_RULES))
-
-
-@functools.lru_cache(maxsize=None)
-def _writer(placement, axis: int):
-    """buffer, piece, start -> buffer with piece written at start along axis (in place)."""
-    return jax.jit(lambda buffer, piece, start: jax.lax.dynamic_update_slice_in_dim(
-        buffer, piece, start, axis), donate_argnums=0, out_shardings=placement)
 
 
 def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
