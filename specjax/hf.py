@@ -505,6 +505,29 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(resolve(path)))
 
 
+# Text on which two tokenizers must agree: ASCII prose and code, digits, runs of spaces and
+# newlines, accents, CJK, an emoji.
+TOKENIZER_PROBE = ("The quick brown fox, 1234567890 times!\n\ndef f(x):\n    return x ** 2  # ok\n"
+                   "\tcafé déjà-vu naïve Größe 東京 你好 🙂 <|end|> </s>")
+
+
+class TokenizerMismatchError(ValueError):
+    """A draft whose tokenizer turns the same text into other ids than the target's: its
+    proposals would be tokens of another language."""
+
+
+def check_tokenizers(target, draft, target_name="target", draft_name="draft"):
+    """Raises TokenizerMismatchError unless both tokenizers give the same ids for
+    TOKENIZER_PROBE, special tokens included (vocabulary sizes alone prove nothing)."""
+    a, b = target(TOKENIZER_PROBE)["input_ids"], draft(TOKENIZER_PROBE)["input_ids"]
+    if list(a) != list(b):
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise TokenizerMismatchError(
+            f"the tokenizers of {target_name} and {draft_name} differ: on a probe text they give "
+            f"{len(a)} and {len(b)} ids, first differing at position {at} "
+            f"({list(a[at:at + 4])} vs {list(b[at:at + 4])}); a draft must share the target's tokenizer")
+
+
 # ---- writing ---------------------------------------------------------------------------
 
 
