@@ -5,16 +5,17 @@ The public API, re-exports only.
 
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel, EarlyExit, PromptLookup
-from specjax.generate import GenerateOutput, Stats, generate, pad_prompts
-from specjax.config import ModelConfig, UnsupportedConfigError
-from specjax.hf import CheckpointError, load_model, load_tokenizer, save_model
+from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
+from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
+from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "DraftModel", "EarlyExit", "PromptLookup", "GenerateOutput", "Int8", "KVCache", "Model",
-    "ModelConfig", "Stats", "UnsupportedConfigError", "forward", "generate", "load_model", "load_tokenizer",
-    "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model", "Tree",
+    "CheckpointError", "DraftModel", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
+    "InvalidConfigError", "Int8", "KVCache", "Model", "ModelConfig", "UnsafeCheckpointError", "Stats",
+    "Tree", "UnsupportedConfigError", "compile_generate", "forward", "generate", "load_model",
+    "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model",
 ]

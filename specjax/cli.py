@@ -29,6 +29,60 @@ def default_checkpoint(name: str) -> str:
     return str(Path("checkpoints") / name)
 
 
+def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
+    """Token ids as transformers builds them: the tokenizer's special tokens included (BOS
+    where the model expects one); with chat, each prompt is a user turn of the tokenizer's
+    chat template, ready for the assistant's reply."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("specjax generate --chat: the target's tokenizer has no chat template "
+                         "(tokenizer_config.json or chat_template.jinja); drop --chat")
+    ids = []
+    for p in prompts:
+        if chat:
+            ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                          add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]))
+        else:
+            ids.append(list(tokenizer(p)["input_ids"]))
+    fallback = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    return [row or [fallback] for row in ids]
+
+
+def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
+    """Stop ids and sampling parameters: the flags where given, else the model's
+    generation_config.json (else config.json's ids, else the tokenizer's EOS), with
+    transformers' defaults for what neither says."""
+    from specjax.config import GenerationConfig
+
+    gen = model.generation_config or GenerationConfig()
+    if args.ignore_eos:
+        stop = None
+    elif args.eos_token_id:
+        stop = list(args.eos_token_id)
+    else:
+        stop = list(gen.eos_token_id) or (None if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+    sampling = {"temperature": args.temperature if args.temperature is not None
+                else gen.temperature if gen.do_sample else 0.0,
+                "top_k": gen.top_k if args.top_k is None else args.top_k,
+                "top_p": gen.top_p if args.top_p is None else args.top_p}
+    return stop, sampling
+
+
+class _Printer:
+    """Prints one row's text as the loop streams its tokens out (held back while the last
+    bytes are an incomplete character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def __call__(self, tokens, counts):
+        self.ids += tokens[0, : counts[0]].tolist()
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd") and len(text) > self.shown:
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+
+
 def _generate(args):
     import time
 
@@ -56,21 +110,30 @@ def _generate(args):
     else:
         draft = specjax.load_model(args.draft, quantize=args.quantize)
         draft, drafter_name = specjax.DraftModel(draft, tree), f"draft model {args.draft}"
+        try:
+            draft_tokenizer = specjax.load_tokenizer(args.draft)
+        except (OSError, ValueError):
+            print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
+        else:
+            specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
     if tree is not None:
         drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
-    ids = [tokenizer.encode(p, add_special_tokens=False) or [tokenizer.eos_token_id] for p in prompts]
+    ids = encode_prompts(tokenizer, prompts, args.chat)
     padded, lengths = specjax.pad_prompts(ids)
-    kwargs = dict(draft=draft, key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
-                  num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p,
-                  eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id,
-                  adaptive_k=args.adaptive_k)
+    stop, sampling = _decoding(args, target, tokenizer)
+    streaming = len(prompts) == 1 and not args.json and not args.no_stream
+    printer = _Printer(tokenizer) if streaming else None
 
+    start = time.perf_counter()  # ahead-of-time: compilation alone, the batch is not run
+    run = specjax.compile_generate(target, padded, lengths, draft=draft, key=jax.random.key(args.seed),
+                                   max_new_tokens=args.max_new_tokens,
+                                   num_draft_tokens=args.num_draft_tokens, eos_token_id=stop,
+                                   adaptive_k=args.adaptive_k, stream=printer, **sampling)
+    compile_seconds = time.perf_counter() - start
+    if streaming:
+        print(prompts[0], end="", flush=True)
     start = time.perf_counter()
-    jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
-    first = time.perf_counter() - start  # compile + one run
-    start = time.perf_counter()
-    out = jax.block_until_ready(specjax.generate(target, padded, lengths, **kwargs))
+    out = jax.block_until_ready(run())
     seconds = time.perf_counter() - start
     out = jax.tree.map(_to_host, out)
 
@@ -78,22 +141,28 @@ def _generate(args):
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
     stats = {
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
-        "compile_seconds": max(first - seconds, 0.0), "batch": len(prompts),
+        "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
         "num_draft_tokens": 0 if draft is None else tree.nodes if tree else args.num_draft_tokens or 4,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
+        "eos_token_id": stop, **sampling,
     }
     texts = [tokenizer.decode(out.tokens[b, : out.num_tokens[b]].tolist()) for b in range(len(prompts))]
     if args.json:
-        rows = [{"prompt": p, "text": t, "num_tokens": int(n), "steps": int(st), "drafted": int(d),
-                 "accepted": int(a)} for p, t, n, st, d, a in zip(
-                    prompts, texts, out.num_tokens, out.stats.steps, out.stats.drafted, out.stats.accepted)]
+        rows = [{"prompt": p, "prompt_ids": i, "text": t, "num_tokens": int(n), "steps": int(st),
+                 "drafted": int(d), "accepted": int(a)} for p, i, t, n, st, d, a in zip(
+                    prompts, ids, texts, out.num_tokens, out.stats.steps, out.stats.drafted,
+                    out.stats.accepted)]
         print(json.dumps({"outputs": rows, "stats": stats}, indent=2))
         return
-    for p, t in zip(prompts, texts):
-        print(p + t)
+    if streaming:
+        print(texts[0][printer.shown:])  # what the stream held back, if anything
         print("-" * 40)
+    else:
+        for p, t in zip(prompts, texts):
+            print(p + t)
+            print("-" * 40)
     acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
     print(f"{generated} tokens in {seconds:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | acceptance "
           f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
@@ -253,12 +322,21 @@ def main(argv=None):
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="chain length K (default 4)")
     p.add_argument("--tree", metavar="SHAPE",
                    help="draft a token tree: DEPTH,TOP_K,NODES (dynamic, e.g. 8,2,24) or JSON rank paths")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the model's generation_config.json, else greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="0 is off (default: generation_config.json's, else 50 as in transformers)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="1 is off (default: generation_config.json's, else 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn of the tokenizer's chat template")
+    stops = p.add_mutually_exclusive_group()
+    stops.add_argument("--eos-token-id", type=int, nargs="+", metavar="ID",
+                       help="stop ids (default: the model's generation_config.json, else config.json's)")
+    stops.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--no-stream", action="store_true", help="print a single prompt's text only at the end")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weight-only quantisation of the target and the draft, each on its own")

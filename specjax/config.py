@@ -37,6 +37,11 @@ class UnsupportedConfigError(ValueError):
     """The checkpoint asks for an architecture or feature specjax does not implement."""
 
 
+class InvalidConfigError(ValueError):
+    """A config.json (or generation_config.json) value that makes no sense: a size that is
+    not a positive integer, heads that do not divide, an absurd vocabulary."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling (`rope_parameters` minus `rope_theta`)."""
@@ -172,9 +177,13 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
                 f"supports {sorted(SUPPORTED_MODEL_TYPES)}{hint}")
-        if SUPPORTED_MODEL_TYPES[model_type] == "gpt2":
-            return cls._from_gpt2(hf)
-        return cls._from_rotary(hf)
+        check_hf_config(hf)
+        try:
+            if SUPPORTED_MODEL_TYPES[model_type] == "gpt2":
+                return cls._from_gpt2(hf)
+            return cls._from_rotary(hf)
+        except KeyError as e:
+            raise InvalidConfigError(f"config.json ({model_type}) lacks the required key {e}") from None
 
     @classmethod
     def _from_gpt2(cls, hf):
@@ -412,7 +421,8 @@ def _optional_float(x):
 
 
 def _first(token_id):
-    """HF allows a list of EOS ids; specjax stops on the first one."""
+    """The first of a list of EOS ids (GenerationConfig keeps them all: generation stops
+    on any of them)."""
     if isinstance(token_id, (list, tuple)):
         return token_id[0] if token_id else None
     return token_id
@@ -449,3 +459,133 @@ def layer_inv_freqs(config: ModelConfig):
 
     table = {w is not None: rope_inv_freq(config, local=w is not None) for w in config.layer_windows()}
     return np.stack([table[w is not None] for w in config.layer_windows()]).astype(np.float32)
+
+
+# ---- config.json sanity ----------------------------------------------------------------
+
+# Sizes a config.json may give, under the names its families use; each must be a positive
+# int when present (None means "not given" for the optional ones: head_dim, n_inner, ...).
+SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
+             "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
+             "intermediate_size", "n_inner", "max_position_embeddings", "n_positions")
+# No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
+# a corrupt or hostile file asking for a giant embedding table.
+MAX_VOCAB_SIZE = 2**24
+
+
+def check_hf_config(hf: dict[str, Any]) -> None:
+    """Refuses config.json values that make no sense, before anything is allocated:
+    sizes that are not positive ints, a vocabulary over MAX_VOCAB_SIZE, kv heads that do
+    not divide the heads, and a hidden size the heads do not divide when there is no
+    explicit head_dim (with one, as in many Llama-family models, H * head_dim may differ
+    from the hidden size: the projections map between the two)."""
+    for key in SIZE_KEYS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidConfigError(f"config.json: {key}={value!r} must be a positive integer")
+    vocab = hf.get("vocab_size")
+    if vocab is not None and vocab > MAX_VOCAB_SIZE:
+        raise InvalidConfigError(f"config.json: vocab_size={vocab} is absurd (more than "
+                                 f"{MAX_VOCAB_SIZE}; real vocabularies are below ~300k)")
+    E_key, H_key = ("n_embd", "n_head") if "n_embd" in hf else ("hidden_size", "num_attention_heads")
+    E, H = hf.get(E_key), hf.get(H_key)
+    G = hf.get("num_key_value_heads")
+    if H is not None and G is not None and H % G:
+        raise InvalidConfigError(f"config.json: num_key_value_heads={G} does not divide "
+                                 f"{H_key}={H} (each kv head serves a whole group of heads)")
+    if E is not None and H is not None and hf.get("head_dim") is None and E % H:
+        raise InvalidConfigError(f"config.json: {H_key}={H} does not divide {E_key}={E}, and "
+                                 f"there is no head_dim to say the size of a head")
+
+
+# ---- generation_config.json ------------------------------------------------------------
+
+# transformers' defaults for what a generation_config.json leaves out.
+_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Keys specjax does not apply, at values that change nothing (transformers' defaults), and
+# bookkeeping keys: neither is reported as ignored.
+_NO_EFFECT = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+              "length_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0, "min_length": 0,
+              "use_cache": True, "early_stopping": False, "output_scores": False,
+              "return_dict_in_generate": False, "output_attentions": False,
+              "output_hidden_states": False, "output_logits": False, "transformers_version": None,
+              "_from_model_config": None, "max_length": None, "max_new_tokens": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How a model asks to be decoded: generation_config.json (or, without one, the token
+    ids of config.json), read as transformers reads it. Frozen and hashable.
+
+    Only what specjax can honour is kept: stop ids and the sampling parameters. Others
+    (repetition penalties, beams, ...) are not applied; `ignored` names them."""
+
+    eos_token_id: tuple[int, ...] = ()  # stop ids: a row stops after the first of any
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    do_sample: bool = False  # False: greedy, whatever temperature says
+    temperature: float = 1.0
+    top_k: int = 50  # transformers' default when sampling; 0 is off
+    top_p: float = 1.0
+    ignored: tuple[str, ...] = ()  # keys present that specjax does not apply
+
+    def sampling(self) -> dict[str, float]:
+        """temperature, top_k, top_p as `specjax.generate` takes them (temperature 0: greedy)."""
+        if not self.do_sample:
+            return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+    @classmethod
+    def from_hf(cls, generation: dict[str, Any] | None, config: dict[str, Any],
+                vocab_size: int | None = None) -> "GenerationConfig":
+        """generation: generation_config.json's dict (None when the folder has none);
+        config: config.json's dict, whose token ids stand in when generation lacks them."""
+        source = "generation_config.json" if generation is not None else "config.json"
+        generation = dict(generation or {})
+        ids = {}
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = generation.get(key, config.get(key))
+            values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (
+                        vocab_size is not None and v >= vocab_size):
+                    raise InvalidConfigError(f"{source}: {key}={value!r} is not a token id of the "
+                                             f"vocabulary [0, {vocab_size})")
+            ids[key] = values
+        sampling = {k: generation.get(k) for k in _SAMPLING_DEFAULTS}
+        sampling = {k: _SAMPLING_DEFAULTS[k] if v is None else v for k, v in sampling.items()}
+        if not isinstance(sampling["do_sample"], bool):
+            raise InvalidConfigError(f"{source}: do_sample={sampling['do_sample']!r} must be true or false")
+        t, k, p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+        if not sampling["do_sample"]:  # greedy: transformers does not use them either
+            t, k, p = (_SAMPLING_DEFAULTS[key] for key in ("temperature", "top_k", "top_p"))
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise InvalidConfigError(f"{source}: temperature={t!r} must be a number > 0")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer >= 0")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise InvalidConfigError(f"{source}: top_p={p!r} must lie in (0, 1]")
+        known = set(_SAMPLING_DEFAULTS) | {"eos_token_id", "bos_token_id", "pad_token_id"}
+        ignored = tuple(sorted(key for key, v in generation.items() if key not in known
+                               and v is not None and not (key in _NO_EFFECT and v == _NO_EFFECT[key])
+                               and not (key in _NO_EFFECT and _NO_EFFECT[key] is None)))
+        return cls(eos_token_id=tuple(ids["eos_token_id"]),
+                   bos_token_id=(ids["bos_token_id"] or [None])[0],
+                   pad_token_id=(ids["pad_token_id"] or [None])[0],
+                   do_sample=sampling["do_sample"], temperature=float(t), top_k=k, top_p=float(p),
+                   ignored=ignored)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A generation_config.json dict that transformers reads back the same."""
+        out: dict[str, Any] = {}
+        if self.eos_token_id:
+            out["eos_token_id"] = (self.eos_token_id[0] if len(self.eos_token_id) == 1
+                                   else list(self.eos_token_id))
+        for key in ("bos_token_id", "pad_token_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.do_sample:
+            out.update(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return out

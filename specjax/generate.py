@@ -29,12 +29,15 @@ tokenizers or files.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import inspect
+import itertools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import io_callback
 
 from specjax import acceptance, sharding
 from specjax.cache import KVCache, move, tree_placement
@@ -95,8 +98,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
-             eos_token_id: int | None = None, return_trace: bool = False,
-             adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None) -> GenerateOutput:
+             eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
+             adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
+             stream: Callable | None = None) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
@@ -107,6 +111,9 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         `specjax.Tree` proposes that tree instead: leave it unset (a different K is an error).
     Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
     and eos_token_id are traced, so changing them never recompiles.
+    eos_token_id: None, one stop id or several (a row stops after the first of any, as in
+        transformers). They travel as int32 [N] padded with -1 to a multiple of 4: lists of
+        1-4 ids share one compilation, 5-8 another, and so on.
     return_trace: also return the tokens each step emitted per row (GenerateOutput.trace);
     off, it costs nothing.
     adaptive_k: move each row's draft depth between 1 and K (the tree's depth) by its last
@@ -116,22 +123,104 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         probability at temperature 1) falls below this (traced; 0 drafts all K).
     mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
         `data`, caches' heads over `model`, as the models' params are (see shard_model).
+    stream: a function called on the host after every step, from inside the compiled loop
+        (an ordered io_callback), as stream(tokens int32 [B, K+1], counts int32 [B]): row b
+        gained tokens[b, :counts[b]] (0 for finished rows), so the calls concatenated per row
+        are exactly out.tokens[b, :out.num_tokens[b]]. Streaming calls compile once whatever
+        the function; None leaves the callback out of the program. With a stream, generate
+        returns only once the loop has finished (and its calls have all been made); with a
+        mesh, the calls happen in the process that holds the first device.
     """
+    return _run(*_prepare(**locals()))
+
+
+def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], GenerateOutput]:
+    """`generate` compiled ahead of time for these arguments (the same as generate's):
+    returns a function of no arguments that runs it, without compiling. Timing this call
+    times compilation alone."""
+    bound = inspect.signature(generate).bind(target, prompts, lengths, **kwargs)
+    bound.apply_defaults()
+    args, static, stream = _prepare(**bound.arguments)
+    handle = None if stream is None else jnp.int32(0)
+    executable = _generate.lower(*args, **static, stream=handle).compile()
+    return lambda: _run(args, {}, stream, executable)
+
+
+def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
+             top_k, top_p, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
+             stream):
+    """generate's checks and conversions: (_generate's arguments, its static ones, stream)."""
     drafter = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
-                                max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
-                                eos_token_id, draft_threshold)
+                             max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
+                             eos_token_id, draft_threshold)
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
 
     key = jax.random.key(0) if key is None else key
-    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32)
+    eos = stop_ids(eos_token_id)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
-    return _generate(target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
-                     Sampling.make(temperature, top_k, top_p), eos,
-                     jnp.asarray(draft_threshold, jnp.float32), max_new_tokens=int(max_new_tokens),
-                     return_trace=bool(return_trace), adaptive_k=bool(adaptive_k),
-                     mesh=mesh, rules=rules)
+    if stream is not None and not callable(stream):
+        raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
+    args = (target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
+            Sampling.make(temperature, top_k, top_p), eos, jnp.asarray(draft_threshold, jnp.float32))
+    static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
+                  adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules)
+    return args, static, stream
+
+
+# ---- stop ids ---------------------------------------------------------------------------
+
+STOP_IDS_BUCKET = 4  # stop-id lists are padded to a multiple of this (with -1, never a token)
+
+
+def stop_ids(eos_token_id) -> jax.Array:
+    """None, one id or several -> int32 [N], padded with -1 to a multiple of STOP_IDS_BUCKET."""
+    ids = jnp.asarray([] if eos_token_id is None else eos_token_id, jnp.int32).reshape(-1)
+    n = max(STOP_IDS_BUCKET, -(-ids.shape[0] // STOP_IDS_BUCKET) * STOP_IDS_BUCKET)
+    return jnp.pad(ids, (0, n - ids.shape[0]), constant_values=-1)
+
+
+def _check_stop_ids(eos_token_id, vocab_size: int):
+    if eos_token_id is None or isinstance(eos_token_id, jax.core.Tracer):
+        return
+    ids = np.asarray(eos_token_id)
+    if ids.ndim > 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+        raise ValueError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
+    bad = [int(i) for i in ids.reshape(-1) if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
+    """bool [...]: which of tokens int32 [...] are among the stop ids int32 [N]."""
+    return (tokens[..., None] == stop).any(axis=-1)
+
+
+# ---- streaming ----------------------------------------------------------------------------
+
+_streams: dict[int, Callable] = {}  # handle -> the stream function of a call in progress
+_handles = itertools.count()
+
+
+def _stream_to_host(handle, tokens, counts):
+    _streams[int(handle)](np.asarray(tokens), np.asarray(counts))
+
+
+def _run(args, static, stream, executable=None) -> GenerateOutput:
+    """Runs _generate (or its AOT executable); with a stream, registers the function
+    under a handle that the loop passes back to the host, and waits for the loop's end."""
+    run = executable or functools.partial(_generate, **static)
+    if stream is None:
+        return run(*args, stream=None)
+    handle = next(_handles) % 2**31
+    _streams[handle] = stream
+    try:
+        out = jax.block_until_ready(run(*args, stream=jnp.int32(handle)))
+        jax.effects_barrier()
+    finally:
+        del _streams[handle]
+    return out
 
 
 def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_tokens,
@@ -156,8 +245,7 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
     validate(temperature, top_k, top_p)
     if not isinstance(draft_threshold, jax.core.Tracer) and not 0.0 <= float(draft_threshold) <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
-    if eos_token_id is not None and not 0 <= eos_token_id < c.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {c.vocab_size})")
+    _check_stop_ids(eos_token_id, c.vocab_size)
 
     if draft is None:
         drafter = None
@@ -187,7 +275,9 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
                                              "mesh", "rules"))
 def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
               *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
-              mesh, rules) -> GenerateOutput:
+              mesh, rules, stream=None) -> GenerateOutput:
+    """eos: int32 [N] stop ids padded with -1. stream: None, or int32 [] (a handle of
+    `_streams`; being None or not is part of the jit key, so None costs nothing)."""
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
@@ -263,7 +353,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         path_tokens = jnp.take_along_axis(verify, path, axis=1)  # [B, D]
         new = jnp.where(offsets < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), extra[:, None])
         count = n + 1
-        eos_at = (new == eos) & (offsets < count[:, None])
+        eos_at = _is_stop(new, eos) & (offsets < count[:, None])
         count = jnp.where(eos_at.any(axis=1), jnp.argmax(eos_at, axis=1) + 1, count)
         count = jnp.minimum(count, max_new_tokens - (length - lengths))
         count = jnp.where(active, count, 0)
@@ -281,6 +371,8 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
             grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
             k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
         trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
+        if stream is not None:  # the host receives the step's kept tokens, steps in order
+            io_callback(_stream_to_host, None, stream, jnp.where(keep, new, 0), count, ordered=True)
         return LoopState(tokens=tokens, length=new_length,
                          target_cache=cache.replace(lengths=new_length - 1),
                          draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from specjax import quant
-from specjax.config import ModelConfig
+from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import Model, default_dtype, layers
 
 # Buffers some checkpoints carry that hold no weights.
@@ -175,6 +177,27 @@ def layout(c: ModelConfig) -> list[Tensor]:
 
 # ---- reading ---------------------------------------------------------------------------
 
+# Weights stored with pickle (torch.save): unpickling runs whatever code the file names.
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+# Tensors are copied out of their files this many bytes at a time, each piece's file pages
+# dropped before the next: loading holds little more than the parameters themselves.
+CHUNK_BYTES = 4 * 2**20
+PROGRESS_BYTES = 2**30  # checkpoints at least this large show a progress bar by default
+SAFETENSORS_DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16,
+    "F32": np.float32, "F64": np.float64, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+# Diagnostics of the last load: elements copied out of checkpoint tensors (a tensor
+# placed on n devices whole counts n times; a split one once).
+stats = {"elements_read": 0}
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The checkpoint's weights are a pickle (pytorch_model.bin and the like), which specjax
+    refuses to load: unpickling a file can run any code its author chose."""
+
 
 def resolve(path: str | os.PathLike) -> Path:
     """A local folder, or a hub id resolved (downloaded) with huggingface_hub."""
@@ -195,21 +218,42 @@ def resolve(path: str | os.PathLike) -> Path:
                               f"Hugging Face hub: {type(e).__name__}: {e}") from e
 
 
-def read_config(folder: Path) -> ModelConfig:
+def _read_json(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _read_hf_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
-    return ModelConfig.from_hf_config(hf)
+    return _read_json(config_file)
+
+
+def read_config(folder: Path) -> ModelConfig:
+    """config.json as a ModelConfig; nonsensical values raise InvalidConfigError."""
+    return ModelConfig.from_hf_config(_read_hf_config(folder))
+
+
+def read_generation_config(folder: Path, hf_config: dict | None = None,
+                           vocab_size: int | None = None) -> GenerationConfig:
+    """generation_config.json (stop ids, sampling defaults); without one, config.json's ids."""
+    hf_config = _read_hf_config(folder) if hf_config is None else hf_config
+    file = folder / "generation_config.json"
+    return GenerationConfig.from_hf(_read_json(file) if file.is_file() else None, hf_config, vocab_size)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map object")
         files = [folder / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -217,93 +261,292 @@ def _safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        extra = " (it has PyTorch .bin weights: re-save with safe_serialization=True)" if any(
-            folder.glob("*.bin")) else ""
-        raise CheckpointError(f"{folder} has no *.safetensors weights{extra}")
+        pickles = sorted({f.name for pattern in PICKLE_PATTERNS for f in folder.glob(pattern)})
+        if pickles:
+            raise UnsafeCheckpointError(
+                f"{folder} holds its weights as pickle ({', '.join(pickles[:4])}), which specjax "
+                f"refuses: loading a pickle runs any code its author put in it. Convert it once, "
+                f"where you trust the file, to safetensors: python -c \"import transformers as t; "
+                f"t.AutoModelForCausalLM.from_pretrained('{folder}').save_pretrained('OUT')\" "
+                f"(transformers reads it with torch.load(weights_only=True) and writes safetensors)")
+        raise CheckpointError(f"{folder} has no *.safetensors weights")
     return files
 
 
-def read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    """All tensors of a folder's safetensors file(s), as numpy arrays (bfloat16 kept)."""
-    from safetensors import SafetensorError, safe_open
+class _Stored:
+    """One tensor of a safetensors file, read only where indexed: `array()` maps its bytes
+    (nothing is read yet), indexing it reads those pages, `release()` drops the pages read
+    so far from this process's memory (they stay in the OS page cache)."""
 
-    tensors = {}
-    for file in _safetensors_files(folder):
+    def __init__(self, file: Path, name: str, dtype, shape: tuple[int, ...], start: int, end: int):
+        self.file, self.name, self.dtype, self.shape = file, name, np.dtype(dtype), shape
+        self.start, self.end = start, end  # absolute byte range in the file
+        self._map = self._array = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            if self.nbytes == 0:
+                self._array = np.zeros(self.shape, self.dtype)
+            else:
+                offset = self.start - self.start % mmap.ALLOCATIONGRANULARITY
+                with open(self.file, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), self.end - offset, offset=offset,
+                                          access=mmap.ACCESS_READ)
+                self._array = np.frombuffer(self._map, self.dtype, int(np.prod(self.shape)),
+                                            self.start - offset).reshape(self.shape)
+        return self._array
+
+    def release(self):
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self):
+        self.release()
+        self._array = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere; the collector will close it
+                pass
+            self._map = None
+
+
+class _InMemory:
+    """A numpy array behind _Stored's interface (params_from_tensors)."""
+
+    def __init__(self, name: str, array):
+        self.name, self._array = name, np.asarray(array)
+        self.shape, self.dtype, self.nbytes = self._array.shape, self._array.dtype, self._array.nbytes
+
+    def array(self):
+        return self._array
+
+    def release(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _read_header(file: Path) -> dict[str, _Stored]:
+    """A safetensors file's tensors from its JSON header alone; every entry is checked
+    against the file's size, so a truncated or corrupt file is named before any read."""
+    size = file.stat().st_size
+
+    def corrupt(why):
+        return CheckpointError(f"{file} is corrupt or truncated: {why}")
+
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise corrupt(f"{size} bytes, too short for a safetensors header")
+        n = int.from_bytes(prefix, "little")
+        if n > min(size - 8, 100 * 2**20):
+            raise corrupt(f"its header claims {n} bytes")
         try:
-            with safe_open(file, framework="np") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{file} is corrupt or truncated: {e}") from e
-    return tensors
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise corrupt(f"its header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise corrupt(f"tensor {name} has a malformed header entry {entry!r} ({e!r})") from e
+        expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if min(shape, default=0) < 0 or end - begin != expected or begin < 0:
+            raise corrupt(f"tensor {name} ({entry['dtype']} {list(shape)}) spans bytes "
+                          f"[{begin}, {end}) of its data, which should be {expected} bytes")
+        if 8 + n + end > size:
+            raise corrupt(f"tensor {name} ends at byte {8 + n + end} of a {size}-byte file")
+        out[name] = _Stored(file, name, dtype, shape, 8 + n + begin, 8 + n + end)
+    return out
+
+
+def read_sources(folder: Path) -> dict[str, _Stored]:
+    """Every tensor of a folder's safetensors file(s), located but not read."""
+    sources: dict[str, _Stored] = {}
+    for file in _safetensors_files(folder):
+        for name, stored in _read_header(file).items():
+            if name in sources:
+                raise CheckpointError(f"tensor {name} is in both {sources[name].file.name} and {file.name}")
+            sources[name] = stored
+    return sources
 
 
 def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dtype,
                         mesh=None, rules=None, quantize: str | None = None) -> dict:
-    """Checks every tensor against the layout, then converts and stacks layers. With a
-    mesh, each device receives only its own shard of each parameter. quantize="int8":
-    matmul weights and the embedding are quantised on the host, before placement."""
-    quant.check_method(quantize)
-    tensors = {_canonical(name, config): t for name, t in tensors.items()}
+    """In-memory tensors (Hugging Face names) -> params, checked as load_model checks files."""
+    sources = {name: _InMemory(name, t) for name, t in tensors.items()}
+    return _params(sources, config, dtype, mesh, rules, progress=False, quantize=quantize)
+
+
+def _check_tensors(sources: dict, config: ModelConfig) -> dict:
+    """The sources under their canonical names, once every tensor the layout needs is there
+    with the shape the config implies and none is left unexplained."""
+    sources = {_canonical(name, config): t for name, t in sources.items()}
     expected = {}
     for spec in layout(config):
         for i in range(config.num_layers) if spec.per_layer else [None]:
             expected[spec.name.format(i=i)] = spec.shape
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(sources))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensors the config needs: "
                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    unexpected = sorted(n for n in set(tensors) - set(expected) if not _ignorable(n, config))
+    unexpected = sorted(n for n in set(sources) - set(expected) if not _ignorable(n, config))
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} tensors the config does not "
                               f"explain: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
+        if tuple(sources[name].shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(sources[name].shape)}, "
                                   f"but the config implies {shape}")
+        if not jnp.issubdtype(sources[name].dtype, jnp.floating):
+            raise CheckpointError(f"tensor {name} is {sources[name].dtype}, not a floating-point type")
+    return sources
 
+
+def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, quantize=None) -> dict:
+    """Checks every tensor against the layout, then converts and places one parameter at a
+    time, each straight into its device buffer (and with a mesh, its shards)."""
+    quant.check_method(quantize)
+    sources = _check_tensors(sources, config)
+    dtype = np.dtype(dtype)
+    stats["elements_read"] = 0
+    specs = layout(config)
+    names = {spec.name: [spec.name.format(i=i) for i in range(config.num_layers)] if spec.per_layer
+             else [spec.name] for spec in specs}
+    total = sum(sources[n].nbytes for spec in specs for n in names[spec.name])
+    bar = None
+    if progress or (progress is None and total >= PROGRESS_BYTES):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading")
     params: dict = {}
-    for spec in layout(config):
-        if spec.per_layer:
-            per_layer = [spec.to_ours(tensors[spec.name.format(i=i)]) for i in range(config.num_layers)]
-            values = [np.stack(parts) for parts in zip(*per_layer)]
-        else:
-            values = spec.to_ours(tensors[spec.name])
-        for path, value in zip(spec.paths, values):
-            if quantize and quant.quantizable(path):
-                value = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
-            else:
-                value = value.astype(jnp.dtype(dtype))
-            _set(params, path, _place(value, path, mesh, rules))
+    try:
+        for spec in specs:
+            stored = [sources[n] for n in names[spec.name]]
+            for k, path in enumerate(spec.paths):
+                def view(i, spec=spec, k=k, stored=stored):  # layer i's param k, our layout
+                    return spec.to_ours(stored[i].array())[k]
+
+                if quantize and quant.quantizable(path):
+                    _set(params, path, _quantized(view, stored, spec.per_layer, dtype, path, mesh, rules))
+                else:
+                    _set(params, path, _assemble(view, stored, spec.per_layer, dtype, path, mesh, rules))
+            for s in stored:
+                s.close()
+            if bar is not None:
+                bar.update(sum(s.nbytes for s in stored))
+    finally:
+        if bar is not None:
+            bar.close()
+        for s in sources.values():
+            s.close()
     return params
 
 
-def _place(value, path: tuple[str, ...], mesh, rules):
-    """A host array (or int8 pair) onto the device(s); with a mesh, each device gets only
-    its shards."""
+def _assemble(view, stored, stacked: bool, dtype, path, mesh, rules) -> jax.Array:
+    """One parameter, read from its tensor(s) through `view` and placed. Each device's block
+    is copied out of the mapped file(s) into a fresh host buffer of the final dtype, a layer
+    or CHUNK_BYTES of the file at a time, the file's pages dropped after each; device_put
+    then moves the buffer to its device (on CPU it adopts the 64-byte-aligned buffer without
+    a copy). Host memory thus peaks near the parameters themselves, and no program is
+    compiled. Each device's block reads only its own slice of the files."""
+    first = view(0)
+    shape = ((len(stored),) if stacked else ()) + first.shape
+    # Copy along the axis of largest stride: the file's outermost, so pieces are contiguous bytes.
+    axis = max(range(first.ndim), key=lambda a: first.strides[a] if first.shape[a] > 1 else -1, default=0)
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        """The parameter's block `index` (a tuple of slices), in dtype."""
+        layers = range(len(stored))[index[0]] if stacked else [0]
+        inner = index[1:] if stacked else index
+        piece = first[inner]  # a view: only its shape is used
+        out = _aligned_empty((len(layers),) + piece.shape if stacked else piece.shape, dtype)
+        rows = piece.shape[axis] if piece.ndim else 1
+        step = max(1, CHUNK_BYTES * rows // max(piece.size * stored[0].dtype.itemsize, 1))
+        for j, i in enumerate(layers):
+            src = view(i)[inner]
+            dst = out[j] if stacked else out
+            for lo in range(0, rows, step):  # a piece, then drop the file pages it touched
+                cut = (slice(None),) * axis + (slice(lo, lo + step),) if piece.ndim else ()
+                dst[cut] = src[cut]
+                stored[i].release()
+        stats["elements_read"] += out.size
+        return out
+
+    return jax.make_array_from_callback(shape, _placement(shape, path, mesh, rules), block)
+
+
+def _quantized(view, stored, stacked: bool, dtype, path, mesh, rules) -> quant.Int8:
+    """One matmul weight, read whole onto the host, quantised to int8 there, then placed
+    (with a mesh, each device gets its shards of the weight and of its scales). Host memory
+    peaks at this one float parameter on top of what is already loaded."""
+    value = np.stack([view(i) for i in range(len(stored))]) if stacked else view(0)
+    stats["elements_read"] += value.size
+    q = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
     if mesh is None:
-        return jax.tree.map(jnp.asarray, value)
+        return jax.tree.map(jnp.asarray, q)
     from specjax import sharding
 
-    placement = sharding.param_sharding(path, value, mesh, rules or sharding.DEFAULT_RULES)
+    placement = sharding.param_sharding(path, q, mesh, rules or sharding.DEFAULT_RULES)
     return jax.tree.map(lambda v, p: jax.make_array_from_callback(v.shape, p, lambda index: v[index]),
-                        value, placement)
+                        q, placement)
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """np.empty aligned to `align` bytes (what XLA's CPU client needs to adopt it uncopied)."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def _placement(shape, path, mesh, rules):
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    from jax.sharding import NamedSharding
+
+    from specjax import sharding
+
+    axes = sharding.logical_axes(path, len(shape))
+    return NamedSharding(mesh, sharding.spec(shape, axes, mesh, rules or sharding.DEFAULT_RULES))
 
 
 def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
-               quantize: str | None = None) -> Model:
+               progress: bool | None = None, quantize: str | None = None) -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
     dtype: parameter dtype (with quantize: of the scales, norms and activations); default
     float32 on CPU, bfloat16 on TPU/GPU.
     mesh, rules: place each parameter straight into its shards (see specjax.sharding);
-    no device ever holds a whole tensor that the rules split.
-    quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none."""
+    no device ever holds a whole tensor that the rules split, and each process reads only
+    the slices its own devices hold.
+    progress: a progress bar (None: for checkpoints of 1 GiB or more).
+    quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none.
+
+    Everything is checked before anything is allocated: config.json's values, that the
+    weights are safetensors (pickle is refused), every tensor's name and shape. Then the
+    tensors are read lazily, one parameter at a time, through memory maps: host memory
+    peaks near the parameters' own size, not twice it. generation_config.json (stop ids,
+    sampling defaults) becomes `model.generation_config`."""
     folder = resolve(path)
-    config = read_config(folder)
-    params = params_from_tensors(read_tensors(folder), config, dtype or default_dtype(), mesh, rules,
-                                 quantize)
-    return Model(config, params)
+    hf_config = _read_hf_config(folder)
+    config = ModelConfig.from_hf_config(hf_config)
+    generation = read_generation_config(folder, hf_config, config.vocab_size)
+    sources = read_sources(folder)
+    params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize)
+    return Model(config, params, generation)
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -311,6 +554,29 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve(path)))
+
+
+# Text on which two tokenizers must agree: ASCII prose and code, digits, runs of spaces and
+# newlines, accents, CJK, an emoji.
+TOKENIZER_PROBE = ("The quick brown fox, 1234567890 times!\n\ndef f(x):\n    return x ** 2  # ok\n"
+                   "\tcafé déjà-vu naïve Größe 東京 你好 🙂 <|end|> </s>")
+
+
+class TokenizerMismatchError(ValueError):
+    """A draft whose tokenizer turns the same text into other ids than the target's: its
+    proposals would be tokens of another language."""
+
+
+def check_tokenizers(target, draft, target_name="target", draft_name="draft"):
+    """Raises TokenizerMismatchError unless both tokenizers give the same ids for
+    TOKENIZER_PROBE, special tokens included (vocabulary sizes alone prove nothing)."""
+    a, b = target(TOKENIZER_PROBE)["input_ids"], draft(TOKENIZER_PROBE)["input_ids"]
+    if list(a) != list(b):
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise TokenizerMismatchError(
+            f"the tokenizers of {target_name} and {draft_name} differ: on a probe text they give "
+            f"{len(a)} and {len(b)} ids, first differing at position {at} "
+            f"({list(a[at:at + 4])} vs {list(b[at:at + 4])}); a draft must share the target's tokenizer")
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -333,7 +599,8 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
 
 
 def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
-    """Writes config.json + model.safetensors that specjax and transformers both load.
+    """Writes config.json + model.safetensors (+ generation_config.json when the model has
+    one) that specjax and transformers both load.
 
     dtype: storage dtype (default: the params' own; an int8 model is written dequantised,
     in its scales' dtype, so what loads back computes what the int8 model computed)."""
@@ -347,6 +614,9 @@ def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
     hf = model.config.to_hf_config()
     hf["torch_dtype"] = hf["dtype"] = str(next(iter(tensors.values())).dtype)
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if model.generation_config is not None:
+        (folder / "generation_config.json").write_text(
+            json.dumps(model.generation_config.to_hf(), indent=2) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 

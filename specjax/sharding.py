@@ -171,4 +171,4 @@ def shard_model(model, mesh: Mesh, rules=None):
     from specjax.models import Model
 
     shardings = param_shardings(model.params, mesh, tuple(rules or DEFAULT_RULES))
-    return Model(model.config, jax.device_put(model.params, shardings))
+    return model.replace(params=jax.device_put(model.params, shardings))

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.generate import _generate  # noqa: E402
+from specjax.generate import _generate, stop_ids  # noqa: E402
 from specjax.sampling import Sampling  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
@@ -76,10 +76,16 @@ def main():
             full_shapes.add(tuple(leaf.shape))
             full_shapes.add(tuple(leaf.shape[1:]))  # one layer of a stacked weight
     total_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(target.params))
+    total_elements = sum(leaf.size for leaf in jax.tree.leaves(target.params))
 
     for data, model in ((1, 8), (2, 4), (8, 1)):
         mesh = specjax.make_mesh(data=data, model=model)
         sharded_target = specjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+        read_fraction = specjax.hf.stats["elements_read"] / total_elements
+        chunk = specjax.hf.CHUNK_BYTES
+        specjax.hf.CHUNK_BYTES = 64  # the same load, copied out of the files 64 bytes at a time
+        pieces = specjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
+        specjax.hf.CHUNK_BYTES = chunk
         sharded_draft = specjax.shard_model(draft, mesh)
         out = specjax.generate(sharded_target, prompts, lengths, mesh=mesh,
                                **{**kwargs, "draft": sharded_draft})
@@ -92,7 +98,7 @@ def main():
         # The compiled loop: which all-gathers does it contain, and of what shapes?
         hlo = _generate.lower(
             sharded_target, specjax.DraftModel(sharded_draft).resolve(K), jnp.asarray(prompts),
-            jnp.asarray(lengths), jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
+            jnp.asarray(lengths), jax.random.key(0), Sampling.make(), stop_ids(None), jnp.float32(0),
             max_new_tokens=MAX_NEW, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
@@ -107,6 +113,16 @@ def main():
             "whole_weight_gathers": sorted({str(g) for g in gathered if g in full_shapes}),
             "all_gathers": len(gathered),
             "whole_cache_in_program": full_cache in hlo,
+            # loading: elements copied out of the files per parameter element; jax asks once
+            # per distinct slice, so 1 where the rules split everything or nothing
+            "read_fraction": read_fraction,
+            "pieces_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+                jax.tree.leaves(target.params), jax.tree.leaves(pieces.params))),
+            # every device holds exactly its own slice of each parameter
+            "shards_match": all(np.array_equal(np.asarray(shard.data), np.asarray(ref)[shard.index])
+                                for leaf, ref in zip(jax.tree.leaves(sharded_target.params),
+                                                     jax.tree.leaves(target.params))
+                                for shard in leaf.addressable_shards),
             "cache_spec": str(specjax.sharding.cache_shardings(
                 specjax.KVCache.init(CONFIG, 8, S), mesh).k.spec),
         }

@@ -59,3 +59,94 @@ def test_generate_with_a_tree_equals_the_chain(capsys):
         main(["generate", "x", "--tree", "4,2", "--target", str(TARGET), "--draft", str(DRAFT)])
     with pytest.raises(SystemExit, match="needs a draft model"):
         main(["generate", "x", "--tree", "4,2,8", "--prompt-lookup", "--target", str(TARGET)])
+
+
+# ---- a tiny random Llama whose tokenizer adds BOS, with a generation_config.json ---------
+
+CORPUS = ["the cat sat on the mat and the dog ate the hat while a bird sang in the tree"] * 20
+CHAT = "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} the{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(hf_folder, tmp_path_factory):
+    import shutil
+
+    from tests import tiny
+
+    folder = tmp_path_factory.mktemp("cli") / "target"
+    shutil.copytree(hf_folder("llama")[0], folder)
+    return folder, tiny.save_tokenizer(folder, CORPUS, chat_template=CHAT)
+
+
+def _run_json(capsys, *argv):
+    main(["generate", *argv, "--no-draft", "--json", "--max-new-tokens", "12"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_uses_bos_and_the_models_stop_ids(tiny_target, capsys):
+    """Token ids as transformers builds them (BOS first), and generation_config.json's list
+    of stop ids honoured by default: the row stops at its first stop id, which is not the
+    list's first. Flags override both ways."""
+    import specjax
+
+    folder, tok = tiny_target
+    prompt = "the cat sat on"
+    ids = tok(prompt)["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    padded, lengths = specjax.pad_prompts([ids])
+    free = specjax.generate(specjax.load_model(folder), padded, lengths, max_new_tokens=12).tokens[0].tolist()
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])  # a token first seen at k
+    unused = next(t for t in range(2, 97) if t not in free)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, free[k]],
+                                                               "bos_token_id": tok.bos_token_id}))
+    try:
+        result = _run_json(capsys, prompt, "--target", str(folder))
+        assert result["outputs"][0]["prompt_ids"] == ids
+        assert result["stats"]["eos_token_id"] == [unused, free[k]]
+        assert result["outputs"][0]["num_tokens"] == k + 1
+        assert _run_json(capsys, prompt, "--target", str(folder), "--ignore-eos")["outputs"][0]["num_tokens"] == 12
+        result = _run_json(capsys, prompt, "--target", str(folder), "--eos-token-id", str(free[1]))
+        assert result["outputs"][0]["num_tokens"] == 2
+    finally:
+        (folder / "generation_config.json").unlink()
+
+
+def test_generate_chat_template_and_sampling_defaults(tiny_target, capsys):
+    folder, tok = tiny_target
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.5, "top_k": 7}))
+    try:
+        result = _run_json(capsys, "the dog", "--target", str(folder), "--chat")
+        ids = result["outputs"][0]["prompt_ids"]
+        assert ids == tok("<s>the dog the", add_special_tokens=False)["input_ids"]
+        assert ids.count(tok.bos_token_id) == 1  # the template's BOS, not a second one
+        assert {k: result["stats"][k] for k in ("temperature", "top_k", "top_p")} == \
+            {"temperature": 0.5, "top_k": 7, "top_p": 1.0}
+        stats = _run_json(capsys, "the dog", "--target", str(folder), "--temperature", "0")["stats"]
+        assert stats["temperature"] == 0.0 and stats["eos_token_id"] == [2]
+    finally:
+        (folder / "generation_config.json").unlink()
+
+
+def test_streamed_text_is_the_final_text(tiny_target, capsys):
+    folder, _ = tiny_target
+    texts = []
+    for flags in ([], ["--no-stream"]):
+        main(["generate", "the cat", "--target", str(folder), "--no-draft", "--max-new-tokens", "12",
+              "--ignore-eos", *flags])
+        texts.append(capsys.readouterr().out.split("-" * 40)[0])
+    assert texts[0] == texts[1] and len(texts[0].strip()) > len("the cat")
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_target, tmp_path):
+    import shutil
+
+    from specjax.hf import TokenizerMismatchError
+    from tests import tiny
+
+    folder, tok = tiny_target
+    draft = tmp_path / "draft"
+    shutil.copytree(folder, draft)
+    tiny.save_tokenizer(draft, ["a bird sang in the tree by the river"] * 20, vocab_size=len(tok))
+    with pytest.raises(TokenizerMismatchError, match="a draft must share the target's tokenizer"):
+        main(["generate", "the cat", "--target", str(folder), "--draft", str(draft)])

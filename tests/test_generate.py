@@ -47,6 +47,69 @@ def test_greedy_speculative_equals_autoregressive_and_transformers(pair, K, batc
             assert auto.num_tokens[0] == first + 1 and auto.tokens[0, first] == eos
 
 
+def test_several_stop_ids_equal_transformers(pair):
+    """eos_token_id=[a, b]: each row stops after the first of either, as transformers does,
+    autoregressive and speculative, on a ragged batch."""
+    target, drafts, torch_model = pair
+    prompts = _prompts(4, seed=21)
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    plain = specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW)
+    a, b = int(plain.tokens[0, 2]), int(plain.tokens[1, 4])  # rows 0 and 1 stop on different ids
+    stops = [a, b]
+    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, stops) for p in prompts]
+    for row, t in zip(expected, np.asarray(plain.tokens)):  # the rule itself: first of any
+        hits = [i for i, x in enumerate(t) if x in stops]
+        assert len(row) == (hits[0] + 1 if hits else MAX_NEW)
+    assert len(expected[0]) <= 3 and len(expected[1]) <= 5 and expected[1][-1] in stops
+    assert _rows(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW,
+                                  eos_token_id=stops)) == expected
+    for name, draft in drafts.items():
+        spec = specjax.generate(target, padded, lengths, draft=draft, max_new_tokens=MAX_NEW,
+                                num_draft_tokens=4, eos_token_id=stops)  # shapes of [4-4] above
+        assert _rows(spec) == expected, name
+
+
+def test_stream_receives_exactly_the_output(pair):
+    """The callback sees each row's tokens in order, once, and they concatenate to the
+    output; streaming compiles once whatever the function, and changes no result."""
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(3, seed=13), bucket=16)
+    kwargs = dict(draft=drafts["far"], max_new_tokens=MAX_NEW, num_draft_tokens=4)
+    plain = specjax.generate(target, padded, lengths, **kwargs)
+    stops = [int(plain.tokens[1, 6])]
+
+    def collect(**kw):
+        got, calls = [[] for _ in range(3)], []
+
+        def stream(tokens, counts):
+            calls.append(counts.copy())
+            for b in range(3):
+                got[b] += tokens[b, : counts[b]].tolist()
+
+        out = specjax.generate(target, padded, lengths, **kwargs, **kw, stream=stream)
+        return out, got, calls
+
+    out, got, calls = collect(eos_token_id=stops)
+    assert got == _rows(out)
+    np.testing.assert_array_equal(out.tokens, specjax.generate(target, padded, lengths, **kwargs,
+                                                               eos_token_id=stops).tokens)
+    assert len(calls) == int(out.stats.steps.max())  # one call per step of the loop
+    assert out.num_tokens[1] < MAX_NEW  # a row stopped early: counts 0 after it is done
+    assert calls[-1][1] == 0 or out.stats.steps[1] == len(calls)
+    before = _generate._cache_size()
+    out2, got2, _ = collect(eos_token_id=[5, 6, 7], temperature=0.9, key=jax.random.key(3))
+    assert got2 == _rows(out2)
+    assert _generate._cache_size() == before, "another stream function or stop list recompiled"
+
+
+def test_compile_generate_runs_what_generate_runs(pair):
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(2, seed=14), bucket=16)
+    kwargs = dict(draft=drafts["near"], max_new_tokens=MAX_NEW, num_draft_tokens=2, eos_token_id=[4, 9])
+    run = specjax.compile_generate(target, padded, lengths, **kwargs)
+    np.testing.assert_array_equal(run().tokens, specjax.generate(target, padded, lengths, **kwargs).tokens)
+
+
 def test_both_paths_run(pair):
     """The near draft is mostly accepted, the far one mostly rejected: both paths are tested."""
     target, drafts, _ = pair
@@ -130,7 +193,8 @@ def test_compiles_once(pair):
     run(1, temperature=0.8)
     run(2, temperature=1.3, top_k=5)
     run(3, temperature=0.5, top_p=0.9, eos_token_id=3)
-    run(4)
+    run(4, eos_token_id=[3, 5, 7])  # up to 4 stop ids share one shape
+    run(5)
     assert _generate._cache_size() == before, "a call of the same shapes recompiled generate"
 
 
@@ -167,6 +231,8 @@ def _with_vocab(config, vocab):
     (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
     (dict(top_k=-1), "top_k must be an int >= 0"),
     (dict(eos_token_id=tiny.VOCAB), "eos_token_id"),
+    (dict(eos_token_id=[3, tiny.VOCAB]), f"eos_token_id {tiny.VOCAB} is outside"),
+    (dict(eos_token_id=[[3]]), "eos_token_id must be None, an int or a list of ints"),
 ])
 def test_bad_requests(pair, kwargs, message):
     target, drafts, _ = pair

@@ -149,3 +149,140 @@ def test_unsupported_configs(llama_copy, change, message):
     (llama_copy / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(specjax.UnsupportedConfigError, match=message):
         specjax.load_model(llama_copy)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 0}, "hidden_size=0 must be a positive integer"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers=-2 must be a positive integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+    ({"intermediate_size": "48"}, "intermediate_size='48' must be a positive integer"),
+    ({"vocab_size": 10**9}, "vocab_size=1000000000 is absurd"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ({"hidden_size": 30, "head_dim": None}, "num_attention_heads=4 does not divide hidden_size=30"),
+])
+def test_nonsensical_configs_are_refused(llama_copy, change, message):
+    """Refused from config.json alone, before a tensor is read or a buffer allocated."""
+    config = json.loads((llama_copy / "config.json").read_text())
+    (llama_copy / "config.json").write_text(json.dumps({**config, **change}))
+    (llama_copy / "model.safetensors").write_bytes(b"never read")
+    with pytest.raises(specjax.InvalidConfigError, match=message):
+        specjax.load_model(llama_copy)
+
+
+def test_explicit_head_dim_need_not_divide_the_hidden_size(hf_folder):
+    """Llama's H * head_dim may differ from hidden_size (tiny "llama": 4 * 16 != 32)."""
+    config = json.loads((hf_folder("llama")[0] / "config.json").read_text())
+    assert config["num_attention_heads"] * config["head_dim"] != config["hidden_size"]
+    specjax.ModelConfig.from_hf_config(config)
+    with pytest.raises(specjax.InvalidConfigError, match="lacks the required key 'intermediate_size'"):
+        specjax.ModelConfig.from_hf_config({k: v for k, v in config.items() if k != "intermediate_size"})
+
+
+def test_pickle_weights_are_refused(llama_copy):
+    import torch
+
+    marker = llama_copy / "unpickled"
+
+    class Payload:  # what a hostile pickle does when loaded
+        def __reduce__(self):
+            return (marker.write_text, ("ran",))
+
+    (llama_copy / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Payload()}, llama_copy / "pytorch_model.bin")
+    with pytest.raises(specjax.UnsafeCheckpointError, match=r"pytorch_model.bin.*pickle.*safetensors"):
+        specjax.load_model(llama_copy)
+    assert not marker.exists()
+
+
+def test_tensor_of_wrong_dtype_is_named(llama_copy):
+    _edit_tensors(llama_copy, lambda t: t.update({"model.norm.weight": np.ones(32, np.int32)}))
+    with pytest.raises(CheckpointError, match="model.norm.weight is int32"):
+        specjax.load_model(llama_copy)
+
+
+def test_generation_config_is_read_and_written(llama_copy, tmp_path):
+    generation = {"eos_token_id": [1, 7, 9], "bos_token_id": 0, "do_sample": True,
+                  "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "use_cache": True}
+    (llama_copy / "generation_config.json").write_text(json.dumps(generation))
+    model = specjax.load_model(llama_copy)
+    g = model.generation_config
+    assert g.eos_token_id == (1, 7, 9) and g.bos_token_id == 0
+    # transformers' default top_k=50 applies when the file is silent about it
+    assert g.sampling() == {"temperature": 0.6, "top_k": 50, "top_p": 0.9}
+    assert g.ignored == ("repetition_penalty",)
+    reference = tr.GenerationConfig.from_pretrained(llama_copy)
+    assert list(g.eos_token_id) == reference.eos_token_id
+    specjax.save_model(model, tmp_path)
+    assert specjax.load_model(tmp_path).generation_config == g.__class__(**{**g.__dict__, "ignored": ()})
+    # without generation_config.json, config.json's ids (all of them) stand in
+    (llama_copy / "generation_config.json").unlink()
+    config = json.loads((llama_copy / "config.json").read_text())
+    (llama_copy / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 2]}))
+    g = specjax.load_model(llama_copy).generation_config
+    assert g.eos_token_id == (1, 2) and g.sampling()["temperature"] == 0.0
+
+
+@pytest.mark.parametrize("generation, message", [
+    ({"eos_token_id": [1, tiny.VOCAB]}, "eos_token_id=.* is not a token id"),
+    ({"do_sample": True, "temperature": -1.0}, "temperature=-1.0 must be a number > 0"),
+    ({"do_sample": True, "top_p": 0}, r"top_p=0 must lie in \(0, 1\]"),
+])
+def test_nonsensical_generation_config_is_refused(llama_copy, generation, message):
+    (llama_copy / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(specjax.InvalidConfigError, match=f"generation_config.json: {message}"):
+        specjax.load_model(llama_copy)
+
+
+@pytest.mark.parametrize("arch, stored", [("llama", "float32"), ("gpt2", "bfloat16")])
+def test_piecewise_reads_equal_whole_reads(arch, stored, hf_folder, tmp_path, monkeypatch):
+    """Copying tensors a few bytes at a time (through transposes, head splits and GPT-2's
+    fused qkv, converting bfloat16 storage) gives exactly what one whole read gives."""
+    from specjax import hf
+
+    folder, _ = hf_folder(arch)
+    whole = specjax.load_model(folder)
+    if stored == "bfloat16":
+        folder = specjax.save_model(whole, tmp_path, dtype=jnp.bfloat16)
+        whole = specjax.load_model(folder)
+    monkeypatch.setattr(hf, "CHUNK_BYTES", 100)
+    pieces = specjax.load_model(folder)
+    _assert_same_params(whole.params, pieces.params)
+    assert hf.stats["elements_read"] == sum(x.size for x in jax.tree.leaves(whole.params))
+
+
+def _memory_check(size):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "load_memory_check.py"
+    result = subprocess.run([sys.executable, str(script), "--size", size], capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_load_peak_memory_is_about_the_parameters():
+    """A 150 MB bfloat16 checkpoint in 4 shards loads with peak RSS <= 1.1x its size above
+    the post-import baseline (it was ~3x when every tensor was read, stacked and cast)."""
+    found = _memory_check("small")
+    assert found["content_ok"] and found["param_bytes"] == found["checkpoint_bytes"]
+    assert found["ratio"] <= 1.1, found
+
+
+@pytest.mark.slow
+def test_load_peak_memory_on_a_1gb_checkpoint():
+    found = _memory_check("1g")
+    assert found["content_ok"] and found["ratio"] <= 1.1, found
+
+
+def test_tokenizers_are_compared_on_text(tmp_path):
+    from specjax.hf import TokenizerMismatchError, check_tokenizers
+
+    a = tiny.save_tokenizer(tmp_path / "a", ["the cat sat on the mat"] * 20)
+    same = specjax.load_tokenizer(tmp_path / "a")
+    check_tokenizers(a, same)
+    # same vocabulary size, other merges: only the ids of real text tell them apart
+    b = tiny.save_tokenizer(tmp_path / "b", ["a dog ran to the park"] * 20, vocab_size=len(a))
+    with pytest.raises(TokenizerMismatchError, match="differ: on a probe text"):
+        check_tokenizers(a, b)

@@ -134,3 +134,21 @@ def noisy(model, std, seed):
     rng = np.random.RandomState(seed)
     params = jax.tree.map(lambda x: x + std * rng.randn(*x.shape).astype(np.float32), model.params)
     return specjax.Model(model.config, params)
+
+
+def save_tokenizer(folder, corpus, vocab_size=90, chat_template=None):
+    """A small BPE tokenizer (fits VOCAB) that adds BOS like Llama's, saved into folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                        special_tokens=["<unk>", "<s>", "</s>"]))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    fast = tr.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                      unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+    return fast

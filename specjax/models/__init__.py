@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache, Placement
-from specjax.config import ModelConfig
+from specjax.config import GenerationConfig, ModelConfig
 from specjax.models.transformer import Decoder
 
 Params = Any  # nested dict of arrays, layer weights stacked on a leading [L] axis
@@ -23,6 +23,10 @@ Params = Any  # nested dict of arrays, layer weights stacked on a leading [L] ax
 class Model:
     config: ModelConfig = struct.field(pytree_node=False)
     params: Params
+    # How the checkpoint asks to be decoded (stop ids, sampling defaults): what `load_model`
+    # read from generation_config.json; None for models made otherwise. `generate` does not
+    # read it (its arguments say everything); the `specjax generate` command does.
+    generation_config: GenerationConfig | None = struct.field(pytree_node=False, default=None)
 
     @property
     def dtype(self):
