@@ -253,6 +253,28 @@ def _distill(args):
     _export(model, args.target, Path(args.out) / "hf", args.dtype)
 
 
+def _train_heads(args):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import specjax
+    from specjax import bench
+    from specjax.train import data, heads
+
+    target = specjax.load_model(args.target, dtype=jnp.float32)
+    tokenizer, stream, held, held_modules = data.prepare(args.out, tokenizer_folder=args.target)
+    probe = np.array(bench.held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
+    common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe)
+    if args.kind == "medusa":
+        drafter, metrics = heads.train_medusa(target, args.heads, stream, held, _train_config(args), args.out,
+                                              num_layers=args.head_layers, **common)
+    else:
+        drafter, metrics = heads.train_eagle(target, stream, held, _train_config(args), args.out, **common)
+    out = drafter.replace(signature=dataclasses.replace(drafter.signature, name=str(args.target))).save(
+        Path(args.out) / "drafter")
+    print(f"saved to {out}; last evaluation: {json.dumps(metrics)}")
+
+
 def _export(model, tokenizer_folder, out, dtype):
     import jax.numpy as jnp
 
@@ -362,6 +384,20 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.0)
     p.set_defaults(run=_distill)
+
+    for kind in ("medusa", "eagle"):
+        p = sub.add_parser(f"train-{kind}", help=f"train {kind.capitalize()} draft heads on a frozen target "
+                                                 f"(self-distillation on the stdlib)")
+        p.add_argument("--target", default="checkpoints/target")
+        _add_train_args(p, steps=1000, lr=1e-3)
+        p.add_argument("--loss", default="kl", choices=["kl", "tv"])
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--probe-prompts", type=int, default=4,
+                       help="held-out prompts on which each evaluation runs the real loop")
+        if kind == "medusa":
+            p.add_argument("--heads", type=int, default=4, help="number of heads (the deepest draft)")
+            p.add_argument("--head-layers", type=int, default=1, help="residual blocks per head")
+        p.set_defaults(run=_train_heads, kind=kind)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
     p.add_argument("run_dir", metavar="RUN")

@@ -42,6 +42,7 @@ from jax.experimental import io_callback
 from specjax import acceptance, sharding
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
+from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids
 from specjax.sampling import Sampling, validate, warp
@@ -77,6 +78,7 @@ class LoopState:
     stats: Stats
     step: jax.Array  # int32 []: steps taken
     trace: jax.Array | None  # int32 [B, max_new_tokens] tokens emitted per step, if asked for
+    features: Features | None = None  # the target's hidden states, for drafters that want them
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
@@ -257,6 +259,8 @@ def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_to
         if not all(hasattr(drafter, a) for a in ("resolve", "start", "propose")):
             raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
         drafter = drafter.resolve(None if num_draft_tokens is None else int(num_draft_tokens))
+        if hasattr(drafter, "bind"):
+            drafter = drafter.bind(target)
     models = [target]
     if isinstance(drafter, DraftModel):
         check_vocabularies(c.vocab_size, drafter.model)
@@ -303,12 +307,21 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     # stale and will be overwritten before any query can see them.
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     cache = KVCache.init(target.config, B, S, target.dtype)
-    _, _, cache = apply(target, prompts, positions, cache)
+    _, hidden, cache = apply(target, prompts, positions, cache)  # hidden [B, P, E]
     tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
     zeros = jnp.zeros((B,), jnp.int32)
+    features, draft_state = None, None
+    if drafter is not None and getattr(drafter, "wants_features", False):
+        # The prompt's states up to position length-2, the last one a drafter may read now.
+        first = lengths - 2
+        features = Features(jnp.take_along_axis(hidden, jnp.clip(first[:, None] + offsets, 0, P - 1)[..., None],
+                                                axis=1), first)
+        draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden)
+    elif drafter is not None:
+        draft_state = drafter.start(target, prompts, lengths, S)
     state = LoopState(
         tokens=tokens, length=lengths, target_cache=cache.replace(lengths=lengths - 1),
-        draft_state=None if drafter is None else drafter.start(target, prompts, lengths, S),
+        draft_state=draft_state, features=features,
         k_limit=jnp.full((B,), D, jnp.int32),
         done=jnp.zeros((B,), bool), key=key, stats=Stats(zeros, zeros, zeros),
         step=jnp.zeros((), jnp.int32),
@@ -325,7 +338,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
             draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
                 target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
                 done=state.done, key=draft_key, sampling=sampling, k_limit=state.k_limit,
-                threshold=threshold))
+                threshold=threshold, features=state.features))
         valid = proposal.valid & active[:, None]  # [B, N]
 
         # Verify: one target pass over [last token, the N nodes], node i at slot
@@ -341,7 +354,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         slots = start[:, None] + jnp.arange(N + 1)[None]  # [B, N+1]
         placement = None if chain else tree_placement(
             start, slots, depth, jnp.broadcast_to(ancestor, (B, N + 1, N + 1)), S)
-        logits, _, cache = apply(target, verify, start[:, None] + depth, cache, placement=placement)
+        logits, hidden, cache = apply(target, verify, start[:, None] + depth, cache, placement=placement)
         p = warp(logits, sampling)  # [B, N+1, V]
         n, path, extra = acceptance.accept(accept_key, proposal.tokens, parents, valid, proposal.q, p, D)
         if not chain:  # the path's node at depth j+1 moves to slot length+j
@@ -371,12 +384,14 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
             grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
             k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
         trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
+        features = None if state.features is None else Features(  # the root's state, then the path's
+            jnp.take_along_axis(hidden, jnp.pad(path, ((0, 0), (1, 0)))[..., None], axis=1), start)
         if stream is not None:  # the host receives the step's kept tokens, steps in order
             io_callback(_stream_to_host, None, stream, jnp.where(keep, new, 0), count, ordered=True)
         return LoopState(tokens=tokens, length=new_length,
                          target_cache=cache.replace(lengths=new_length - 1),
                          draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,
-                         step=state.step + 1, trace=trace)
+                         step=state.step + 1, trace=trace, features=features)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: place(step(s)), place(state))
 

@@ -2,7 +2,10 @@
 
     drafter = drafter.resolve(K)      # its shape: its own tree, or a chain of K (static)
     drafter.tree, drafter.target_room # N nodes, depth; slots it writes past the target's root
+    drafter = drafter.bind(target)    # optional: trained drafters check (and adapt to) the target
     state = drafter.start(target, prompts, lengths, max_len)    # once, before the loop
+        # (drafters with wants_features = True get hidden=: the prefill's states [B, P, E],
+        #  and each request carries `Features`: the verification pass's states of what it kept)
     state, target_cache, proposal = drafter.propose(state, request)
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final
@@ -15,9 +18,13 @@ drawn from — or None when the drafter is deterministic (one-hot q, never mater
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
 """
 
-from specjax.drafters.base import DraftRequest, Proposal
+from specjax.drafters.base import DraftRequest, Features, Proposal
+from specjax.drafters.eagle import Eagle
 from specjax.drafters.early_exit import EarlyExit
+from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
 from specjax.drafters.prompt_lookup import PromptLookup
+from specjax.drafters.trained import load_drafter
 
-__all__ = ["DraftModel", "DraftRequest", "EarlyExit", "PromptLookup", "Proposal"]
+__all__ = ["DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Medusa", "PromptLookup",
+           "Proposal", "load_drafter"]

@@ -16,6 +16,17 @@ from specjax.tree import Tree
 
 
 @struct.dataclass
+class Features:
+    """The target's final hidden states for the tokens the last verification pass kept,
+    for drafters that read them (`wants_features`): hidden[:, j] is the state at position
+    start + j, known for positions <= length - 2 (the last final token's is not computed
+    until the next pass). Taken from the verification pass itself; nothing else is carried."""
+
+    hidden: jax.Array  # [B, D+1, E]: the root's, then the accepted path's
+    start: jax.Array  # int32 [B]: the position of hidden[:, 0]
+
+
+@struct.dataclass
 class DraftRequest:
     target: Any  # the target Model
     target_cache: KVCache  # valid below length - 1; a drafter may write beyond, and returns it
@@ -26,6 +37,7 @@ class DraftRequest:
     sampling: Sampling
     k_limit: jax.Array  # int32 [B]: no node deeper than this per row (<= the tree's depth)
     threshold: jax.Array  # float32 []: stop a row's drafting when the draft's confidence is lower
+    features: Features | None = None  # for drafters that want the target's hidden states
 
 
 @struct.dataclass
@@ -43,14 +55,19 @@ class Proposal:
     q: jax.Array | None
 
 
-# forward(cache, tokens [B, T], positions [B, T], placement) -> (cache, logits [B, T, V_target])
-Forward = Callable[[Any, jax.Array, jax.Array, Any], tuple[Any, jax.Array]]
+# forward(cache, tokens [B, W], positions [B, W], placement, features [B, W, F] | None)
+#   -> (cache, logits [B, W, V_target], features [B, W, F] | None)
+# `features` are per-node values a drafter passes from a node to its children (EAGLE's
+# predicted hidden states); drafters that need none pass None.
+Forward = Callable[[Any, jax.Array, jax.Array, Any, Any], tuple[Any, jax.Array, Any]]
 
 
 def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request: DraftRequest,
-         tree: Tree):
+         tree: Tree, features0: jax.Array | None = None):
     """Grows each row's tree from logits0 [B, V], the draft's logits for the token after the
-    root, with the draft's cache valid for positions < start [B] (= length).
+    root (and features0 [B, F], the root's features, if the drafter passes any), with the
+    draft's cache (a KVCache, or anything a cacheless drafter carries) valid for positions
+    < start [B]: a depth-d node is fed at position start + d - 1.
 
     Depth by depth, every frontier node's top_k candidates (or top_k samples for sampled
     siblings) form a [W, C] grid; the next frontier is picked from it (by the static tree's
@@ -62,7 +79,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     B, V = logits0.shape
     D, W, C, R = tree.depth, tree.width, tree.top_k, tree.region
     sampled = tree.siblings == "sampled"
-    S = cache.max_len
+    placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
     region_offsets = np.arange(R) // W  # region slot r holds a node of depth r // W + 1, at position start + r // W
     if tree.is_static:
         expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
@@ -98,7 +115,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         return (d < D) & jnp.any(going)
 
     def step(carry):
-        d, cache, logits, f_valid, f_score, f_pool, f_sees, pool, going = carry
+        d, cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going = carry
         confidence = jnp.max(jnp.where(f_valid[..., None], jax.nn.softmax(logits, axis=-1), 0.0), axis=(1, 2))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
         tokens, score, valid, q = grid(d, logits, f_valid, f_score, going, jax.random.fold_in(request.key, d))
@@ -106,31 +123,34 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool,
                             (tokens, score, valid, parent, q if sampled else None))
 
-        def feed(cache):
+        def feed(frontier):
+            cache, feats = frontier[0], frontier[2]
             cells, n_valid = next_frontier(d, score, valid)
             take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
             slots = start[:, None] + d * W + jnp.arange(W)[None]  # [B, W]
             own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
             sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
             positions = jnp.broadcast_to(start[:, None] + d, (B, W))
-            placement = None if tree.is_chain else tree_placement(start, slots, region_offsets, sees, S)
-            cache, logits = forward(cache, take(tokens), positions, placement)
-            return cache, logits, n_valid, take(score), d * W * C + cells, sees
+            placement = tree_placement(start, slots, region_offsets, sees, cache.max_len) if placed else None
+            parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
+            cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
+            return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees
 
-        frontier = (cache, logits, f_valid, f_score, f_pool, f_sees)
-        cache, logits, f_valid, f_score, f_pool, f_sees = jax.lax.cond(
-            (d + 1 < D) & jnp.any(going), lambda f: feed(f[0]), lambda f: f, frontier)
-        return d + 1, cache, logits, f_valid, f_score, f_pool, f_sees, pool, going
+        frontier = (cache, logits, feats, f_valid, f_score, f_pool, f_sees)
+        cache, logits, feats, f_valid, f_score, f_pool, f_sees = jax.lax.cond(
+            (d + 1 < D) & jnp.any(going), feed, lambda f: f, frontier)
+        return d + 1, cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going
 
     pool = (jnp.zeros((B, D, W, C), jnp.int32), jnp.full((B, D, W, C), -jnp.inf),
             jnp.zeros((B, D, W, C), bool), jnp.full((B, D, W, C), -1, jnp.int32),
             jnp.zeros((B, D, W, V), jnp.float32) if sampled else None)
     first = jnp.arange(W)[None] == 0  # the root is the only frontier node at depth 0
-    carry = (jnp.zeros((), jnp.int32), cache, jnp.broadcast_to(logits0[:, None], (B, W, V)),
+    feats = None if features0 is None else jnp.broadcast_to(features0[:, None], (B, W) + features0.shape[1:])
+    carry = (jnp.zeros((), jnp.int32), cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
              jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
     carry = jax.lax.while_loop(go_on, step, carry)
-    cache, (tokens, score, valid, parent, q) = carry[1], carry[7]
+    cache, (tokens, score, valid, parent, q) = carry[1], carry[8]
     return cache, _select(tree, tokens, score, valid, parent, q)
 
 

@@ -39,14 +39,14 @@ class EarlyExit:
         return None
 
     def propose(self, state, request: DraftRequest):
-        def forward(cache, tokens, positions, placement=None):
+        def forward(cache, tokens, positions, placement=None, features=None):
             logits, _, cache = apply(request.target, tokens, positions, cache,
                                      exit_layer=self.num_layers, placement=placement)
-            return cache, logits
+            return cache, logits, None
 
         # The target's cache holds every position < length - 1: feed only the last token.
         last = (request.length - 1)[:, None]  # [B, 1]
         rows = jnp.arange(last.shape[0])[:, None]
-        cache, logits = forward(request.target_cache, request.tokens[rows, last], last)
+        cache, logits, _ = forward(request.target_cache, request.tokens[rows, last], last)
         cache, proposal = grow(forward, cache, logits[:, -1], request.length, request, self.tree)
         return state, cache, proposal

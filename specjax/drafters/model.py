@@ -56,14 +56,14 @@ class DraftModel:
     def propose(self, cache, request: DraftRequest):
         V = request.target.config.vocab_size
 
-        def forward(cache, tokens, positions, placement=None):
+        def forward(cache, tokens, positions, placement=None, features=None):
             logits, _, cache = apply(self.model, tokens, positions, cache, placement=placement)
             Vd = logits.shape[-1]
             if Vd > V:  # the draft's padding rows are not tokens of the target
                 logits = logits[..., :V]
             elif Vd < V:  # the draft never proposes the target's extra ids
                 logits = jnp.pad(logits, ((0, 0), (0, 0), (0, V - Vd)), constant_values=-jnp.inf)
-            return cache, logits
+            return cache, logits, None
 
         length = request.length
         rows = jnp.arange(length.shape[0])[:, None]
@@ -72,7 +72,7 @@ class DraftModel:
         else:  # cache.lengths: the length at the last step, whose region is now overwritten
             first, count = cache.lengths, self.tree.depth + 1
         positions = first[:, None] + jnp.arange(count)[None]  # [B, count]
-        cache, logits = forward(cache, request.tokens[rows, positions], positions)
+        cache, logits, _ = forward(cache, request.tokens[rows, positions], positions)
         last = jnp.take_along_axis(logits, (length - 1 - first)[:, None, None], axis=1)[:, 0]  # [B, V]
         cache, proposal = grow(forward, cache, last, length, request, self.tree)
         return cache.replace(lengths=length), request.target_cache, proposal

@@ -14,7 +14,7 @@ from flax import struct
 
 from specjax.cache import KVCache, Placement
 from specjax.config import GenerationConfig, ModelConfig
-from specjax.models.transformer import Decoder
+from specjax.models.transformer import Decoder, read_out
 
 Params = Any  # nested dict of arrays, layer weights stacked on a leading [L] axis
 
@@ -58,6 +58,13 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     position, causal" (a token tree; see cache.Placement)."""
     decoder = Decoder(model.config, exit_layer=exit_layer)
     return decoder.apply({"params": model.params}, tokens, positions, cache, placement)
+
+
+def head_logits(model: Model, hidden: jax.Array) -> jax.Array:
+    """The model's own read-out of final hidden states [..., E]: float32 logits [..., V]
+    (its lm_head, or its embedding when tied; int8 or float; Gemma's soft-cap)."""
+    tied = model.config.tie_word_embeddings
+    return read_out(model.config, model.params["embedding" if tied else "lm_head"], hidden, transposed=tied)
 
 
 @jax.jit

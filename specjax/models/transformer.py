@@ -61,29 +61,14 @@ class Decoder(nn.Module):
     def __call__(self, tokens, positions, cache: KVCache | None = None, placement: Placement | None = None):
         c = self.config
         embedding = self.param("embedding", init, (c.vocab_size, c.hidden_size))
-        x = embedding.rows(tokens) if isinstance(embedding, Int8) else embedding[tokens]  # [B, T, E]
-        if c.family == "gemma":  # scaled by sqrt(E), rounded to the dtype as transformers does
-            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+        x = embed_tokens(c, embedding, tokens)  # [B, T, E]
         if c.family == "gpt2":
             pos_embedding = self.param("pos_embedding", init,
                                        (c.max_position_embeddings, c.hidden_size))
             x = x + pos_embedding[jnp.minimum(positions, c.max_position_embeddings - 1)]
 
-        windows = c.layer_windows()
-        window = next((w for w in windows if w is not None), None)
-        if placement is not None:
-            slots = placement.slots
-            masks = (placement_mask(positions, placement),
-                     None if window is None else placement_mask(positions, placement, window))
-        else:
-            slots = positions
-            kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
-            masks = (attention_mask(positions, kv_positions),
-                     None if window is None else attention_mask(positions, kv_positions, window))
-        layers = {"index": jnp.arange(c.num_layers),
-                  "sliding": jnp.array([w is not None for w in windows])}
-        if c.family != "gpt2":
-            layers["inv_freq"] = jnp.asarray(layer_inv_freqs(c))  # [L, D/2]
+        slots, masks = slots_and_masks(c, positions, cache, placement)
+        layers = layer_table(c)
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
@@ -101,11 +86,52 @@ class Decoder(nn.Module):
 
             x, cache_k, cache_v = jax.lax.fori_loop(0, self.exit_layer, run_layer, carry)
         hidden = Norm(c, name="final_norm")(x)
-        head = dequantize(embedding).T if c.tie_word_embeddings else dequantize(self.param(
-            "lm_head", init, (c.hidden_size, c.vocab_size)))
-        logits = jnp.einsum("bte,ev->btv", hidden, head, preferred_element_type=jnp.float32)
-        if c.gemma and c.gemma.final_softcap is not None:
-            logits = softcap(logits, c.gemma.final_softcap)
+        head = embedding if c.tie_word_embeddings else self.param(
+            "lm_head", init, (c.hidden_size, c.vocab_size))
+        logits = read_out(c, head, hidden, transposed=c.tie_word_embeddings)
         if cache is not None:
             cache = cache.replace(k=cache_k, v=cache_v)
         return logits, hidden, cache
+
+
+def embed_tokens(c: ModelConfig, embedding, tokens):
+    """The embedding rows of tokens [B, T] (int8 or float): [B, T, E], Gemma's scaled by
+    sqrt(E) and rounded to the dtype as transformers does."""
+    x = embedding.rows(tokens) if isinstance(embedding, Int8) else embedding[tokens]
+    if c.family == "gemma":
+        x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+    return x
+
+
+def slots_and_masks(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None):
+    """Where T tokens at positions [B, T] are written in the cache (slots [B, T]) and what
+    they see: (full mask, window mask or None), each bool [B, T, S] (S: the cache's length,
+    or T without a cache). Without a placement, slot = position and attention is causal."""
+    window = next((w for w in c.layer_windows() if w is not None), None)
+    if placement is not None:
+        return placement.slots, (placement_mask(positions, placement),
+                                 None if window is None else placement_mask(positions, placement, window))
+    kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
+    return positions, (attention_mask(positions, kv_positions),
+                       None if window is None else attention_mask(positions, kv_positions, window))
+
+
+def layer_table(c: ModelConfig, num_layers: int | None = None) -> dict:
+    """What each scanned layer is given besides its weights: its index, whether it slides
+    and (rotary families) its inverse frequencies [L, D/2]. num_layers: the first few only."""
+    L = c.num_layers if num_layers is None else num_layers
+    table = {"index": jnp.arange(L), "sliding": jnp.array([w is not None for w in c.layer_windows()][:L])}
+    if c.family != "gpt2":
+        table["inv_freq"] = jnp.asarray(layer_inv_freqs(c))[:L]
+    return table
+
+
+def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
+    """float32 logits [..., V] from final hidden states [..., E] through a head [E, V] (or
+    the embedding [V, E] when transposed: tied), int8 or float, with Gemma's final soft-cap."""
+    head = dequantize(head)
+    logits = jnp.einsum("...e,ve->...v" if transposed else "...e,ev->...v", hidden, head,
+                        preferred_element_type=jnp.float32)
+    if c.gemma and c.gemma.final_softcap is not None:
+        logits = softcap(logits, c.gemma.final_softcap)
+    return logits

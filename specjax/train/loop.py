@@ -74,9 +74,9 @@ def _logits(model: Model, params, tokens):
     return apply(Model(model.config, params), tokens, positions)[0]
 
 
-def make_step(model: Model, cfg: TrainConfig, teacher: Model | None):
-    """One jitted update: (state, batch [B, T+1]) -> (state, loss)."""
-    optimizer = make_optimizer(cfg)
+def model_objective(model: Model, cfg: TrainConfig, teacher: Model | None):
+    """(loss_fn, metrics_fn) of (params, batch [B, T+1]) for a model trained on the data
+    (teacher None) or distilled from a frozen teacher (with the acceptance it would get)."""
 
     def loss_fn(params, batch):
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -86,6 +86,20 @@ def make_step(model: Model, cfg: TrainConfig, teacher: Model | None):
         p_logits = _logits(teacher, teacher.params, inputs)
         return losses.distill_loss(logits, p_logits, targets, cfg.loss, cfg.temperature, cfg.ce_weight)
 
+    def metrics_fn(params, batch):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = _logits(model, params, inputs)
+        out = {"loss": losses.cross_entropy(logits, targets)}
+        if teacher is not None:
+            out.update(losses.acceptance_metrics(logits, _logits(teacher, teacher.params, inputs)))
+        return out
+
+    return loss_fn, metrics_fn
+
+
+def make_step(loss_fn, optimizer: optax.GradientTransformation):
+    """One jitted update: (state, batch) -> (state, loss)."""
+
     @jax.jit
     def step(state: TrainState, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -93,18 +107,11 @@ def make_step(model: Model, cfg: TrainConfig, teacher: Model | None):
         params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1), loss
 
-    return optimizer, step
+    return step
 
 
-def make_eval(model: Model, teacher: Model | None):
-    @jax.jit
-    def metrics(params, batch):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = _logits(model, params, inputs)
-        out = {"loss": losses.cross_entropy(logits, targets)}
-        if teacher is not None:
-            out.update(losses.acceptance_metrics(logits, _logits(teacher, teacher.params, inputs)))
-        return out
+def make_eval(metrics_fn):
+    metrics = jax.jit(metrics_fn)
 
     def evaluate(params, batches) -> dict:
         results = [jax.device_get(metrics(params, b)) for b in batches]
@@ -123,21 +130,40 @@ def train(model: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConf
     """Trains `model` (from scratch, or distilled from `teacher`) for cfg.steps steps,
     resuming from the latest checkpoint in run_dir/checkpoints if there is one.
     Returns (trained model, last evaluation)."""
-    optimizer, step_fn = make_step(model, cfg, teacher)
-    evaluate = make_eval(model, teacher)
+    loss_fn, metrics_fn = model_objective(model, cfg, teacher)
+    record = {"model": model.config.to_hf_config(), "kind": "lm" if teacher is None else "distill",
+              **(record or {})}
+    params, metrics = fit(model.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
+                          log, progress)
+    return Model(model.config, params), metrics
+
+
+def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
+        run_dir: str | Path, record: dict, log: Callable[[str], None] = print,
+        progress: bool = True, probe: Callable[[dict], dict] | None = None) -> tuple[dict, dict]:
+    """The training loop every specjax run shares (targets, drafts, draft heads): AdamW on
+    loss_fn(params, batch [B, T+1]) for cfg.steps steps over batches drawn as a pure
+    function of (seed, step), metrics_fn on held-out batches every eval_every steps, and
+    an orbax checkpoint every checkpoint_every steps. A run resumes from its latest
+    checkpoint in run_dir/checkpoints and ends with the params an unbroken run ends with;
+    a checkpoint of another run (record's "model", "train", "kind" differ) is refused.
+    probe(params) -> dict, if given, adds to each evaluation (e.g. acceptance in the real
+    decoding loop). Returns (params, last evaluation)."""
+    optimizer = make_optimizer(cfg)
+    step_fn = make_step(loss_fn, optimizer)
+    evaluate = make_eval(metrics_fn)
     eval_set = eval_batches(held_out, cfg.batch, cfg.seq_len, cfg.eval_batches)
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
-    record = {"model": model.config.to_hf_config(), "train": dataclasses.asdict(cfg),
-              "kind": "lm" if teacher is None else "distill", **(record or {})}
+    record = {"train": dataclasses.asdict(cfg), **record}
 
-    state = TrainState(model.params, optimizer.init(model.params), jnp.zeros((), jnp.int32))
+    state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
     if manager.latest_step() is not None:
         state, saved = manager.restore(jax.tree.map(np.zeros_like, jax.device_get(state)))
         state = jax.tree.map(jnp.asarray, state)
         for key in ("model", "train", "kind"):
-            if saved.get(key) != record[key]:
+            if saved.get(key) != record.get(key):
                 raise ValueError(f"{run_dir} holds a run with a different {key}: {saved.get(key)} "
-                                 f"!= {record[key]}; use a new run directory")
+                                 f"!= {record.get(key)}; use a new run directory")
         log(f"resumed from step {int(state.step)} in {manager.directory}")
 
     start = int(state.step)
@@ -156,13 +182,14 @@ def train(model: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConf
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             tick, ticked = time.perf_counter(), 0
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            metrics = {"step": done, "train_loss": float(loss), **evaluate(state.params, eval_set)}
+            metrics = {"step": done, "train_loss": float(loss), **evaluate(state.params, eval_set),
+                       **(probe(state.params) if probe else {})}
             log(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
                                              if isinstance(v, float)))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             manager.save(done, jax.device_get(state), {**record, "step": done, "metrics": metrics})
     manager.close()
-    return Model(model.config, state.params), metrics
+    return state.params, metrics
 
 
 def restore_model(run_dir: str | Path) -> tuple[Model, dict]:

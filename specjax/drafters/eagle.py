@@ -1,0 +1,150 @@
+"""EAGLE (Li et al., 2024): a one-layer autoregressive drafter over the target's features.
+
+At position t it reads the pair (embedding of token t+1, the target's final hidden state
+f_t), fuses them (fc: [2E] -> [E]), runs one decoder layer of the target's family and
+shape, and predicts f_{t+1}; the target's frozen head reads the prediction out as logits
+for token t+2. Drafting deeper, the prediction stands in for the feature the target has
+not computed yet. Embedding and head are the target's own (shared, never copied).
+
+It keeps its own one-layer KV cache in the drafter's carry. Each step it re-feeds the pairs
+of the tokens the last verification pass kept, with the target's real features for them
+(`DraftRequest.features`: at most depth + 1 pairs, from position length_before - 1), which
+overwrites whatever its own guesses left there, then grows a chain (sampled from its q)
+or a `specjax.Tree` (EAGLE-2's dynamic tree, or a static one) with `base.grow`, passing
+each node's predicted feature to its children. A row whose prompt is a single token has
+no feature before its first pass, so nothing is drafted for it then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.drafters import trained
+from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.models import Model, head_logits
+from specjax.models.layers import init as normal_init
+from specjax.models.transformer import Block, embed_tokens, layer_table, slots_and_masks
+from specjax.tree import Tree
+
+
+def layer_config(target: ModelConfig) -> ModelConfig:
+    """The drafter's one layer: the target's family and sizes, full attention."""
+    return dataclasses.replace(target, num_layers=1, layer_types=None, sliding_window=None)
+
+
+def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
+               cache: KVCache | None = None, placement=None):
+    """tokens int32 [B, T] (token t+1 of each pair), features [B, T, E] (f_t), positions [B, T]
+    -> (logits float32 [B, T, V] for token t+2, predicted features [B, T, E], cache)."""
+    dtype = features.dtype
+    x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
+                         features], axis=-1)
+    x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
+    slots, masks = slots_and_masks(config, positions, cache, placement)
+    layer = jax.tree.map(lambda a: a[0], layer_table(config))
+    layer_params = jax.tree.map(lambda w: w.astype(dtype), params["layer"])
+    carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
+    (x, k, v), _ = Block(config).apply({"params": layer_params}, carry, layer, positions, slots, masks)
+    if cache is not None:
+        cache = cache.replace(k=k, v=v)
+    return head_logits(target, x), x, cache
+
+
+@struct.dataclass
+class Eagle:
+    params: dict  # fc {kernel [2E, E], bias [E]}, layer (one decoder layer's weights)
+    config: ModelConfig = struct.field(pytree_node=False)  # the one layer's
+    signature: trained.TargetSignature = struct.field(pytree_node=False)
+    tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
+
+    wants_features = True
+    target_room = 0  # it never writes the target's cache
+
+    @classmethod
+    def init(cls, target: Model, key: jax.Array, tree: Tree | None = None) -> "Eagle":
+        """Random weights (normal(0.02), unit norms, zero biases), float32."""
+        config = layer_config(target.config)
+        E = config.hidden_size
+        fc_key, layer_key = jax.random.split(key)
+        fc = {"kernel": normal_init(fc_key, (2 * E, E), jnp.float32), "bias": jnp.zeros((E,), jnp.float32)}
+        layer = jax.tree.map(lambda w: w.astype(jnp.float32), _init_layer(config, layer_key))
+        return cls({"fc": fc, "layer": layer}, config, trained.TargetSignature.of(target), tree)
+
+    def resolve(self, K: int | None) -> "Eagle":
+        return self.replace(tree=shape_for(self.tree, K, "sampled"))
+
+    def bind(self, target: Model) -> "Eagle":
+        """This drafter for target: refused unless it was made for its shape; its layer
+        computes as the target's family does (the record keeps only what fixes shapes)."""
+        self.signature.check(target, "EAGLE")
+        config = layer_config(target.config)
+        if _shapes(config) != jax.tree.map(lambda w: tuple(w.shape), self.params):
+            raise ValueError("this EAGLE drafter's layer does not match the target's sizes (heads, "
+                             "head_dim, MLP width, biases, norms): it was made for another target")
+        return self.replace(config=config)
+
+    def start(self, target: Model, prompts, lengths, max_len, hidden=None):
+        """Its cache, filled with the prompt's pairs (hidden [B, P, E]: the prefill's states)."""
+        B, P = prompts.shape
+        cache = KVCache.init(self.config, B, max_len + self.tree.region + self.tree.depth + 1, hidden.dtype)
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
+        _, _, cache = eagle_step(self.config, self.params, target, next_tokens, hidden, positions, cache)
+        return cache
+
+    def propose(self, cache, request: DraftRequest):
+        f, length, target = request.features, request.length, request.target
+        rows = jnp.arange(length.shape[0])[:, None]
+        S = request.tokens.shape[1]
+
+        def forward(cache, tokens, positions, placement=None, features=None):
+            logits, features, cache = eagle_step(self.config, self.params, target, tokens, features,
+                                                 positions, cache, placement)
+            return cache, logits, features
+
+        # Re-feed the kept tokens' pairs with the target's own features; slots from
+        # length - 1 on get junk that the tree overwrites or no query sees.
+        positions = jnp.maximum(f.start[:, None] + jnp.arange(f.hidden.shape[1])[None], 0)  # [B, D+1]
+        next_tokens = request.tokens[rows, jnp.minimum(positions + 1, S - 1)]
+        cache, logits, features = forward(cache, next_tokens, positions, None, f.hidden)
+        root = jnp.clip(length - 2 - f.start, 0)[:, None, None]  # the pair whose next token is the root
+        logits0 = jnp.take_along_axis(logits, root, axis=1)[:, 0]
+        features0 = jnp.take_along_axis(features, root, axis=1)[:, 0]
+        cache, proposal = grow(forward, cache, logits0, length - 1, request, self.tree, features0)
+        return cache, request.target_cache, proposal.replace(valid=proposal.valid & (length >= 2)[:, None])
+
+    def save(self, path):
+        """Writes drafter.safetensors and drafter.json into the folder path."""
+        return trained.save(path, "eagle", self.params, self.signature,
+                            {"layer": self.config.to_hf_config()})
+
+    @classmethod
+    def from_record(cls, params, record, signature, tree):
+        from specjax.hf import CheckpointError
+
+        config = layer_config(ModelConfig.from_hf_config(record["layer"]))
+        got = jax.tree.map(lambda w: tuple(w.shape), params)
+        if got != _shapes(config):
+            raise CheckpointError(f"EAGLE weights {got} do not match its layer's shapes {_shapes(config)}")
+        return cls(params, config, signature, tree)
+
+
+def _init_layer(config: ModelConfig, key: jax.Array) -> dict:
+    x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    slots, masks = slots_and_masks(config, positions, None, None)
+    layer = jax.tree.map(lambda a: a[0], layer_table(config))
+    return Block(config).init(key, (x, None, None), layer, positions, slots, masks)["params"]
+
+
+def _shapes(config: ModelConfig) -> dict:
+    """The shapes of an Eagle's params for a layer config."""
+    E = config.hidden_size
+    layer = jax.eval_shape(lambda: _init_layer(config, jax.random.key(0)))
+    return {"fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}

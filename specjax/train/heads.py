@@ -1,0 +1,157 @@
+"""Training draft heads (Medusa, EAGLE) on a frozen target by self-distillation: each
+head learns the target's own distribution at the position it guesses, on the corpus.
+Both run through the shared `fit` loop (optax, orbax checkpoints with exact resume,
+held-out evaluation), so they resume exactly as targets and drafts do.
+
+Held-out evaluation reports the distillation loss and, per depth k, the fraction of
+positions where the drafter's top-1 guesses for depths 1..k all equal the target's argmax
+(Medusa: every depth, as its heads guess all at once; EAGLE: depth 1, as deeper guesses
+read its own predicted features), and, with a probe, what the drafter gets in the real
+loop on held-out prompts: tokens per target pass and acceptance by depth.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax.drafters.eagle import Eagle, eagle_step
+from specjax.drafters.medusa import Medusa, heads_logits
+from specjax.models import Model, apply
+from specjax.train import losses
+from specjax.train.loop import TrainConfig, fit
+from specjax.tree import Tree
+
+FEATURE_WEIGHT = 1.0  # EAGLE: weight of the feature regression (smooth L1) beside the KL
+
+
+def _target_pass(target: Model, tokens):
+    """The frozen target on tokens [B, T]: (logits [B, T, V], final hidden [B, T, E])."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, hidden, _ = apply(target, tokens, positions)
+    return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden)
+
+
+def _chain_acceptance(matches: list) -> dict:
+    """matches[k] bool [B, T]: depth k+1's guess equals the target's argmax -> the fraction
+    of positions whose first k+1 guesses all match, for each depth."""
+    out, ok = {}, None
+    for k, m in enumerate(matches):
+        ok = m if ok is None else ok & m
+        out[f"depth_{k + 1}"] = ok.mean()
+    return out
+
+
+def medusa_objective(target: Model, num_heads: int, cfg: TrainConfig):
+    """(loss_fn, metrics_fn) over Medusa params and batches [B, T+1]. Head i at position t
+    learns the target's distribution at t+i+1 (the token i+2 ahead)."""
+    def per_head(params, batch):
+        p, h = _target_pass(target, batch)
+        q = heads_logits(params, target, h)  # [B, T, H, V]
+        T = batch.shape[1]
+        return [(q[:, : T - 1 - i, i], p[:, i + 1:]) for i in range(num_heads)]
+
+    def loss_fn(params, batch):
+        return sum(losses.distill_loss(q, p, None, cfg.loss, cfg.temperature)
+                   for q, p in per_head(params, batch)) / num_heads
+
+    def metrics_fn(params, batch):
+        pairs = per_head(params, batch)
+        T = batch.shape[1] - num_heads  # positions every head can be scored at
+        out = {"loss": sum(losses.distill_loss(q, p, None, "kl") for q, p in pairs) / num_heads}
+        out.update(_chain_acceptance([jnp.argmax(q[:, :T], -1) == jnp.argmax(p[:, :T], -1) for q, p in pairs]))
+        return out
+
+    return loss_fn, metrics_fn
+
+
+def eagle_objective(target: Model, config, cfg: TrainConfig):
+    """(loss_fn, metrics_fn) over EAGLE params and batches [B, T+1]. At position t, from
+    (token t+1, the target's f_t), it learns the target's distribution at t+1 (KL) and its
+    feature f_{t+1} (smooth L1)."""
+    def pairs(batch):
+        p, h = _target_pass(target, batch)
+        T = batch.shape[1] - 1
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch.shape[0], T))
+        return p, h, positions
+
+    def loss_fn(params, batch):
+        p, h, positions = pairs(batch)
+        q, f, _ = eagle_step(config, params, target, batch[:, 1:], h[:, :-1], positions)
+        feature = smooth_l1(f, h[:, 1:])
+        return losses.distill_loss(q, p[:, 1:], None, cfg.loss, cfg.temperature) + FEATURE_WEIGHT * feature
+
+    def metrics_fn(params, batch):
+        p, h, positions = pairs(batch)
+        q, f, _ = eagle_step(config, params, target, batch[:, 1:], h[:, :-1], positions)
+        return {"loss": losses.distill_loss(q, p[:, 1:], None, "kl"), "feature_loss": smooth_l1(f, h[:, 1:]),
+                "depth_1": (jnp.argmax(q, -1) == jnp.argmax(p[:, 1:], -1)).mean()}
+
+    return loss_fn, metrics_fn
+
+
+def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], object],
+                     max_new_tokens: int = 64) -> Callable[[dict], dict]:
+    """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
+    held-out prompts [B, P]: tokens per target pass and, per depth k, the fraction of
+    steps that accepted at least k drafted tokens. One compilation for all calls."""
+    from specjax.generate import generate
+
+    lengths = np.full(len(prompts), prompts.shape[1], np.int32)
+
+    def probe(params) -> dict:
+        drafter = make(params)
+        out = jax.device_get(generate(target, prompts, lengths, draft=drafter,
+                                      max_new_tokens=max_new_tokens, return_trace=True))
+        steps = out.trace[out.trace > 0]  # tokens per step = accepted + 1
+        result = {"tokens_per_pass": float(out.num_tokens.sum() / out.stats.steps.sum())}
+        for k in range(1, drafter.resolve(None).tree.depth + 1):
+            result[f"accepted_{k}"] = float((steps - 1 >= k).mean())
+        return result
+
+    return probe
+
+
+def smooth_l1(pred, target):
+    """EAGLE's feature loss: Huber (smooth L1) with delta 1, mean over elements."""
+    return optax.huber_loss(pred, target, delta=1.0).mean()
+
+
+def train_medusa(target: Model, num_heads: int, stream: np.ndarray, held_out: np.ndarray,
+                 cfg: TrainConfig, run_dir: str | Path, key=None, num_layers: int = 1,
+                 record: dict | None = None, log: Callable[[str], None] = print,
+                 progress: bool = True, probe_prompts: np.ndarray | None = None) -> tuple[Medusa, dict]:
+    """Trains Medusa heads on the frozen target; resumes from run_dir's latest checkpoint.
+    probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop."""
+    drafter = Medusa.init(target, num_heads, jax.random.key(0) if key is None else key, num_layers=num_layers)
+    loss_fn, metrics_fn = medusa_objective(target, num_heads, cfg)
+    record = {"model": {"medusa": [num_heads, num_layers], "target": target.config.to_hf_config()},
+              "kind": "medusa", **(record or {})}
+    probe = None if probe_prompts is None else acceptance_probe(
+        target, probe_prompts, lambda params: drafter.replace(params=params))
+    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
+                          log, progress, probe)
+    return drafter.replace(params=params), metrics
+
+
+def train_eagle(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
+                run_dir: str | Path, key=None, record: dict | None = None,
+                log: Callable[[str], None] = print, progress: bool = True,
+                probe_prompts: np.ndarray | None = None) -> tuple[Eagle, dict]:
+    """Trains an EAGLE drafter on the frozen target; resumes from run_dir's latest checkpoint.
+    probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop (a
+    chain of 6)."""
+    drafter = Eagle.init(target, jax.random.key(0) if key is None else key)
+    loss_fn, metrics_fn = eagle_objective(target, drafter.config, cfg)
+    record = {"model": {"eagle": drafter.config.to_hf_config(), "target": target.config.to_hf_config()},
+              "kind": "eagle", **(record or {})}
+    probe = None if probe_prompts is None else acceptance_probe(
+        target, probe_prompts, lambda params: drafter.replace(params=params, tree=Tree.chain(6, "sampled")))
+    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
+                          log, progress, probe)
+    return drafter.replace(params=params), metrics
