@@ -1,0 +1,199 @@
+"""Trained draft heads (Medusa, EAGLE): exact under greedy (against transformers) and under
+sampling (three-token chi-square), chains and trees; the target's states reach them from
+the verification pass and are carried for no one else; save/load with clear refusals;
+training raises their acceptance; a training run killed with SIGKILL resumes bit for bit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import Tree
+from specjax.hf import CheckpointError
+from tests import tiny
+from tests.test_tree import (MAX_NEW, STATIC, _prompts, _sampled_joint, exact_joint,  # noqa: F401
+                             tiny_pair)
+from tests.test_sampling import _chi_square_p
+
+KEY = jax.random.key(7)
+DRAFTERS = {
+    "medusa_chain": lambda t: specjax.Medusa.init(t, 3, KEY),
+    "medusa_dynamic": lambda t: specjax.Medusa.init(t, 4, KEY, Tree(depth=4, top_k=3, nodes=10)),
+    "medusa_static": lambda t: specjax.Medusa.init(t, 4, KEY, Tree.from_paths(STATIC)),
+    "eagle_chain": lambda t: specjax.Eagle.init(t, KEY),
+    "eagle_dynamic": lambda t: specjax.Eagle.init(t, KEY, Tree(depth=4, top_k=3, nodes=10)),
+    "eagle_static": lambda t: specjax.Eagle.init(t, KEY, Tree.from_paths(STATIC, "sampled")),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_equals_transformers(pair, name):
+    """Random heads; a ragged batch of 4 (one prompt of a single token, which has no state
+    before its first pass) with an EOS that stops the first row mid-way."""
+    target, _, torch_model = pair
+    prompts = _prompts(4, seed=3)
+    prompts[1] = prompts[1][:1]
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    eos = int(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).tokens[0, 4])
+    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+    out = specjax.generate(target, padded, lengths, draft=DRAFTERS[name](target), max_new_tokens=MAX_NEW,
+                           eos_token_id=eos)
+    assert tiny.rows(out) == expected
+    assert out.num_tokens[0] < MAX_NEW
+
+
+@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_chain", "eagle_dynamic"])
+def test_sampling_is_exact(tiny_pair, exact_joint, name):  # noqa: F811
+    target, _ = tiny_pair
+    observed = _sampled_joint(target, DRAFTERS[name](target))
+    assert observed[exact_joint == 0].sum() == 0
+    assert _chi_square_p(observed, exact_joint) > 1e-3
+
+
+def _loop_carry_shapes(target, drafter):
+    """The shapes of everything any compiled while loop of `generate` carries."""
+    padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=8)
+    jaxpr = jax.make_jaxpr(lambda: specjax.generate(target, padded, lengths, draft=drafter, max_new_tokens=8))()
+    return {tuple(v.aval.shape) for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "while"
+            for v in e.outvars if hasattr(v.aval, "shape")}
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None:
+                yield from _all_eqns(getattr(inner, "jaxpr", inner))
+
+
+def test_states_are_carried_only_for_drafters_that_want_them(pair):
+    target, drafts, _ = pair
+    E, D = target.config.hidden_size, 3
+    with_heads = _loop_carry_shapes(target, specjax.Medusa.init(target, D, KEY))
+    without = _loop_carry_shapes(target, specjax.DraftModel(drafts["near"]).resolve(D))
+    assert (1, D + 1, E) in with_heads
+    assert (1, D + 1, E) not in without
+
+
+def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
+    target, _, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(2, seed=5), bucket=16)
+    for name in ("medusa_dynamic", "eagle_chain"):
+        drafter = DRAFTERS[name](target)
+        drafter.save(tmp_path / name)
+        loaded = specjax.load_drafter(tmp_path / name, tree=drafter.tree)
+        assert type(loaded) is type(drafter)
+        a, b = (specjax.generate(target, padded, lengths, draft=d, max_new_tokens=8, temperature=1.0,
+                                 key=jax.random.key(1)) for d in (drafter, loaded))
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.stats.accepted, b.stats.accepted)
+        other = specjax.load_model(hf_folder("gpt2")[0])
+        with pytest.raises(ValueError, match="made for another target"):
+            specjax.generate(other, padded, lengths, draft=loaded, max_new_tokens=4)
+    with pytest.raises(CheckpointError, match="not a saved drafter"):
+        specjax.load_drafter(tmp_path / "nothing")
+    (tmp_path / "medusa_dynamic" / "drafter.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a drafter record"):
+        specjax.load_drafter(tmp_path / "medusa_dynamic")
+    (tmp_path / "eagle_chain" / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        specjax.load_drafter(tmp_path / "eagle_chain")
+
+
+def test_shapes_are_refused_clearly(pair):
+    target, _, _ = pair
+    with pytest.raises(ValueError, match="at most 3 deep"):
+        specjax.generate(target, *specjax.pad_prompts([[3, 4]]), draft=specjax.Medusa.init(target, 3, KEY),
+                         num_draft_tokens=5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_heads >= 1"):
+        specjax.Medusa.init(target, 0, KEY)
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def _own_text(target, rows=48, length=48, seed=0):
+    """The target's own samples: what self-distillation learns from."""
+    rng = np.random.RandomState(seed)
+    prompts = rng.randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
+    out = specjax.generate(target, prompts, np.full(rows, 2, np.int32), max_new_tokens=length,
+                           temperature=0.7, key=jax.random.key(seed))
+    return np.concatenate([np.concatenate([p, t]) for p, t in zip(prompts, np.asarray(out.tokens))])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_training_raises_acceptance_and_stays_exact(pair, tmp_path, kind):
+    from specjax.train import TrainConfig, heads
+
+    target, _, torch_model = pair
+    stream, held = _own_text(target, seed=0), _own_text(target, rows=16, seed=1)
+    probe = held[:4 * 16].reshape(4, 16)
+    cfg = TrainConfig(steps=60, batch=8, seq_len=32, lr=3e-3, warmup=5, eval_every=60, eval_batches=2,
+                      checkpoint_every=60)
+    quiet = dict(progress=False, log=lambda s: None, probe_prompts=probe)
+    if kind == "medusa":
+        untrained = heads.train_medusa(target, 3, stream, held, cfg.__class__(**{**cfg.__dict__, "steps": 1}),
+                                       tmp_path / "a", **quiet)[1]
+        drafter, trained = heads.train_medusa(target, 3, stream, held, cfg, tmp_path / "b", **quiet)
+    else:
+        untrained = heads.train_eagle(target, stream, held, cfg.__class__(**{**cfg.__dict__, "steps": 1}),
+                                      tmp_path / "a", **quiet)[1]
+        drafter, trained = heads.train_eagle(target, stream, held, cfg, tmp_path / "b", **quiet)
+    assert trained["depth_1"] > untrained["depth_1"] + 0.2, (untrained, trained)
+    assert trained["tokens_per_pass"] > untrained["tokens_per_pass"] + 0.5, (untrained, trained)
+    prompts = _prompts(4, seed=9)
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    out = specjax.generate(target, padded, lengths, draft=drafter.replace(tree=Tree(4, 2, 8)),
+                           max_new_tokens=MAX_NEW)
+    assert tiny.rows(out) == [tiny.transformers_greedy(torch_model, p, MAX_NEW) for p in prompts]
+    assert int(out.stats.accepted.sum()) > 0
+
+
+CHILD = Path(__file__).with_name("resume_child.py")
+
+
+def _run_child(kind, run_dir, kill_during_save=False, kill_after=None):
+    """Runs the child; with kill_during_save, SIGKILLs it as soon as a checkpoint is being
+    written (orbax's temporary directory exists); with kill_after, after that many seconds.
+    Returns True if it finished on its own."""
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    proc = subprocess.Popen([sys.executable, str(CHILD), kind, str(run_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    start, checkpoints = time.monotonic(), Path(run_dir) / "checkpoints"
+    while proc.poll() is None:
+        saving = checkpoints.exists() and any("tmp" in p.name for p in checkpoints.iterdir())
+        if (kill_during_save and saving) or (kill_after is not None and time.monotonic() - start > kill_after):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return False
+        time.sleep(0.002)
+    assert proc.returncode == 0
+    return True
+
+
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("lm", marks=pytest.mark.slow)])
+def test_sigkill_at_random_moments_resumes_bit_for_bit(tmp_path, kind):
+    """The shared training loop (heads and models alike), killed with SIGKILL while saving
+    a checkpoint and at random moments, restarted each time, ends with params bit-equal to
+    an unbroken run's."""
+    assert _run_child(kind, tmp_path / "straight")
+    rng = np.random.RandomState(0)
+    broken, kills = tmp_path / "broken", 0
+    finished = _run_child(kind, broken, kill_during_save=True)
+    kills += not finished
+    while not finished:
+        finished = _run_child(kind, broken, kill_after=rng.uniform(4, 12)) if kills < 4 else _run_child(kind, broken)
+        kills += not finished
+    assert kills >= 2
+    a, b = (np.load(d / "params.npz") for d in (tmp_path / "straight", broken))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
