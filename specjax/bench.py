@@ -96,6 +96,7 @@ class Run:
     trace: list | None = None  # tokens per step of the first row of the first batch
     shape: str = ""  # "chain" or the tree: depth/top_k/nodes
     accelerator: float | None = None  # predicted speedup where a pass costs its one-token time
+    depth_acceptance: list | None = None  # per depth k: the fraction of steps keeping >= k drafts
 
     @property
     def acceptance(self):
@@ -189,7 +190,7 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int 
 def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
              max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, trees_only=False,
-             log=print) -> dict:
+             heads_only=False, medusa: str | None = None, eagle: str | None = None, log=print) -> dict:
     from specjax.hf import load_model, load_tokenizer
 
     temperatures = tuple(sorted(set(temperatures) | {0.0}))  # greedy is the reference run
@@ -205,11 +206,17 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each; median of {repeats}")
     log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
-    if trees_only:
+    trained = _trained_heads(medusa, eagle, log)
+    if trees_only or heads_only:
         auto, auto_rows = time_generate(target, prompts, 1, repeats, None, 0, "none", 0.0, max_new_tokens)
-        report = {"trees": run_trees(target, draft, prompts, auto, auto_rows, max_new_tokens, repeats,
-                                     cache_len + 64, log=log)}
-        _write(report, out_dir, "trees.json", log)
+        if trees_only:
+            report = {"trees": run_trees(target, draft, prompts, auto, auto_rows, max_new_tokens, repeats,
+                                         cache_len + 64, log=log)}
+            _write(report, out_dir, "trees.json", log)
+        else:
+            report = {"heads": run_heads(target, draft, trained, prompts, auto, auto_rows, max_new_tokens,
+                                         repeats, log=log)}
+            _write(report, out_dir, "heads.json", log)
         return report
 
     def speculate(K, temperature, batch, drafter=None, name="draft", on=None, **options):
@@ -337,6 +344,41 @@ def run_trees(target, draft, prompts, auto: Run, auto_rows, max_new_tokens, repe
     log("target verification pass over T tokens (tree mask), in one-token passes: " +
         ", ".join(f"T={T}: {c:.2f}" for T, c in costs.items()))
     return {"runs": [_as_dict(r) for r in runs], "verify_cost": costs, "t_target_ms": t_target * 1e3}
+
+
+HEAD_SHAPES = {"chain": None, "tree": Tree(depth=6, top_k=2, nodes=20)}
+
+
+def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_new_tokens, repeats,
+              log=print) -> dict:
+    """The draft model against trained heads (trained: name -> Medusa/Eagle), each as a
+    chain and as a tree (greedy, batch 1): tokens per target pass, acceptance by depth
+    (the fraction of steps that kept at least k drafted tokens), tok/s and the ratio to
+    autoregressive, and whether the output equals it."""
+    drafters = {"draft model": DraftModel(draft), **trained}
+    runs, depth_rates = [], {}
+    for name, drafter in drafters.items():
+        for shape, tree in HEAD_SHAPES.items():
+            if tree is None:  # Medusa: a chain of its heads; the others: K = 5
+                tree = Tree.chain(drafter.num_heads if hasattr(drafter, "num_heads") else 5,
+                                  "top_k" if hasattr(drafter, "num_heads") else "sampled")
+            elif hasattr(drafter, "num_heads"):
+                tree = Tree(depth=drafter.num_heads, top_k=tree.top_k, nodes=tree.nodes)
+            d = drafter.replace(tree=tree)
+            run, rows = time_generate(target, prompts, 1, repeats, d, None, name, 0.0, max_new_tokens)
+            run.shape, run.K = describe(tree), tree.nodes
+            run.speedup, run.exact = run.tokens_per_s / auto.tokens_per_s, rows == auto_rows
+            accepted = np.array([c - 1 for t in _all_traces(target, d, prompts, None, max_new_tokens)
+                                 for c in t[:-1]])
+            run.depth_acceptance = [float(np.mean(accepted >= k)) for k in range(1, tree.depth + 1)]
+            runs.append(run)
+    log(f"\ndraft model vs trained heads (greedy, batch 1; autoregressive {auto.tokens_per_s:.1f} tok/s); "
+        f"'at depth k': the fraction of steps that kept >= k drafted tokens")
+    log(f"{'drafter':<12} {'shape':<16} {'tok/pass':>8} {'tok/s':>8} {'vs auto':>7} exact  at depth 1..")
+    for r in runs:
+        log(f"{r.drafter:<12} {r.shape:<16} {r.tokens_per_pass:>8.2f} {r.tokens_per_s:>8.1f} "
+            f"{r.speedup:>7.2f} {str(r.exact):<5}  " + " ".join(f"{a:.2f}" for a in r.depth_acceptance))
+    return {"runs": [_as_dict(r) for r in runs]}
 
 
 def _all_traces(target, draft, prompts, K, max_new_tokens):
@@ -527,6 +569,19 @@ def main(argv=None):
     run_from_args(parser.parse_args(argv))
 
 
+def _trained_heads(medusa, eagle, log) -> dict:
+    """name -> loaded drafter, for the trained heads whose folders exist."""
+    from specjax.drafters import load_drafter
+
+    out = {}
+    for name, path in (("Medusa", medusa), ("EAGLE", eagle)):
+        if path and (Path(path) / "drafter.json").exists():
+            out[name] = load_drafter(path)
+        elif path:
+            log(f"note: no trained {name} drafter at {path}; left out")
+    return out
+
+
 def add_arguments(parser):
     from specjax.cli import default_checkpoint
 
@@ -544,6 +599,10 @@ def add_arguments(parser):
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate (needs torch)")
     parser.add_argument("--trees-only", action="store_true",
                         help="only the chains-vs-trees comparison (writes trees.json)")
+    parser.add_argument("--heads-only", action="store_true",
+                        help="only the draft model vs trained Medusa/EAGLE heads (writes heads.json)")
+    parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
+    parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
 
 
 def run_from_args(args):
@@ -555,7 +614,7 @@ def run_from_args(args):
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),
              num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
              max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf,
-             trees_only=args.trees_only)
+             trees_only=args.trees_only, heads_only=args.heads_only, medusa=args.medusa, eagle=args.eagle)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ def _info(args):
 
 def default_checkpoint(name: str) -> str:
     """checkpoints/NAME in the working directory, else beside the installed package (an
-    editable install from a clone)."""
+    editable install from a clone). A model folder (config.json) or a drafter's (drafter.json)."""
     for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (root / "checkpoints" / name / "config.json").exists():
+        if any((root / "checkpoints" / name / f).exists() for f in ("config.json", "drafter.json")):
             return str(root / "checkpoints" / name)
     return str(Path("checkpoints") / name)
 
@@ -107,6 +107,10 @@ def _generate(args):
         draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
+    elif args.drafter:
+        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle") else args.drafter
+        draft = specjax.load_drafter(path, tree)
+        drafter_name = f"{type(draft).__name__} heads {path}"
     else:
         draft = specjax.load_model(args.draft, quantize=args.quantize)
         draft, drafter_name = specjax.DraftModel(draft, tree), f"draft model {args.draft}"
@@ -334,6 +338,9 @@ def main(argv=None):
     p.add_argument("--draft", default=default_checkpoint("draft"))
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    drafters.add_argument("--drafter", metavar="PATH|medusa|eagle",
+                          help="trained draft heads saved by train-medusa/train-eagle (medusa, eagle: "
+                               "the shipped checkpoints/medusa, checkpoints/eagle)")
     drafters.add_argument("--early-exit", type=int, metavar="N",
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",
