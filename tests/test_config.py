@@ -50,8 +50,8 @@ def test_qwen2_sliding_layers():
     ({"model_type": "bert"}, UnsupportedConfigError, "unsupported model_type 'bert'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedConfigError, "rope_type 'dynamic'"),
     ({"partial_rotary_factor": 0.5}, UnsupportedConfigError, "partial_rotary_factor"),
-    ({"num_key_value_heads": 3}, ValueError, "not a multiple of num_kv_heads=3"),
-    ({"num_hidden_layers": 0}, ValueError, "num_layers must be a positive int"),
+    ({"num_key_value_heads": 3}, ValueError, "num_key_value_heads=3 does not divide"),
+    ({"num_hidden_layers": 0}, ValueError, "num_hidden_layers=0 must be a positive integer"),
 ])
 def test_invalid_configs(change, error, message):
     with pytest.raises(error, match=message):
