@@ -61,6 +61,19 @@ def test_generate_with_a_tree_equals_the_chain(capsys):
         main(["generate", "x", "--tree", "4,2,8", "--prompt-lookup", "--target", str(TARGET)])
 
 
+def test_generate_with_the_shipped_heads_equals_autoregressive(capsys):
+    """--drafter medusa / eagle (the shipped checkpoints), chain and tree: greedy text equal
+    to plain decoding's, with drafts accepted."""
+    texts, accepted = {}, {}
+    for flags in (["--no-draft"], ["--drafter", "medusa"], ["--drafter", "eagle", "--tree", "4,2,8"]):
+        main(["generate", "def add(a, b):", "--max-new-tokens", "24", "--json", "--target", str(TARGET), *flags])
+        result = json.loads(capsys.readouterr().out)
+        texts[" ".join(flags)] = result["outputs"][0]["text"]
+        accepted[" ".join(flags)] = result["outputs"][0]["accepted"]
+    assert len(set(texts.values())) == 1, texts
+    assert accepted["--drafter eagle --tree 4,2,8"] > 0
+
+
 # ---- a tiny random Llama whose tokenizer adds BOS, with a generation_config.json ---------
 
 CORPUS = ["the cat sat on the mat and the dog ate the hat while a bird sang in the tree"] * 20
