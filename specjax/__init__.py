@@ -4,7 +4,8 @@ The public API, re-exports only.
 """
 
 from specjax.cache import KVCache
-from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, load_drafter
+from specjax.drafters import (Datastore, DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, Retrieval,
+                              load_drafter)
 from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
@@ -14,8 +15,8 @@ from specjax.sharding import make_mesh, shard_model
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "DraftModel", "Eagle", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
-    "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "UnsafeCheckpointError", "Stats",
+    "CheckpointError", "Datastore", "DraftModel", "Eagle", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
+    "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "Retrieval", "UnsafeCheckpointError", "Stats",
     "Tree", "UnsupportedConfigError", "compile_generate", "forward", "generate", "load_drafter", "load_model",
     "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model",
 ]
