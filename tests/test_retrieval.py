@@ -189,3 +189,30 @@ def test_sampling_is_exact(tiny_pair, exact_joint, tree, K):  # noqa: F811
     observed = _sampled_joint(target, drafter)
     assert observed[exact_joint == 0].sum() == 0
     assert _chi_square_p(observed, exact_joint) > 1e-3
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+
+def test_cli_builds_a_datastore_from_files_and_folders(tmp_path, capsys):
+    from specjax import cli
+
+    corpus = ["the cat sat on the mat", "a dog sat on the log by the mat"]
+    tokenizer = tiny.save_tokenizer(tmp_path / "tok", corpus * 10)
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "a.txt").write_text(corpus[0])
+    (tmp_path / "docs" / "sub" / "b.txt").write_text(corpus[1])
+    (tmp_path / "docs" / "sub" / "bin.dat").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "c.txt").write_text("the cat")
+    cli.main(["datastore", "build", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "ds"),
+              str(tmp_path / "docs"), str(tmp_path / "c.txt")])
+    assert "3 documents" in capsys.readouterr().out
+    ds = specjax.Datastore.load(tmp_path / "ds")
+    expected = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (corpus[0], corpus[1], "the cat")]
+    np.testing.assert_array_equal(ds.tokens, specjax.Datastore.build(expected).tokens)
+    assert json.loads((tmp_path / "ds" / "datastore.json").read_text())["num_documents"] == 3
+    with pytest.raises(SystemExit, match="no file or folder"):
+        cli.main(["datastore", "build", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "x"),
+                  str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="give FILES_OR_DIRS or --stdlib-train"):
+        cli.main(["datastore", "build", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "x")])
