@@ -12,11 +12,13 @@ from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
+from specjax.theory import CostProfile
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "Datastore", "DraftModel", "Eagle", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
-    "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "Retrieval", "UnsafeCheckpointError", "Stats",
-    "Tree", "UnsupportedConfigError", "compile_generate", "forward", "generate", "load_drafter", "load_model",
-    "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model",
+    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Eagle", "EarlyExit", "GenerateOutput",
+    "GenerationConfig", "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "PromptLookup",
+    "Retrieval", "Stats", "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "forward",
+    "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model",
+    "shard_model",
 ]
