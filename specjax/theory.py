@@ -90,7 +90,9 @@ class CostProfile:
 
     def step_ms(self, batch: int, K: int) -> float:
         """Predicted milliseconds of one step: K draft steps + a target pass over K+1 tokens.
-        Between measured batch sizes costs are interpolated linearly; below the smallest the
+        Pass costs are taken non-decreasing in T (the largest measured up to T+1 tokens,
+        so that timing noise cannot make a longer pass look cheaper); between measured batch
+        sizes costs are interpolated linearly; below the smallest the
         smallest's are used; above the largest they grow linearly along the last two."""
         if not 0 <= K <= self.max_k:
             raise ValueError(f"the cost profile prices K in 0..{self.max_k}, not {K}")
@@ -103,7 +105,8 @@ class CostProfile:
             slope = (values[i] - values[i - 1]) / (b[i] - b[i - 1])
             return max(values[i - 1] + slope * (batch - b[i - 1]), min(values[i - 1], values[i]))
 
-        return at([row[K] for row in self.target_ms]) + (K * at(self.draft_ms) if K else 0.0)
+        # A pass over more tokens never costs less: measured noise is evened out upwards.
+        return at([max(row[: K + 1]) for row in self.target_ms]) + (K * at(self.draft_ms) if K else 0.0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":

@@ -134,3 +134,10 @@ def test_auto_refusals(pair):
         with pytest.raises(error, match=message):
             specjax.generate(target, padded, lengths, max_new_tokens=2, **kw)
 
+
+
+def test_a_longer_pass_never_looks_cheaper():
+    """Timing noise (a 5-token pass measured faster than a 4-token one) is evened out upwards."""
+    p = profile([[10.0, 12.0, 14.0, 30.0, 11.0, 40.0]], [0.0], [0.9] * 5)
+    assert p.step_ms(1, 4) == 30.0 and p.step_ms(1, 3) == 30.0 and p.step_ms(1, 5) == 40.0
+    assert choose_num_draft_tokens(p, 1) == 2
