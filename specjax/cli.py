@@ -146,11 +146,15 @@ def _generate(args):
 
     generated = int(out.num_tokens.sum())
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
+    from specjax.generate import auto_num_draft_tokens
+
     stats = {
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
-        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else args.num_draft_tokens or 4,
+        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
+            auto_num_draft_tokens(len(prompts), draft)
+            if args.num_draft_tokens == "auto" else args.num_draft_tokens or 4),
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
         "eos_token_id": stop, **sampling,
