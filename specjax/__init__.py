@@ -4,18 +4,21 @@ The public API, re-exports only.
 """
 
 from specjax.cache import KVCache
-from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, load_drafter
+from specjax.drafters import (Datastore, DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, Retrieval,
+                              load_drafter)
 from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
+from specjax.theory import CostProfile
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "DraftModel", "Eagle", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
-    "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "UnsafeCheckpointError", "Stats",
-    "Tree", "UnsupportedConfigError", "compile_generate", "forward", "generate", "load_drafter", "load_model",
-    "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model",
+    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Eagle", "EarlyExit", "GenerateOutput",
+    "GenerationConfig", "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "PromptLookup",
+    "Retrieval", "Stats", "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "forward",
+    "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model",
+    "shard_model",
 ]

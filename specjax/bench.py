@@ -4,6 +4,7 @@ by side in one run, with the speedup theory predicts set beside the measured one
     specjax bench                         # the shipped pair on held-out stdlib code
     specjax bench --hf                    # ... and transformers' generate on the same pair
     specjax bench --synthetic gpt2-small  # no checkpoints: a random GPT-2-small-shaped pair
+    specjax bench --profile               # only the cost profile behind num_draft_tokens="auto"
 
 Times are medians over --repeats runs after a warm-up (compile) run; machines are noisy, so
 read the ratios. "theory" is Leviathan et al.: E[tokens per pass] / (K c + 1) with alpha
@@ -287,6 +288,40 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         plot(report, Path(out_dir))
         log(f"wrote plots in {out_dir}/")
     return report
+
+
+def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "bench", max_k: int = 8,
+                    batches=(1, 4, 16), num_prompts=16, prompt_tokens=64, max_new_tokens=64, repeats=3,
+                    log=print) -> theory.CostProfile:
+    """The cost profile that `generate(num_draft_tokens="auto")` reads: one target pass over
+    T = 1..max_k+1 tokens and one draft step, per batch size (timed inside a compiled loop),
+    and the draft's per-position acceptance at K = max_k, greedy, on held-out prompts.
+    Written as profile.json in out_dir."""
+    from specjax.hf import load_model, load_tokenizer
+
+    target, draft = load_model(target_path), load_model(draft_path)
+    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens)
+    cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max_k + 1
+    target_ms, draft_ms = [], []
+    for batch in batches:
+        target_ms.append([pass_time(target, batch, T, cache_len, repeats) * 1e3 for T in range(1, max_k + 2)])
+        draft_ms.append(pass_time(draft, batch, 1, cache_len, repeats) * 1e3)
+        log(f"batch {batch}: target pass over T = 1..{max_k + 1} tokens "
+            f"{' '.join(f'{t:.2f}' for t in target_ms[-1])} ms; draft step {draft_ms[-1]:.2f} ms")
+    acceptance = per_position_acceptance(_all_traces(target, draft, prompts, max_k, max_new_tokens), max_k)
+    log(f"per-position acceptance at K = {max_k}: {' '.join(f'{a:.2f}' for a in acceptance)}")
+    profile = theory.CostProfile(tuple(batches), tuple(map(tuple, target_ms)), tuple(draft_ms), tuple(acceptance),
+                                 {"backend": jax.default_backend(), "dtype": str(target.dtype),
+                                  "target": str(target_path), "draft": str(draft_path),
+                                  "command": f"specjax bench --profile --batches {' '.join(map(str, batches))} "
+                                             f"-k {max_k} --num-prompts {num_prompts} --repeats {repeats}"})
+    for batch in batches:
+        log(f"batch {batch}: num_draft_tokens='auto' picks K = {theory.choose_num_draft_tokens(profile, batch)}")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        profile.save(Path(out_dir) / "profile.json")
+        log(f"wrote {Path(out_dir) / 'profile.json'}")
+    return profile
 
 
 def _write(report: dict, out_dir: str | None, name: str, log):
@@ -601,6 +636,9 @@ def add_arguments(parser):
                         help="only the chains-vs-trees comparison (writes trees.json)")
     parser.add_argument("--heads-only", action="store_true",
                         help="only the draft model vs trained Medusa/EAGLE heads (writes heads.json)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only measure the cost profile for num_draft_tokens='auto' (writes profile.json; "
+                             "K up to the largest -k)")
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
 
@@ -609,6 +647,11 @@ def run_from_args(args):
     if args.synthetic:
         run_synthetic(args.synthetic, ks=tuple(args.ks or (1, 2, 4, 6)), max_new_tokens=args.max_new_tokens,
                       repeats=args.repeats)
+        return
+    if args.profile:
+        measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),
+                        num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, repeats=args.repeats)
         return
     run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),

@@ -100,13 +100,16 @@ def _generate(args):
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
     if tree is not None and (args.no_draft or args.prompt_lookup):
-        raise SystemExit("specjax generate: --tree needs a draft model or --early-exit")
+        raise SystemExit("specjax generate: --tree needs a draft model, --early-exit or --retrieval")
     if args.no_draft:
         draft, drafter_name = None, "none"
     elif args.early_exit:
         draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
+    elif args.retrieval:
+        draft = specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree)
+        drafter_name = f"retrieval from {args.retrieval}"
     elif args.drafter:
         path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle") else args.drafter
         draft = specjax.load_drafter(path, tree)
@@ -143,11 +146,15 @@ def _generate(args):
 
     generated = int(out.num_tokens.sum())
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
+    from specjax.generate import auto_num_draft_tokens
+
     stats = {
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
-        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else args.num_draft_tokens or 4,
+        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
+            auto_num_draft_tokens(len(prompts), draft)
+            if args.num_draft_tokens == "auto" else args.num_draft_tokens or 4),
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
         "eos_token_id": stop, **sampling,
@@ -172,6 +179,58 @@ def _generate(args):
           f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
           f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
           f"(not included)")
+
+
+def _text_files(paths):
+    """Files named, and every file under the folders named (sorted, hidden ones skipped)."""
+    files = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            files += sorted(f for f in path.rglob("*") if f.is_file()
+                            and not any(part.startswith(".") for part in f.relative_to(path).parts))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise SystemExit(f"specjax datastore build: no file or folder {name}")
+    return files
+
+
+def _datastore_build(args):
+    from tqdm import tqdm
+
+    import specjax
+
+    if bool(args.paths) == bool(args.stdlib_train):
+        raise SystemExit("specjax datastore build: give FILES_OR_DIRS or --stdlib-train (not both)")
+    tokenizer = specjax.load_tokenizer(args.tokenizer)
+    if args.stdlib_train:
+        from specjax.train.data import split_corpus
+
+        texts = split_corpus()[0]
+        sources = [(f"stdlib text {i}", t) for i, t in enumerate(texts)]
+    else:
+        sources = _text_files(args.paths)
+    docs, skipped = [], []
+    for source in tqdm(sources, desc="encoding", unit="file"):
+        if isinstance(source, tuple):
+            text = source[1]
+        else:
+            try:
+                text = source.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                skipped.append(str(source))
+                continue
+        docs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if skipped:
+        print(f"skipped {len(skipped)} files that are not UTF-8 text, e.g. {skipped[0]}", file=sys.stderr)
+    if not any(docs):
+        raise SystemExit("specjax datastore build: the files hold no text")
+    datastore = specjax.Datastore.build(docs)
+    datastore.save(args.out)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir())
+    print(f"{args.out}: {datastore.num_tokens} tokens in {datastore.num_documents} documents, "
+          f"{size / 1e6:.1f} MB")
 
 
 def _parse_tree(text):
@@ -345,10 +404,13 @@ def main(argv=None):
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",
                           help="draft by n-gram lookup in the prompt and output")
+    drafters.add_argument("--retrieval", metavar="DATASTORE",
+                          help="draft by retrieval from a datastore folder (specjax datastore build)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="chain length K (default 4)")
+    p.add_argument("-k", "--num-draft-tokens", type=lambda x: x if x == "auto" else int(x), default=None,
+                   help="chain length K (default 4), or auto: K for the batch size from the shipped cost profile")
     p.add_argument("--tree", metavar="SHAPE",
                    help="draft a token tree: DEPTH,TOP_K,NODES (dynamic, e.g. 8,2,24) or JSON rank paths")
     p.add_argument("--temperature", type=float, default=None,
@@ -370,6 +432,16 @@ def main(argv=None):
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weight-only quantisation of the target and the draft, each on its own")
     p.set_defaults(run=_generate)
+
+    p = sub.add_parser("datastore", help="datastores for retrieval drafting (specjax.Retrieval)")
+    datastore = p.add_subparsers(dest="datastore_command", required=True)
+    p = datastore.add_parser("build", help="tokenize text files and build a suffix-array datastore")
+    p.add_argument("paths", nargs="*", metavar="FILES_OR_DIRS", help="text files, or folders to read all files of")
+    p.add_argument("--tokenizer", required=True, help="a folder with the target's tokenizer")
+    p.add_argument("--out", required=True, help="the datastore folder to write")
+    p.add_argument("--stdlib-train", action="store_true",
+                   help="instead of files: the shipped pair's training corpus (specjax.train.data.split_corpus)")
+    p.set_defaults(run=_datastore_build)
 
     p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")
     from specjax import bench

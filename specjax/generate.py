@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,7 +40,7 @@ import numpy as np
 from flax import struct
 from jax.experimental import io_callback
 
-from specjax import acceptance, sharding
+from specjax import acceptance, sharding, theory
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.base import Features
@@ -99,10 +100,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
 
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
-             num_draft_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
+             num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
              eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
-             stream: Callable | None = None) -> GenerateOutput:
+             stream: Callable | None = None, cost_profile=None) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
@@ -111,6 +112,10 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         their interface).
     num_draft_tokens: K, the length of a drafter's chain (default 4). A drafter given a
         `specjax.Tree` proposes that tree instead: leave it unset (a different K is an error).
+        "auto": the static K for this batch size, chosen on the host before compiling by
+        `specjax.theory.choose_num_draft_tokens` from `cost_profile` (a `CostProfile`, a
+        profile.json path written by `specjax bench --profile`, or None: the profile
+        shipped for this JAX backend); K = 0 turns speculation off (plain decoding).
     Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
     and eos_token_id are traced, so changing them never recompiles.
     eos_token_id: None, one stop id or several (a row stops after the first of any, as in
@@ -148,10 +153,37 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     return lambda: _run(args, {}, stream, executable)
 
 
+def auto_num_draft_tokens(batch: int, draft, cost_profile=None) -> int:
+    """num_draft_tokens="auto": K for this batch size from the cost profile (0: no speculation)."""
+    if draft is None:
+        raise ValueError("num_draft_tokens='auto' needs a draft (there is nothing to speculate with)")
+    if getattr(draft, "tree", None) is not None:
+        raise ValueError("num_draft_tokens='auto' picks a chain length, but this drafter's Tree fixes its "
+                         "shape: leave num_draft_tokens unset, or give the drafter no tree")
+    if cost_profile is None:
+        profile = theory.default_profile(jax.default_backend())
+    elif isinstance(cost_profile, theory.CostProfile):
+        profile = cost_profile
+    elif isinstance(cost_profile, (str, Path)):
+        profile = theory.CostProfile.load(cost_profile)
+    else:
+        raise TypeError(f"cost_profile must be a specjax.CostProfile, a path or None, got "
+                        f"{type(cost_profile).__name__}")
+    return theory.choose_num_draft_tokens(profile, int(batch))
+
+
 def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
              top_k, top_p, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
-             stream):
+             stream, cost_profile):
     """generate's checks and conversions: (_generate's arguments, its static ones, stream)."""
+    if isinstance(num_draft_tokens, str):
+        if num_draft_tokens != "auto":
+            raise ValueError(f"num_draft_tokens must be an int, None or 'auto', got {num_draft_tokens!r}")
+        num_draft_tokens = auto_num_draft_tokens(np.shape(prompts)[0], draft, cost_profile)
+        if num_draft_tokens == 0:  # the profile says speculation loses at this batch size
+            draft, num_draft_tokens = None, None
+    elif cost_profile is not None:
+        raise ValueError("cost_profile is read only with num_draft_tokens='auto'")
     drafter = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
                              max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
                              eos_token_id, draft_threshold)

@@ -24,7 +24,8 @@ from specjax.drafters.early_exit import EarlyExit
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
 from specjax.drafters.prompt_lookup import PromptLookup
+from specjax.drafters.retrieval import Datastore, Retrieval
 from specjax.drafters.trained import load_drafter
 
-__all__ = ["DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Medusa", "PromptLookup",
-           "Proposal", "load_drafter"]
+__all__ = ["Datastore", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Medusa", "PromptLookup",
+           "Proposal", "Retrieval", "load_drafter"]

@@ -1,0 +1,143 @@
+"""num_draft_tokens="auto": the choice of K from a cost profile (pure arithmetic), the
+profile's JSON and refusals, the shipped CPU default, and generate picking K (or turning
+speculation off) per batch size with its output unchanged."""
+
+import json
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax import theory
+from specjax.theory import CostProfile, choose_num_draft_tokens, expected_tokens_per_step
+from specjax.tree import Tree
+
+
+def profile(target_ms, draft_ms, acceptance, batches=None):
+    batches = batches or tuple(range(1, len(target_ms) + 1))
+    return CostProfile(tuple(batches), tuple(map(tuple, target_ms)), tuple(draft_ms), tuple(acceptance))
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens_per_step([0.5, 0.5, 0.5], 2) == 1.75
+    assert expected_tokens_per_step([1.0, 0.0, 1.0], 3) == 2.0  # nothing past a sure rejection
+    with pytest.raises(ValueError, match="known for 3 positions"):
+        expected_tokens_per_step([0.5] * 3, 4)
+
+
+def test_free_verification_and_sure_acceptance_take_the_deepest_k():
+    p = profile([[10.0] * 9], [0.0], [1.0] * 8)
+    assert choose_num_draft_tokens(p, 1) == 8
+    assert choose_num_draft_tokens(p, 1, max_k=5) == 5
+
+
+def test_speculation_is_off_where_it_loses():
+    # Verification costs grow with every token and drafts are rarely accepted: K = 0.
+    assert choose_num_draft_tokens(profile([[10.0 * t for t in range(1, 10)]], [1.0], [0.3] * 8), 1) == 0
+    # Nothing is ever accepted: K = 0 even when passes are free.
+    assert choose_num_draft_tokens(profile([[10.0] * 9], [0.0], [0.0] * 8), 1) == 0
+
+
+def test_k_shrinks_with_the_batch():
+    """Batch 1 verifies 9 tokens for the price of 1 (memory bound); batch 16 pays for every
+    token (compute bound): speculation on at 1, off at 16, in between at batch 4."""
+    flat = [10.0 + 0.2 * t for t in range(1, 10)]
+    steep = [40.0 * t for t in range(1, 10)]
+    middle = [(f + s) / 2 for f, s in zip(flat, steep)]
+    p = profile([flat, middle, steep], [1.0, 2.0, 4.0], [0.8] * 8, batches=(1, 8, 16))
+    ks = [choose_num_draft_tokens(p, b) for b in (1, 4, 8, 16, 64)]
+    assert ks[0] >= 4 and ks[3] == 0 and ks[4] == 0
+    assert ks == sorted(ks, reverse=True), ks
+    # Interpolation between measured batch sizes, and the smallest's costs below it.
+    assert p.step_ms(4, 0) == pytest.approx(flat[0] + (middle[0] - flat[0]) * 3 / 7)
+    assert p.step_ms(1, 2) == pytest.approx(flat[2] + 2 * 1.0)
+
+
+def test_per_position_acceptance_matters():
+    """The same mean acceptance, front-loaded or back-loaded, gives different choices."""
+    costs = [[10.0 + 2.0 * t for t in range(1, 10)]]
+    front = choose_num_draft_tokens(profile(costs, [1.0], [0.95, 0.9, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]), 1)
+    assert front == 2
+
+
+def test_profile_json_round_trip_and_refusals(tmp_path):
+    p = profile([[1.0, 2.0, 3.0]], [0.5], [0.7, 0.6])
+    p.save(tmp_path / "p.json")
+    back = CostProfile.load(tmp_path / "p.json")
+    assert back == p and back.max_k == 2
+    d = p.to_dict()
+    for change, message in [
+        (lambda d: d.update(format="x"), "not a specjax cost profile"),
+        (lambda d: d.update(version=9), "version 9"),
+        (lambda d: d.pop("acceptance"), "lacks 'acceptance'"),
+        (lambda d: d.update(acceptance=[1.5]), r"lie in \[0, 1\]"),
+        (lambda d: d.update(batches=[4, 1], target_ms=[[1.0], [1.0]], draft_ms=[0, 0]), "ascending"),
+        (lambda d: d.update(draft_ms=[0.5, 0.5]), "one entry per batch size"),
+        (lambda d: d.update(target_ms=[[1.0, -2.0]]), "positive times"),
+    ]:
+        bad = json.loads(json.dumps(d))
+        change(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            CostProfile.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="no cost profile at"):
+        CostProfile.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="prices K in 0..2"):
+        p.step_ms(1, 3)
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        choose_num_draft_tokens(p, 0)
+
+
+def test_shipped_cpu_profile():
+    p = theory.default_profile("cpu")
+    assert p.max_k >= 4 and p.meta["backend"] == "cpu"
+    for batch in (1, 2, 4, 8, 16, 64):
+        assert 0 <= choose_num_draft_tokens(p, batch) <= p.max_k
+    with pytest.raises(ValueError, match="no cost profile is shipped for the 'nothing' backend"):
+        theory.default_profile("nothing")
+
+
+def test_generate_auto_picks_k_per_batch(pair, tmp_path):
+    """A profile that speculates at batch 1 only: batch 1 drafts at most its K per step,
+    batch 2 drafts nothing; the output is the target's greedy output either way."""
+    target, drafts, _ = pair
+    flat = [10.0] * 4 + [1000.0] * 5  # passes over 1..4 tokens cost the same, more cost a lot
+    steep = [10.0 * t for t in range(1, 10)]
+    p = profile([flat, steep], [0.1, 5.0], [0.9] * 8)
+    assert [choose_num_draft_tokens(p, b) for b in (1, 2)] == [3, 0]
+    p.save(tmp_path / "profile.json")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    for batch in (1, 2):
+        padded, lengths = specjax.pad_prompts(prompts[:batch], bucket=16)
+        plain = specjax.generate(target, padded, lengths, max_new_tokens=10)
+        out = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=10,
+                               num_draft_tokens="auto", cost_profile=str(tmp_path / "profile.json"))
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        if batch == 1:
+            assert 0 < out.stats.drafted[0] <= 3 * out.stats.steps[0]
+        else:
+            assert int(out.stats.drafted.sum()) == 0
+
+
+def test_auto_refusals(pair):
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts([[5, 6]], bucket=16)
+    for kw, error, message in [
+        (dict(num_draft_tokens="auto"), ValueError, "needs a draft"),
+        (dict(draft=drafts["near"], num_draft_tokens="best"), ValueError, "an int, None or 'auto'"),
+        (dict(draft=specjax.DraftModel(drafts["near"], Tree(2, 2, 3)), num_draft_tokens="auto"),
+         ValueError, "Tree fixes its shape"),
+        (dict(draft=drafts["near"], cost_profile="p.json"), ValueError, "only with num_draft_tokens='auto'"),
+        (dict(draft=drafts["near"], num_draft_tokens="auto", cost_profile=3), TypeError, "cost_profile must be"),
+    ]:
+        with pytest.raises(error, match=message):
+            specjax.generate(target, padded, lengths, max_new_tokens=2, **kw)
+
+
+
+def test_a_longer_pass_never_looks_cheaper():
+    """Timing noise (a 5-token pass measured faster than a 4-token one) is evened out upwards."""
+    p = profile([[10.0, 12.0, 14.0, 30.0, 11.0, 40.0]], [0.0], [0.9] * 5)
+    assert p.step_ms(1, 4) == 30.0 and p.step_ms(1, 3) == 30.0 and p.step_ms(1, 5) == 40.0
+    assert choose_num_draft_tokens(p, 1) == 2
