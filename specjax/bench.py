@@ -398,7 +398,8 @@ def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_n
                 tree = Tree.chain(drafter.num_heads if hasattr(drafter, "num_heads") else 5,
                                   "top_k" if hasattr(drafter, "num_heads") else "sampled")
             elif hasattr(drafter, "num_heads"):
-                tree = Tree(depth=drafter.num_heads, top_k=tree.top_k, nodes=tree.nodes)
+                D, k = drafter.num_heads, tree.top_k  # its heads fix the depth; as many nodes as fit
+                tree = Tree(depth=D, top_k=k, nodes=min(tree.nodes, k + (D - 1) * k * k))
             d = drafter.replace(tree=tree)
             run, rows = time_generate(target, prompts, 1, repeats, d, None, name, 0.0, max_new_tokens)
             run.shape, run.K = describe(tree), tree.nodes

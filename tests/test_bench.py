@@ -38,3 +38,24 @@ def test_tree_bench_runs_and_stays_exact(capsys):
     assert all(r["exact"] for r in report["runs"])
     assert set(report["verify_cost"]) >= {1, 7}
     assert "trees vs chains" in capsys.readouterr().out
+
+
+def test_heads_bench_runs_and_stays_exact(capsys):
+    """The draft model, Medusa and EAGLE rows (chain and tree) on a tiny synthetic pair:
+    every output equal to autoregressive, acceptance given for each depth."""
+    import jax
+
+    import specjax
+
+    target, small = bench.build_synthetic_pair("tiny", 2)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=8)
+    trained = {"Medusa": specjax.Medusa.init(target, 3, jax.random.key(0)),
+               "EAGLE": specjax.Eagle.init(target, jax.random.key(0))}
+    report = bench.run_heads(target, small, trained, prompts, auto, rows, 8, 1)
+    runs = report["runs"]
+    assert [(r["drafter"], r["shape"].split()[0]) for r in runs] == [
+        (name, shape) for name in ("draft model", "Medusa", "EAGLE") for shape in ("chain", "tree")]
+    assert all(r["exact"] for r in runs)
+    assert [len(r["depth_acceptance"]) for r in runs] == [5, 6, 3, 3, 5, 6]
+    assert "trained heads" in capsys.readouterr().out
