@@ -169,10 +169,10 @@ def test_finished_rows_are_not_drafted_for(pair):
     cache = KVCache.init(draft.config, B, S)
     calls = []
 
-    def forward(cache, tokens, positions, placement=None):
+    def forward(cache, tokens, positions, placement=None, features=None):
         calls.append(tokens.shape)
         logits, _, cache = apply(draft, tokens, positions, cache, placement=placement)
-        return cache, logits
+        return cache, logits, None
 
     logits0 = jnp.asarray(np.random.RandomState(0).randn(B, tiny.VOCAB), jnp.float32)
     tree = Tree(depth=3, top_k=2, nodes=6)
