@@ -8,6 +8,7 @@ from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup,
 from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
+from specjax.memory import InsufficientMemoryError, MemoryEstimate, estimate_memory
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
@@ -15,7 +16,8 @@ from specjax.tree import Tree
 
 __all__ = [
     "CheckpointError", "DraftModel", "Eagle", "EarlyExit", "PromptLookup", "GenerateOutput", "GenerationConfig",
-    "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "UnsafeCheckpointError", "Stats",
-    "Tree", "UnsupportedConfigError", "compile_generate", "forward", "generate", "load_drafter", "load_model",
-    "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model", "shard_model",
+    "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache", "Medusa", "MemoryEstimate", "Model",
+    "ModelConfig", "UnsafeCheckpointError", "Stats", "Tree", "UnsupportedConfigError", "compile_generate",
+    "estimate_memory", "forward", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
+    "pad_prompts", "quantize", "save_model", "shard_model",
 ]

@@ -39,12 +39,12 @@ import numpy as np
 from flax import struct
 from jax.experimental import io_callback
 
-from specjax import acceptance, sharding
+from specjax import acceptance, memory, sharding
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
-from specjax.models import Model, apply, check_token_ids
+from specjax.models import Model, apply, check_token_ids, prefill
 from specjax.sampling import Sampling, validate, warp
 from specjax.tree import ancestors, depths
 
@@ -133,7 +133,9 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         returns only once the loop has finished (and its calls have all been made); with a
         mesh, the calls happen in the process that holds the first device.
     """
-    return _run(*_prepare(**locals()))
+    args, static, stream = _prepare(**locals())
+    memory.check_fits(args, static, stream)  # refuses, with the numbers, what cannot fit
+    return _run(args, static, stream)
 
 
 def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], GenerateOutput]:
@@ -143,6 +145,7 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     bound = inspect.signature(generate).bind(target, prompts, lengths, **kwargs)
     bound.apply_defaults()
     args, static, stream = _prepare(**bound.arguments)
+    memory.check_fits(args, static, stream)
     handle = None if stream is None else jnp.int32(0)
     executable = _generate.lower(*args, **static, stream=handle).compile()
     return lambda: _run(args, {}, stream, executable)
@@ -305,13 +308,14 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
 
     # Prefill. The padded prompt block is written whole: slots past a row's length are
     # stale and will be overwritten before any query can see them.
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    # Long prompts go in chunks (models.prefill); hidden [B, P, E] only for drafters that read it.
+    wants_features = drafter is not None and getattr(drafter, "wants_features", False)
     cache = KVCache.init(target.config, B, S, target.dtype)
-    _, hidden, cache = apply(target, prompts, positions, cache)  # hidden [B, P, E]
+    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features)
     tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
     zeros = jnp.zeros((B,), jnp.int32)
     features, draft_state = None, None
-    if drafter is not None and getattr(drafter, "wants_features", False):
+    if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
         first = lengths - 2
         features = Features(jnp.take_along_axis(hidden, jnp.clip(first[:, None] + offsets, 0, P - 1)[..., None],
