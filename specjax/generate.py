@@ -81,21 +81,41 @@ class LoopState:
     features: Features | None = None  # the target's hidden states, for drafters that want them
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
-    """Right-pads token-id lists to a multiple of `bucket`, so that prompts of different
-    lengths share one compilation. Returns (int32 [B, P], int32 [B])."""
+MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
+CACHE_MULTIPLE = 128  # caches of at least this many slots are rounded up to a multiple of it
+SHORT_CACHE_MULTIPLE = 16  # shorter ones (tiny tests, short prompts) to a multiple of this
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int | None = None):
+    """Right-pads token-id lists so that prompts of different lengths share one compilation:
+    by default to the next power of two of at least MIN_PROMPT_BUCKET (64, 128, ..., so
+    prompts of 1 to 8,192 tokens need at most 8 programs per batch size); with `bucket`, to
+    a multiple of it instead. Returns (int32 [B, P], int32 [B])."""
     if len(prompts) == 0:
         raise ValueError("pad_prompts needs at least one prompt")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
         raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs at least one token")
-    if bucket < 1:
-        raise ValueError(f"bucket must be >= 1, got {bucket}")
-    P = -(-int(lengths.max()) // bucket) * bucket
+    longest = int(lengths.max())
+    if bucket is None:
+        P = max(MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length())
+    else:
+        if not isinstance(bucket, (int, np.integer)) or bucket < 1:
+            raise ValueError(f"bucket must be an int >= 1 or None, got {bucket!r}")
+        P = -(-longest // bucket) * bucket
     out = np.zeros((len(prompts), P), np.int32)
     for b, p in enumerate(prompts):
         out[b, : len(p)] = p
     return out, lengths
+
+
+def cache_length(P: int, max_new_tokens: int, room: int) -> int:
+    """The loop's cache length S for prompts [B, P]: P + max_new_tokens + room (a drafter's
+    furthest write), rounded up to a multiple of CACHE_MULTIPLE (SHORT_CACHE_MULTIPLE below
+    it) so that key blocks and hardware tiles divide it."""
+    S = P + max_new_tokens + room
+    m = CACHE_MULTIPLE if S >= CACHE_MULTIPLE else SHORT_CACHE_MULTIPLE
+    return -(-S // m) * m
 
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
@@ -288,7 +308,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
-    S = P + max_new_tokens + max(N, 0 if drafter is None else drafter.target_room)
+    S = cache_length(P, max_new_tokens, max(N, 0 if drafter is None else drafter.target_room))
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 

@@ -73,11 +73,13 @@ def _nbytes(tree) -> int:
 def _cache_bytes(args, static) -> int:
     """The target's cache and the drafter's state, from their shapes (jax.eval_shape)."""
     from specjax.cache import KVCache
+    from specjax.generate import cache_length
     from specjax.models import prefill
 
     target, drafter, prompts, lengths = args[:4]
     B, P = prompts.shape
-    S = P + static["max_new_tokens"] + (0 if drafter is None else drafter.tree.nodes + drafter.target_room)
+    S = cache_length(P, static["max_new_tokens"],
+                     0 if drafter is None else max(drafter.tree.nodes, drafter.target_room))
     total = _nbytes(jax.eval_shape(lambda: KVCache.init(target.config, B, S, target.dtype)))
     if drafter is not None:
         def start():

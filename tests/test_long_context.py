@@ -161,3 +161,30 @@ def test_oversized_request_is_refused_with_the_numbers(pair, monkeypatch):
         specjax.generate(target, prompts, lengths, max_new_tokens=8)
     monkeypatch.setattr(memory, "device_free_bytes", lambda mesh=None: 2 ** 40)
     assert specjax.generate(target, prompts, lengths, max_new_tokens=8).num_tokens[0] == 8
+
+
+# ---- fewer programs ---------------------------------------------------------------------
+
+
+def test_prompts_pad_to_powers_of_two_and_caches_to_multiples_of_128():
+    from specjax.generate import cache_length
+
+    for longest, P in [(1, 64), (64, 64), (65, 128), (1000, 1024), (8192, 8192), (8193, 16384)]:
+        assert specjax.pad_prompts([[1] * longest, [2]])[0].shape == (2, P)
+    assert specjax.pad_prompts([[1] * 17], bucket=16)[0].shape == (1, 32)
+    with pytest.raises(ValueError, match="bucket"):
+        specjax.pad_prompts([[1]], bucket=0)
+    assert cache_length(1024, 64, 4) == 1152 and cache_length(64, 64, 0) == 128
+    assert cache_length(16, 12, 10) == 48  # short caches: a multiple of 16
+
+
+def test_a_mixed_workload_compiles_one_program_per_bucket(pair):
+    from specjax.generate import _generate
+
+    target = pair[0]
+    jax.clear_caches()
+    rng = np.random.RandomState(0)
+    for n in [3, 40, 64, 65, 100, 110, 5, 120]:  # buckets 64 and 128
+        padded, lengths = specjax.pad_prompts([list(rng.randint(2, tiny.VOCAB, n))])
+        specjax.generate(target, padded, lengths, max_new_tokens=4)
+    assert _generate._cache_size() == 2
