@@ -9,6 +9,7 @@ from specjax.drafters import (Datastore, DraftModel, Eagle, EarlyExit, Medusa, P
 from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
+from specjax.memory import InsufficientMemoryError, MemoryEstimate, estimate_memory
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
@@ -17,8 +18,9 @@ from specjax.tree import Tree
 
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Eagle", "EarlyExit", "GenerateOutput",
-    "GenerationConfig", "InvalidConfigError", "Int8", "KVCache", "Medusa", "Model", "ModelConfig", "PromptLookup",
-    "Retrieval", "Stats", "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "forward",
-    "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts", "quantize", "save_model",
-    "shard_model",
+    "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache", "Medusa",
+    "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats", "Tree",
+    "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory", "forward",
+    "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts", "quantize",
+    "save_model", "shard_model",
 ]

@@ -40,12 +40,12 @@ import numpy as np
 from flax import struct
 from jax.experimental import io_callback
 
-from specjax import acceptance, sharding, theory
+from specjax import acceptance, memory, sharding, theory
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
-from specjax.models import Model, apply, check_token_ids
+from specjax.models import Model, apply, check_token_ids, prefill
 from specjax.sampling import Sampling, validate, warp
 from specjax.tree import ancestors, depths
 
@@ -82,21 +82,41 @@ class LoopState:
     features: Features | None = None  # the target's hidden states, for drafters that want them
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = 64):
-    """Right-pads token-id lists to a multiple of `bucket`, so that prompts of different
-    lengths share one compilation. Returns (int32 [B, P], int32 [B])."""
+MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
+CACHE_MULTIPLE = 128  # caches of at least this many slots are rounded up to a multiple of it
+SHORT_CACHE_MULTIPLE = 16  # shorter ones (tiny tests, short prompts) to a multiple of this
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int | None = None):
+    """Right-pads token-id lists so that prompts of different lengths share one compilation:
+    by default to the next power of two of at least MIN_PROMPT_BUCKET (64, 128, ..., so
+    prompts of 1 to 8,192 tokens need at most 8 programs per batch size); with `bucket`, to
+    a multiple of it instead. Returns (int32 [B, P], int32 [B])."""
     if len(prompts) == 0:
         raise ValueError("pad_prompts needs at least one prompt")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
         raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs at least one token")
-    if bucket < 1:
-        raise ValueError(f"bucket must be >= 1, got {bucket}")
-    P = -(-int(lengths.max()) // bucket) * bucket
+    longest = int(lengths.max())
+    if bucket is None:
+        P = max(MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length())
+    else:
+        if not isinstance(bucket, (int, np.integer)) or bucket < 1:
+            raise ValueError(f"bucket must be an int >= 1 or None, got {bucket!r}")
+        P = -(-longest // bucket) * bucket
     out = np.zeros((len(prompts), P), np.int32)
     for b, p in enumerate(prompts):
         out[b, : len(p)] = p
     return out, lengths
+
+
+def cache_length(P: int, max_new_tokens: int, room: int) -> int:
+    """The loop's cache length S for prompts [B, P]: P + max_new_tokens + room (a drafter's
+    furthest write), rounded up to a multiple of CACHE_MULTIPLE (SHORT_CACHE_MULTIPLE below
+    it) so that key blocks and hardware tiles divide it."""
+    S = P + max_new_tokens + room
+    m = CACHE_MULTIPLE if S >= CACHE_MULTIPLE else SHORT_CACHE_MULTIPLE
+    return -(-S // m) * m
 
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
@@ -138,7 +158,9 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         returns only once the loop has finished (and its calls have all been made); with a
         mesh, the calls happen in the process that holds the first device.
     """
-    return _run(*_prepare(**locals()))
+    args, static, stream = _prepare(**locals())
+    memory.check_fits(args, static, stream)  # refuses, with the numbers, what cannot fit
+    return _run(args, static, stream)
 
 
 def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], GenerateOutput]:
@@ -148,6 +170,7 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     bound = inspect.signature(generate).bind(target, prompts, lengths, **kwargs)
     bound.apply_defaults()
     args, static, stream = _prepare(**bound.arguments)
+    memory.check_fits(args, static, stream)
     handle = None if stream is None else jnp.int32(0)
     executable = _generate.lower(*args, **static, stream=handle).compile()
     return lambda: _run(args, {}, stream, executable)
@@ -317,7 +340,7 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
-    S = P + max_new_tokens + max(N, 0 if drafter is None else drafter.target_room)
+    S = cache_length(P, max_new_tokens, max(N, 0 if drafter is None else drafter.target_room))
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 
@@ -337,13 +360,14 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
 
     # Prefill. The padded prompt block is written whole: slots past a row's length are
     # stale and will be overwritten before any query can see them.
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    # Long prompts go in chunks (models.prefill); hidden [B, P, E] only for drafters that read it.
+    wants_features = drafter is not None and getattr(drafter, "wants_features", False)
     cache = KVCache.init(target.config, B, S, target.dtype)
-    _, hidden, cache = apply(target, prompts, positions, cache)  # hidden [B, P, E]
+    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features)
     tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
     zeros = jnp.zeros((B,), jnp.int32)
     features, draft_state = None, None
-    if drafter is not None and getattr(drafter, "wants_features", False):
+    if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
         first = lengths - 2
         features = Features(jnp.take_along_axis(hidden, jnp.clip(first[:, None] + offsets, 0, P - 1)[..., None],

@@ -12,6 +12,7 @@ This module knows shapes and names; it does not know what the models compute.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -131,10 +132,34 @@ def scale_spec(weight: PartitionSpec, scale_shape: Sequence[int]) -> PartitionSp
     return PartitionSpec(*(a if n > 1 else None for a, n in zip(axes, scale_shape)))
 
 
+_warned: set = set()  # (weight, shape, mesh shape) already warned about
+
+
+def _warn_fallback(name: str, shape, logical, got: PartitionSpec, mesh: Mesh, rules):
+    """Warns once per weight, shape and mesh when a dimension does not divide the mesh axis
+    its rule names, saying where that axis went instead (a fallback dimension, or nowhere)."""
+    table = dict(rules)
+    for size, axis_name, placed in zip(shape, logical, tuple(got) + (None,) * len(shape)):
+        axis = table.get(axis_name)
+        if axis in mesh.shape and mesh.shape[axis] > 1 and size % mesh.shape[axis] and placed != axis:
+            key = (name, tuple(shape), tuple(mesh.shape.items()))
+            if key in _warned:
+                return
+            _warned.add(key)
+            where = [logical[i] for i, a in enumerate(got) if a == axis]
+            instead = f"split over its {where[0]} dimension instead" if where else "not split over it at all"
+            warnings.warn(f"{name} {tuple(shape)}: its {axis_name} dimension ({size}) does not divide the "
+                          f"mesh's {axis} axis ({mesh.shape[axis]}); {instead}", stacklevel=3)
+            return
+
+
 def param_sharding(path: Sequence[str], param, mesh: Mesh, rules=DEFAULT_RULES):
     """The NamedSharding of one parameter (for an int8 weight: Int8 of two shardings, the
-    scale split exactly as its weight is along the output channels)."""
-    weight = spec(np.shape(param), logical_axes(path, len(np.shape(param))), mesh, rules)
+    scale split exactly as its weight is along the output channels). Warns once per weight
+    whose preferred dimension does not divide its mesh axis, naming the fallback."""
+    logical = logical_axes(path, len(np.shape(param)))
+    weight = spec(np.shape(param), logical, mesh, rules)
+    _warn_fallback("/".join(path), np.shape(param), logical, weight, mesh, rules)
     if _is_int8(param):
         return Int8(NamedSharding(mesh, weight), NamedSharding(mesh, scale_spec(weight, param.scale.shape)))
     return NamedSharding(mesh, weight)
@@ -159,7 +184,13 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
 def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     """A batch-major array with rows over `data`. From host data (identical in every
     process), each process builds only its own devices' shards, so it works multi-host."""
-    placement = batch_sharding(np.shape(x), mesh, tuple(rules or DEFAULT_RULES))
+    rules = tuple(rules or DEFAULT_RULES)
+    axis = dict(rules).get("batch")
+    rows, n = np.shape(x)[0], mesh.shape.get(axis, 1)
+    if rows % n:
+        raise ValueError(f"a batch of {rows} rows does not divide the mesh's {axis} axis ({n} devices): "
+                         f"pad the batch to a multiple of {n} (e.g. repeat a prompt and drop its output)")
+    placement = batch_sharding(np.shape(x), mesh, rules)
     if isinstance(x, jax.Array):
         return jax.device_put(x, placement)
     x = np.asarray(x)

@@ -81,3 +81,28 @@ def test_rules_replicate_what_does_not_divide():
 def test_make_mesh_checks_the_device_count():
     with pytest.raises(ValueError, match="needs 6 devices"):
         sharding.make_mesh(data=3, model=2, devices=jax.devices()[:1])
+
+
+def test_a_weight_that_does_not_divide_warns_once_naming_its_fallback():
+    class FakeMesh:
+        shape = {"data": 2, "model": 4}
+
+    P = jax.sharding.PartitionSpec
+    sharding._warned.clear()
+    with pytest.warns(UserWarning, match=r"layers/attn/q_kernel .*heads dimension \(6\).*model axis \(4\); "
+                                         r"split over its head_dim dimension instead"):
+        sharding._warn_fallback("layers/attn/q_kernel", (2, 64, 6, 16), ("layers", "embed", "heads", "head_dim"),
+                                P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: silent
+        sharding._warn_fallback("layers/attn/q_kernel", (2, 64, 6, 16), ("layers", "embed", "heads", "head_dim"),
+                                P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
+
+
+def test_a_batch_that_does_not_divide_data_is_refused():
+    class FakeMesh:
+        shape = {"data": 2, "model": 4}
+
+    with pytest.raises(ValueError, match=r"batch of 3 rows does not divide the mesh's data axis \(2"):
+        sharding.place_rows([[1], [2], [3]], FakeMesh)

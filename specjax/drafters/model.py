@@ -17,7 +17,7 @@ from flax import struct
 
 from specjax.cache import KVCache
 from specjax.drafters.base import DraftRequest, grow, shape_for
-from specjax.models import Model, apply
+from specjax.models import Model, apply, prefill
 from specjax.tree import Tree
 
 # Embedding tables that differ by at most this many rows are taken to be padded copies of
@@ -49,8 +49,7 @@ class DraftModel:
         B, P = prompts.shape
         cache = KVCache.init(self.model.config, B, max_len + self.tree.region + self.tree.depth + 1,
                              self.model.dtype)
-        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        _, _, cache = apply(self.model, prompts, positions, cache)
+        _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
         return cache.replace(lengths=lengths - 1)
 
     def propose(self, cache, request: DraftRequest):

@@ -60,6 +60,45 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     return decoder.apply({"params": model.params}, tokens, positions, cache, placement)
 
 
+# Prompts longer than this are prefilled in chunks of this many tokens (one pass each,
+# looped inside the caller's compiled program), so that no pass holds activations or masks
+# for the whole prompt at once. A module constant so that tests can shrink it.
+PREFILL_CHUNK = 512
+
+
+def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool = True,
+            chunk: int | None = None):
+    """Writes tokens int32 [B, P] at positions 0..P-1 of every row into the cache: one pass
+    when P <= chunk (default PREFILL_CHUNK), else ceil(P / chunk) passes of `chunk` tokens
+    in a `lax.scan`, each attending over the cache written so far. Returns (hidden [B, P, E]
+    (the final-normed states, as `apply` gives them) or None, cache).
+
+    The last chunk is right-padded with token 0 at positions P and on: their entries land
+    at slots the caller treats as stale (or beyond the buffer, dropped), like the padding of
+    a padded prompt. It does not touch cache.lengths and knows nothing about decoding."""
+    B, P = tokens.shape
+    C = int(chunk or PREFILL_CHUNK)
+    if C < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {C}")
+    if P <= C:
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        _, hidden, cache = apply(model, tokens, positions, cache)
+        return (hidden if return_hidden else None), cache
+    n = -(-P // C)
+    chunks = jnp.pad(tokens, ((0, 0), (0, n * C - P))).reshape(B, n, C).transpose(1, 0, 2)  # [n, B, C]
+
+    def one(cache, xs):
+        i, chunk_tokens = xs
+        positions = jnp.broadcast_to(i * C + jnp.arange(C, dtype=jnp.int32), (B, C))
+        _, hidden, cache = apply(model, chunk_tokens, positions, cache)
+        return cache, (hidden if return_hidden else None)
+
+    cache, hidden = jax.lax.scan(one, cache, (jnp.arange(n, dtype=jnp.int32), chunks))
+    if return_hidden:  # [n, B, C, E] -> [B, P, E]
+        hidden = hidden.transpose(1, 0, 2, 3).reshape(B, n * C, -1)[:, :P]
+    return hidden, cache
+
+
 def head_logits(model: Model, hidden: jax.Array) -> jax.Array:
     """The model's own read-out of final hidden states [..., E]: float32 logits [..., V]
     (its lm_head, or its embedding when tied; int8 or float; Gemma's soft-cap)."""

@@ -130,23 +130,88 @@ class Attention(nn.Module):
             q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         return q, k, v
 
-    def attend(self, q, k, v, mask):
-        """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, E]."""
+    def attend(self, q, k, v, mask, kv_limit=None):
+        """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, E].
+
+        kv_limit: None, or int32 []: no query of this pass sees a slot at or beyond it (a
+        cache pass: see `attention`)."""
         c = self.config
-        B, T, H, D = q.shape
-        G = c.num_kv_heads
-        q = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D], R query heads per kv head
-        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (c.gemma.query_pre_attn_scalar if c.gemma else D) ** -0.5
-        if c.gemma and c.gemma.attn_softcap is not None:
-            scores = softcap(scores, c.gemma.attn_softcap)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, H, D)
+        scale = (c.gemma.query_pre_attn_scalar if c.gemma else c.head_dim) ** -0.5
+        cap = c.gemma.attn_softcap if c.gemma else None
+        out = attention(q, k, v, mask, scale, cap, kv_limit)  # [B, T, H, D]
         out = jnp.einsum("bthd,hde->bte", out, dequantize(self.o_kernel))
         if c.out_bias:
             out = out + self.o_bias
         return self.post_norm(out) if c.family == "gemma" else out
+
+
+# Passes over more key slots than this attend blockwise, one key block of this many slots
+# at a time; shorter ones (the tests' models, decode steps of short contexts) take the
+# dense path. A module constant so that tests can shrink it.
+ATTENTION_BLOCK = 512
+
+
+def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None):
+    """Softmax attention with grouped key/value heads: q [B, T, H, D], k/v [B, S, G, D],
+    mask bool [B, T, S] (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
+    Scores are float32 and scaled by `scale`, then soft-capped by `cap` if given (Gemma 2).
+
+    Up to `block` (default ATTENTION_BLOCK) key slots, the scores [B, H, T, S] are
+    materialised (the reference computation). Beyond, keys are visited in blocks of `block`
+    slots with an online softmax (running max and sum, float32), so no more than
+    [B, H, T, block] scores live at once; results agree with the dense path to float32
+    rounding. kv_limit (int32 [], traced; blockwise only): blocks starting at or beyond
+    it are not read at all (a decode step reads only up to its longest live row); without
+    one every block is visited in a fixed-length loop, which reverse-mode autodiff can
+    differentiate. A query that sees no slot at all gets zeros (the dense path's output
+    for it, a uniform average, is equally meaningless).
+
+    It knows nothing about caches or positions: what is visible is the mask's business."""
+    B, T, H, D = q.shape
+    S, G = k.shape[1], k.shape[2]
+    R = H // G
+    block = block or ATTENTION_BLOCK
+    q = q.reshape(B, T, G, R, D)  # [B, T, G, R, D], R query heads per kv head
+    neg = jnp.finfo(jnp.float32).min
+
+    def scores_of(kb):
+        s = jnp.einsum("btgrd,bsgd->bgrts", q, kb, preferred_element_type=jnp.float32) * scale
+        return s if cap is None else softcap(s, cap)
+
+    if S <= block:
+        scores = jnp.where(mask[:, None, None], scores_of(k), neg)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, H, D)
+
+    num_blocks = -(-S // block)
+
+    def visit(i, carry):
+        m, l, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, D] float32
+        # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
+        # shares with the previous block are masked out so that none is counted twice.
+        start = jnp.minimum(i * block, S - block)
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)  # [B, block, G, D]
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
+        mb = jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2)  # [B, T, block]
+        mb = mb & (start + jnp.arange(block) >= i * block)[None, None, :]
+        mb = mb[:, None, None]  # [B, 1, 1, T, block]
+        s = jnp.where(mb, scores_of(kb), neg)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mb, jnp.exp(s - m_new[..., None]), 0.0)  # [B, G, R, T, block]
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv
+
+    init_state = (jnp.full((B, G, R, T), neg, jnp.float32), jnp.zeros((B, G, R, T), jnp.float32),
+                  jnp.zeros((B, G, R, T, D), jnp.float32))
+    if kv_limit is None:
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init_state)
+    else:
+        upto = jnp.clip((kv_limit + block - 1) // block, 0, num_blocks)
+        _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
 
 
 class MLP(nn.Module):

@@ -44,9 +44,9 @@ class Block(nn.Module):
             i = layer["index"]
             cache_k, cache_v = write(cache_k, i, k, slots), write(cache_v, i, v, slots)
             k, v = cache_k[i], cache_v[i]  # [B, S, G, D]
-        full_mask, window_mask = masks
+        full_mask, window_mask, kv_limit = masks
         mask = full_mask if window_mask is None else jnp.where(layer["sliding"], window_mask, full_mask)
-        x = x + attn.attend(q, k, v, mask)
+        x = x + attn.attend(q, k, v, mask, kv_limit)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return (x, cache_k, cache_v), None
 
@@ -105,15 +105,25 @@ def embed_tokens(c: ModelConfig, embedding, tokens):
 
 def slots_and_masks(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None):
     """Where T tokens at positions [B, T] are written in the cache (slots [B, T]) and what
-    they see: (full mask, window mask or None), each bool [B, T, S] (S: the cache's length,
-    or T without a cache). Without a placement, slot = position and attention is causal."""
+    they see: (full mask, window mask or None, kv_limit), the masks bool [B, T, S] (S: the
+    cache's length, or T without a cache). Without a placement, slot = position and
+    attention is causal. kv_limit (int32 [], with a cache; None without): one past the
+    highest slot any query of the pass sees, so that long-cache attention reads no block
+    beyond it (see layers.attention)."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     if placement is not None:
-        return placement.slots, (placement_mask(positions, placement),
-                                 None if window is None else placement_mask(positions, placement, window))
-    kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
-    return positions, (attention_mask(positions, kv_positions),
-                       None if window is None else attention_mask(positions, kv_positions, window))
+        full = placement_mask(positions, placement)
+        masks = (full, None if window is None else placement_mask(positions, placement, window))
+    else:
+        kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
+        full = attention_mask(positions, kv_positions)
+        masks = (full, None if window is None else attention_mask(positions, kv_positions, window))
+    slots = positions if placement is None else placement.slots
+    if cache is None:
+        return slots, masks + (None,)
+    seen = full.any(axis=(0, 1))  # [S]: slots some query sees
+    kv_limit = jnp.max(jnp.where(seen, jnp.arange(full.shape[-1], dtype=jnp.int32) + 1, 0))
+    return slots, masks + (kv_limit,)
 
 
 def layer_table(c: ModelConfig, num_layers: int | None = None) -> dict:

@@ -1,0 +1,190 @@
+"""Real context lengths: blockwise attention equals the dense reference (causal, window,
+tree placements, soft-cap, GQA, a key limit); chunked prefill + blockwise attention leave
+generate's output unchanged (greedy against transformers, trees, trained heads, sampling
+exactness); an 8,192-token prompt compiles to under 512 MB of temporaries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import models
+from specjax.models import layers
+from tests import tiny
+from tests.test_tree import (MAX_NEW, STATIC, SAMPLING_DRAFTERS, _prompts, _sampled_joint,  # noqa: F401
+                             exact_joint, tiny_pair)
+from tests.test_sampling import _chi_square_p
+
+
+def _dense(q, k, v, mask, scale, cap):
+    return layers.attention(q, k, v, mask, scale, cap, block=k.shape[1])
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+@pytest.mark.parametrize("kind", ["causal", "window", "random"])
+def test_blockwise_attention_equals_dense(kind, cap):
+    rng = np.random.RandomState(0)
+    B, T, S, H, G, D = 2, 5, 37, 4, 2, 8  # S not a multiple of the block: the last one slides back
+    q, k, v = (jnp.asarray(rng.randn(*shape), jnp.float32) * 2
+               for shape in ((B, T, H, D), (B, S, G, D), (B, S, G, D)))
+    positions = np.array([[20, 21, 22, 23, 24], [3, 4, 5, 6, 7]])[:, :, None]
+    slots = np.arange(S)[None, None, :]
+    if kind == "causal":
+        mask = slots <= positions
+    elif kind == "window":
+        mask = (slots <= positions) & (positions - slots < 6)
+    else:  # a tree-like placement: any pattern, each query seeing at least its own slot
+        mask = (rng.rand(B, T, S) < 0.3) & (slots < 30)
+        mask[np.arange(B)[:, None], np.arange(T)[None], 25 + np.arange(T)[None]] = True
+    mask = jnp.asarray(np.broadcast_to(mask, (B, T, S)))
+    want = _dense(q, k, v, mask, 0.3, cap)
+    limit = jnp.int32(int(np.max(np.nonzero(np.asarray(mask).any((0, 1)))[0])) + 1)
+    for block in (4, 7, 16):
+        got = layers.attention(q, k, v, mask, 0.3, cap, block=block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        got = layers.attention(q, k, v, mask, 0.3, cap, kv_limit=limit, block=block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_blockwise_attention_differentiates_like_dense():
+    rng = np.random.RandomState(1)
+    q, k, v = (jnp.asarray(rng.randn(1, 12, 2, 4), jnp.float32) for _ in range(3))
+    mask = jnp.tril(jnp.ones((12, 12), bool))[None]
+    grad = lambda block: jax.grad(lambda q: layers.attention(q, k, v, mask, 0.5, block=block).sum())(q)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(grad(5)), np.asarray(grad(12)), atol=1e-5)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Every attention over more than 4 keys goes blockwise; prompts over 4 tokens in chunks."""
+    monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
+    monkeypatch.setattr(models, "PREFILL_CHUNK", 4)
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])
+def test_blockwise_forward_matches_transformers(arch, hf_folder, small_blocks):
+    folder, torch_model = hf_folder(arch)
+    model = specjax.load_model(folder, dtype=jnp.float32)
+    tokens = np.random.RandomState(1).randint(0, tiny.VOCAB, (2, 16))
+    np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), tiny.logits(torch_model, tokens),
+                               atol=1e-4, rtol=0)
+
+
+def test_chunked_generate_equals_transformers(pair, small_blocks):
+    """Chains, trees, early exit and trained heads (which read the chunked prefill's
+    states), ragged rows, an EOS: all greedy-exact with 4-slot blocks and 4-token chunks."""
+    target, drafts, torch_model = pair
+    prompts = _prompts(4, seed=3)
+    prompts[1] = prompts[1][:1]
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    eos = int(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).tokens[0, 4])
+    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+    key = jax.random.key(7)
+    drafters = [None, drafts["near"],
+                specjax.DraftModel(drafts["far"], specjax.Tree(depth=4, top_k=3, nodes=10)),
+                specjax.DraftModel(drafts["near"], specjax.Tree.from_paths(STATIC)),
+                specjax.EarlyExit(1, specjax.Tree(depth=3, top_k=2, nodes=6)),
+                specjax.Medusa.init(target, 4, key, specjax.Tree(depth=4, top_k=3, nodes=10)),
+                specjax.Eagle.init(target, key)]
+    for drafter in drafters:
+        out = specjax.generate(target, padded, lengths, draft=drafter, max_new_tokens=MAX_NEW,
+                               eos_token_id=eos)
+        assert tiny.rows(out) == expected, type(drafter).__name__
+
+
+def test_chunked_tree_sampling_is_exact(tiny_pair, exact_joint, small_blocks):
+    target, draft = tiny_pair
+    observed = _sampled_joint(target, SAMPLING_DRAFTERS["model_static_sampled"](draft))
+    assert observed[exact_joint == 0].sum() == 0
+    assert _chi_square_p(observed, exact_joint) > 1e-3
+
+
+LONG = specjax.ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, num_layers=2, num_heads=8,
+                           num_kv_heads=2, head_dim=16, intermediate_size=256,
+                           max_position_embeddings=16384, norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def _temporaries(target, draft, P):
+    from specjax.memory import compiled_memory
+
+    prompts, lengths = jnp.ones((1, P), jnp.int32), jnp.array([P], jnp.int32)
+    return compiled_memory(target, prompts, lengths, draft=draft, max_new_tokens=64).temp_size_in_bytes
+
+
+def test_long_prompt_compiles_small():
+    """One 8,192-token prompt on a 2-layer 8-head model: the program's temporaries stay
+    under 512 MB, autoregressive and speculative (they were 6.2 GB with a one-pass prefill
+    over the whole buffer)."""
+    target = models.init(LONG, jax.random.key(0), jnp.float32)
+    draft = models.init(LONG.__class__(**{**LONG.__dict__, "num_layers": 1}), jax.random.key(1), jnp.float32)
+    for d in (None, draft):
+        assert _temporaries(target, d, 8192) < 512 * 2**20
+
+
+# ---- estimate_memory and the refusal ---------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, prompt_len, use_draft", [(1, 64, False), (2, 1024, True)])
+def test_estimate_memory_agrees_with_the_compiled_program(batch, prompt_len, use_draft):
+    target = models.init(LONG, jax.random.key(0), jnp.float32)
+    draft = models.init(LONG.__class__(**{**LONG.__dict__, "num_layers": 1}), jax.random.key(1), jnp.float32)
+    draft = draft if use_draft else None
+    est = specjax.estimate_memory(target, draft, batch=batch, prompt_len=prompt_len, max_new_tokens=32,
+                                  num_draft_tokens=3 if use_draft else None)
+    from specjax.memory import compiled_memory
+
+    m = compiled_memory(target, np.ones((batch, prompt_len), np.int32), np.full(batch, prompt_len, np.int32),
+                        draft=draft, max_new_tokens=32, num_draft_tokens=3 if use_draft else None)
+    compiled = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    assert abs(est.total - compiled) <= 0.1 * compiled
+    weights = sum(x.nbytes for x in jax.tree.leaves(target.params)) + (
+        0 if draft is None else sum(x.nbytes for x in jax.tree.leaves(draft.params)))
+    assert est.weights == weights
+    S = prompt_len + 32 + (3 if use_draft else 0)
+    target_cache = 2 * LONG.num_layers * batch * S * LONG.num_kv_heads * LONG.head_dim * 4
+    assert est.caches >= target_cache and est.caches <= est.temporaries
+
+
+def test_oversized_request_is_refused_with_the_numbers(pair, monkeypatch):
+    from specjax import memory
+
+    target = pair[0]
+    prompts, lengths = specjax.pad_prompts([[3, 4, 5]])
+    monkeypatch.setattr(memory, "device_free_bytes", lambda mesh=None: 2 ** 10)  # a 1 kB device
+    monkeypatch.setattr(memory, "_verdicts", {})
+    with pytest.raises(specjax.InsufficientMemoryError, match=r"needs [0-9.]+ MB .* 0\.0 MB free"):
+        specjax.generate(target, prompts, lengths, max_new_tokens=8)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda mesh=None: 2 ** 40)
+    assert specjax.generate(target, prompts, lengths, max_new_tokens=8).num_tokens[0] == 8
+
+
+# ---- fewer programs ---------------------------------------------------------------------
+
+
+def test_prompts_pad_to_powers_of_two_and_caches_to_multiples_of_128():
+    from specjax.generate import cache_length
+
+    for longest, P in [(1, 64), (64, 64), (65, 128), (1000, 1024), (8192, 8192), (8193, 16384)]:
+        assert specjax.pad_prompts([[1] * longest, [2]])[0].shape == (2, P)
+    assert specjax.pad_prompts([[1] * 17], bucket=16)[0].shape == (1, 32)
+    with pytest.raises(ValueError, match="bucket"):
+        specjax.pad_prompts([[1]], bucket=0)
+    assert cache_length(1024, 64, 4) == 1152 and cache_length(64, 64, 0) == 128
+    assert cache_length(16, 12, 10) == 48  # short caches: a multiple of 16
+
+
+def test_a_mixed_workload_compiles_one_program_per_bucket(pair):
+    from specjax.generate import _generate
+
+    target = pair[0]
+    jax.clear_caches()
+    rng = np.random.RandomState(0)
+    for n in [3, 40, 64, 65, 100, 110, 5, 120]:  # buckets 64 and 128
+        padded, lengths = specjax.pad_prompts([list(rng.randint(2, tiny.VOCAB, n))])
+        specjax.generate(target, padded, lengths, max_new_tokens=4)
+    assert _generate._cache_size() == 2
