@@ -188,13 +188,16 @@ def test_sigkill_at_random_moments_resumes_bit_for_bit(tmp_path, kind):
     """The shared training loop (heads and models alike), killed with SIGKILL while saving
     a checkpoint and at random moments, restarted each time, ends with params bit-equal to
     an unbroken run's."""
+    start = time.monotonic()
     assert _run_child(kind, tmp_path / "straight")
+    unbroken = time.monotonic() - start  # start-up and compilation included
     rng = np.random.RandomState(0)
     broken, kills = tmp_path / "broken", 0
     finished = _run_child(kind, broken, kill_during_save=True)
     kills += not finished
-    while not finished:
-        finished = _run_child(kind, broken, kill_after=rng.uniform(4, 12)) if kills < 4 else _run_child(kind, broken)
+    while not finished:  # then at random moments (a run resumed late may finish first)
+        delay = rng.uniform(0.3, 0.8) * unbroken
+        finished = _run_child(kind, broken, kill_after=delay) if kills < 4 else _run_child(kind, broken)
         kills += not finished
     assert kills >= 2
     a, b = (np.load(d / "params.npz") for d in (tmp_path / "straight", broken))
