@@ -95,6 +95,7 @@ class Run:
     verify_ms: float | None = None  # one target pass over K+1 tokens, in a compiled loop
     exact: bool | None = None
     trace: list | None = None  # tokens per step of the first row of the first batch
+    traces: list | None = None  # tokens per step of every row
     shape: str = ""  # "chain" or the tree: depth/top_k/nodes
     accelerator: float | None = None  # predicted speedup where a pass costs its one-token time
     depth_acceptance: list | None = None  # per depth k: the fraction of steps keeping >= k drafts
@@ -128,13 +129,26 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     outs = [jax.tree.map(np.asarray, o) for o in result["outs"]]
     total = lambda f: int(sum(f(o).sum() for o in outs))  # noqa: E731
     rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
-    first = outs[0]
-    trace = first.trace[0, : int(first.stats.steps[0])].tolist()
+    traces = [t for o in outs for t in row_traces(o)]
     run = Run(name, K or 0, temperature, batch, seconds, total(lambda o: o.num_tokens),
               total(lambda o: o.stats.steps), total(lambda o: o.stats.drafted),
-              total(lambda o: o.stats.accepted), trace=trace)
+              total(lambda o: o.stats.accepted), trace=traces[0], traces=traces)
     run.tokens_per_s = run.tokens / seconds
     return run, rows
+
+
+def row_traces(out) -> list[list[int]]:
+    """A GenerateOutput's (with return_trace) tokens per step, row by row."""
+    trace, steps = np.asarray(out.trace), np.asarray(out.stats.steps)
+    return [trace[b, : steps[b]].tolist() for b in range(trace.shape[0])]
+
+
+def depth_acceptance(traces: list[list[int]], depth: int) -> list[float]:
+    """Per depth k = 1..depth, the fraction of steps that kept at least k drafted tokens,
+    from each row's tokens per step (accepted + 1); a row's last step, which may be cut
+    short, is left out."""
+    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
+    return [float(np.mean(accepted >= k)) if accepted.size else 0.0 for k in range(1, depth + 1)]
 
 
 def per_position_acceptance(traces: list[list[int]], K: int) -> list[float]:
@@ -391,22 +405,20 @@ def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_n
     (the fraction of steps that kept at least k drafted tokens), tok/s and the ratio to
     autoregressive, and whether the output equals it."""
     drafters = {"draft model": DraftModel(draft), **trained}
-    runs, depth_rates = [], {}
+    runs = []
     for name, drafter in drafters.items():
+        heads = getattr(drafter, "num_heads", None)  # Medusa: its heads fix the depth
         for shape, tree in HEAD_SHAPES.items():
-            if tree is None:  # Medusa: a chain of its heads; the others: K = 5
-                tree = Tree.chain(drafter.num_heads if hasattr(drafter, "num_heads") else 5,
-                                  "top_k" if hasattr(drafter, "num_heads") else "sampled")
-            elif hasattr(drafter, "num_heads"):
-                D, k = drafter.num_heads, tree.top_k  # its heads fix the depth; as many nodes as fit
-                tree = Tree(depth=D, top_k=k, nodes=min(tree.nodes, k + (D - 1) * k * k))
-            d = drafter.replace(tree=tree)
-            run, rows = time_generate(target, prompts, 1, repeats, d, None, name, 0.0, max_new_tokens)
+            if tree is None:  # a chain: Medusa's of its heads (top-1 each), the others' of 5
+                tree = Tree.chain(5, "sampled") if heads is None else Tree.chain(heads, "top_k")
+            elif heads is not None:  # as many nodes as its depth allows
+                k = tree.top_k
+                tree = Tree(depth=heads, top_k=k, nodes=min(tree.nodes, k + (heads - 1) * k * k))
+            run, rows = time_generate(target, prompts, 1, repeats, drafter.replace(tree=tree), None, name,
+                                      0.0, max_new_tokens)
             run.shape, run.K = describe(tree), tree.nodes
             run.speedup, run.exact = run.tokens_per_s / auto.tokens_per_s, rows == auto_rows
-            accepted = np.array([c - 1 for t in _all_traces(target, d, prompts, None, max_new_tokens)
-                                 for c in t[:-1]])
-            run.depth_acceptance = [float(np.mean(accepted >= k)) for k in range(1, tree.depth + 1)]
+            run.depth_acceptance = depth_acceptance(run.traces, tree.depth)
             runs.append(run)
     log(f"\ndraft model vs trained heads (greedy, batch 1; autoregressive {auto.tokens_per_s:.1f} tok/s); "
         f"'at depth k': the fraction of steps that kept >= k drafted tokens")
@@ -419,10 +431,8 @@ def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_n
 
 def _all_traces(target, draft, prompts, K, max_new_tokens):
     padded, lengths = pad_prompts(prompts)
-    out = generate(target, padded, lengths, draft=draft, max_new_tokens=max_new_tokens,
-                   num_draft_tokens=K, return_trace=True)
-    trace, steps = np.asarray(out.trace), np.asarray(out.stats.steps)
-    return [trace[b, : steps[b]].tolist() for b in range(len(prompts))]
+    return row_traces(generate(target, padded, lengths, draft=draft, max_new_tokens=max_new_tokens,
+                               num_draft_tokens=K, return_trace=True))
 
 
 def _as_dict(run: Run) -> dict:

@@ -3,6 +3,7 @@ sampling (three-token chi-square), chains and trees; the target's states reach t
 the verification pass and are carried for no one else; save/load with clear refusals;
 training raises their acceptance; a training run killed with SIGKILL resumes bit for bit."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,8 +20,8 @@ import specjax
 from specjax import Tree
 from specjax.hf import CheckpointError
 from tests import tiny
-from tests.test_tree import (MAX_NEW, STATIC, _prompts, _sampled_joint, exact_joint,  # noqa: F401
-                             tiny_pair)
+from tests.test_tree import (MAX_NEW, STATIC, _greedy_case, _prompts, _sampled_joint,  # noqa: F401
+                             exact_joint, tiny_pair)
 from tests.test_sampling import _chi_square_p
 
 KEY = jax.random.key(7)
@@ -41,9 +42,7 @@ def test_greedy_equals_transformers(pair, name):
     target, _, torch_model = pair
     prompts = _prompts(4, seed=3)
     prompts[1] = prompts[1][:1]
-    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
-    eos = int(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).tokens[0, 4])
-    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+    padded, lengths, eos, expected = _greedy_case(target, torch_model, prompts)
     out = specjax.generate(target, padded, lengths, draft=DRAFTERS[name](target), max_new_tokens=MAX_NEW,
                            eos_token_id=eos)
     assert tiny.rows(out) == expected
@@ -139,12 +138,13 @@ def test_training_raises_acceptance_and_stays_exact(pair, tmp_path, kind):
     cfg = TrainConfig(steps=100, batch=8, seq_len=32, lr=1e-2, warmup=5, eval_every=100, eval_batches=2,
                       checkpoint_every=100)
     quiet = dict(progress=False, log=lambda s: None, probe_prompts=probe)
+    one_step = dataclasses.replace(cfg, steps=1)
     if kind == "medusa":
-        untrained = heads.train_medusa(target, 3, stream, held, cfg.__class__(**{**cfg.__dict__, "steps": 1}),
+        untrained = heads.train_medusa(target, 3, stream, held, one_step,
                                        tmp_path / "a", **quiet)[1]
         drafter, trained = heads.train_medusa(target, 3, stream, held, cfg, tmp_path / "b", **quiet)
     else:
-        untrained = heads.train_eagle(target, stream, held, cfg.__class__(**{**cfg.__dict__, "steps": 1}),
+        untrained = heads.train_eagle(target, stream, held, one_step,
                                       tmp_path / "a", **quiet)[1]
         drafter, trained = heads.train_eagle(target, stream, held, cfg, tmp_path / "b", **quiet)
     assert trained["loss"] < 0.9 * untrained["loss"], (untrained, trained)
@@ -192,9 +192,9 @@ def test_sigkill_at_random_moments_resumes_bit_for_bit(tmp_path, kind):
     assert _run_child(kind, tmp_path / "straight")
     unbroken = time.monotonic() - start  # start-up and compilation included
     rng = np.random.RandomState(0)
-    broken, kills = tmp_path / "broken", 0
-    finished = _run_child(kind, broken, kill_during_save=True)
-    kills += not finished
+    broken = tmp_path / "broken"
+    assert not _run_child(kind, broken, kill_during_save=True)  # killed while writing step 1
+    kills, finished = 1, False
     while not finished:  # then at random moments (a run resumed late may finish first)
         delay = rng.uniform(0.3, 0.8) * unbroken
         finished = _run_child(kind, broken, kill_after=delay) if kills < 4 else _run_child(kind, broken)

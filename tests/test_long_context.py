@@ -12,7 +12,7 @@ import specjax
 from specjax import models
 from specjax.models import layers
 from tests import tiny
-from tests.test_tree import (MAX_NEW, STATIC, SAMPLING_DRAFTERS, _prompts, _sampled_joint,  # noqa: F401
+from tests.test_tree import (MAX_NEW, STATIC, SAMPLING_DRAFTERS, _greedy_case, _prompts, _sampled_joint,  # noqa: F401
                              exact_joint, tiny_pair)
 from tests.test_sampling import _chi_square_p
 
@@ -81,9 +81,7 @@ def test_chunked_generate_equals_transformers(pair, small_blocks):
     target, drafts, torch_model = pair
     prompts = _prompts(4, seed=3)
     prompts[1] = prompts[1][:1]
-    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
-    eos = int(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).tokens[0, 4])
-    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+    padded, lengths, eos, expected = _greedy_case(target, torch_model, prompts)
     key = jax.random.key(7)
     drafters = [None, drafts["near"],
                 specjax.DraftModel(drafts["far"], specjax.Tree(depth=4, top_k=3, nodes=10)),

@@ -106,6 +106,14 @@ def _prompts(batch, seed):
     return [list(rng.randint(2, tiny.VOCAB, n)) for n in rng.randint(1, 14, batch)]
 
 
+def _greedy_case(target, torch_model, prompts):
+    """A ragged batch and what greedy decoding must give it: (padded, lengths, eos, the rows
+    transformers generates), eos being row 0's fifth greedy token, so that row stops early."""
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    eos = int(specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).tokens[0, 4])
+    return padded, lengths, eos, [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+
+
 TREE_DRAFTERS = {
     "model_dynamic": lambda d: specjax.DraftModel(d, Tree(depth=4, top_k=3, nodes=10)),
     "model_dynamic_wide": lambda d: specjax.DraftModel(d, Tree(depth=2, top_k=4, nodes=12)),
@@ -122,11 +130,7 @@ TREE_DRAFTERS = {
 def test_greedy_tree_equals_transformers(pair, name):
     """Ragged batch of 4, with an EOS that stops the first row mid-way."""
     target, drafts, torch_model = pair
-    prompts = _prompts(4, seed=len(name))
-    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
-    plain = specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW)
-    eos = int(plain.tokens[0, 4])
-    expected = [tiny.transformers_greedy(torch_model, p, MAX_NEW, eos) for p in prompts]
+    padded, lengths, eos, expected = _greedy_case(target, torch_model, _prompts(4, seed=len(name)))
     auto = specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert tiny.rows(auto) == expected
     for draft in drafts.values():

@@ -18,6 +18,7 @@ no feature before its first pass, so nothing is drafted for it then.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,8 @@ class Eagle:
         E = config.hidden_size
         fc_key, layer_key = jax.random.split(key)
         fc = {"kernel": normal_init(fc_key, (2 * E, E), jnp.float32), "bias": jnp.zeros((E,), jnp.float32)}
-        layer = jax.tree.map(lambda w: w.astype(jnp.float32), _init_layer(config, layer_key))
-        return cls({"fc": fc, "layer": layer}, config, trained.TargetSignature.of(target), tree)
+        return cls({"fc": fc, "layer": _init_layer(config, layer_key)}, config,
+                   trained.TargetSignature.of(target), tree)
 
     def resolve(self, K: int | None) -> "Eagle":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
@@ -143,6 +144,7 @@ def _init_layer(config: ModelConfig, key: jax.Array) -> dict:
     return Block(config).init(key, (x, None, None), layer, positions, slots, masks)["params"]
 
 
+@functools.lru_cache(maxsize=None)
 def _shapes(config: ModelConfig) -> dict:
     """The shapes of an Eagle's params for a layer config."""
     E = config.hidden_size

@@ -65,7 +65,9 @@ class Medusa:
         return self.params["kernel"].shape[0]
 
     def resolve(self, K: int | None) -> "Medusa":
-        tree = shape_for(self.tree, self.num_heads if K is None and self.tree is None else K, "top_k")
+        if K is None and self.tree is None:  # its default chain: one draft per head
+            K = self.num_heads
+        tree = shape_for(self.tree, K, "top_k")
         if tree.depth > self.num_heads:
             raise ValueError(f"a Medusa of {self.num_heads} heads drafts at most {self.num_heads} "
                              f"deep; the {'chain' if tree.is_chain else 'tree'} asks for depth {tree.depth}")

@@ -85,8 +85,8 @@ def save(path, kind: str, params: dict, signature: TargetSignature, extra: dict)
 
 def load_drafter(path, tree=None):
     """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa` or a
-    `specjax.Eagle`, drafting `tree` (None: a chain). Its weights are float32 numpy; they
-    take the target's dtype when used."""
+    `specjax.Eagle`, drafting `tree` (None: a chain). Its weights are float32 on the default
+    device; they take the target's dtype when used."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -108,6 +108,8 @@ def load_drafter(path, tree=None):
         raise CheckpointError(f"{folder / RECORD}: format {record.get('format')!r}, expected {FORMAT}")
     try:
         params = unflatten(load_file(str(folder / WEIGHTS)))
+        # On the device once, not copied from the host by every generate call.
+        params = jax.tree.map(jax.device_put, params)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{folder / WEIGHTS} cannot be read: {e}") from None
     kinds = {"medusa": Medusa, "eagle": Eagle}

@@ -99,7 +99,9 @@ def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], 
                      max_new_tokens: int = 64) -> Callable[[dict], dict]:
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
     held-out prompts [B, P]: tokens per target pass and, per depth k, the fraction of
-    steps that accepted at least k drafted tokens. One compilation for all calls."""
+    steps that accepted at least k drafted tokens (`bench.depth_acceptance`). One
+    compilation for all calls."""
+    from specjax.bench import depth_acceptance, row_traces
     from specjax.generate import generate
 
     lengths = np.full(len(prompts), prompts.shape[1], np.int32)
@@ -108,11 +110,9 @@ def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], 
         drafter = make(params)
         out = jax.device_get(generate(target, prompts, lengths, draft=drafter,
                                       max_new_tokens=max_new_tokens, return_trace=True))
-        steps = out.trace[out.trace > 0]  # tokens per step = accepted + 1
-        result = {"tokens_per_pass": float(out.num_tokens.sum() / out.stats.steps.sum())}
-        for k in range(1, drafter.resolve(None).tree.depth + 1):
-            result[f"accepted_{k}"] = float((steps - 1 >= k).mean())
-        return result
+        rates = depth_acceptance(row_traces(out), drafter.resolve(None).tree.depth)
+        return {"tokens_per_pass": float(out.num_tokens.sum() / out.stats.steps.sum()),
+                **{f"accepted_{k}": rate for k, rate in enumerate(rates, 1)}}
 
     return probe
 
