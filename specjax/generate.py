@@ -10,7 +10,9 @@ One step, all shapes fixed:
      distributions q they were drawn from (None when deterministic);
   2. the target scores [last token, the N nodes] in one pass, node i at position
      length-1+depth(i), written at slot length-1+i and seeing the prefix, its ancestors
-     and itself; p is its warped distribution at all N+1 of them;
+     and itself; p is its warped distribution at all N+1 of them. A drafter may add a
+     `Branch` of tokens to the same pass (after the nodes, under its own mask, unseen by
+     them); it gets the target's logits for those back through `observe`;
   3. `acceptance.accept` walks each row's tree: it keeps the longest path the target
      agrees with (n nodes) and draws one token of the target's own;
   4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
@@ -47,7 +49,7 @@ from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids, prefill
 from specjax.sampling import Sampling, validate, warp
-from specjax.tree import ancestors, depths
+from specjax.tree import ancestors, depths, with_branch
 
 
 @struct.dataclass
@@ -400,17 +402,23 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
         # Verify: one target pass over [last token, the N nodes], node i at slot
         # length-1+i and position length-1+depth(i). A fixed tree's masks are constants;
         # a chain needs none beyond the causal one.
-        parents = proposal.parents
+        parents, branch = proposal.parents, proposal.branch
         ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
         depth = depths(ancestor)  # [N+1] or [B, N+1]
-        chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N))
+        chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N)) and branch is None
         last = state.tokens[rows[:, 0], length - 1]
-        verify = jnp.concatenate([last[:, None], proposal.tokens], axis=1)  # [B, N+1]
+        verify = jnp.concatenate([last[:, None], proposal.tokens]
+                                 + ([] if branch is None else [branch.tokens]), axis=1)  # [B, T]
+        T = verify.shape[1]  # N+1, then the branch's X tokens if a drafter asked for them
+        offsets_all, sees = (depth, ancestor) if branch is None else with_branch(depth, ancestor, branch)
         start = length - 1  # the root's slot
-        slots = start[:, None] + jnp.arange(N + 1)[None]  # [B, N+1]
+        slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
         placement = None if chain else tree_placement(
-            start, slots, depth, jnp.broadcast_to(ancestor, (B, N + 1, N + 1)), S)
-        logits, hidden, cache = apply(target, verify, start[:, None] + depth, cache, placement=placement)
+            start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
+        logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement)
+        if branch is not None:  # the drafter reads the target's logits for its branch
+            draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
+            logits = logits[:, : N + 1]
         p = warp(logits, sampling)  # [B, N+1, V]
         n, path, extra = acceptance.accept(accept_key, proposal.tokens, parents, valid, proposal.q, p, D)
         if not chain:  # the path's node at depth j+1 moves to slot length+j

@@ -180,3 +180,17 @@ def ancestors(parents):
 def depths(ancestor_matrix):
     """bool [..., N+1, N+1] ancestors -> int32 [..., N+1] depths (the root's is 0)."""
     return ancestor_matrix.sum(-1).astype(np.int32) - 1
+
+
+def with_branch(depth, ancestor, branch):
+    """A verification pass's layout with a drafter's `Branch` of X tokens after the tree's N+1:
+    depth int32 [..., N+1] and ancestor bool [..., N+1, N+1] (numpy or jnp, per row or not)
+    -> offsets int32 [..., T] (position minus the root's) and sees bool [..., T, T], T = N+1+X.
+    Tree nodes see no branch token; a branch token sees the root and what branch.sees marks."""
+    xp = np if isinstance(ancestor, np.ndarray) else jnp
+    lead, n1, X = ancestor.shape[:-2], ancestor.shape[-1], branch.sees.shape[0]
+    bottom = np.concatenate([np.ones((X, 1), bool), np.zeros((X, n1 - 1), bool), branch.sees], axis=1)
+    sees = xp.concatenate([xp.concatenate([ancestor, xp.zeros(lead + (n1, X), bool)], axis=-1),
+                           xp.broadcast_to(bottom, lead + bottom.shape)], axis=-2)
+    offsets = xp.concatenate([depth, xp.broadcast_to(np.asarray(branch.offsets, np.int32), lead + (X,))], axis=-1)
+    return offsets, sees

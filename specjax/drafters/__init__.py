@@ -7,6 +7,7 @@
         # (drafters with wants_features = True get hidden=: the prefill's states [B, P, E],
         #  and each request carries `Features`: the verification pass's states of what it kept)
     state, target_cache, proposal = drafter.propose(state, request)
+    state = drafter.observe(state, logits, active)  # only if the proposal carried a `Branch`
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final
 tokens — everything a drafter needs to know about what was accepted last step — plus
@@ -14,18 +15,21 @@ which rows are done, the target and its cache (which a drafter that shares the t
 weights may write into and must hand back), the key, the sampling parameters, and how deep
 each row may draft. A `Proposal` is a token tree per row: the tokens, each node's parent
 (numpy for a fixed shape), which nodes were proposed, and the distributions q they were
-drawn from — or None when the drafter is deterministic (one-hot q, never materialised).
+drawn from — or None when the drafter is deterministic (one-hot q, never materialised) —
+and, optionally, a `Branch`: extra tokens the target scores in the same pass under the
+drafter's own mask, whose logits the drafter then observes (lookahead's Jacobi window).
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
 """
 
-from specjax.drafters.base import DraftRequest, Features, Proposal
+from specjax.drafters.base import Branch, DraftRequest, Features, Proposal
 from specjax.drafters.eagle import Eagle
 from specjax.drafters.early_exit import EarlyExit
+from specjax.drafters.lookahead import Lookahead
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.retrieval import Datastore, Retrieval
 from specjax.drafters.trained import load_drafter
 
-__all__ = ["Datastore", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Medusa", "PromptLookup",
-           "Proposal", "Retrieval", "load_drafter"]
+__all__ = ["Branch", "Datastore", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Lookahead",
+           "Medusa", "PromptLookup", "Proposal", "Retrieval", "load_drafter"]

@@ -1,4 +1,4 @@
-"""The drafter interface's two records, and `grow`, the tree expansion that model drafters
+"""The drafter interface's records, and `grow`, the tree expansion that model drafters
 (a second model, an early exit of the target) share: a chain is its one-child case."""
 
 from __future__ import annotations
@@ -41,6 +41,19 @@ class DraftRequest:
 
 
 @struct.dataclass
+class Branch:
+    """Tokens a drafter asks the loop to score in the verification pass beside the tree, under
+    their own mask (lookahead's Jacobi window). Branch token x sits at position root + offsets[x]
+    and sees the prefix, the root and the branch tokens `sees[x]` marks (itself included); no
+    tree node sees a branch token, so verification is untouched. The loop hands the target's
+    logits for them back through `drafter.observe(state, logits, active)`."""
+
+    tokens: jax.Array  # int32 [B, X]
+    offsets: np.ndarray  # int32 [X]: position minus the root's, >= 1
+    sees: np.ndarray  # bool [X, X]
+
+
+@struct.dataclass
 class Proposal:
     """A token tree per row. Node i (1..N) is tokens[:, i-1]; node 0 is the root, the row's
     last final token. Nodes come after their parents."""
@@ -53,6 +66,7 @@ class Proposal:
     # float32 [B, N, V]: the distribution each node was drawn from (warped like the
     # target's), or None when every node is deterministic (its q is one-hot).
     q: jax.Array | None
+    branch: Branch | None = None  # extra tokens to score in the same pass, if the drafter asks
 
 
 # forward(cache, tokens [B, W], positions [B, W], placement, features [B, W, F] | None)
