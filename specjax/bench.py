@@ -5,6 +5,8 @@ by side in one run, with the speedup theory predicts set beside the measured one
     specjax bench --hf                    # ... and transformers' generate on the same pair
     specjax bench --synthetic gpt2-small  # no checkpoints: a random GPT-2-small-shaped pair
     specjax bench --profile               # only the cost profile behind num_draft_tokens="auto"
+    specjax bench --training-free-only    # lookahead, retrieval (REST), prompt lookup vs the draft model
+    specjax bench --auto-k-only           # num_draft_tokens="auto" against every fixed K, per batch size
 
 Times are medians over --repeats runs after a warm-up (compile) run; machines are noisy, so
 read the ratios. "theory" is Leviathan et al.: E[tokens per pass] / (K c + 1) with alpha
@@ -29,7 +31,7 @@ import numpy as np
 from specjax import theory
 from specjax.cache import KVCache, tree_placement
 from specjax.config import ModelConfig
-from specjax.drafters import DraftModel, EarlyExit, PromptLookup
+from specjax.drafters import Datastore, DraftModel, EarlyExit, Lookahead, PromptLookup, Retrieval
 from specjax.generate import generate, pad_prompts
 from specjax.models import Model, apply, init
 from specjax.tree import Tree, ancestors, depths
@@ -113,7 +115,8 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
                   name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0,
                   **options) -> tuple[Run, list]:
     """Runs every prompt (in batches of `batch`) and times the whole set; returns the Run and
-    the generated rows (for exactness checks). K=None: the drafter's own tree fixes the shape."""
+    the generated rows (for exactness checks). K=None: the drafter's own tree fixes the shape;
+    "auto": generate's num_draft_tokens="auto"."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
     padded = [pad_prompts(g) for g in groups]
     result = {}
@@ -121,7 +124,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     def call():
         result["outs"] = [jax.block_until_ready(generate(
             target, p, l, draft=drafter, key=jax.random.key(seed), max_new_tokens=max_new_tokens,
-            num_draft_tokens=None if K is None else max(K, 1), temperature=temperature,
+            num_draft_tokens=K if K in (None, "auto") else max(K, 1), temperature=temperature,
             eos_token_id=eos_token_id,
             return_trace=True, **options)) for p, l in padded]
 
@@ -130,7 +133,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     total = lambda f: int(sum(f(o).sum() for o in outs))  # noqa: E731
     rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
     traces = [t for o in outs for t in row_traces(o)]
-    run = Run(name, K or 0, temperature, batch, seconds, total(lambda o: o.num_tokens),
+    run = Run(name, K if isinstance(K, int) else 0, temperature, batch, seconds, total(lambda o: o.num_tokens),
               total(lambda o: o.stats.steps), total(lambda o: o.stats.drafted),
               total(lambda o: o.stats.accepted), trace=traces[0], traces=traces)
     run.tokens_per_s = run.tokens / seconds
@@ -204,10 +207,14 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int 
 
 def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
-             max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, trees_only=False,
-             heads_only=False, medusa: str | None = None, eagle: str | None = None, log=print) -> dict:
+             max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, only: str | None = None,
+             medusa: str | None = None, eagle: str | None = None, datastore: str | None = None,
+             cost_profile: str | None = None, log=print) -> dict:
+    """The whole bench, or one section of it: only = "trees", "heads", "training_free" or "auto_k"."""
     from specjax.hf import load_model, load_tokenizer
 
+    if only not in (None, "trees", "heads", "training_free", "auto_k"):
+        raise ValueError(f"unknown bench section {only!r}")
     temperatures = tuple(sorted(set(temperatures) | {0.0}))  # greedy is the reference run
     target, draft = load_model(target_path), load_model(draft_path)
     tokenizer = load_tokenizer(target_path)
@@ -222,17 +229,25 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         f"{max_new_tokens} new tokens each; median of {repeats}")
     log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
     trained = _trained_heads(medusa, eagle, log)
-    if trees_only or heads_only:
-        auto, auto_rows = time_generate(target, prompts, 1, repeats, None, 0, "none", 0.0, max_new_tokens)
-        if trees_only:
-            report = {"trees": run_trees(target, draft, prompts, auto, auto_rows, max_new_tokens, repeats,
-                                         cache_len + 64, log=log)}
-            _write(report, out_dir, "trees.json", log)
-        else:
-            report = {"heads": run_heads(target, draft, trained, prompts, auto, auto_rows, max_new_tokens,
-                                         repeats, log=log)}
-            _write(report, out_dir, "heads.json", log)
+    datastore = Datastore.load(datastore) if datastore and Path(datastore).exists() else None
+    if datastore is None:
+        log("note: no datastore; retrieval runs only on the target's own outputs")
+    if only == "auto_k":
+        report = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
+        _write(report, out_dir, "auto_k.json", log)
         return report
+    if only is not None:
+        auto, auto_rows = time_generate(target, prompts, 1, repeats, None, 0, "none", 0.0, max_new_tokens)
+        if only == "trees":
+            report = run_trees(target, draft, prompts, auto, auto_rows, max_new_tokens, repeats, cache_len + 64,
+                               log=log)
+        elif only == "heads":
+            report = run_heads(target, draft, trained, prompts, auto, auto_rows, max_new_tokens, repeats, log=log)
+        else:
+            report = run_training_free(target, draft, datastore, prompts, auto, auto_rows, max_new_tokens,
+                                       repeats, log=log)
+        _write({only: report}, out_dir, f"{only}.json", log)
+        return {only: report}
 
     def speculate(K, temperature, batch, drafter=None, name="draft", on=None, **options):
         run, rows = time_generate(target, on or prompts, batch, repeats, drafter or draft, K, name,
@@ -291,7 +306,11 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     _print_tables(runs, by_batch, others, positions, best_k, log)
     trees = run_trees(target, draft, prompts, auto[0.0], auto_greedy_rows, max_new_tokens, repeats,
                       cache_len + 64, log=log)
-    report = {"trees": trees, "c": c, "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
+    training_free = run_training_free(target, draft, datastore, prompts, auto[0.0], auto_greedy_rows,
+                                      max_new_tokens, repeats, K=best_k, log=log)
+    auto_k = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
+    report = {"trees": trees, "training_free": training_free, "auto_k": auto_k, "c": c,
+              "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
               "runs": [_as_dict(r) for r in runs], "batches": [[_as_dict(b), _as_dict(s)] for b, s in by_batch],
               "other_drafters": [_as_dict(r) for r in others], "per_position_acceptance": positions}
     if hf:
@@ -427,6 +446,75 @@ def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_n
         log(f"{r.drafter:<12} {r.shape:<16} {r.tokens_per_pass:>8.2f} {r.tokens_per_s:>8.1f} "
             f"{r.speedup:>7.2f} {str(r.exact):<5}  " + " ".join(f"{a:.2f}" for a in r.depth_acceptance))
     return {"runs": [_as_dict(r) for r in runs]}
+
+
+# ---- drafting without a trained drafter --------------------------------------------------
+
+LOOKAHEADS = (Lookahead(5, 4, 5), Lookahead(7, 5, 7), Lookahead(10, 4, 10))
+
+
+def run_training_free(target, draft, datastore, prompts, auto: Run, auto_rows, max_new_tokens, repeats,
+                      K: int = 4, lookaheads=LOOKAHEADS, log=print) -> dict:
+    """Lookahead and retrieval (REST) beside prompt lookup and the draft model (greedy, batch
+    1): tokens per target pass, tok/s, the ratio to autoregressive, exactness. Retrieval runs
+    on `datastore` (None: left out) and on a datastore that also holds the target's own
+    outputs for these prompts (the text being generated: its best case)."""
+    drafters = [("draft model", DraftModel(draft), K), ("prompt lookup", PromptLookup(3, 1), K)]
+    drafters += [(f"lookahead W{d.window} N{d.ngram} G{d.guesses}", d, None) for d in lookaheads]
+    stores = {} if datastore is None else {"REST": datastore}
+    own = [p + r for p, r in zip(prompts, auto_rows)]
+    stores["REST, own outputs"] = own if datastore is None else _with_documents(datastore, own)
+    for name, store in stores.items():
+        store = store if isinstance(store, Datastore) else Datastore.build(store)
+        drafters += [(f"{name} chain", Retrieval(store), 8), (f"{name} tree", Retrieval(store, tree=Tree(8, 2, 16)), None)]
+    runs = []
+    for name, drafter, k in drafters:
+        run, rows = time_generate(target, prompts, 1, repeats, drafter, k, name, 0.0, max_new_tokens)
+        tree = drafter.resolve(k).tree
+        run.shape, run.K = describe(tree), tree.nodes
+        run.speedup, run.exact = run.tokens_per_s / auto.tokens_per_s, rows == auto_rows
+        runs.append(run)
+    log(f"\ndrafting without a trained drafter (greedy, batch 1; autoregressive {auto.tokens_per_s:.1f} tok/s)")
+    log(f"{'drafter':<28} {'shape':<16} {'tok/pass':>8} {'tok/s':>8} {'vs auto':>7} exact")
+    for r in runs:
+        log(f"{r.drafter:<28} {r.shape:<16} {r.tokens_per_pass:>8.2f} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} {r.exact}")
+    return {"runs": [_as_dict(r) for r in runs]}
+
+
+def _with_documents(datastore: Datastore, documents) -> Datastore:
+    """A datastore holding `datastore`'s documents and more."""
+    tokens = np.asarray(datastore.tokens)
+    cuts = np.flatnonzero(tokens < 0)
+    return Datastore.build([d[:-1].tolist() for d in np.split(tokens, cuts + 1)[:-1]] + list(documents))
+
+
+def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile=None, log=print) -> dict:
+    """num_draft_tokens="auto" against every fixed K (0: autoregressive) per batch size
+    (greedy): its choice, its tok/s over the best fixed K's and over autoregressive."""
+    from specjax.generate import auto_num_draft_tokens
+
+    rows = []
+    for batch in batches:
+        fixed = {}
+        for K in (0, *ks):
+            run, _ = time_generate(target, prompts, batch, repeats, None if K == 0 else draft, K,
+                                   "none" if K == 0 else "draft", 0.0, max_new_tokens)
+            fixed[K] = run.tokens_per_s
+        choice = auto_num_draft_tokens(batch, draft, cost_profile)
+        run, _ = time_generate(target, prompts, batch, repeats, draft, "auto", "auto", 0.0, max_new_tokens,
+                               cost_profile=cost_profile)
+        best = max(fixed, key=fixed.get)
+        rows.append({"batch": batch, "tokens_per_s": fixed, "auto_k": choice, "auto_tokens_per_s": run.tokens_per_s,
+                     "best_k": best, "auto_over_best": run.tokens_per_s / fixed[best],
+                     "auto_over_autoregressive": run.tokens_per_s / fixed[0]})
+    log("\nnum_draft_tokens='auto' vs fixed K (greedy; tok/s; K = 0 is autoregressive)")
+    log(f"{'batch':>5} " + " ".join(f"{'K=' + str(K):>7}" for K in (0, *ks)) + f" {'auto':>10} {'best':>5} "
+        f"{'auto/best':>9} {'auto/AR':>7}")
+    for r in rows:
+        log(f"{r['batch']:>5} " + " ".join(f"{r['tokens_per_s'][K]:>7.1f}" for K in (0, *ks))
+            + f" {'K=' + str(r['auto_k']) + ' ' + format(r['auto_tokens_per_s'], '.1f'):>10} {r['best_k']:>5} "
+            f"{r['auto_over_best']:>9.2f} {r['auto_over_autoregressive']:>7.2f}")
+    return {"rows": rows}
 
 
 def _all_traces(target, draft, prompts, K, max_new_tokens):
@@ -650,6 +738,13 @@ def add_arguments(parser):
     parser.add_argument("--profile", action="store_true",
                         help="only measure the cost profile for num_draft_tokens='auto' (writes profile.json; "
                              "K up to the largest -k)")
+    parser.add_argument("--training-free-only", action="store_true",
+                        help="only lookahead and retrieval against prompt lookup and the draft model "
+                             "(writes training_free.json)")
+    parser.add_argument("--auto-k-only", action="store_true",
+                        help="only num_draft_tokens='auto' against every fixed K per batch size (writes auto_k.json)")
+    parser.add_argument("--datastore", default=default_checkpoint("datastore"), help="a datastore for retrieval")
+    parser.add_argument("--cost-profile", default=None, help="profile.json for 'auto' (default: the shipped one)")
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
 
@@ -668,7 +763,9 @@ def run_from_args(args):
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),
              num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
              max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf,
-             trees_only=args.trees_only, heads_only=args.heads_only, medusa=args.medusa, eagle=args.eagle)
+             only=next((name for name in ("trees", "heads", "training_free", "auto_k")
+                        if getattr(args, f"{name}_only")), None),
+             medusa=args.medusa, eagle=args.eagle, datastore=args.datastore, cost_profile=args.cost_profile)
 
 
 if __name__ == "__main__":

@@ -99,14 +99,18 @@ def _generate(args):
     target = specjax.load_model(args.target, quantize=args.quantize)
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
-    if tree is not None and (args.no_draft or args.prompt_lookup):
-        raise SystemExit("specjax generate: --tree needs a draft model, --early-exit or --retrieval")
+    if tree is not None and (args.no_draft or args.prompt_lookup or args.lookahead):
+        raise SystemExit("specjax generate: --tree needs a draft model, heads, --early-exit or --retrieval")
     if args.no_draft:
         draft, drafter_name = None, "none"
     elif args.early_exit:
         draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
+    elif args.lookahead:
+        window, ngram, guesses = args.lookahead
+        draft = specjax.Lookahead(window=window, ngram=ngram, guesses=guesses)
+        drafter_name = f"lookahead (window {window}, {ngram}-grams, {guesses} guesses)"
     elif args.retrieval:
         draft = specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree)
         drafter_name = f"retrieval from {args.retrieval}"
@@ -153,6 +157,7 @@ def _generate(args):
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
         "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
+            draft.resolve(None).tree.nodes if args.lookahead else
             auto_num_draft_tokens(len(prompts), draft)
             if args.num_draft_tokens == "auto" else args.num_draft_tokens or 4),
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -231,6 +236,19 @@ def _datastore_build(args):
     size = sum(f.stat().st_size for f in Path(args.out).iterdir())
     print(f"{args.out}: {datastore.num_tokens} tokens in {datastore.num_documents} documents, "
           f"{size / 1e6:.1f} MB")
+
+
+def _ints(count: int):
+    """An argparse type: COUNT comma-separated ints, e.g. 5,4,5."""
+    def parse(text):
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != count:
+            raise argparse.ArgumentTypeError(f"expected {count} comma-separated ints, got {text!r}")
+        return values
+    return parse
 
 
 def _parse_tree(text):
@@ -404,6 +422,8 @@ def main(argv=None):
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",
                           help="draft by n-gram lookup in the prompt and output")
+    drafters.add_argument("--lookahead", type=_ints(3), nargs="?", const=(5, 4, 5), metavar="W,N,G",
+                          help="lookahead decoding, no draft: Jacobi window W, N-grams, G guesses (default 5,4,5)")
     drafters.add_argument("--retrieval", metavar="DATASTORE",
                           help="draft by retrieval from a datastore folder (specjax datastore build)")
     p.add_argument("--adaptive-k", action="store_true",

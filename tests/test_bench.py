@@ -59,3 +59,24 @@ def test_heads_bench_runs_and_stays_exact(capsys):
     assert all(r["exact"] for r in runs)
     assert [len(r["depth_acceptance"]) for r in runs] == [5, 6, 3, 3, 5, 6]
     assert "trained heads" in capsys.readouterr().out
+
+
+def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
+    """Lookahead and retrieval rows beside prompt lookup and the draft model, every output
+    equal to autoregressive; auto K's choice printed beside every fixed K per batch size."""
+    import specjax
+
+    target, small = bench.build_synthetic_pair("tiny", 2)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8]]
+    auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=8)
+    report = bench.run_training_free(target, small, None, prompts, auto, rows, 8, 1, K=3,
+                                     lookaheads=(specjax.Lookahead(3, 3, 2),))
+    assert [r["drafter"] for r in report["runs"]] == [
+        "draft model", "prompt lookup", "lookahead W3 N3 G2", "REST, own outputs chain", "REST, own outputs tree"]
+    assert all(r["exact"] for r in report["runs"])
+    assert report["runs"][-2]["tokens_per_pass"] > 2.5  # the datastore holds the text being generated
+    profile = specjax.CostProfile((1, 2), ((1.0, 1.1), (1.0, 2.0)), (0.1, 0.1), (0.9,))
+    report = bench.run_auto_k(target, small, prompts, (1, 2), (1,), 8, 1, profile)
+    assert [(r["batch"], r["auto_k"]) for r in report["rows"]] == [(1, 1), (2, 0)]
+    assert set(report["rows"][0]["tokens_per_s"]) == {0, 1}
+    assert "num_draft_tokens='auto' vs fixed K" in capsys.readouterr().out
