@@ -149,6 +149,20 @@ def draft_pass_cost(target: Model, drafter, batch: int, cache_len: int, repeats:
     return None, "none"
 
 
+def _cost_key(drafter):
+    """What a draft pass's cost depends on: shapes and kinds, never weights (so drafters of
+    one shape, trained or not, are timed once)."""
+    if isinstance(drafter, DraftModel):
+        drafter = drafter.model
+    if isinstance(drafter, Model):
+        return ("model", drafter.config, str(drafter.dtype))
+    if isinstance(drafter, EarlyExit):
+        return ("early exit", drafter.num_layers)
+    if isinstance(drafter, (Eagle, Medusa)):
+        return (type(drafter).__name__, jax.tree.map(lambda w: (w.shape, str(w.dtype)), drafter.params).__repr__())
+    return ("none",)
+
+
 def _shape(drafter, K) -> str:
     if drafter is None:
         return "autoregressive"
@@ -164,26 +178,26 @@ def _depth(drafter, K) -> int:
 
 
 def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: int = 32,
-            temperature: float = 0.0, batch: int = 1, repeats: int = 1, eos_token_id=None,
+            temperatures=(0.0,), batch: int = 1, repeats: int = 1, eos_token_id=None,
             cost_profile=None, mesh=None, seed: int = 0, log=print) -> list[Measured]:
-    """Autoregressive decoding, then every entry, over the same prompts (in batches of
-    `batch`; with a mesh, rows go over its data axis). Each gets tok/s, speedup, tokens per
-    pass, acceptance, the draft's cost ratio c, theory's predicted speedup and, greedy,
-    whether its output equals autoregressive decoding's. An "auto" entry's K is chosen as
+    """For each temperature, autoregressive decoding and then every entry, over the same
+    prompts (in batches of `batch`; with a mesh, rows go over its data axis). Each gets
+    tok/s, speedup, tokens per pass, acceptance, the draft's cost ratio c (timed once per
+    entry), theory's predicted speedup and, greedy, whether its output equals
+    autoregressive decoding's. An "auto" entry's K is chosen as
     `generate(num_draft_tokens="auto")` chooses it (from cost_profile, or the one shipped
     for this backend), and its prediction is that profile's."""
     if not prompts or len(prompts) % batch:
         raise ValueError(f"compare needs a non-empty prompt list whose length divides into batches of {batch}, "
                          f"got {len(prompts)} prompts")
+    if isinstance(temperatures, (int, float)):
+        temperatures = (temperatures,)
     options = {} if mesh is None else {"mesh": mesh}
-    common = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed,
-                  **options)
     cache_len = bench.pad_prompts(prompts[:batch])[0].shape[1] + max_new_tokens + 64
-    auto, auto_rows = bench.time_generate(target, prompts, batch, repeats, name="autoregressive", **common)
     t_target = bench.pass_time(target, batch, 1, cache_len, repeats)
-    rows = [Measured("autoregressive", "autoregressive", temperature, auto.tokens_per_s, 1.0, auto.tokens_per_pass,
-                     None, None, 1.0, True if temperature == 0 else None)]
-    for entry in entries:
+    costs: dict[int, tuple] = {}  # entry index -> (drafter, K, profile, c, kind, passes per step)
+    timed: dict = {}  # _cost_key -> (c, kind)
+    for i, entry in enumerate(entries):
         drafter, K, profile = entry.drafter, entry.K, None
         if K == "auto":
             from specjax.generate import auto_num_draft_tokens
@@ -192,26 +206,39 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
             K = auto_num_draft_tokens(batch, drafter, profile)
             if K == 0:  # the profile says speculation loses here: plain decoding
                 drafter = None
-        run, out_rows = bench.time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
-        c, kind = (None, "none") if drafter is None else \
-            draft_pass_cost(target, drafter, batch, cache_len, repeats, t_target)
-        depth = _depth(drafter.resolve(K) if hasattr(drafter, "resolve") else drafter, K)
-        passes = {"sequential": depth, "once": 1}.get(kind, 0)
-        if profile is not None:  # the profile's own prediction, made before anything ran
-            rate = lambda k: theory.expected_tokens_per_step(profile.acceptance, k) / profile.step_ms(batch, k)  # noqa: E731
-            predicted = rate(K) / rate(0)
-        elif getattr(drafter, "tree", None) is None and kind == "sequential" and run.steps:
-            alpha = theory.alpha_from_accepted(min(run.accepted / run.steps, K), K)  # Leviathan et al.
-            predicted = theory.predicted_speedup(alpha, K, c)
+        if drafter is None:
+            c, kind = None, "none"
         else:
-            predicted = run.tokens_per_pass / (1.0 + passes * (c or 0.0))
-        shape = _shape(drafter, K)
-        if entry.K == "auto":
-            shape = f"auto: {shape}"
-        rows.append(Measured(entry.name, shape, temperature, run.tokens_per_s, run.tokens_per_s / auto.tokens_per_s,
-                             run.tokens_per_pass, run.acceptance, c, predicted,
-                             out_rows == auto_rows if temperature == 0 else None))
+            key = _cost_key(drafter)
+            if key not in timed:
+                timed[key] = draft_pass_cost(target, drafter, batch, cache_len, repeats, t_target)
+            c, kind = timed[key]
+        depth = _depth(drafter.resolve(K) if hasattr(drafter, "resolve") else drafter, K)
+        costs[i] = (drafter, K, profile, c, kind, {"sequential": depth, "once": 1}.get(kind, 0))
+    rows = []
+    for temperature in temperatures:
+        common = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                      seed=seed, **options)
+        auto, auto_rows = bench.time_generate(target, prompts, batch, repeats, name="autoregressive", **common)
+        rows.append(Measured("autoregressive", "autoregressive", temperature, auto.tokens_per_s, 1.0,
+                             auto.tokens_per_pass, None, None, 1.0, True if temperature == 0 else None))
         log(format_row(rows[-1]))
+        for i, entry in enumerate(entries):
+            drafter, K, profile, c, kind, passes = costs[i]
+            run, out_rows = bench.time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
+            if profile is not None:  # the profile's own prediction, made before anything ran
+                rate = lambda k: theory.expected_tokens_per_step(profile.acceptance, k) / profile.step_ms(batch, k)  # noqa: E731,B023
+                predicted = rate(K) / rate(0)
+            elif getattr(drafter, "tree", None) is None and kind == "sequential" and run.steps:
+                alpha = theory.alpha_from_accepted(min(run.accepted / run.steps, K), K)  # Leviathan et al.
+                predicted = theory.predicted_speedup(alpha, K, c)
+            else:
+                predicted = run.tokens_per_pass / (1.0 + passes * (c or 0.0))
+            shape = ("auto: " if entry.K == "auto" else "") + _shape(drafter, K)
+            rows.append(Measured(entry.name, shape, temperature, run.tokens_per_s,
+                                 run.tokens_per_s / auto.tokens_per_s, run.tokens_per_pass, run.acceptance, c,
+                                 predicted, out_rows == auto_rows if temperature == 0 else None))
+            log(format_row(rows[-1]))
     return rows
 
 
