@@ -166,7 +166,7 @@ def _cost_key(drafter):
 def _shape(drafter, K) -> str:
     if drafter is None:
         return "autoregressive"
-    tree = getattr(drafter, "tree", None)
+    tree = getattr(drafter.resolve(K) if hasattr(drafter, "resolve") else drafter, "tree", None)
     if tree is not None:
         return bench.describe(tree).replace("chain ", "chain K=")
     return f"chain K={K}" if K is not None else "its own"
