@@ -183,7 +183,7 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
     """For each temperature, autoregressive decoding and then every entry, over the same
     prompts (in batches of `batch`; with a mesh, rows go over its data axis). Each gets
     tok/s, speedup, tokens per pass, acceptance, the draft's cost ratio c (timed once per
-    entry), theory's predicted speedup and, greedy, whether its output equals
+    draft shape), theory's predicted speedup and, greedy, whether its output equals
     autoregressive decoding's. An "auto" entry's K is chosen as
     `generate(num_draft_tokens="auto")` chooses it (from cost_profile, or the one shipped
     for this backend), and its prediction is that profile's."""
