@@ -68,27 +68,13 @@ def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
     return stop, sampling
 
 
-class _Printer:
-    """Prints one row's text as the loop streams its tokens out (held back while the last
-    bytes are an incomplete character)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
-
-    def __call__(self, tokens, counts):
-        self.ids += tokens[0, : counts[0]].tolist()
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd") and len(text) > self.shown:
-            print(text[self.shown:], end="", flush=True)
-            self.shown = len(text)
-
-
 def _generate(args):
     import time
 
     import jax
 
     import specjax
+    from specjax.notebook import TextStream
 
     prompts = [args.prompt] if args.prompt is not None else []
     if args.batch_file:
@@ -133,7 +119,7 @@ def _generate(args):
     padded, lengths = specjax.pad_prompts(ids)
     stop, sampling = _decoding(args, target, tokenizer)
     streaming = len(prompts) == 1 and not args.json and not args.no_stream
-    printer = _Printer(tokenizer) if streaming else None
+    printer = TextStream(tokenizer, skip_special_tokens=False) if streaming else None
 
     start = time.perf_counter()  # ahead-of-time: compilation alone, the batch is not run
     run = specjax.compile_generate(target, padded, lengths, draft=draft, key=jax.random.key(args.seed),
@@ -173,7 +159,7 @@ def _generate(args):
         print(json.dumps({"outputs": rows, "stats": stats}, indent=2))
         return
     if streaming:
-        print(texts[0][printer.shown:])  # what the stream held back, if anything
+        print(texts[0][len(printer.text):])  # what the stream held back, if anything
         print("-" * 40)
     else:
         for p, t in zip(prompts, texts):

@@ -1,5 +1,6 @@
 """What the Colab notebooks (colab/*.ipynb) call beyond the public API: the switch to their
-offline small mode, the devices in words, a streamed-text printer, and drafters measured
+offline small mode, the devices in words, a streamed-text printer (`specjax generate` prints
+with it too), and drafters measured
 side by side with the speedup theory predicts for each, as a table and a plot.
 
 Measurements are `bench.time_generate` runs over the same prompts (median of `repeats`
@@ -59,14 +60,14 @@ class TextStream:
     """A `generate(stream=...)` function that prints one row's text as the loop produces
     it (held back while the last bytes are an incomplete character); `.text` is all of it."""
 
-    def __init__(self, tokenizer, row: int = 0, echo: bool = True):
-        self.tokenizer, self.row, self.echo = tokenizer, row, echo
+    def __init__(self, tokenizer, row: int = 0, echo: bool = True, skip_special_tokens: bool = True):
+        self.tokenizer, self.row, self.echo, self.skip = tokenizer, row, echo, skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
 
     def __call__(self, tokens, counts):
         self.ids += np.asarray(tokens)[self.row, : int(counts[self.row])].tolist()
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
         if not text.endswith("\ufffd") and len(text) > len(self.text):
             if self.echo:
                 print(text[len(self.text):], end="", flush=True)
