@@ -344,19 +344,30 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 
+    # The drafter's caches follow its own model's rules (a replicated draft: a replicated
+    # cache, rows still over data); drafters without a sharded model of their own, likewise.
+    draft_model = getattr(drafter, "model", None)
+    draft_rules = getattr(draft_model, "rules", None) if isinstance(draft_model, Model) else None
+    draft_rules = draft_rules or (None if rules is None else sharding.replicated_rules(rules))
+
     def place(state: LoopState) -> LoopState:
-        """Pins the carry's layout on a mesh: rows over data, cache heads over model."""
+        """Pins the carry's layout on a mesh: rows over data; the target cache's heads over
+        model by `rules`, the drafter's caches by its own rules."""
         if mesh is None:
             return state
 
-        def constrain(x):
+        def constrain(x, cache_rules):
             if isinstance(x, KVCache):
-                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, rules))
+                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, cache_rules))
             if getattr(x, "ndim", 0) >= 1 and x.shape[0] == B:
                 return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(x.shape, mesh, rules))
             return x
 
-        return jax.tree.map(constrain, state, is_leaf=lambda x: isinstance(x, KVCache))
+        is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+        return state.replace(**{
+            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else rules),
+                               getattr(state, name), is_leaf=is_cache)
+            for name in state.__dataclass_fields__})
 
     # Prefill. The padded prompt block is written whole: slots past a row's length are
     # stale and will be overwritten before any query can see them.
