@@ -45,7 +45,7 @@ from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
-from specjax.models import Model, apply, check_token_ids, prefill
+from specjax.models import Model, apply, check_token_ids, layers, prefill
 from specjax.sampling import Sampling, validate, warp
 from specjax.tree import ancestors, depths
 
@@ -336,7 +336,17 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
               *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
               mesh, rules, stream=None) -> GenerateOutput:
     """eos: int32 [N] stop ids padded with -1. stream: None, or int32 [] (a handle of
-    `_streams`; being None or not is part of the jit key, so None costs nothing)."""
+    `_streams`; being None or not is part of the jit key, so None costs nothing). A sharded
+    program's attention takes the portable path (layers.portable_attention)."""
+    with layers.portable_attention(mesh is not None):
+        return _loop(target, drafter, prompts, lengths, key, sampling, eos, threshold,
+                     max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
+                     mesh=mesh, rules=rules, stream=stream)
+
+
+def _loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
+          *, max_new_tokens: int, return_trace: bool, adaptive_k: bool, mesh, rules, stream) -> GenerateOutput:
+    """_generate's body, traced inside it."""
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
