@@ -59,3 +59,9 @@ def test_heads_bench_runs_and_stays_exact(capsys):
     assert all(r["exact"] for r in runs)
     assert [len(r["depth_acceptance"]) for r in runs] == [5, 6, 3, 3, 5, 6]
     assert "trained heads" in capsys.readouterr().out
+
+
+def test_first_divergence():
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2  # ended early (an EOS the other lacks)
