@@ -7,6 +7,7 @@ by side in one run, with the speedup theory predicts set beside the measured one
     specjax bench --profile               # only the cost profile behind num_draft_tokens="auto"
     specjax bench --training-free-only    # lookahead, retrieval (REST), prompt lookup vs the draft model
     specjax bench --auto-k-only           # num_draft_tokens="auto" against every fixed K, per batch size
+    specjax bench --dtype bfloat16        # low precision: rows that diverge from autoregressive
 
 Times are medians over --repeats runs after a warm-up (compile) run; machines are noisy, so
 read the ratios. "theory" is Leviathan et al.: E[tokens per pass] / (K c + 1) with alpha
@@ -320,6 +321,53 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         _write(report, out_dir, "bench.json", log)
         plot(report, Path(out_dir))
         log(f"wrote plots in {out_dir}/")
+    return report
+
+
+def first_divergence(row: list[int], reference: list[int]) -> int | None:
+    """The first position where a generated row differs from the reference row (one ending
+    early counts as differing where it ends); None when they are equal."""
+    for i, (a, b) in enumerate(zip(row, reference)):
+        if a != b:
+            return i
+    return None if len(row) == len(reference) else min(len(row), len(reference))
+
+
+def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", out_dir: str | None = "bench",
+                   ks=(1, 2, 4, 6, 8), batches=(1,), num_prompts=16, prompt_tokens=64, max_new_tokens=64,
+                   repeats=3, log=print) -> dict:
+    """Greedy speculative decoding against greedy autoregressive decoding of the same pair
+    loaded in `dtype`, per K and batch size: how many rows differ, and where each first does.
+
+    In float32 they are equal token for token (the tests' claim). In bfloat16 a verification
+    pass over K+1 tokens may round differently from a one-token pass (other matmul shapes,
+    other reduction orders), so where two tokens' logits are within rounding of each other
+    the argmax can flip, and the rows go separate ways from there. Each row is still the
+    target's own greedy choice at every position, given its rounding."""
+    from specjax.hf import load_model, load_tokenizer
+
+    target, draft = load_model(target_path, dtype=dtype), load_model(draft_path, dtype=dtype)
+    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens)
+    log(f"{jax.default_backend()} {dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
+        f"{max_new_tokens} new tokens each, greedy; speculative rows compared with autoregressive rows "
+        f"of the same batch size")
+    log(f"{'batch':>5} {'K':>2} {'tok/s':>8} {'vs auto':>7} {'diverging rows':>14}  first divergence (positions)")
+    results = []
+    for batch in batches:
+        auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens)
+        for K in ks:
+            run, rows = time_generate(target, prompts, batch, repeats, draft, K, "draft", 0.0, max_new_tokens)
+            first = [first_divergence(r, a) for r, a in zip(rows, auto_rows)]
+            where = sorted(f for f in first if f is not None)
+            results.append({"batch": batch, "K": K, "rows": len(rows), "diverging": len(where),
+                            "first_divergence": first, "tokens_per_s": run.tokens_per_s,
+                            "auto_tokens_per_s": auto.tokens_per_s, "acceptance": run.acceptance})
+            log(f"{batch:>5} {K:>2} {run.tokens_per_s:>8.1f} {run.tokens_per_s / auto.tokens_per_s:>7.2f} "
+                f"{len(where):>6} of {len(rows):<5}  {' '.join(map(str, where)) or '-'}")
+    total = sum(r["diverging"] for r in results)
+    log(f"{total} of {sum(r['rows'] for r in results)} rows diverge from autoregressive output")
+    report = {"dtype": dtype, "backend": jax.default_backend(), "max_new_tokens": max_new_tokens, "runs": results}
+    _write(report, out_dir, f"divergence_{dtype}.json", log)
     return report
 
 
@@ -745,11 +793,23 @@ def add_arguments(parser):
                         help="only num_draft_tokens='auto' against every fixed K per batch size (writes auto_k.json)")
     parser.add_argument("--datastore", default=default_checkpoint("datastore"), help="a datastore for retrieval")
     parser.add_argument("--cost-profile", default=None, help="profile.json for 'auto' (default: the shipped one)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: only count rows of greedy speculative output that diverge from "
+                             "autoregressive output, and where (writes divergence_bfloat16.json)")
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
 
 
 def run_from_args(args):
+    if args.dtype != "float32":
+        sections = ("synthetic", "profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
+        if any(getattr(args, name) for name in sections):
+            raise SystemExit("--dtype bfloat16 runs the divergence count alone; leave out "
+                             + ", ".join("--" + name.replace("_", "-") for name in sections))
+        run_divergence(args.target, args.draft, args.dtype, args.out, ks=tuple(args.ks or (1, 2, 4, 6, 8)),
+                       batches=tuple(args.batches), num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+        return
     if args.synthetic:
         run_synthetic(args.synthetic, ks=tuple(args.ks or (1, 2, 4, 6)), max_new_tokens=args.max_new_tokens,
                       repeats=args.repeats)

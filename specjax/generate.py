@@ -47,7 +47,7 @@ from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Proposal
 from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
-from specjax.models import Model, apply, check_token_ids, prefill
+from specjax.models import Model, apply, check_token_ids, layers, prefill
 from specjax.sampling import Sampling, validate, warp
 from specjax.tree import ancestors, depths, with_branch
 
@@ -338,7 +338,17 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
               *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
               mesh, rules, stream=None) -> GenerateOutput:
     """eos: int32 [N] stop ids padded with -1. stream: None, or int32 [] (a handle of
-    `_streams`; being None or not is part of the jit key, so None costs nothing)."""
+    `_streams`; being None or not is part of the jit key, so None costs nothing). A sharded
+    program's attention takes the portable path (layers.portable_attention)."""
+    with layers.portable_attention(mesh is not None):
+        return _loop(target, drafter, prompts, lengths, key, sampling, eos, threshold,
+                     max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
+                     mesh=mesh, rules=rules, stream=stream)
+
+
+def _loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
+          *, max_new_tokens: int, return_trace: bool, adaptive_k: bool, mesh, rules, stream) -> GenerateOutput:
+    """_generate's body, traced inside it."""
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
@@ -346,19 +356,30 @@ def _generate(target: Model, drafter, prompts, lengths, key, sampling: Sampling,
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 
+    # The drafter's caches follow its own model's rules (a replicated draft: a replicated
+    # cache, rows still over data); drafters without a sharded model of their own, likewise.
+    draft_model = getattr(drafter, "model", None)
+    draft_rules = getattr(draft_model, "rules", None) if isinstance(draft_model, Model) else None
+    draft_rules = draft_rules or (None if rules is None else sharding.replicated_rules(rules))
+
     def place(state: LoopState) -> LoopState:
-        """Pins the carry's layout on a mesh: rows over data, cache heads over model."""
+        """Pins the carry's layout on a mesh: rows over data; the target cache's heads over
+        model by `rules`, the drafter's caches by its own rules."""
         if mesh is None:
             return state
 
-        def constrain(x):
+        def constrain(x, cache_rules):
             if isinstance(x, KVCache):
-                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, rules))
+                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, cache_rules))
             if getattr(x, "ndim", 0) >= 1 and x.shape[0] == B:
                 return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(x.shape, mesh, rules))
             return x
 
-        return jax.tree.map(constrain, state, is_leaf=lambda x: isinstance(x, KVCache))
+        is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+        return state.replace(**{
+            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else rules),
+                               getattr(state, name), is_leaf=is_cache)
+            for name in state.__dataclass_fields__})
 
     # Prefill. The padded prompt block is written whole: slots past a row's length are
     # stale and will be overwritten before any query can see them.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from specjax import quant
+from specjax import quant, sharding
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import Model, default_dtype, layers
 
@@ -415,9 +415,11 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
     return sources
 
 
-def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, quantize=None) -> dict:
+def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, quantize=None,
+            kv_repeat: int = 1) -> dict:
     """Checks every tensor against the layout, then converts and places one parameter at a
-    time, each straight into its device buffer (and with a mesh, its shards)."""
+    time, each straight into its device buffer (and with a mesh, its shards). kv_repeat:
+    copies of each kv head in the k/v weights (see sharding.kv_repeat)."""
     quant.check_method(quantize)
     sources = _check_tensors(sources, config)
     dtype = np.dtype(dtype)
@@ -436,8 +438,11 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, qu
         for spec in specs:
             stored = [sources[n] for n in names[spec.name]]
             for k, path in enumerate(spec.paths):
-                def view(i, spec=spec, k=k, stored=stored):  # layer i's param k, our layout
-                    return spec.to_ours(stored[i].array())[k]
+                def view(i, spec=spec, k=k, stored=stored, path=path):  # layer i's param k, our layout
+                    x = spec.to_ours(stored[i].array())[k]
+                    if kv_repeat > 1 and path[-1] in sharding.KV_HEAD_PARAMS:  # [E, G, D] or [G, D]
+                        x = np.repeat(x, kv_repeat, axis=x.ndim - 2)
+                    return x
 
                 if quantize and quant.quantizable(path):
                     _set(params, path, _quantized(view, stored, spec.per_layer, dtype, path, mesh, rules))
@@ -497,8 +502,6 @@ def _quantized(view, stored, stacked: bool, dtype, path, mesh, rules) -> quant.I
     q = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
     if mesh is None:
         return jax.tree.map(jnp.asarray, q)
-    from specjax import sharding
-
     placement = sharding.param_sharding(path, q, mesh, rules or sharding.DEFAULT_RULES)
     return jax.tree.map(lambda v, p: jax.make_array_from_callback(v.shape, p, lambda index: v[index]),
                         q, placement)
@@ -517,21 +520,22 @@ def _placement(shape, path, mesh, rules):
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     from jax.sharding import NamedSharding
 
-    from specjax import sharding
-
     axes = sharding.logical_axes(path, len(shape))
     return NamedSharding(mesh, sharding.spec(shape, axes, mesh, rules or sharding.DEFAULT_RULES))
 
 
 def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
-               progress: bool | None = None, quantize: str | None = None) -> Model:
+               progress: bool | None = None, quantize: str | None = None,
+               duplicate_kv_heads: bool = True) -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
     dtype: parameter dtype (with quantize: of the scales, norms and activations); default
     float32 on CPU, bfloat16 on TPU/GPU.
     mesh, rules: place each parameter straight into its shards (see specjax.sharding);
     no device ever holds a whole tensor that the rules split, and each process reads only
-    the slices its own devices hold.
+    the slices its own devices hold. With fewer kv heads than the axis they go on, each kv
+    head is repeated as it is read (see `specjax.sharding.kv_repeat`; duplicate_kv_heads=False
+    splits head_dim instead).
     progress: a progress bar (None: for checkpoints of 1 GiB or more).
     quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none.
 
@@ -545,8 +549,12 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     config = ModelConfig.from_hf_config(hf_config)
     generation = read_generation_config(folder, hf_config, config.vocab_size)
     sources = read_sources(folder)
-    params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize)
-    return Model(config, params, generation)
+    rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
+    repeat = sharding.kv_repeat(config, mesh, rules) if mesh is not None and duplicate_kv_heads else 1
+    params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize, repeat)
+    if repeat > 1:
+        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat)
+    return Model(config, params, generation, rules=rules)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -7,11 +7,23 @@ divide its mesh axis is not sharded on it; a weight that then has no `model` dim
 left falls back to its head_dim or embed dimension, so that weights are always split and
 never gathered whole. GSPMD keeps the arithmetic exact whatever the layout.
 
+Fewer kv heads than the `model` axis (G=2 over 8 devices) is the exception: splitting the
+k/v projections on head_dim would make every attention score a partial sum over devices,
+all-reduced at every layer of every step. Instead, as MaxText and vLLM do, `shard_model` and
+`load_model(mesh=...)` repeat each kv head (its k/v projection weights) until the heads
+divide the axis (`kv_repeat`), so each device holds whole kv heads for its query heads and
+attention needs no communication. The model computes exactly what it did (query head h
+still reads a copy of kv head h // (H/G)); its config's num_kv_heads and its caches grow
+with the copies, which is what the per-device cache costs: each device holds whole kv
+heads instead of a slice of every one.
+
 This module knows shapes and names; it does not know what the models compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -197,9 +209,60 @@ def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     return jax.make_array_from_callback(x.shape, placement, lambda index: x[index])
 
 
-def shard_model(model, mesh: Mesh, rules=None):
-    """The model with its parameters placed in their shards on the mesh."""
-    from specjax.models import Model
+# The weights that hold kv heads (`repeat_kv_heads` copies them).
+KV_HEAD_PARAMS = ("k_kernel", "v_kernel", "k_bias", "v_bias")
 
-    shardings = param_shardings(model.params, mesh, tuple(rules or DEFAULT_RULES))
-    return model.replace(params=jax.device_put(model.params, shardings))
+
+def kv_repeat(config, mesh: Mesh, rules: Sequence[tuple[str, str]] = DEFAULT_RULES) -> int:
+    """How many copies of each kv head make the kv heads divide the mesh axis that the rules
+    put them on: the smallest r with (G r) % n == 0 (n the axis size), when the query heads
+    go on the same axis and divide it; otherwise 1 (nothing to gain: the kv heads divide
+    already, the axis has one device, or the query heads fall back to head_dim anyway)."""
+    table = dict(rules)
+    axis = table.get("kv_heads")
+    n = mesh.shape.get(axis, 1) if axis is not None else 1
+    G, H = config.num_kv_heads, config.num_heads
+    if n <= 1 or G % n == 0 or table.get("heads") != axis or H % n:
+        return 1
+    return math.lcm(G, n) // G  # divides H/G, since both G and n divide H
+
+
+def repeat_kv_heads(model, repeat: int):
+    """The model with each kv head's k/v weights repeated `repeat` times, adjacent copies
+    (head j becomes heads j r .. j r + r - 1), so that query head h reads the copy
+    h // (H / (G r)) of kv head h // (H / G): the same numbers. int8 weights repeat their
+    scales too. Its config says G r kv heads."""
+    if repeat == 1:
+        return model
+    if not isinstance(repeat, int) or repeat < 1 or model.config.num_heads % (model.config.num_kv_heads * repeat):
+        raise ValueError(f"cannot repeat {model.config.num_kv_heads} kv heads {repeat!r} times under "
+                         f"{model.config.num_heads} query heads")
+
+    def one(path, leaf):
+        names = [str(k.key) for k in path]
+        if names[-1] not in KV_HEAD_PARAMS:
+            return leaf
+        axis = ((("layers",) if names[0] == "layers" else ()) + LOGICAL_AXES[names[-1]]).index("kv_heads")
+        return jax.tree.map(lambda x: jax.numpy.repeat(x, repeat, axis=axis), leaf)
+
+    params = jax.tree_util.tree_map_with_path(one, model.params, is_leaf=_is_int8)
+    config = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads * repeat)
+    return model.replace(config=config, params=params)
+
+
+def replicated_rules(rules: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """The rules of a replicated model under a mesh: rows keep their axis, nothing else is split."""
+    return tuple((name, axis) for name, axis in rules if name == "batch")
+
+
+def shard_model(model, mesh: Mesh, rules=None, duplicate_kv_heads: bool = True):
+    """The model with its parameters placed in their shards on the mesh, remembering the
+    rules (`Model.rules`: its caches in `generate` follow them). With fewer kv heads than
+    the axis they go on, each kv head is first repeated (see `kv_repeat`) unless
+    duplicate_kv_heads=False (then k/v split on head_dim, and attention scores are summed
+    over devices). Pass rules=(("batch", "data"),) to replicate a small draft."""
+    rules = tuple(rules or DEFAULT_RULES)
+    if duplicate_kv_heads:
+        model = repeat_kv_heads(model, kv_repeat(model.config, mesh, rules))
+    shardings = param_shardings(model.params, mesh, rules)
+    return model.replace(params=jax.device_put(model.params, shardings), rules=rules)

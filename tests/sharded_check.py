@@ -1,12 +1,15 @@
 """Run in a subprocess by test_sharding.py with 8 emulated CPU devices: sharded generate
-equals single-device generate, weights and caches are really split, and the compiled loop
-gathers no whole weight. Prints one JSON line of findings."""
+equals single-device generate, weights and caches are really split, the compiled loop
+gathers no whole weight, kv heads fewer than the model axis are duplicated (no collective
+moves attention scores or keys/values), and a replicated draft keeps a replicated cache.
+Prints one JSON line of findings."""
 
 import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -17,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.generate import _generate, stop_ids  # noqa: E402
+from specjax.generate import _generate, cache_length, stop_ids  # noqa: E402
 from specjax.sampling import Sampling  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
@@ -28,13 +31,20 @@ CONFIG = specjax.ModelConfig(
 K, MAX_NEW = 3, 12
 
 
-def random_model(seed, base=None, std=0.1):
-    model = specjax.models.init(CONFIG, jax.random.key(seed), jnp.float32)
+def random_model(seed, base=None, std=0.1, config=CONFIG):
+    model = specjax.models.init(config, jax.random.key(seed), jnp.float32)
     rng = np.random.RandomState(seed)
     ref = model.params if base is None else base.params
     params = jax.tree.map(lambda b, x: np.asarray(b) + std * rng.randn(*x.shape).astype(np.float32)
                           if x.ndim > 1 else np.asarray(b), ref, model.params)
-    return specjax.Model(CONFIG, jax.tree.map(jnp.asarray, params))
+    return specjax.Model(config, jax.tree.map(jnp.asarray, params))
+
+
+def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(op, element type, result shape) of every collective in compiled HLO text."""
+    ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
+    return [(op, dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims, op in
+            re.findall(rf"= (\w+)\[([\d,]*)\][^=]*? ({ops})(?:-start)?\(", hlo)]
 
 
 def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -102,8 +112,11 @@ def main():
             max_new_tokens=MAX_NEW, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
-        S = prompts.shape[1] + MAX_NEW + K
-        full_cache = f"f32[2,8,{S},2,16]"  # [L, B, S, G, D] of either model, unsharded
+        S = cache_length(prompts.shape[1], MAX_NEW, K)
+        # [L, B, S, G, D] of either model (the draft's cache is longer) unsharded, or (with a
+        # model axis) whole on heads and head_dim in one device's rows
+        whole = [f"f32[2,{rows},{s},2,16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
+                 for rows in {8, 8 // data if model > 1 else 8}]
         findings["meshes"][f"{data}x{model}"] = {
             "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
                           and np.array_equal(np.asarray(out.num_tokens), np.asarray(single.num_tokens))),
@@ -112,7 +125,7 @@ def main():
             "max_device_fraction": max(per_device.values()) / total_bytes,
             "whole_weight_gathers": sorted({str(g) for g in gathered if g in full_shapes}),
             "all_gathers": len(gathered),
-            "whole_cache_in_program": full_cache in hlo,
+            "whole_cache_in_program": any(w in hlo for w in whole),
             # loading: elements copied out of the files per parameter element; jax asks once
             # per distinct slice, so 1 where the rules split everything or nothing
             "read_fraction": read_fraction,
@@ -127,7 +140,56 @@ def main():
                 specjax.KVCache.init(CONFIG, 8, S), mesh).k.spec),
         }
     findings["int8"] = int8_findings(folder)
+    findings["kv_heads"] = kv_head_findings(prompts, lengths)
     print(json.dumps(findings))
+
+
+# 8 query heads over 2 kv heads: a model axis of 4 takes two copies of each kv head. The
+# draft has one layer, so its cache's shapes differ from the target's.
+KV_CONFIG = dataclasses.replace(CONFIG, num_heads=8)
+KV_DRAFT = dataclasses.replace(KV_CONFIG, num_layers=1)
+KV_NEW = 20  # a cache of 48 slots: no other dimension of the program is 48 (or the draft's)
+
+
+def kv_head_findings(prompts, lengths) -> dict:
+    """On a 2x4 mesh, a target with 2 kv heads, and a draft replicated by its own rules:
+    the target's kv heads are duplicated to 4 and the output equals one device's; no
+    floating-point collective of the compiled loop has a cache-length dimension (attention
+    scores [B, G, R, T, S] or keys/values [B, S, G, D]); the same program with head_dim split
+    instead (duplicate_kv_heads=False, the old behaviour) has such collectives; the draft's
+    cache is whole on each device of a row group, the target's split by heads."""
+    from specjax.generate import _run
+    from specjax.memory import _prepared
+
+    mesh = specjax.make_mesh(data=2, model=4)
+    target, draft = random_model(0, config=KV_CONFIG), random_model(1, config=KV_DRAFT)
+    kwargs = dict(max_new_tokens=KV_NEW, num_draft_tokens=K)
+    single = specjax.generate(target, prompts, lengths, draft=draft, **kwargs)
+    replicated_draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))
+    S = cache_length(prompts.shape[1], KV_NEW, K)
+    Sd = S + specjax.Tree.chain(K).region + K + 1  # DraftModel.start's cache
+    out = {"draft_rules": list(map(list, replicated_draft.rules))}
+    for duplicate in (True, False):
+        sharded = specjax.shard_model(target, mesh, duplicate_kv_heads=duplicate)
+        args, static, _ = _prepared(sharded, prompts, lengths, dict(draft=replicated_draft, mesh=mesh, **kwargs))
+        executable = _generate.lower(*args, **static, stream=None).compile()
+        hlo = executable.as_text()
+        name = "duplicated" if duplicate else "head_dim_split"
+        out[name] = {
+            "kv_heads": sharded.config.num_kv_heads,
+            "attention_collectives": sorted({f"{op} {dtype}{list(shape)}" for op, dtype, shape in collectives(hlo)
+                                             if dtype.startswith(("f", "bf")) and ({S, Sd} & set(shape))}),
+        }
+        if duplicate:
+            got = _run(args, {}, None, executable)
+            out[name]["equal"] = bool(np.array_equal(np.asarray(got.tokens), np.asarray(single.tokens))
+                                      and np.array_equal(np.asarray(got.num_tokens), np.asarray(single.num_tokens)))
+            out[name]["accepted"] = int(np.asarray(got.stats.accepted).sum())
+            # Per-device shapes in the loop: [L, B/data, S, G/model or G, D].
+            out[name]["draft_cache_whole_per_row_group"] = f"f32[1,4,{Sd},2,16]" in hlo
+            out[name]["target_cache_split_by_heads"] = (f"f32[2,4,{S},1,16]" in hlo
+                                                         and f"f32[2,4,{S},4,16]" not in hlo)
+    return out
 
 
 def int8_findings(folder) -> dict:

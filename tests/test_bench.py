@@ -80,3 +80,7 @@ def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
     assert [(r["batch"], r["auto_k"]) for r in report["rows"]] == [(1, 1), (2, 0)]
     assert set(report["rows"][0]["tokens_per_s"]) == {0, 1}
     assert "num_draft_tokens='auto' vs fixed K" in capsys.readouterr().out
+def test_first_divergence():
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2  # ended early (an EOS the other lacks)

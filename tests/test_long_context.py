@@ -45,6 +45,44 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         got = layers.attention(q, k, v, mask, 0.3, cap, kv_limit=limit, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    if cap is None:  # cuDNN's path (it has no soft-cap), through the same call with "xla"
+        got = layers.dot_product_attention(q, k, v, mask, 0.3, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_attention_kernels_are_selected_only_where_they_apply():
+    f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
+    pick = layers.attention_kernel
+    assert pick("cpu", bf16, 512, 1024, 128, None) == "portable"
+    assert pick("gpu", bf16, 1, 1024, 64, None) == "cudnn"
+    assert pick("gpu", f16, 512, 1024, 128, None) == "cudnn"
+    assert pick("gpu", f32, 512, 1024, 128, None) == "portable"  # cuDNN: half precision only
+    assert pick("gpu", bf16, 512, 1024, 256, None) == "portable"  # head_dim > 128
+    assert pick("gpu", bf16, 512, 1024, 60, None) == "portable"  # not a multiple of 8
+    assert pick("gpu", bf16, 512, 1024, 64, 50.0) == "portable"  # soft-cap (Gemma 2)
+    assert pick("tpu", bf16, 512, 1024, 128, 50.0) == "splash"
+    assert pick("tpu", f32, 512, 1152, 128, None) == "splash"
+    assert pick("tpu", bf16, 5, 1024, 128, None) == "portable"  # a decode step of K+1 tokens
+    assert pick("tpu", bf16, 512, 1000, 128, None) == "portable"  # S not a multiple of 128
+    assert pick("tpu", bf16, 512, 1024, 64, None) == "portable"
+    with layers.portable_attention():  # sharded programs
+        assert pick("gpu", bf16, 1, 1024, 64, None) == pick("tpu", bf16, 512, 1024, 128, None) == "portable"
+    assert pick("gpu", bf16, 1, 1024, 64, None) == "cudnn"
+
+
+def test_splash_attention_equals_the_portable_path():
+    """The TPU kernel itself, run by Pallas' interpreter on CPU: per-row causal masks at
+    different offsets with a window, grouped heads, a soft-cap."""
+    rng = np.random.RandomState(2)
+    B, T, S, H, G, D = 2, 128, 256, 2, 1, 128
+    q, k, v = (jnp.asarray(rng.randn(*shape), jnp.float32)
+               for shape in ((B, T, H, D), (B, S, G, D), (B, S, G, D)))
+    positions = (np.array([100, 3])[:, None] + np.arange(T))[:, :, None]
+    slots = np.arange(S)[None, None, :]
+    mask = jnp.asarray((slots <= positions) & (positions - slots < 150))
+    want = _dense(q, k, v, mask, 0.1, 5.0)
+    got = jax.jit(lambda q, k, v, m: layers.splash_attention(q, k, v, m, 0.1, 5.0, interpret=True))(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
 def test_blockwise_attention_differentiates_like_dense():

@@ -43,6 +43,26 @@ def test_no_whole_weight_is_gathered_and_the_cache_is_sharded(findings, mesh):
     assert not m["whole_cache_in_program"]
 
 
+def test_fewer_kv_heads_than_the_model_axis_are_duplicated(findings):
+    """2 kv heads on a model axis of 4: two copies of each, output equal to one device's, and
+    no floating-point collective of the compiled loop carries a cache-length dimension
+    (neither attention scores nor keys/values); the old head_dim split does have them."""
+    m = findings["kv_heads"]
+    assert m["duplicated"]["kv_heads"] == 4 and m["head_dim_split"]["kv_heads"] == 2
+    assert m["duplicated"]["equal"] and m["duplicated"]["accepted"] > 0
+    assert m["head_dim_split"]["attention_collectives"], "the detector misses the head_dim split's collectives"
+    assert m["duplicated"]["attention_collectives"] == []
+
+
+def test_a_replicated_draft_keeps_a_replicated_cache(findings):
+    """A draft replicated by its own rules keeps its cache whole on each device of a row
+    group (rows still over data), while the target's is split by (duplicated) kv heads."""
+    m = findings["kv_heads"]
+    assert m["draft_rules"] == [["batch", "data"]]
+    assert m["duplicated"]["draft_cache_whole_per_row_group"]
+    assert m["duplicated"]["target_cache_split_by_heads"]
+
+
 def test_int8_scales_shard_with_their_weights(findings):
     m = findings["int8"]
     assert m["num_int8"] == 9  # q k v o gate up down, embedding, lm_head

@@ -27,6 +27,9 @@ class Model:
     # read from generation_config.json; None for models made otherwise. `generate` does not
     # read it (its arguments say everything); the `specjax generate` command does.
     generation_config: GenerationConfig | None = struct.field(pytree_node=False, default=None)
+    # The logical-axis rules its params were placed by (`shard_model`, `load_model(mesh=...)`);
+    # None: not sharded. Under a mesh, `generate` lays out this model's cache by them.
+    rules: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def dtype(self):

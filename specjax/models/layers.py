@@ -13,6 +13,8 @@ float32. They know nothing about checkpoints, caches' bookkeeping or decoding.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -166,9 +168,18 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     differentiate. A query that sees no slot at all gets zeros (the dense path's output
     for it, a uniform average, is equally meaningless).
 
+    Where an accelerator kernel applies (`attention_kernel`: cuDNN on GPU, Pallas splash
+    attention on TPU) it computes the same thing instead; this jnp code is the portable
+    default and the fallback.
+
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
+    kernel = attention_kernel(jax.default_backend(), q.dtype, T, S, D, cap)
+    if kernel == "cudnn":
+        return dot_product_attention(q, k, v, mask, scale)
+    if kernel == "splash":
+        return splash_attention(q, k, v, mask, scale, cap)
     R = H // G
     block = block or ATTENTION_BLOCK
     q = q.reshape(B, T, G, R, D)  # [B, T, G, R, D], R query heads per kv head
@@ -212,6 +223,98 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
         _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
+
+
+# ---- accelerator kernels ---------------------------------------------------------------
+#
+# Honest status: neither kernel has run on its hardware here (this project was built on CPU
+# only). Their selection, their mask and layout handling and (splash) the kernel itself in
+# Pallas' interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
+# dot_product_attention through implementation="xla", which takes the same arguments as
+# "cudnn"; splash_attention(interpret=True)). The constraints below are those the kernels
+# document or check (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention; the
+# splash kernel's 128-lane blocks).
+
+SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
+_portable_only = False  # True while tracing a sharded program: see portable_attention
+
+
+@contextlib.contextmanager
+def portable_attention(on: bool = True):
+    """While tracing inside it, attention takes the portable jnp path whatever the backend.
+    `generate` traces sharded programs so: GSPMD partitions plain XLA ops, but would have to
+    replicate a custom call's operands (the kernels are selected only for one device)."""
+    global _portable_only
+    previous, _portable_only = _portable_only, _portable_only or on
+    try:
+        yield
+    finally:
+        _portable_only = previous
+
+
+def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:
+    """Which implementation attention over q [B, T, H, D] and S key slots takes:
+
+    - "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, flash attention): on
+      GPU, for float16/bfloat16, head_dim <= 128 and a multiple of 8, no soft-cap (cuDNN has
+      none). The boolean mask becomes an additive bias [B, 1, T, S]; any mask kind works.
+    - "splash" (Pallas splash attention, `jax.experimental.pallas.ops.tpu`): on TPU, where
+      it imports, for bfloat16/float32, T, S and head_dim multiples of 128 (long prefill
+      chunks over caches rounded to 128 slots; decode steps of K+1 tokens do not qualify),
+      soft-cap included. The mask is given as a dynamic (traced) mask; blocks it hides
+      entirely are skipped, so nothing past the highest visible slot is read.
+    - "portable": everything else, CPU always (the jnp code in `attention`)."""
+    dtype = jnp.dtype(dtype)
+    if _portable_only:
+        return "portable"
+    if (backend == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and D <= 128 and D % 8 == 0
+            and cap is None):
+        return "cudnn"
+    if (backend == "tpu" and dtype in (jnp.bfloat16, jnp.float32) and T % SPLASH_BLOCK == 0
+            and S % SPLASH_BLOCK == 0 and D % 128 == 0 and _splash_module() is not None):
+        return "splash"
+    return "portable"
+
+
+def _splash_module():
+    try:
+        from jax.experimental.pallas.ops.tpu import splash_attention
+    except ImportError:  # a JAX build without Pallas' TPU ops
+        return None
+    return splash_attention
+
+
+def dot_product_attention(q, k, v, mask, scale: float, implementation: str = "cudnn"):
+    """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, H, D] through
+    `jax.nn.dot_product_attention` (grouped heads natively); implementation "xla" computes
+    the same on any backend (what the CPU tests use)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                        implementation=implementation)
+
+
+def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, interpret: bool = False):
+    """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, H, D] through Pallas
+    splash attention (interpret=True runs the kernel's Pallas program on any backend).
+
+    Each (row, kv head) pair is one "head" of the multi-head kernel, its R query heads
+    stacked along the query axis: q [B G, R T, D] against k/v [B G, S, D] (no copies of
+    k/v), with the row's mask tiled over them. q is scaled before the kernel (it has no
+    scale of its own); the soft-cap applies after scaling, as in `attention`."""
+    sa = _splash_module()
+    B, T, H, D = q.shape
+    S, G = k.shape[1], k.shape[2]
+    R = H // G
+    qf = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, G, R, D).transpose(0, 2, 3, 1, 4).reshape(B * G, R * T, D)
+    kf, vf = (x.transpose(0, 2, 1, 3).reshape(B * G, S, D) for x in (k, v))
+    m = jnp.broadcast_to(mask[:, None, None], (B, G, R, T, S)).reshape(B * G, R * T, S)
+    blocks = sa.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    kernel = sa.make_splash_mha_single_device(mask=m, block_sizes=blocks, attn_logits_soft_cap=cap,
+                                              interpret=interpret)
+    # Built inside jit, the kernel's mask info holds is_dynamic_mask as an array, which its
+    # __call__ tests as a Python bool (JAX 0.10): restore the flag it was built with.
+    kernel.fwd_mask_info = kernel.fwd_mask_info._replace(is_dynamic_mask=True)
+    out = kernel(qf, kf.astype(q.dtype), vf.astype(q.dtype))  # [B G, R T, D]
+    return out.reshape(B, G, R, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
 
 
 class MLP(nn.Module):
