@@ -88,7 +88,7 @@ class Run:
     batch: int
     seconds: float
     tokens: int
-    steps: int
+    steps: int  # target passes summed over rows
     drafted: int
     accepted: int
     tokens_per_s: float = 0.0
@@ -102,6 +102,7 @@ class Run:
     shape: str = ""  # "chain" or the tree: depth/top_k/nodes
     accelerator: float | None = None  # predicted speedup where a pass costs its one-token time
     depth_acceptance: list | None = None  # per depth k: the fraction of steps keeping >= k drafts
+    loops: int = 0  # loop steps summed over batches (each runs until its slowest row is done)
 
     @property
     def acceptance(self):
@@ -136,7 +137,8 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     traces = [t for o in outs for t in row_traces(o)]
     run = Run(name, K if isinstance(K, int) else 0, temperature, batch, seconds, total(lambda o: o.num_tokens),
               total(lambda o: o.stats.steps), total(lambda o: o.stats.drafted),
-              total(lambda o: o.stats.accepted), trace=traces[0], traces=traces)
+              total(lambda o: o.stats.accepted), trace=traces[0], traces=traces,
+              loops=sum(int(o.stats.steps.max()) for o in outs))
     run.tokens_per_s = run.tokens / seconds
     return run, rows
 
@@ -374,30 +376,37 @@ def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", o
 def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "bench", max_k: int = 8,
                     batches=(1, 4, 16), num_prompts=16, prompt_tokens=64, max_new_tokens=64, repeats=3,
                     log=print) -> theory.CostProfile:
-    """The cost profile that `generate(num_draft_tokens="auto")` reads: one target pass over
-    T = 1..max_k+1 tokens and one draft step, per batch size (timed inside a compiled loop),
-    and the draft's per-position acceptance at K = max_k, greedy, on held-out prompts.
-    Written as profile.json in out_dir."""
+    """The cost profile that `generate(num_draft_tokens="auto")` reads: one whole loop step
+    with K = 0..max_k drafts of the draft model per batch size ((the time of generate - the
+    time of its prefill) / the loop's steps, greedy), and the draft's per-position
+    acceptance at K = max_k. Held-out prompts other than the bench's (seed 1), so that
+    `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
+    as profile.json in out_dir."""
     from specjax.hf import load_model, load_tokenizer
 
     target, draft = load_model(target_path), load_model(draft_path)
-    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens)
-    cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max_k + 1
-    target_ms, draft_ms = [], []
+    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens, seed=1)
+    step_ms = []
     for batch in batches:
-        target_ms.append([pass_time(target, batch, T, cache_len, repeats) * 1e3 for T in range(1, max_k + 2)])
-        draft_ms.append(pass_time(draft, batch, 1, cache_len, repeats) * 1e3)
-        log(f"batch {batch}: target pass over T = 1..{max_k + 1} tokens "
-            f"{' '.join(f'{t:.2f}' for t in target_ms[-1])} ms; draft step {draft_ms[-1]:.2f} ms")
+        prefill, _ = time_generate(target, prompts, batch, repeats, max_new_tokens=1)
+        row = []
+        for K in range(max_k + 1):
+            run, _ = time_generate(target, prompts, batch, repeats, draft if K else None, K,
+                                   max_new_tokens=max_new_tokens)
+            row.append(1e3 * max(run.seconds - prefill.seconds, 1e-9) / (run.loops - prefill.loops))
+        step_ms.append(row)
+        log(f"batch {batch}: one loop step with K = 0..{max_k} drafts {' '.join(f'{t:.2f}' for t in row)} ms")
     acceptance = per_position_acceptance(_all_traces(target, draft, prompts, max_k, max_new_tokens), max_k)
     log(f"per-position acceptance at K = {max_k}: {' '.join(f'{a:.2f}' for a in acceptance)}")
-    profile = theory.CostProfile(tuple(batches), tuple(map(tuple, target_ms)), tuple(draft_ms), tuple(acceptance),
+    profile = theory.CostProfile(tuple(batches), tuple(map(tuple, step_ms)), tuple(acceptance),
                                  {"backend": jax.default_backend(), "dtype": str(target.dtype),
                                   "target": str(target_path), "draft": str(draft_path),
                                   "command": f"specjax bench --profile --batches {' '.join(map(str, batches))} "
                                              f"-k {max_k} --num-prompts {num_prompts} --repeats {repeats}"})
     for batch in batches:
-        log(f"batch {batch}: num_draft_tokens='auto' picks K = {theory.choose_num_draft_tokens(profile, batch)}")
+        log(f"batch {batch}: num_draft_tokens='auto' picks K = "
+            f"{theory.choose_num_draft_tokens(profile, batch, max_new_tokens=max_new_tokens)} "
+            f"for {max_new_tokens} new tokens")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         profile.save(Path(out_dir) / "profile.json")
@@ -548,7 +557,7 @@ def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cos
             run, _ = time_generate(target, prompts, batch, repeats, None if K == 0 else draft, K,
                                    "none" if K == 0 else "draft", 0.0, max_new_tokens)
             fixed[K] = run.tokens_per_s
-        choice = auto_num_draft_tokens(batch, draft, cost_profile)
+        choice = auto_num_draft_tokens(batch, draft, cost_profile, max_new_tokens)
         run, _ = time_generate(target, prompts, batch, repeats, draft, "auto", "auto", 0.0, max_new_tokens,
                                cost_profile=cost_profile)
         best = max(fixed, key=fixed.get)

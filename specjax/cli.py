@@ -144,7 +144,7 @@ def _generate(args):
         "drafter": drafter_name,
         "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
             draft.resolve(None).tree.nodes if args.lookahead else
-            auto_num_draft_tokens(len(prompts), draft)
+            auto_num_draft_tokens(len(prompts), draft, max_new_tokens=args.max_new_tokens)
             if args.num_draft_tokens == "auto" else args.num_draft_tokens or 4),
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in

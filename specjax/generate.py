@@ -178,8 +178,9 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     return lambda: _run(args, {}, stream, executable)
 
 
-def auto_num_draft_tokens(batch: int, draft, cost_profile=None) -> int:
-    """num_draft_tokens="auto": K for this batch size from the cost profile (0: no speculation)."""
+def auto_num_draft_tokens(batch: int, draft, cost_profile=None, max_new_tokens: int = 64) -> int:
+    """num_draft_tokens="auto": K for this batch size and output length from the cost
+    profile (0: no speculation)."""
     if draft is None:
         raise ValueError("num_draft_tokens='auto' needs a draft (there is nothing to speculate with)")
     if getattr(draft, "tree", None) is not None:
@@ -194,7 +195,7 @@ def auto_num_draft_tokens(batch: int, draft, cost_profile=None) -> int:
     else:
         raise TypeError(f"cost_profile must be a specjax.CostProfile, a path or None, got "
                         f"{type(cost_profile).__name__}")
-    return theory.choose_num_draft_tokens(profile, int(batch))
+    return theory.choose_num_draft_tokens(profile, int(batch), max_new_tokens=int(max_new_tokens))
 
 
 def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
@@ -204,7 +205,7 @@ def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tok
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an int, None or 'auto', got {num_draft_tokens!r}")
-        num_draft_tokens = auto_num_draft_tokens(np.shape(prompts)[0], draft, cost_profile)
+        num_draft_tokens = auto_num_draft_tokens(np.shape(prompts)[0], draft, cost_profile, max_new_tokens)
         if num_draft_tokens == 0:  # the profile says speculation loses at this batch size
             draft, num_draft_tokens = None, None
     elif cost_profile is not None:

@@ -204,7 +204,7 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
             from specjax.generate import auto_num_draft_tokens
 
             profile = _profile(cost_profile)
-            K = auto_num_draft_tokens(batch, drafter, profile)
+            K = auto_num_draft_tokens(batch, drafter, profile, max_new_tokens)
             if K == 0:  # the profile says speculation loses here: plain decoding
                 drafter = None
         if drafter is None:
@@ -228,8 +228,8 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
             drafter, K, profile, c, kind, passes = costs[i]
             run, out_rows = bench.time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
             if profile is not None:  # the profile's own prediction, made before anything ran
-                rate = lambda k: theory.expected_tokens_per_step(profile.acceptance, k) / profile.step_ms(batch, k)  # noqa: E731,B023
-                predicted = rate(K) / rate(0)
+                predicted = (theory.tokens_per_ms(profile, batch, K, max_new_tokens)
+                             / theory.tokens_per_ms(profile, batch, 0, max_new_tokens))
             elif getattr(drafter, "tree", None) is None and kind == "sequential" and run.steps:
                 alpha = theory.alpha_from_accepted(min(run.accepted / run.steps, K), K)  # Leviathan et al.
                 predicted = theory.predicted_speedup(alpha, K, c)

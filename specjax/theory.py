@@ -4,17 +4,23 @@ choice of K it implies for a measured cost profile.
 alpha: the probability that the target accepts a draft token (E[sum_v min(p, q)]);
 K: draft tokens per step; c: the cost of one draft step over one target pass.
 A `CostProfile` (written by `specjax bench --profile`, a CPU default shipped in
-specjax/profiles/) holds measured pass times by batch size and tokens per pass, and the
-per-position acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted) of one drafter.
-Pure arithmetic and JSON: it knows nothing about models or JAX.
+specjax/profiles/) holds the measured time of one whole loop step by batch size and K (the
+drafts, the verification pass, acceptance and bookkeeping: what a step really costs), and
+the per-position acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted) of one drafter.
+A batch runs until its slowest row is done, so the choice of K weighs the expected number
+of steps of the slowest of B rows, not one row's. Pure arithmetic, numpy and JSON: it knows
+nothing about models or JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from importlib import resources
 from pathlib import Path
+
+import numpy as np
 
 
 def expected_tokens_per_pass(alpha: float, K: int) -> float:
@@ -52,19 +58,18 @@ def alpha_from_accepted(accepted_per_step: float, K: int, tol: float = 1e-9) -> 
 
 # ---- choosing K per batch size from a measured cost profile -----------------------------
 
-PROFILE_FORMAT, PROFILE_VERSION = "specjax-cost-profile", 1
+PROFILE_FORMAT, PROFILE_VERSION = "specjax-cost-profile", 2
 
 
 @dataclasses.dataclass(frozen=True)
 class CostProfile:
-    """Measured costs of one speculative step, and how often drafts are accepted.
+    """Measured costs of one loop step, and how often one drafter's drafts are accepted.
 
-    A step with K drafts at batch B costs K draft steps and one target pass over K+1
-    tokens per row; K = 0 is plain decoding (one target pass over 1 token, no draft)."""
+    step_ms[b][K] is one whole step of `generate`'s loop at batch size batches[b] with K
+    drafts per row (K = 0: plain decoding), measured in the compiled loop."""
 
     batches: tuple[int, ...]  # batch sizes measured, ascending
-    target_ms: tuple[tuple[float, ...], ...]  # [batch][T-1]: one target pass over T = 1.. tokens per row
-    draft_ms: tuple[float, ...]  # [batch]: one draft step (0 for drafters that run no model)
+    step_ms: tuple[tuple[float, ...], ...]  # [batch][K]: one loop step with K = 0.. drafts
     acceptance: tuple[float, ...]  # a_i for i = 1..: P(draft i accepted | drafts before it were)
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # where it came from
 
@@ -72,52 +77,47 @@ class CostProfile:
         b = self.batches
         if not b or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
             raise ValueError(f"cost profile batches must be ascending distinct ints >= 1, got {list(b)}")
-        if len(self.target_ms) != len(b) or len(self.draft_ms) != len(b):
-            raise ValueError(f"cost profile: target_ms and draft_ms need one entry per batch size ({len(b)}), "
-                             f"got {len(self.target_ms)} and {len(self.draft_ms)}")
-        for row in self.target_ms:
+        if len(self.step_ms) != len(b):
+            raise ValueError(f"cost profile: step_ms needs one entry per batch size ({len(b)}), "
+                             f"got {len(self.step_ms)}")
+        for row in self.step_ms:
             if len(row) < 1 or any(not t > 0 for t in row):
-                raise ValueError(f"cost profile target_ms rows must be positive times for T = 1.., got {list(row)}")
-        if any(not t >= 0 for t in self.draft_ms):
-            raise ValueError(f"cost profile draft_ms must be >= 0, got {list(self.draft_ms)}")
+                raise ValueError(f"cost profile step_ms rows must be positive times for K = 0.., got {list(row)}")
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"cost profile acceptance values must lie in [0, 1], got {list(self.acceptance)}")
 
     @property
     def max_k(self) -> int:
-        """The deepest K the profile can price: measured acceptance and passes over K+1 tokens."""
-        return min(len(self.acceptance), min(len(row) for row in self.target_ms) - 1)
+        """The deepest K the profile can price: measured acceptance and steps."""
+        return min(len(self.acceptance), min(len(row) for row in self.step_ms) - 1)
 
-    def step_ms(self, batch: int, K: int) -> float:
-        """Predicted milliseconds of one step: K draft steps + a target pass over K+1 tokens.
-        Pass costs are taken non-decreasing in T (the largest measured up to T+1 tokens,
-        so that timing noise cannot make a longer pass look cheaper); between measured batch
-        sizes costs are interpolated linearly; below the smallest the
-        smallest's are used; above the largest they grow linearly along the last two."""
+    def cost(self, batch: int, K: int) -> float:
+        """Milliseconds of one step with K drafts at this batch size. Steps are taken
+        non-decreasing in K (the largest measured up to K, so that timing noise cannot make
+        more drafts look cheaper); between measured batch sizes costs are interpolated
+        linearly; below the smallest the smallest's are used; above the largest they grow
+        linearly along the last two."""
         if not 0 <= K <= self.max_k:
             raise ValueError(f"the cost profile prices K in 0..{self.max_k}, not {K}")
-
-        def at(values):
-            b = self.batches
-            if len(b) == 1 or batch <= b[0]:
-                return values[0]
-            i = next((j for j in range(1, len(b)) if batch <= b[j]), len(b) - 1)
-            slope = (values[i] - values[i - 1]) / (b[i] - b[i - 1])
-            return max(values[i - 1] + slope * (batch - b[i - 1]), min(values[i - 1], values[i]))
-
-        # A pass over more tokens never costs less: measured noise is evened out upwards.
-        return at([max(row[: K + 1]) for row in self.target_ms]) + (K * at(self.draft_ms) if K else 0.0)
+        values = [max(row[: K + 1]) for row in self.step_ms]
+        b = self.batches
+        if len(b) == 1 or batch <= b[0]:
+            return values[0]
+        i = next((j for j in range(1, len(b)) if batch <= b[j]), len(b) - 1)
+        slope = (values[i] - values[i - 1]) / (b[i] - b[i - 1])
+        return max(values[i - 1] + slope * (batch - b[i - 1]), min(values[i - 1], values[i]))
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
         if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
             raise ValueError(f"not a specjax cost profile (format {PROFILE_FORMAT!r} expected)")
         if d.get("version") != PROFILE_VERSION:
-            raise ValueError(f"cost profile version {d.get('version')!r}; this specjax reads {PROFILE_VERSION}")
+            raise ValueError(f"cost profile version {d.get('version')!r}; this specjax reads {PROFILE_VERSION}: "
+                             f"measure it again with `specjax bench --profile`")
         try:
-            return cls(tuple(int(b) for b in d["batches"]), tuple(tuple(map(float, r)) for r in d["target_ms"]),
-                       tuple(map(float, d["draft_ms"])), tuple(map(float, d["acceptance"])),
-                       {k: v for k, v in d.items() if k not in ("batches", "target_ms", "draft_ms", "acceptance")})
+            return cls(tuple(int(b) for b in d["batches"]), tuple(tuple(map(float, r)) for r in d["step_ms"]),
+                       tuple(map(float, d["acceptance"])),
+                       {k: v for k, v in d.items() if k not in ("batches", "step_ms", "acceptance")})
         except KeyError as e:
             raise ValueError(f"cost profile lacks {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -127,8 +127,7 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return {**self.meta, "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "batches": list(self.batches),
-                "target_ms": [list(r) for r in self.target_ms], "draft_ms": list(self.draft_ms),
-                "acceptance": list(self.acceptance)}
+                "step_ms": [list(r) for r in self.step_ms], "acceptance": list(self.acceptance)}
 
     @classmethod
     def load(cls, path) -> "CostProfile":
@@ -168,12 +167,41 @@ def expected_tokens_per_step(acceptance, K: int) -> float:
     return total
 
 
-def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None) -> int:
+@functools.lru_cache(maxsize=256)
+def expected_steps(acceptance: tuple[float, ...], K: int, batch: int, max_new_tokens: int,
+                   samples: int = 256) -> float:
+    """E[loop steps until every one of `batch` rows has max_new_tokens tokens], each row
+    keeping 1 + n tokens per step with P(n >= k) = a_1...a_k independently (a Monte Carlo
+    estimate with a fixed seed: deterministic). K = 0: exactly max_new_tokens."""
+    if K == 0:
+        return float(max_new_tokens)
+    reach = np.cumprod(np.asarray(acceptance[:K], np.float64))  # P(n >= k), k = 1..K
+    rng = np.random.default_rng(0)
+    made = np.zeros((samples, batch), np.int64)
+    steps = np.zeros((samples,), np.int64)
+    while (going := (made < max_new_tokens).any(axis=1)).any():
+        n = (rng.random((samples, batch, 1)) < reach).sum(axis=2)  # leading accepts
+        made += np.where(made < max_new_tokens, n + 1, 0)
+        steps += going
+    return float(steps.mean())
+
+
+def tokens_per_ms(profile: CostProfile, batch: int, K: int, max_new_tokens: int = 64) -> float:
+    """Predicted throughput with K drafts: batch x max_new_tokens over the slowest row's
+    expected steps times one step's cost."""
+    steps = expected_steps(tuple(profile.acceptance), K, batch, max_new_tokens)
+    return batch * max_new_tokens / (steps * profile.cost(batch, K))
+
+
+def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None,
+                            max_new_tokens: int = 64) -> int:
     """The K in 0..max_k (default: all the profile prices) with the most tokens per
-    millisecond, E[tokens per step] / step cost; 0 turns speculation off. A larger K must
-    be strictly better to be chosen."""
+    millisecond (`tokens_per_ms`); 0 turns speculation off. A larger K must be strictly
+    better to be chosen."""
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     top = profile.max_k if max_k is None else min(max_k, profile.max_k)
-    rate = [expected_tokens_per_step(profile.acceptance, K) / profile.step_ms(batch, K) for K in range(top + 1)]
+    rate = [tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(top + 1)]
     return max(range(top + 1), key=lambda K: (rate[K], -K))

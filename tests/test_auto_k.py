@@ -14,8 +14,10 @@ from specjax.tree import Tree
 
 
 def profile(target_ms, draft_ms, acceptance, batches=None):
+    """A profile whose step with K drafts costs a target pass over K+1 tokens and K draft steps."""
     batches = batches or tuple(range(1, len(target_ms) + 1))
-    return CostProfile(tuple(batches), tuple(map(tuple, target_ms)), tuple(draft_ms), tuple(acceptance))
+    steps = tuple(tuple(t + K * d for K, t in enumerate(row)) for row, d in zip(target_ms, draft_ms))
+    return CostProfile(tuple(batches), steps, tuple(acceptance))
 
 
 def test_expected_tokens_per_step():
@@ -28,8 +30,11 @@ def test_expected_tokens_per_step():
 
 def test_free_verification_and_sure_acceptance_take_the_deepest_k():
     p = profile([[10.0] * 9], [0.0], [1.0] * 8)
-    assert choose_num_draft_tokens(p, 1) == 8
-    assert choose_num_draft_tokens(p, 1, max_k=5) == 5
+    # 72 new tokens: 9 a step at K = 8 take 8 steps, 8 a step 9 (at 64, K = 7 and 8 tie on 8
+    # steps and the smaller K wins).
+    assert choose_num_draft_tokens(p, 1, max_new_tokens=72) == 8
+    assert choose_num_draft_tokens(p, 1, max_new_tokens=64) == 7
+    assert choose_num_draft_tokens(p, 1, max_k=5, max_new_tokens=72) == 5
 
 
 def test_speculation_is_off_where_it_loses():
@@ -50,8 +55,8 @@ def test_k_shrinks_with_the_batch():
     assert ks[0] >= 4 and ks[3] == 0 and ks[4] == 0
     assert ks == sorted(ks, reverse=True), ks
     # Interpolation between measured batch sizes, and the smallest's costs below it.
-    assert p.step_ms(4, 0) == pytest.approx(flat[0] + (middle[0] - flat[0]) * 3 / 7)
-    assert p.step_ms(1, 2) == pytest.approx(flat[2] + 2 * 1.0)
+    assert p.cost(4, 0) == pytest.approx(flat[0] + (middle[0] - flat[0]) * 3 / 7)
+    assert p.cost(1, 2) == pytest.approx(flat[2] + 2 * 1.0)
 
 
 def test_per_position_acceptance_matters():
@@ -72,9 +77,10 @@ def test_profile_json_round_trip_and_refusals(tmp_path):
         (lambda d: d.update(version=9), "version 9"),
         (lambda d: d.pop("acceptance"), "lacks 'acceptance'"),
         (lambda d: d.update(acceptance=[1.5]), r"lie in \[0, 1\]"),
-        (lambda d: d.update(batches=[4, 1], target_ms=[[1.0], [1.0]], draft_ms=[0, 0]), "ascending"),
-        (lambda d: d.update(draft_ms=[0.5, 0.5]), "one entry per batch size"),
-        (lambda d: d.update(target_ms=[[1.0, -2.0]]), "positive times"),
+        (lambda d: d.update(batches=[4, 1], step_ms=[[1.0], [1.0]]), "ascending"),
+        (lambda d: d.update(step_ms=[[1.0], [1.0]]), "one entry per batch size"),
+        (lambda d: d.update(step_ms=[[1.0, -2.0]]), "positive times"),
+        (lambda d: d.update(version=1), "measure it again"),
     ]:
         bad = json.loads(json.dumps(d))
         change(bad)
@@ -84,7 +90,7 @@ def test_profile_json_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="no cost profile at"):
         CostProfile.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="prices K in 0..2"):
-        p.step_ms(1, 3)
+        p.cost(1, 3)
     with pytest.raises(ValueError, match="batch must be an int >= 1"):
         choose_num_draft_tokens(p, 0)
 
@@ -139,5 +145,19 @@ def test_auto_refusals(pair):
 def test_a_longer_pass_never_looks_cheaper():
     """Timing noise (a 5-token pass measured faster than a 4-token one) is evened out upwards."""
     p = profile([[10.0, 12.0, 14.0, 30.0, 11.0, 40.0]], [0.0], [0.9] * 5)
-    assert p.step_ms(1, 4) == 30.0 and p.step_ms(1, 3) == 30.0 and p.step_ms(1, 5) == 40.0
+    assert p.cost(1, 4) == 30.0 and p.cost(1, 3) == 30.0 and p.cost(1, 5) == 40.0
     assert choose_num_draft_tokens(p, 1) == 2
+
+
+def test_the_slowest_row_sets_a_batch_s_steps():
+    """A batch runs until its slowest row is done: with uncertain acceptance the expected
+    steps grow with the batch (and shrink with certainty), and the choice follows."""
+    steps = [theory.expected_steps((0.7,) * 4, 4, b, 64) for b in (1, 4, 16)]
+    assert steps[0] < steps[1] < steps[2]
+    assert 64 / expected_tokens_per_step([0.7] * 4, 4) == pytest.approx(steps[0], rel=0.1)
+    assert theory.expected_steps((1.0,) * 4, 4, 16, 64) == 13.0  # 5 tokens a step, surely
+    assert theory.expected_steps((0.7,) * 4, 0, 16, 64) == 64.0
+    # Equal step costs at both batch sizes: speculation pays at batch 1 and not at 16,
+    # only because batch 16 waits for its slowest row.
+    p = profile([[10.0, 16.0], [10.0, 16.0]], [0.0, 0.0], [0.7], batches=(1, 16))
+    assert [choose_num_draft_tokens(p, b) for b in (1, 16)] == [1, 0]

@@ -75,7 +75,7 @@ def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
         "draft model", "prompt lookup", "lookahead W3 N3 G2", "REST, own outputs chain", "REST, own outputs tree"]
     assert all(r["exact"] for r in report["runs"])
     assert report["runs"][-2]["tokens_per_pass"] > 2.5  # the datastore holds the text being generated
-    profile = specjax.CostProfile((1, 2), ((1.0, 1.1), (1.0, 2.0)), (0.1, 0.1), (0.9,))
+    profile = specjax.CostProfile((1, 2), ((1.0, 1.2), (1.0, 2.1)), (0.9,))
     report = bench.run_auto_k(target, small, prompts, (1, 2), (1,), 8, 1, profile)
     assert [(r["batch"], r["auto_k"]) for r in report["rows"]] == [(1, 1), (2, 0)]
     assert set(report["rows"][0]["tokens_per_s"]) == {0, 1}

@@ -47,7 +47,7 @@ def test_compare_measures_every_entry_beside_theory(pair):
     target, drafts, _ = pair
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1, target.config.vocab_size, 12).tolist() for _ in range(2)]
-    profile = theory.CostProfile((1,), ((1.0, 1.1, 1.2, 1.3),), (0.1,), (0.9, 0.9, 0.9))
+    profile = theory.CostProfile((1,), ((1.0, 1.2, 1.4, 1.6),), (0.9, 0.9, 0.9))
     entries = [notebook.Entry("near", drafts["near"], 3),
                notebook.Entry("near again", specjax.DraftModel(drafts["far"]), 3),  # same shape: timed once
                notebook.Entry("lookup", specjax.PromptLookup(), 3),
@@ -63,9 +63,9 @@ def test_compare_measures_every_entry_beside_theory(pair):
     assert lookup.c is None and lookup.predicted == pytest.approx(lookup.tokens_per_pass)
     assert near.predicted == pytest.approx(theory.predicted_speedup(
         theory.alpha_from_accepted(min((near.tokens_per_pass - 1), 3), 3), 3, near.c), rel=0.2)
-    K = theory.choose_num_draft_tokens(profile, 1)
+    K = theory.choose_num_draft_tokens(profile, 1, max_new_tokens=8)
     assert auto.shape == f"auto: chain K={K}"
-    rate = [theory.expected_tokens_per_step(profile.acceptance, k) / profile.step_ms(1, k) for k in (0, K)]
+    rate = [theory.tokens_per_ms(profile, 1, k, 8) for k in (0, K)]
     assert auto.predicted == pytest.approx(rate[1] / rate[0])
     assert all(r.tokens_per_s > 0 and r.speedup > 0 for r in rows)
     assert "near" in notebook.table(rows) and len(notebook.table(rows).splitlines()) == len(rows) + 1
