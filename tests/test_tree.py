@@ -196,10 +196,10 @@ def test_finished_rows_are_not_drafted_for(pair):
 
 def test_compiles_once_with_a_tree(pair):
     target, drafts, _ = pair
-    drafter = specjax.DraftModel(drafts["near"], Tree(depth=3, top_k=2, nodes=6))
+    drafter = TREE_DRAFTERS["model_dynamic"](drafts["near"])  # the shapes of its greedy case above
 
     def run(seed, **kw):
-        padded, lengths = specjax.pad_prompts(_prompts(3, seed=seed), bucket=16)
+        padded, lengths = specjax.pad_prompts(_prompts(4, seed=seed), bucket=16)
         specjax.generate(target, padded, lengths, draft=drafter, key=jax.random.key(seed),
                          max_new_tokens=MAX_NEW, **kw)
 
