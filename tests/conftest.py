@@ -7,9 +7,30 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import tiny  # noqa: E402
+
+# A persistent compilation cache for this session only (a fresh, empty folder each run,
+# removed at exit): a program a later module needs again after `_release_compiled_programs`
+# is read back from disk instead of compiled again (compiling is most of the suite's time on
+# CPU). Keys are XLA's fingerprints of the whole program, so a changed program (a
+# monkeypatched rule, another shape) never hits an old entry; the in-memory jit caches,
+# which the compile-once tests count, are untouched. JAX_COMPILATION_CACHE_DIR, if set,
+# is used instead (and kept).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    COMPILATION_CACHE = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+else:
+    COMPILATION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # tiny programs too
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture(scope="module", autouse=True)

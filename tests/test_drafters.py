@@ -76,24 +76,25 @@ def test_prompt_lookup_without_a_match_still_advances(pair):
 
 
 def test_adaptive_draft_length_moves_k(pair):
-    """With a draft that is often wrong, the schedule shrinks K: fewer drafts than K per step."""
+    """With a draft that is often wrong, the schedule shrinks K: fewer drafts than K per step.
+    (K = 5 on 4 rows: the adaptive program is [5-4-model_adaptive]'s.)"""
     target, drafts, _ = pair
-    padded, lengths = specjax.pad_prompts(_prompts(3, seed=3), bucket=16)
+    padded, lengths = specjax.pad_prompts(_prompts(4, seed=3), bucket=16)
     fixed = specjax.generate(target, padded, lengths, draft=drafts["far"], max_new_tokens=MAX_NEW,
-                             num_draft_tokens=6)
+                             num_draft_tokens=5)
     adaptive = specjax.generate(target, padded, lengths, draft=drafts["far"], max_new_tokens=MAX_NEW,
-                                num_draft_tokens=6, adaptive_k=True)
+                                num_draft_tokens=5, adaptive_k=True)
     np.testing.assert_array_equal(fixed.tokens, adaptive.tokens)
-    assert (fixed.stats.drafted == 6 * fixed.stats.steps).all()
+    assert (fixed.stats.drafted == 5 * fixed.stats.steps).all()
     assert adaptive.stats.drafted.sum() < fixed.stats.drafted.sum() / 2
 
 
 def test_confidence_threshold_stops_drafting(pair):
     target, drafts, _ = pair
-    padded, lengths = specjax.pad_prompts(_prompts(2, seed=4), bucket=16)
-    base = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=MAX_NEW)
-    never = specjax.generate(target, padded, lengths, draft=drafts["near"], max_new_tokens=MAX_NEW,
-                             draft_threshold=1.0)  # no draft is ever that sure
+    padded, lengths = specjax.pad_prompts(_prompts(4, seed=4), bucket=16)
+    kwargs = dict(draft=drafts["near"], max_new_tokens=MAX_NEW, num_draft_tokens=5)  # shapes as above
+    base = specjax.generate(target, padded, lengths, **kwargs)
+    never = specjax.generate(target, padded, lengths, **kwargs, draft_threshold=1.0)  # no draft is ever that sure
     np.testing.assert_array_equal(base.tokens, never.tokens)
     assert never.stats.drafted.sum() == 0 and (never.stats.steps == MAX_NEW).all()
 

@@ -85,13 +85,13 @@ def test_states_are_carried_only_for_drafters_that_want_them(pair):
 
 def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
     target, _, _ = pair
-    padded, lengths = specjax.pad_prompts(_prompts(2, seed=5), bucket=16)
+    padded, lengths = specjax.pad_prompts(_prompts(4, seed=5), bucket=16)  # the greedy cases' shapes
     for name in ("medusa_dynamic", "eagle_chain"):
         drafter = DRAFTERS[name](target)
         drafter.save(tmp_path / name)
         loaded = specjax.load_drafter(tmp_path / name, tree=drafter.tree)
         assert type(loaded) is type(drafter)
-        a, b = (specjax.generate(target, padded, lengths, draft=d, max_new_tokens=8, temperature=1.0,
+        a, b = (specjax.generate(target, padded, lengths, draft=d, max_new_tokens=MAX_NEW, temperature=1.0,
                                  key=jax.random.key(1)) for d in (drafter, loaded))
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.stats.accepted, b.stats.accepted)
@@ -119,21 +119,24 @@ def test_shapes_are_refused_clearly(pair):
 
 # ---- training ----------------------------------------------------------------------------
 
-def _own_text(target, rows=48, length=48, seed=0):
-    """The target's own greedy continuations of random prompts: what self-distillation learns from."""
-    rng = np.random.RandomState(seed)
-    prompts = rng.randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
-    out = specjax.generate(target, prompts, np.full(rows, 2, np.int32), max_new_tokens=length,
-                           key=jax.random.key(seed))
-    return np.concatenate([np.concatenate([p, t]) for p, t in zip(prompts, np.asarray(out.tokens))])
+@pytest.fixture(scope="module")
+def own_text(pair):
+    """The target's own greedy continuations of random prompts (what self-distillation
+    learns from), in one batch: 48 rows to train on and 16 held out (other prompts)."""
+    target = pair[0]
+    rows, length = 64, 48
+    prompts = np.random.RandomState(0).randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
+    out = specjax.generate(target, prompts, np.full(rows, 2, np.int32), max_new_tokens=length)
+    text = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)  # [rows, 2 + length]
+    return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_training_raises_acceptance_and_stays_exact(pair, tmp_path, kind):
+def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):
     from specjax.train import TrainConfig, heads
 
     target, _, torch_model = pair
-    stream, held = _own_text(target, seed=0), _own_text(target, rows=16, seed=1)
+    stream, held = own_text
     probe = held[:4 * 16].reshape(4, 16)
     cfg = TrainConfig(steps=100, batch=8, seq_len=32, lr=1e-2, warmup=5, eval_every=100, eval_batches=2,
                       checkpoint_every=100)
@@ -164,11 +167,13 @@ def test_training_raises_acceptance_and_stays_exact(pair, tmp_path, kind):
 CHILD = Path(__file__).with_name("resume_child.py")
 
 
-def _run_child(kind, run_dir, kill_during_save=False, kill_after=None):
+def _run_child(kind, run_dir, jax_cache, kill_during_save=False, kill_after=None):
     """Runs the child; with kill_during_save, SIGKILLs it as soon as a checkpoint is being
     written (orbax's temporary directory exists); with kill_after, after that many seconds.
-    Returns True if it finished on its own."""
-    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    Children share the persistent compilation cache jax_cache, so that only the first one
+    compiles. Returns True if it finished on its own."""
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent), "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     proc = subprocess.Popen([sys.executable, str(CHILD), kind, str(run_dir)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     start, checkpoints = time.monotonic(), Path(run_dir) / "checkpoints"
@@ -187,20 +192,27 @@ def _run_child(kind, run_dir, kill_during_save=False, kill_after=None):
 def test_sigkill_at_random_moments_resumes_bit_for_bit(tmp_path, kind):
     """The shared training loop (heads and models alike), killed with SIGKILL while saving
     a checkpoint and at random moments, restarted each time, ends with params bit-equal to
-    an unbroken run's."""
+    an unbroken run's. The first unbroken run compiles (and fills the children's compilation
+    cache); a second one, which reads its programs from that cache as every later child
+    does, must end bit-equal too, and its time is what the kill moments are fractions of."""
+    cache = tmp_path / "jax-cache"
+    assert _run_child(kind, tmp_path / "straight", cache)
     start = time.monotonic()
-    assert _run_child(kind, tmp_path / "straight")
-    unbroken = time.monotonic() - start  # start-up and compilation included
+    assert _run_child(kind, tmp_path / "again", cache)
+    unbroken = time.monotonic() - start  # start-up included
     rng = np.random.RandomState(0)
     broken = tmp_path / "broken"
-    assert not _run_child(kind, broken, kill_during_save=True)  # killed while writing step 1
+    assert not _run_child(kind, broken, cache, kill_during_save=True)  # killed while writing step 1
     kills, finished = 1, False
     while not finished:  # then at random moments (a run resumed late may finish first)
         delay = rng.uniform(0.3, 0.8) * unbroken
-        finished = _run_child(kind, broken, kill_after=delay) if kills < 4 else _run_child(kind, broken)
+        finished = (_run_child(kind, broken, cache, kill_after=delay) if kills < 4
+                    else _run_child(kind, broken, cache))
         kills += not finished
     assert kills >= 2
-    a, b = (np.load(d / "params.npz") for d in (tmp_path / "straight", broken))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    a = np.load(tmp_path / "straight" / "params.npz")
+    for other in ("again", "broken"):
+        b = np.load(tmp_path / other / "params.npz")
+        assert sorted(a) == sorted(b)
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{other}: {name}")

@@ -77,10 +77,11 @@ def test_distillation_raises_acceptance(stream, tmp_path):
     teacher, _ = train(init(_config(hidden=48), jax.random.key(2), jnp.float32), stream,
                        stream[-3000:], CFG, tmp_path / "teacher", progress=False, log=lambda s: None)
     draft = init(_config(hidden=16, layers=1), jax.random.key(3), jnp.float32)
+    # The draft before training, for both losses: one step, whose learning rate (the warmup's
+    # first) is 0, and the metrics do not depend on the loss.
+    _, before = train(draft, stream, stream[-3000:], TrainConfig(**{**CFG.__dict__, "steps": 1}),
+                      tmp_path / "before", teacher=teacher, progress=False, log=lambda s: None)
     for loss in ("kl", "tv"):
-        cfg = TrainConfig(**{**CFG.__dict__, "loss": loss, "steps": 1})
-        _, before = train(draft, stream, stream[-3000:], cfg, tmp_path / f"{loss}0", teacher=teacher,
-                          progress=False, log=lambda s: None)
         cfg = TrainConfig(**{**CFG.__dict__, "loss": loss})
         _, after = train(draft, stream, stream[-3000:], cfg, tmp_path / loss, teacher=teacher,
                          progress=False, log=lambda s: None)
