@@ -236,7 +236,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     if datastore is None:
         log("note: no datastore; retrieval runs only on the target's own outputs")
     if only == "auto_k":
-        report = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
+        report = run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
         _write(report, out_dir, "auto_k.json", log)
         return report
     if only is not None:
@@ -311,7 +311,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
                       cache_len + 64, log=log)
     training_free = run_training_free(target, draft, datastore, prompts, auto[0.0], auto_greedy_rows,
                                       max_new_tokens, repeats, K=best_k, log=log)
-    auto_k = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
+    auto_k = run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
     report = {"trees": trees, "training_free": training_free, "auto_k": auto_k, "c": c,
               "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
               "runs": [_as_dict(r) for r in runs], "batches": [[_as_dict(b), _as_dict(s)] for b, s in by_batch],
@@ -373,40 +373,64 @@ def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", o
     return report
 
 
+PROFILE_TREE, PROFILE_TREE_NODES = (8, 2), (4, 8, 12, 16, 24)  # the tree family a profile measures
+
+
 def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "bench", max_k: int = 8,
                     batches=(1, 4, 16), num_prompts=16, prompt_tokens=64, max_new_tokens=64, repeats=3,
+                    tree_family: tuple[int, int] | None = PROFILE_TREE, tree_nodes=PROFILE_TREE_NODES,
                     log=print) -> theory.CostProfile:
     """The cost profile that `generate(num_draft_tokens="auto")` reads: one whole loop step
     with K = 0..max_k drafts of the draft model per batch size ((the time of generate - the
     time of its prefill) / the loop's steps, greedy), and the draft's per-position
-    acceptance at K = max_k. Held-out prompts other than the bench's (seed 1), so that
+    acceptance at K = max_k; then the same for the draft model growing Tree(depth, top_k, n)
+    (tree_family = (depth, top_k)) for every n in tree_nodes, with how deep each budget's
+    accepted paths reach. Held-out prompts other than the bench's (seed 1), so that
     `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
     as profile.json in out_dir."""
     from specjax.hf import load_model, load_tokenizer
 
     target, draft = load_model(target_path), load_model(draft_path)
     prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens, seed=1)
-    step_ms = []
+    shapes = [(draft if K else None, K) for K in range(max_k + 1)]
+    if tree_family is not None:
+        shapes += [(DraftModel(draft, Tree(*tree_family, n)), None) for n in tree_nodes]
+    step_ms, reach = [], {}
     for batch in batches:
         prefill, _ = time_generate(target, prompts, batch, repeats, max_new_tokens=1)
         row = []
-        for K in range(max_k + 1):
-            run, _ = time_generate(target, prompts, batch, repeats, draft if K else None, K,
-                                   max_new_tokens=max_new_tokens)
+        for i, (drafter, K) in enumerate(shapes):
+            run, _ = time_generate(target, prompts, batch, repeats, drafter, K, max_new_tokens=max_new_tokens)
             row.append(1e3 * max(run.seconds - prefill.seconds, 1e-9) / (run.loops - prefill.loops))
+            if K is None and i not in reach:  # greedy: every batch size accepts the same paths
+                reach[i] = tuple(depth_acceptance(run.traces, drafter.tree.depth))
         step_ms.append(row)
-        log(f"batch {batch}: one loop step with K = 0..{max_k} drafts {' '.join(f'{t:.2f}' for t in row)} ms")
+        log(f"batch {batch}: one loop step with K = 0..{max_k} drafts "
+            f"{' '.join(f'{t:.2f}' for t in row[: max_k + 1])} ms"
+            + ("" if tree_family is None else f"; Tree({tree_family[0]}, {tree_family[1]}, n) for n = "
+               f"{' '.join(map(str, tree_nodes))}: {' '.join(f'{t:.2f}' for t in row[max_k + 1:])} ms"))
     acceptance = per_position_acceptance(_all_traces(target, draft, prompts, max_k, max_new_tokens), max_k)
     log(f"per-position acceptance at K = {max_k}: {' '.join(f'{a:.2f}' for a in acceptance)}")
-    profile = theory.CostProfile(tuple(batches), tuple(map(tuple, step_ms)), tuple(acceptance),
-                                 {"backend": jax.default_backend(), "dtype": str(target.dtype),
-                                  "target": str(target_path), "draft": str(draft_path),
-                                  "command": f"specjax bench --profile --batches {' '.join(map(str, batches))} "
-                                             f"-k {max_k} --num-prompts {num_prompts} --repeats {repeats}"})
+    trees = ()
+    if tree_family is not None:
+        trees = (theory.TreeBudgets(*tree_family, tuple(tree_nodes), tuple(tuple(r[max_k + 1:]) for r in step_ms),
+                                    tuple(reach[i] for i in sorted(reach))),)
+        for n, r in zip(tree_nodes, trees[0].reach):
+            log(f"Tree({tree_family[0]}, {tree_family[1]}, {n}): P(a step keeps >= d drafts), d = 1..: "
+                f"{' '.join(f'{a:.2f}' for a in r)}")
+    command = (f"specjax bench --profile --batches {' '.join(map(str, batches))} -k {max_k} "
+               f"--num-prompts {num_prompts} --repeats {repeats}")
+    if tree_family is not None:
+        command += f" --profile-tree {tree_family[0]},{tree_family[1]} --tree-nodes {' '.join(map(str, tree_nodes))}"
+    profile = theory.CostProfile(tuple(batches), tuple(tuple(r[: max_k + 1]) for r in step_ms), tuple(acceptance),
+                                 trees, {"backend": jax.default_backend(), "dtype": str(target.dtype),
+                                         "target": str(target_path), "draft": str(draft_path), "command": command})
     for batch in batches:
-        log(f"batch {batch}: num_draft_tokens='auto' picks K = "
-            f"{theory.choose_num_draft_tokens(profile, batch, max_new_tokens=max_new_tokens)} "
-            f"for {max_new_tokens} new tokens")
+        choice = f"K = {theory.choose_num_draft_tokens(profile, batch, max_new_tokens=max_new_tokens)}"
+        if tree_family is not None:
+            nodes = theory.choose_tree_nodes(profile, *tree_family, batch, max(tree_nodes), max_new_tokens)
+            choice += f" for a chain, nodes = {nodes} for Tree({tree_family[0]}, {tree_family[1]}, n)"
+        log(f"batch {batch}: num_draft_tokens='auto' picks {choice} for {max_new_tokens} new tokens")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         profile.save(Path(out_dir) / "profile.json")
@@ -545,33 +569,54 @@ def _with_documents(datastore: Datastore, documents) -> Datastore:
     return Datastore.build([d[:-1].tolist() for d in np.split(tokens, cuts + 1)[:-1]] + list(documents))
 
 
-def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile=None, log=print) -> dict:
-    """num_draft_tokens="auto" against every fixed K (0: autoregressive) per batch size
-    (greedy): its choice, its tok/s over the best fixed K's and over autoregressive."""
-    from specjax.generate import auto_num_draft_tokens
+def run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile=None, log=print) -> dict:
+    """Auto's chain K against every fixed K, then, for every tree family the profile
+    measured, auto's node budget against every measured budget."""
+    profile = theory.resolve_profile(cost_profile, jax.default_backend())
+    chain = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, profile, log=log)
+    trees = [run_auto_k(target, draft, prompts, batches, family.nodes, max_new_tokens, repeats, profile,
+                        tree=Tree(family.depth, family.top_k, max(family.nodes)), log=log) for family in profile.trees]
+    return {"chain": chain, "trees": trees}
 
+
+def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile=None, tree=None,
+               log=print) -> dict:
+    """num_draft_tokens="auto" against every fixed K in ks (0: autoregressive) per batch size
+    (greedy): its choice, its tok/s over the best fixed K's and over autoregressive. With a
+    dynamic `tree`, auto's node budget for DraftModel(draft, tree) against Tree(depth, top_k,
+    n) for every n in ks instead."""
+    from specjax.generate import auto_shape
+
+    if tree is None:
+        unit, auto_drafter = "K", draft
+        fixed_shapes = {K: (draft if K else None, K) for K in (0, *ks)}
+    else:
+        unit, auto_drafter = "nodes", DraftModel(draft, tree)
+        fixed_shapes = {0: (None, 0), **{n: (DraftModel(draft, Tree(tree.depth, tree.top_k, n)), None) for n in ks}}
     rows = []
     for batch in batches:
         fixed = {}
-        for K in (0, *ks):
-            run, _ = time_generate(target, prompts, batch, repeats, None if K == 0 else draft, K,
-                                   "none" if K == 0 else "draft", 0.0, max_new_tokens)
-            fixed[K] = run.tokens_per_s
-        choice = auto_num_draft_tokens(batch, draft, cost_profile, max_new_tokens)
-        run, _ = time_generate(target, prompts, batch, repeats, draft, "auto", "auto", 0.0, max_new_tokens,
+        for label, (drafter, K) in fixed_shapes.items():
+            run, _ = time_generate(target, prompts, batch, repeats, drafter, K, "draft" if label else "none", 0.0,
+                                   max_new_tokens)
+            fixed[label] = run.tokens_per_s
+        chosen, K = auto_shape(batch, auto_drafter, cost_profile, max_new_tokens)
+        choice = 0 if chosen is None else K if tree is None else chosen.tree.nodes
+        run, _ = time_generate(target, prompts, batch, repeats, auto_drafter, "auto", "auto", 0.0, max_new_tokens,
                                cost_profile=cost_profile)
         best = max(fixed, key=fixed.get)
         rows.append({"batch": batch, "tokens_per_s": fixed, "auto_k": choice, "auto_tokens_per_s": run.tokens_per_s,
                      "best_k": best, "auto_over_best": run.tokens_per_s / fixed[best],
                      "auto_over_autoregressive": run.tokens_per_s / fixed[0]})
-    log("\nnum_draft_tokens='auto' vs fixed K (greedy; tok/s; K = 0 is autoregressive)")
-    log(f"{'batch':>5} " + " ".join(f"{'K=' + str(K):>7}" for K in (0, *ks)) + f" {'auto':>10} {'best':>5} "
-        f"{'auto/best':>9} {'auto/AR':>7}")
+    family = "" if tree is None else f" for Tree({tree.depth}, {tree.top_k}, n), n = nodes"
+    log(f"\nnum_draft_tokens='auto' vs fixed {unit}{family} (greedy; tok/s; {unit} = 0 is autoregressive)")
+    log(f"{'batch':>5} " + " ".join(f"{unit + '=' + str(K):>8}" for K in fixed_shapes) + f" {'auto':>14} "
+        f"{'best':>8} {'auto/best':>9} {'auto/AR':>7}")
     for r in rows:
-        log(f"{r['batch']:>5} " + " ".join(f"{r['tokens_per_s'][K]:>7.1f}" for K in (0, *ks))
-            + f" {'K=' + str(r['auto_k']) + ' ' + format(r['auto_tokens_per_s'], '.1f'):>10} {r['best_k']:>5} "
-            f"{r['auto_over_best']:>9.2f} {r['auto_over_autoregressive']:>7.2f}")
-    return {"rows": rows}
+        log(f"{r['batch']:>5} " + " ".join(f"{r['tokens_per_s'][K]:>8.1f}" for K in fixed_shapes)
+            + f" {unit + '=' + str(r['auto_k']) + ' ' + format(r['auto_tokens_per_s'], '.1f'):>14} "
+            f"{unit + '=' + str(r['best_k']):>8} {r['auto_over_best']:>9.2f} {r['auto_over_autoregressive']:>7.2f}")
+    return {"unit": unit, "tree": None if tree is None else describe(tree), "rows": rows}
 
 
 def _all_traces(target, draft, prompts, K, max_new_tokens):
@@ -800,6 +845,10 @@ def add_arguments(parser):
                              "(writes training_free.json)")
     parser.add_argument("--auto-k-only", action="store_true",
                         help="only num_draft_tokens='auto' against every fixed K per batch size (writes auto_k.json)")
+    parser.add_argument("--profile-tree", default=",".join(map(str, PROFILE_TREE)), metavar="DEPTH,TOP_K",
+                        help="the dynamic tree family --profile measures node budgets of ('none': chains only)")
+    parser.add_argument("--tree-nodes", type=int, nargs="+", default=list(PROFILE_TREE_NODES),
+                        help="the node budgets --profile measures for --profile-tree")
     parser.add_argument("--datastore", default=default_checkpoint("datastore"), help="a datastore for retrieval")
     parser.add_argument("--cost-profile", default=None, help="profile.json for 'auto' (default: the shipped one)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -807,6 +856,17 @@ def add_arguments(parser):
                              "autoregressive output, and where (writes divergence_bfloat16.json)")
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
+
+
+def _tree_family(text: str) -> tuple[int, int] | None:
+    if text == "none":
+        return None
+    try:
+        depth, top_k = (int(x) for x in text.split(","))
+        Tree(depth, top_k, 1)
+    except ValueError as e:
+        raise SystemExit(f"--profile-tree {text!r}: give DEPTH,TOP_K such as 8,2, or none ({e})") from None
+    return depth, top_k
 
 
 def run_from_args(args):
@@ -826,7 +886,8 @@ def run_from_args(args):
     if args.profile:
         measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),
                         num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
-                        max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                        max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                        tree_family=_tree_family(args.profile_tree), tree_nodes=tuple(args.tree_nodes))
         return
     run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),

@@ -113,6 +113,13 @@ def _generate(args):
             print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
         else:
             specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    num_draft_tokens = args.num_draft_tokens
+    if num_draft_tokens == "auto":  # chosen here, so that the summary names the choice
+        from specjax.generate import auto_shape
+
+        draft, num_draft_tokens = auto_shape(len(prompts), draft, max_new_tokens=args.max_new_tokens)
+        tree = getattr(draft, "tree", None)
+        drafter_name = "none (auto: speculation off at this batch size)" if draft is None else drafter_name + " (auto)"
     if tree is not None:
         drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
     ids = encode_prompts(tokenizer, prompts, args.chat)
@@ -124,7 +131,7 @@ def _generate(args):
     start = time.perf_counter()  # ahead-of-time: compilation alone, the batch is not run
     run = specjax.compile_generate(target, padded, lengths, draft=draft, key=jax.random.key(args.seed),
                                    max_new_tokens=args.max_new_tokens,
-                                   num_draft_tokens=args.num_draft_tokens, eos_token_id=stop,
+                                   num_draft_tokens=num_draft_tokens, eos_token_id=stop,
                                    adaptive_k=args.adaptive_k, stream=printer, **sampling)
     compile_seconds = time.perf_counter() - start
     if streaming:
@@ -136,16 +143,12 @@ def _generate(args):
 
     generated = int(out.num_tokens.sum())
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
-    from specjax.generate import auto_num_draft_tokens
-
     stats = {
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
         "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
-            draft.resolve(None).tree.nodes if args.lookahead else
-            auto_num_draft_tokens(len(prompts), draft, max_new_tokens=args.max_new_tokens)
-            if args.num_draft_tokens == "auto" else args.num_draft_tokens or 4),
+            draft.resolve(None).tree.nodes if args.lookahead else num_draft_tokens or 4),
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
         "eos_token_id": stop, **sampling,

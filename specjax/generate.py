@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,12 +43,12 @@ from jax.experimental import io_callback
 
 from specjax import acceptance, memory, sharding, theory
 from specjax.cache import KVCache, move, tree_placement
-from specjax.drafters import DraftModel, DraftRequest, Proposal
+from specjax.drafters import DraftModel, DraftRequest, Lookahead, Proposal
 from specjax.drafters.base import Features
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids, layers, prefill
 from specjax.sampling import Sampling, validate, warp
-from specjax.tree import ancestors, depths, with_branch
+from specjax.tree import Tree, ancestors, depths, with_branch
 
 
 @struct.dataclass
@@ -137,7 +136,9 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         "auto": the static K for this batch size, chosen on the host before compiling by
         `specjax.theory.choose_num_draft_tokens` from `cost_profile` (a `CostProfile`, a
         profile.json path written by `specjax bench --profile`, or None: the profile
-        shipped for this JAX backend); K = 0 turns speculation off (plain decoding).
+        shipped for this JAX backend); K = 0 turns speculation off (plain decoding). A
+        drafter with a dynamic Tree(depth, top_k, nodes): its node budget, at most `nodes`,
+        by `theory.choose_tree_nodes` (see `auto_shape`).
     Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
     and eos_token_id are traced, so changing them never recompiles.
     eos_token_id: None, one stop id or several (a row stops after the first of any, as in
@@ -178,24 +179,28 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     return lambda: _run(args, {}, stream, executable)
 
 
-def auto_num_draft_tokens(batch: int, draft, cost_profile=None, max_new_tokens: int = 64) -> int:
-    """num_draft_tokens="auto": K for this batch size and output length from the cost
-    profile (0: no speculation)."""
+def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64):
+    """num_draft_tokens="auto": (draft, num_draft_tokens) for this batch size and output
+    length from the cost profile. A chain gets its K; a drafter with a dynamic
+    Tree(depth, top_k, nodes) gets the same tree with the node budget chosen among those the
+    profile measured for that family, up to `nodes`. Where speculation loses: (None, None),
+    plain decoding."""
     if draft is None:
         raise ValueError("num_draft_tokens='auto' needs a draft (there is nothing to speculate with)")
-    if getattr(draft, "tree", None) is not None:
-        raise ValueError("num_draft_tokens='auto' picks a chain length, but this drafter's Tree fixes its "
-                         "shape: leave num_draft_tokens unset, or give the drafter no tree")
-    if cost_profile is None:
-        profile = theory.default_profile(jax.default_backend())
-    elif isinstance(cost_profile, theory.CostProfile):
-        profile = cost_profile
-    elif isinstance(cost_profile, (str, Path)):
-        profile = theory.CostProfile.load(cost_profile)
-    else:
-        raise TypeError(f"cost_profile must be a specjax.CostProfile, a path or None, got "
-                        f"{type(cost_profile).__name__}")
-    return theory.choose_num_draft_tokens(profile, int(batch), max_new_tokens=int(max_new_tokens))
+    profile = theory.resolve_profile(cost_profile, jax.default_backend())
+    if isinstance(draft, Lookahead):
+        raise ValueError("num_draft_tokens='auto' does not choose Lookahead's shape (window, ngram and guesses "
+                         "set it): leave num_draft_tokens unset")
+    tree = getattr(draft, "tree", None)
+    if tree is None:
+        K = theory.choose_num_draft_tokens(profile, int(batch), max_new_tokens=int(max_new_tokens))
+        return (draft, K) if K else (None, None)
+    if tree.is_static:
+        raise ValueError("num_draft_tokens='auto' picks a node budget for a dynamic Tree(depth, top_k, nodes), "
+                         "but a static tree (Tree.from_paths) fixes its shape: leave num_draft_tokens unset")
+    nodes = theory.choose_tree_nodes(profile, tree.depth, tree.top_k, int(batch), tree.nodes,
+                                     max_new_tokens=int(max_new_tokens))
+    return (draft.replace(tree=Tree(tree.depth, tree.top_k, nodes)), None) if nodes else (None, None)
 
 
 def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
@@ -205,9 +210,7 @@ def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tok
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an int, None or 'auto', got {num_draft_tokens!r}")
-        num_draft_tokens = auto_num_draft_tokens(np.shape(prompts)[0], draft, cost_profile, max_new_tokens)
-        if num_draft_tokens == 0:  # the profile says speculation loses at this batch size
-            draft, num_draft_tokens = None, None
+        draft, num_draft_tokens = auto_shape(np.shape(prompts)[0], draft, cost_profile, max_new_tokens)
     elif cost_profile is not None:
         raise ValueError("cost_profile is read only with num_draft_tokens='auto'")
     drafter = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,

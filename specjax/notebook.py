@@ -200,13 +200,11 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
     timed: dict = {}  # _cost_key -> (c, kind)
     for i, entry in enumerate(entries):
         drafter, K, profile = entry.drafter, entry.K, None
-        if K == "auto":
-            from specjax.generate import auto_num_draft_tokens
+        if K == "auto":  # None when the profile says speculation loses here: plain decoding
+            from specjax.generate import auto_shape
 
-            profile = _profile(cost_profile)
-            K = auto_num_draft_tokens(batch, drafter, profile, max_new_tokens)
-            if K == 0:  # the profile says speculation loses here: plain decoding
-                drafter = None
+            profile = theory.resolve_profile(cost_profile, jax.default_backend())
+            drafter, K = auto_shape(batch, drafter, profile, max_new_tokens)
         if drafter is None:
             c, kind = None, "none"
         else:
@@ -228,8 +226,8 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
             drafter, K, profile, c, kind, passes = costs[i]
             run, out_rows = bench.time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
             if profile is not None:  # the profile's own prediction, made before anything ran
-                predicted = (theory.tokens_per_ms(profile, batch, K, max_new_tokens)
-                             / theory.tokens_per_ms(profile, batch, 0, max_new_tokens))
+                predicted = _profile_rate(profile, drafter, K, batch, max_new_tokens) / theory.tokens_per_ms(
+                    profile, batch, 0, max_new_tokens)
             elif getattr(drafter, "tree", None) is None and kind == "sequential" and run.steps:
                 alpha = theory.alpha_from_accepted(min(run.accepted / run.steps, K), K)  # Leviathan et al.
                 predicted = theory.predicted_speedup(alpha, K, c)
@@ -243,12 +241,12 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
     return rows
 
 
-def _profile(cost_profile):
-    if cost_profile is None:
-        return theory.default_profile(jax.default_backend())
-    if isinstance(cost_profile, theory.CostProfile):
-        return cost_profile
-    return theory.CostProfile.load(cost_profile)
+def _profile_rate(profile, drafter, K, batch, max_new_tokens) -> float:
+    """The profile's tokens per ms for what "auto" chose: a chain of K, a tree, or nothing."""
+    tree = getattr(drafter, "tree", None)
+    if tree is not None:
+        return theory.tree_tokens_per_ms(profile, tree.depth, tree.top_k, tree.nodes, batch, max_new_tokens)
+    return theory.tokens_per_ms(profile, batch, K or 0, max_new_tokens)
 
 
 def _fmt(x, spec=".2f"):

@@ -6,9 +6,11 @@ K: draft tokens per step; c: the cost of one draft step over one target pass.
 A `CostProfile` (written by `specjax bench --profile`, a CPU default shipped in
 specjax/profiles/) holds the measured time of one whole loop step by batch size and K (the
 drafts, the verification pass, acceptance and bookkeeping: what a step really costs), and
-the per-position acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted) of one drafter.
-A batch runs until its slowest row is done, so the choice of K weighs the expected number
-of steps of the slowest of B rows, not one row's. Pure arithmetic, numpy and JSON: it knows
+the per-position acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted) of one drafter;
+and, for trees, the same for each measured node budget of a dynamic tree family
+(`TreeBudgets`: a step's time and how deep its accepted path reaches). A batch runs until
+its slowest row is done, so the choice of K (or of a node budget) weighs the expected
+number of steps of the slowest of B rows, not one row's. Pure arithmetic, numpy and JSON: it knows
 nothing about models or JAX.
 """
 
@@ -61,6 +63,55 @@ def alpha_from_accepted(accepted_per_step: float, K: int, tol: float = 1e-9) -> 
 PROFILE_FORMAT, PROFILE_VERSION = "specjax-cost-profile", 2
 
 
+def _at_batch(batches: tuple[int, ...], values: list[float], batch: int) -> float:
+    """A cost measured at each of `batches`, at another batch size: interpolated linearly
+    between measured sizes, the smallest's below them, growing along the last two above."""
+    if len(batches) == 1 or batch <= batches[0]:
+        return values[0]
+    i = next((j for j in range(1, len(batches)) if batch <= batches[j]), len(batches) - 1)
+    slope = (values[i] - values[i - 1]) / (batches[i] - batches[i - 1])
+    return max(values[i - 1] + slope * (batch - batches[i - 1]), min(values[i - 1], values[i]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBudgets:
+    """Measured node budgets of one dynamic tree family, Tree(depth, top_k, n) for n in nodes."""
+
+    depth: int  # D
+    top_k: int  # C
+    nodes: tuple[int, ...]  # the node budgets measured, ascending
+    step_ms: tuple[tuple[float, ...], ...]  # [batch][j]: one loop step verifying nodes[j] drafts
+    reach: tuple[tuple[float, ...], ...]  # [j][d - 1]: P(a step keeps >= d drafts), d = 1..depth
+
+    def __post_init__(self):
+        n = self.nodes
+        if not n or any(not isinstance(x, int) or x < 1 for x in n) or list(n) != sorted(set(n)):
+            raise ValueError(f"cost profile tree budgets must be ascending distinct ints >= 1, got {list(n)}")
+        if not (isinstance(self.depth, int) and isinstance(self.top_k, int) and self.depth >= 1
+                and self.top_k >= 1):
+            raise ValueError(f"cost profile tree depth and top_k must be ints >= 1, got {self.depth}, {self.top_k}")
+        if any(len(row) != len(n) or any(not t > 0 for t in row) for row in self.step_ms):
+            raise ValueError(f"cost profile tree step_ms rows must hold one positive time per budget {list(n)}")
+        if len(self.reach) != len(n) or any(len(r) != self.depth for r in self.reach):
+            raise ValueError(f"cost profile tree reach needs, per budget, one value per depth 1..{self.depth}")
+        if any(not 0.0 <= a <= 1.0 for r in self.reach for a in r) or any(
+                later > earlier + 1e-9 for r in self.reach for earlier, later in zip(r, r[1:])):
+            raise ValueError("cost profile tree reach values must lie in [0, 1] and never grow with depth")
+
+    def cost(self, batches: tuple[int, ...], batch: int, j: int) -> float:
+        """Milliseconds of one step with budget nodes[j] (non-decreasing in the budget)."""
+        return _at_batch(batches, [max(row[: j + 1]) for row in self.step_ms], batch)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TreeBudgets":
+        return cls(int(d["depth"]), int(d["top_k"]), tuple(int(n) for n in d["nodes"]),
+                   tuple(tuple(map(float, r)) for r in d["step_ms"]), tuple(tuple(map(float, r)) for r in d["reach"]))
+
+    def to_dict(self) -> dict:
+        return {"depth": self.depth, "top_k": self.top_k, "nodes": list(self.nodes),
+                "step_ms": [list(r) for r in self.step_ms], "reach": [list(r) for r in self.reach]}
+
+
 @dataclasses.dataclass(frozen=True)
 class CostProfile:
     """Measured costs of one loop step, and how often one drafter's drafts are accepted.
@@ -71,6 +122,7 @@ class CostProfile:
     batches: tuple[int, ...]  # batch sizes measured, ascending
     step_ms: tuple[tuple[float, ...], ...]  # [batch][K]: one loop step with K = 0.. drafts
     acceptance: tuple[float, ...]  # a_i for i = 1..: P(draft i accepted | drafts before it were)
+    trees: tuple[TreeBudgets, ...] = ()  # node budgets measured per dynamic tree family
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # where it came from
 
     def __post_init__(self):
@@ -85,6 +137,11 @@ class CostProfile:
                 raise ValueError(f"cost profile step_ms rows must be positive times for K = 0.., got {list(row)}")
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"cost profile acceptance values must lie in [0, 1], got {list(self.acceptance)}")
+        if any(len(t.step_ms) != len(b) for t in self.trees):
+            raise ValueError(f"cost profile: tree step_ms needs one entry per batch size ({len(b)})")
+        families = [(t.depth, t.top_k) for t in self.trees]
+        if len(set(families)) != len(families):
+            raise ValueError(f"cost profile: a tree family appears twice in {families}")
 
     @property
     def max_k(self) -> int:
@@ -99,13 +156,16 @@ class CostProfile:
         linearly along the last two."""
         if not 0 <= K <= self.max_k:
             raise ValueError(f"the cost profile prices K in 0..{self.max_k}, not {K}")
-        values = [max(row[: K + 1]) for row in self.step_ms]
-        b = self.batches
-        if len(b) == 1 or batch <= b[0]:
-            return values[0]
-        i = next((j for j in range(1, len(b)) if batch <= b[j]), len(b) - 1)
-        slope = (values[i] - values[i - 1]) / (b[i] - b[i - 1])
-        return max(values[i - 1] + slope * (batch - b[i - 1]), min(values[i - 1], values[i]))
+        return _at_batch(self.batches, [max(row[: K + 1]) for row in self.step_ms], batch)
+
+    def tree_family(self, depth: int, top_k: int) -> TreeBudgets:
+        """The node budgets measured for dynamic trees Tree(depth, top_k, n)."""
+        for t in self.trees:
+            if (t.depth, t.top_k) == (depth, top_k):
+                return t
+        measured = ", ".join(f"Tree({t.depth}, {t.top_k}, n)" for t in self.trees) or "no trees"
+        raise ValueError(f"the cost profile measured {measured}, not Tree({depth}, {top_k}, n): measure that "
+                         f"family with `specjax bench --profile --profile-tree {depth},{top_k} --tree-nodes N ...`")
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
@@ -116,8 +176,8 @@ class CostProfile:
                              f"measure it again with `specjax bench --profile`")
         try:
             return cls(tuple(int(b) for b in d["batches"]), tuple(tuple(map(float, r)) for r in d["step_ms"]),
-                       tuple(map(float, d["acceptance"])),
-                       {k: v for k, v in d.items() if k not in ("batches", "step_ms", "acceptance")})
+                       tuple(map(float, d["acceptance"])), tuple(TreeBudgets.from_dict(t) for t in d.get("trees", [])),
+                       {k: v for k, v in d.items() if k not in ("batches", "step_ms", "acceptance", "trees")})
         except KeyError as e:
             raise ValueError(f"cost profile lacks {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -127,7 +187,8 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return {**self.meta, "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "batches": list(self.batches),
-                "step_ms": [list(r) for r in self.step_ms], "acceptance": list(self.acceptance)}
+                "step_ms": [list(r) for r in self.step_ms], "acceptance": list(self.acceptance),
+                **({"trees": [t.to_dict() for t in self.trees]} if self.trees else {})}
 
     @classmethod
     def load(cls, path) -> "CostProfile":
@@ -167,20 +228,27 @@ def expected_tokens_per_step(acceptance, K: int) -> float:
     return total
 
 
+def chain_reach(acceptance, K: int) -> tuple[float, ...]:
+    """P(a step keeps >= k drafts), k = 1..K, of a chain: a_1 a_2 ... a_k."""
+    if K > len(acceptance):
+        raise ValueError(f"acceptance is known for {len(acceptance)} positions, not K = {K}")
+    return tuple(float(r) for r in np.cumprod(np.asarray(acceptance[:K], np.float64)))
+
+
 @functools.lru_cache(maxsize=256)
-def expected_steps(acceptance: tuple[float, ...], K: int, batch: int, max_new_tokens: int,
-                   samples: int = 256) -> float:
+def expected_steps(reach: tuple[float, ...], batch: int, max_new_tokens: int, samples: int = 256) -> float:
     """E[loop steps until every one of `batch` rows has max_new_tokens tokens], each row
-    keeping 1 + n tokens per step with P(n >= k) = a_1...a_k independently (a Monte Carlo
-    estimate with a fixed seed: deterministic). K = 0: exactly max_new_tokens."""
-    if K == 0:
+    keeping 1 + n tokens per step with P(n >= k) = reach[k - 1] independently (a Monte Carlo
+    estimate with a fixed seed: deterministic). No reach (no drafts): exactly max_new_tokens."""
+    if not reach:
         return float(max_new_tokens)
-    reach = np.cumprod(np.asarray(acceptance[:K], np.float64))  # P(n >= k), k = 1..K
+    reach = np.asarray(reach, np.float64)
     rng = np.random.default_rng(0)
     made = np.zeros((samples, batch), np.int64)
     steps = np.zeros((samples,), np.int64)
     while (going := (made < max_new_tokens).any(axis=1)).any():
-        n = (rng.random((samples, batch, 1)) < reach).sum(axis=2)  # leading accepts
+        u = rng.random((samples, batch, 1))
+        n = (u < reach).sum(axis=2)  # one draw per row: n >= k exactly when u < reach[k-1]
         made += np.where(made < max_new_tokens, n + 1, 0)
         steps += going
     return float(steps.mean())
@@ -189,8 +257,15 @@ def expected_steps(acceptance: tuple[float, ...], K: int, batch: int, max_new_to
 def tokens_per_ms(profile: CostProfile, batch: int, K: int, max_new_tokens: int = 64) -> float:
     """Predicted throughput with K drafts: batch x max_new_tokens over the slowest row's
     expected steps times one step's cost."""
-    steps = expected_steps(tuple(profile.acceptance), K, batch, max_new_tokens)
+    steps = expected_steps(chain_reach(profile.acceptance, K), batch, max_new_tokens)
     return batch * max_new_tokens / (steps * profile.cost(batch, K))
+
+
+def _check_choice(batch, max_new_tokens):
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None,
@@ -198,10 +273,48 @@ def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None 
     """The K in 0..max_k (default: all the profile prices) with the most tokens per
     millisecond (`tokens_per_ms`); 0 turns speculation off. A larger K must be strictly
     better to be chosen."""
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    _check_choice(batch, max_new_tokens)
     top = profile.max_k if max_k is None else min(max_k, profile.max_k)
     rate = [tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(top + 1)]
     return max(range(top + 1), key=lambda K: (rate[K], -K))
+
+
+def tree_tokens_per_ms(profile: CostProfile, depth: int, top_k: int, nodes: int, batch: int,
+                       max_new_tokens: int = 64) -> float:
+    """Predicted throughput of a dynamic Tree(depth, top_k, nodes) whose budget the profile
+    measured: as `tokens_per_ms`, from that budget's measured reach and step."""
+    family = profile.tree_family(depth, top_k)
+    if nodes not in family.nodes:
+        raise ValueError(f"the cost profile measured Tree({depth}, {top_k}, n) for n in {list(family.nodes)}, "
+                         f"not n = {nodes}")
+    j = family.nodes.index(nodes)
+    steps = expected_steps(family.reach[j], batch, max_new_tokens)
+    return batch * max_new_tokens / (steps * family.cost(profile.batches, batch, j))
+
+
+def choose_tree_nodes(profile: CostProfile, depth: int, top_k: int, batch: int, max_nodes: int,
+                      max_new_tokens: int = 64) -> int:
+    """The node budget for a dynamic Tree(depth, top_k, n): of the budgets the profile
+    measured for that family up to max_nodes, and 0 (speculation off), the one with the most
+    tokens per millisecond (`tree_tokens_per_ms`). A larger budget must be strictly better
+    to be chosen."""
+    _check_choice(batch, max_new_tokens)
+    family = profile.tree_family(depth, top_k)
+    fits = [n for n in family.nodes if n <= max_nodes]
+    if not fits:
+        raise ValueError(f"the cost profile measured Tree({depth}, {top_k}, n) for n in {list(family.nodes)}, "
+                         f"none within this tree's {max_nodes} nodes")
+    rate = {0: tokens_per_ms(profile, batch, 0, max_new_tokens)}
+    rate.update({n: tree_tokens_per_ms(profile, depth, top_k, n, batch, max_new_tokens) for n in fits})
+    return max(rate, key=lambda n: (rate[n], -n))
+
+
+def resolve_profile(cost_profile, backend: str) -> CostProfile:
+    """A `CostProfile`, a profile.json path, or None (the profile shipped for `backend`)."""
+    if cost_profile is None:
+        return default_profile(backend)
+    if isinstance(cost_profile, CostProfile):
+        return cost_profile
+    if isinstance(cost_profile, (str, Path)):
+        return CostProfile.load(cost_profile)
+    raise TypeError(f"cost_profile must be a specjax.CostProfile, a path or None, got {type(cost_profile).__name__}")

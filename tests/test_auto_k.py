@@ -1,6 +1,7 @@
-"""num_draft_tokens="auto": the choice of K from a cost profile (pure arithmetic), the
-profile's JSON and refusals, the shipped CPU default, and generate picking K (or turning
-speculation off) per batch size with its output unchanged."""
+"""num_draft_tokens="auto": the choice of K, or of a dynamic tree's node budget, from a cost
+profile (pure arithmetic), the profile's JSON and refusals, the shipped CPU default, and
+generate picking K or the budget (or turning speculation off) per batch size with its
+output unchanged."""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 
 import specjax
 from specjax import theory
-from specjax.theory import CostProfile, choose_num_draft_tokens, expected_tokens_per_step
+from specjax.theory import CostProfile, TreeBudgets, choose_num_draft_tokens, choose_tree_nodes, expected_tokens_per_step
 from specjax.tree import Tree
 
 
@@ -132,8 +133,11 @@ def test_auto_refusals(pair):
     for kw, error, message in [
         (dict(num_draft_tokens="auto"), ValueError, "needs a draft"),
         (dict(draft=drafts["near"], num_draft_tokens="best"), ValueError, "an int, None or 'auto'"),
+        (dict(draft=specjax.DraftModel(drafts["near"], Tree.from_paths([(0,), (1,)])), num_draft_tokens="auto"),
+         ValueError, "static tree"),
         (dict(draft=specjax.DraftModel(drafts["near"], Tree(2, 2, 3)), num_draft_tokens="auto"),
-         ValueError, "Tree fixes its shape"),
+         ValueError, r"measured no trees, not Tree\(2, 2, n\)"),
+        (dict(draft=specjax.Lookahead(3, 3, 2), num_draft_tokens="auto"), ValueError, "Lookahead's shape"),
         (dict(draft=drafts["near"], cost_profile="p.json"), ValueError, "only with num_draft_tokens='auto'"),
         (dict(draft=drafts["near"], num_draft_tokens="auto", cost_profile=3), TypeError, "cost_profile must be"),
     ]:
@@ -152,12 +156,82 @@ def test_a_longer_pass_never_looks_cheaper():
 def test_the_slowest_row_sets_a_batch_s_steps():
     """A batch runs until its slowest row is done: with uncertain acceptance the expected
     steps grow with the batch (and shrink with certainty), and the choice follows."""
-    steps = [theory.expected_steps((0.7,) * 4, 4, b, 64) for b in (1, 4, 16)]
+    reach = theory.chain_reach((0.7,) * 4, 4)
+    steps = [theory.expected_steps(reach, b, 64) for b in (1, 4, 16)]
     assert steps[0] < steps[1] < steps[2]
     assert 64 / expected_tokens_per_step([0.7] * 4, 4) == pytest.approx(steps[0], rel=0.1)
-    assert theory.expected_steps((1.0,) * 4, 4, 16, 64) == 13.0  # 5 tokens a step, surely
-    assert theory.expected_steps((0.7,) * 4, 0, 16, 64) == 64.0
+    assert theory.expected_steps((1.0,) * 4, 16, 64) == 13.0  # 5 tokens a step, surely
+    assert theory.expected_steps((), 16, 64) == 64.0
     # Equal step costs at both batch sizes: speculation pays at batch 1 and not at 16,
     # only because batch 16 waits for its slowest row.
     p = profile([[10.0, 16.0], [10.0, 16.0]], [0.0, 0.0], [0.7], batches=(1, 16))
     assert [choose_num_draft_tokens(p, b) for b in (1, 16)] == [1, 0]
+
+
+def tree_profile(step_ms, reach, nodes=(2, 4, 6), batches=(1, 2), chain_ms=None):
+    """A chain profile (K = 0 at 10 ms) with one Tree(3, 2, n) family."""
+    chain_ms = chain_ms or [[10.0, 12.0]] * len(batches)
+    return CostProfile(batches, tuple(map(tuple, chain_ms)), (0.5,),
+                       (TreeBudgets(3, 2, nodes, tuple(map(tuple, step_ms)), tuple(map(tuple, reach))),))
+
+
+def test_tree_budget_trades_reach_for_step_cost():
+    """A larger budget reaches deeper; it is chosen while its deeper reach pays for its step,
+    never past the tree's own nodes, and not at all where every budget loses."""
+    reach = [(0.6, 0.2, 0.05), (0.8, 0.5, 0.3), (0.9, 0.7, 0.5)]
+    cheap = tree_profile([[11.0, 11.5, 12.0], [11.0, 40.0, 60.0]], reach)
+    assert choose_tree_nodes(cheap, 3, 2, batch=1, max_nodes=6) == 6
+    assert choose_tree_nodes(cheap, 3, 2, batch=1, max_nodes=5) == 4  # the tree's own nodes cap it
+    assert choose_tree_nodes(cheap, 3, 2, batch=2, max_nodes=6) == 2  # 4 and 6 cost too much at batch 2
+    steep = tree_profile([[30.0, 40.0, 50.0]] * 2, reach)
+    assert choose_tree_nodes(steep, 3, 2, batch=1, max_nodes=6) == 0  # speculation off
+    # the prediction behind the choice: tokens over expected steps times the measured step
+    expected = 64 / (theory.expected_steps(reach[2], 1, 64) * 12.0)
+    assert theory.tree_tokens_per_ms(cheap, 3, 2, 6, 1) == pytest.approx(expected)
+    for call, message in [
+        (lambda: choose_tree_nodes(cheap, 4, 2, 1, 6), r"measured Tree\(3, 2, n\), not Tree\(4, 2, n\)"),
+        (lambda: choose_tree_nodes(cheap, 3, 2, 1, 1), "none within this tree's 1 nodes"),
+        (lambda: theory.tree_tokens_per_ms(cheap, 3, 2, 5, 1), "not n = 5"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_tree_budgets_json_round_trip_and_refusals(tmp_path):
+    p = tree_profile([[11.0, 11.5, 12.0], [11.0, 40.0, 60.0]], [(0.6, 0.2, 0.05), (0.8, 0.5, 0.3), (0.9, 0.7, 0.5)])
+    p.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json") == p
+    for change, message in [
+        (lambda t: t.update(reach=[[0.6, 0.7, 0.1]] * 3), "never grow with depth"),
+        (lambda t: t.update(reach=[[0.6, 0.2]] * 3), "one value per depth 1..3"),
+        (lambda t: t.update(step_ms=[[1.0, 2.0]] * 2), "one positive time per budget"),
+        (lambda t: t.update(step_ms=[[1.0, 2.0, 3.0]]), "one entry per batch size"),
+        (lambda t: t.update(nodes=[4, 2, 6]), "ascending"),
+        (lambda t: t.pop("reach"), "lacks 'reach'"),
+    ]:
+        bad = json.loads(json.dumps(p.to_dict()))
+        change(bad["trees"][0])
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            CostProfile.load(tmp_path / "bad.json")
+
+
+def test_generate_auto_picks_a_node_budget_per_batch(pair):
+    """A profile that verifies a 4-node tree at batch 1 and nothing at batch 2: batch 1
+    verifies at most 4 of the tree's 6 nodes per step, batch 2 drafts nothing; the output is
+    the target's greedy output either way."""
+    target, drafts, _ = pair
+    p = tree_profile([[10.5, 11.0, 40.0], [30.0, 40.0, 50.0]], [(0.9, 0.5, 0.2), (0.95, 0.8, 0.6), (1.0, 0.9, 0.8)])
+    assert [choose_tree_nodes(p, 3, 2, b, 6) for b in (1, 2)] == [4, 0]
+    drafter = specjax.DraftModel(drafts["near"], Tree(3, 2, 6))
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    for batch in (1, 2):
+        padded, lengths = specjax.pad_prompts(prompts[:batch], bucket=16)
+        plain = specjax.generate(target, padded, lengths, max_new_tokens=10)
+        out = specjax.generate(target, padded, lengths, draft=drafter, max_new_tokens=10,
+                               num_draft_tokens="auto", cost_profile=p)
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        if batch == 1:
+            assert 0 < out.stats.drafted[0] <= 4 * out.stats.steps[0] and out.stats.accepted[0] > 0
+        else:
+            assert int(out.stats.drafted.sum()) == 0

@@ -75,11 +75,15 @@ def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
         "draft model", "prompt lookup", "lookahead W3 N3 G2", "REST, own outputs chain", "REST, own outputs tree"]
     assert all(r["exact"] for r in report["runs"])
     assert report["runs"][-2]["tokens_per_pass"] > 2.5  # the datastore holds the text being generated
-    profile = specjax.CostProfile((1, 2), ((1.0, 1.2), (1.0, 2.1)), (0.9,))
-    report = bench.run_auto_k(target, small, prompts, (1, 2), (1,), 8, 1, profile)
-    assert [(r["batch"], r["auto_k"]) for r in report["rows"]] == [(1, 1), (2, 0)]
-    assert set(report["rows"][0]["tokens_per_s"]) == {0, 1}
-    assert "num_draft_tokens='auto' vs fixed K" in capsys.readouterr().out
+    trees = (specjax.theory.TreeBudgets(2, 2, (2,), ((1.1,), (3.0,)), ((0.9, 0.5),)),)
+    profile = specjax.CostProfile((1, 2), ((1.0, 1.2), (1.0, 2.1)), (0.9,), trees)
+    report = bench.run_auto(target, small, prompts, (1, 2), (1,), 8, 1, profile)
+    chain, (tree,) = report["chain"]["rows"], report["trees"]
+    assert [(r["batch"], r["auto_k"]) for r in chain] == [(1, 1), (2, 0)]
+    assert set(chain[0]["tokens_per_s"]) == {0, 1}
+    assert tree["unit"] == "nodes" and [(r["batch"], r["auto_k"]) for r in tree["rows"]] == [(1, 2), (2, 0)]
+    out = capsys.readouterr().out
+    assert "num_draft_tokens='auto' vs fixed K" in out and "vs fixed nodes for Tree(2, 2, n)" in out
 def test_first_divergence():
     assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_divergence([1, 5, 3], [1, 2, 3]) == 1
