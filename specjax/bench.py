@@ -41,8 +41,9 @@ from specjax.tree import Tree, ancestors, depths
 # ---- timing ----------------------------------------------------------------------------
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # compile and warm up
+def median_time(fn, repeats: int, warm: bool = True) -> float:
+    if warm:
+        fn()  # compile and warm up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -114,7 +115,7 @@ class Run:
 
 
 def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, drafter=None, K=0,
-                  name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0,
+                  name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0, warm=True,
                   **options) -> tuple[Run, list]:
     """Runs every prompt (in batches of `batch`) and times the whole set; returns the Run and
     the generated rows (for exactness checks). K=None: the drafter's own tree fixes the shape;
@@ -130,7 +131,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
             eos_token_id=eos_token_id,
             return_trace=True, **options)) for p, l in padded]
 
-    seconds = median_time(call, repeats)
+    seconds = median_time(call, repeats, warm)
     outs = [jax.tree.map(np.asarray, o) for o in result["outs"]]
     total = lambda f: int(sum(f(o).sum() for o in outs))  # noqa: E731
     rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
@@ -373,7 +374,7 @@ def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", o
     return report
 
 
-PROFILE_TREE, PROFILE_TREE_NODES = (8, 2), (4, 8, 12, 16, 24)  # the tree family a profile measures
+PROFILE_TREE, PROFILE_TREE_NODES = (4, 2), (2, 4, 6, 8, 12)  # the tree family a profile measures
 
 
 def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "bench", max_k: int = 8,
@@ -582,7 +583,8 @@ def run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_
 def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile=None, tree=None,
                log=print) -> dict:
     """num_draft_tokens="auto" against every fixed K in ks (0: autoregressive) per batch size
-    (greedy): its choice, its tok/s over the best fixed K's and over autoregressive. With a
+    (greedy): its choice, its tok/s over the best fixed K's and over autoregressive, each the
+    median of `repeats` rounds that time every shape once (after one untimed round). With a
     dynamic `tree`, auto's node budget for DraftModel(draft, tree) against Tree(depth, top_k,
     n) for every n in ks instead."""
     from specjax.generate import auto_shape
@@ -593,21 +595,26 @@ def run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, cos
     else:
         unit, auto_drafter = "nodes", DraftModel(draft, tree)
         fixed_shapes = {0: (None, 0), **{n: (DraftModel(draft, Tree(tree.depth, tree.top_k, n)), None) for n in ks}}
+    shapes = {**fixed_shapes, "auto": (auto_drafter, "auto")}
     rows = []
     for batch in batches:
-        fixed = {}
-        for label, (drafter, K) in fixed_shapes.items():
-            run, _ = time_generate(target, prompts, batch, repeats, drafter, K, "draft" if label else "none", 0.0,
-                                   max_new_tokens)
-            fixed[label] = run.tokens_per_s
+        # Round robin: every shape once per round, so that the machine's drift falls on all alike.
+        samples = {label: [] for label in shapes}
+        for r in range(repeats + 1):  # round 0 compiles and warms up; its times are dropped
+            for label, (drafter, K) in shapes.items():
+                options = {"cost_profile": cost_profile} if label == "auto" else {}
+                run, _ = time_generate(target, prompts, batch, 1, drafter, K, str(label), 0.0, max_new_tokens,
+                                       warm=False, **options)
+                if r:
+                    samples[label].append(run.tokens_per_s)
+        rate = {label: statistics.median(v) for label, v in samples.items()}
+        fixed = {label: rate[label] for label in fixed_shapes}
         chosen, K = auto_shape(batch, auto_drafter, cost_profile, max_new_tokens)
         choice = 0 if chosen is None else K if tree is None else chosen.tree.nodes
-        run, _ = time_generate(target, prompts, batch, repeats, auto_drafter, "auto", "auto", 0.0, max_new_tokens,
-                               cost_profile=cost_profile)
         best = max(fixed, key=fixed.get)
-        rows.append({"batch": batch, "tokens_per_s": fixed, "auto_k": choice, "auto_tokens_per_s": run.tokens_per_s,
-                     "best_k": best, "auto_over_best": run.tokens_per_s / fixed[best],
-                     "auto_over_autoregressive": run.tokens_per_s / fixed[0]})
+        rows.append({"batch": batch, "tokens_per_s": fixed, "auto_k": choice, "auto_tokens_per_s": rate["auto"],
+                     "best_k": best, "auto_over_best": rate["auto"] / fixed[best],
+                     "auto_over_autoregressive": rate["auto"] / fixed[0]})
     family = "" if tree is None else f" for Tree({tree.depth}, {tree.top_k}, n), n = nodes"
     log(f"\nnum_draft_tokens='auto' vs fixed {unit}{family} (greedy; tok/s; {unit} = 0 is autoregressive)")
     log(f"{'batch':>5} " + " ".join(f"{unit + '=' + str(K):>8}" for K in fixed_shapes) + f" {'auto':>14} "

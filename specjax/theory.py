@@ -261,7 +261,16 @@ def tokens_per_ms(profile: CostProfile, batch: int, K: int, max_new_tokens: int 
     return batch * max_new_tokens / (steps * profile.cost(batch, K))
 
 
-def _check_choice(batch, max_new_tokens):
+# Speculation is turned on only where it is predicted to beat plain decoding by this factor:
+# a profile measured on a real machine is noisy at about this level (steps measured out of
+# order by up to ~10%, one program's throughput ~5% apart in one run on the 2-core CPU the
+# shipped profile comes from), so a smaller predicted gain is as likely a small loss.
+MIN_GAIN = 1.1
+
+
+def _check_choice(batch, max_new_tokens, min_gain):
+    if not min_gain >= 1.0:
+        raise ValueError(f"min_gain must be >= 1 (speculation must at least break even), got {min_gain!r}")
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -269,14 +278,15 @@ def _check_choice(batch, max_new_tokens):
 
 
 def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None,
-                            max_new_tokens: int = 64) -> int:
-    """The K in 0..max_k (default: all the profile prices) with the most tokens per
-    millisecond (`tokens_per_ms`); 0 turns speculation off. A larger K must be strictly
-    better to be chosen."""
-    _check_choice(batch, max_new_tokens)
+                            max_new_tokens: int = 64, min_gain: float = MIN_GAIN) -> int:
+    """The K in 1..max_k (default: all the profile prices) with the most tokens per
+    millisecond (`tokens_per_ms`; a larger K must be strictly better to be chosen), or 0
+    (speculation off) unless that K is predicted to beat plain decoding by min_gain."""
+    _check_choice(batch, max_new_tokens, min_gain)
     top = profile.max_k if max_k is None else min(max_k, profile.max_k)
     rate = [tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(top + 1)]
-    return max(range(top + 1), key=lambda K: (rate[K], -K))
+    best = max(range(1, top + 1), key=lambda K: (rate[K], -K), default=0)
+    return best if best and rate[best] >= min_gain * rate[0] else 0
 
 
 def tree_tokens_per_ms(profile: CostProfile, depth: int, top_k: int, nodes: int, batch: int,
@@ -293,20 +303,20 @@ def tree_tokens_per_ms(profile: CostProfile, depth: int, top_k: int, nodes: int,
 
 
 def choose_tree_nodes(profile: CostProfile, depth: int, top_k: int, batch: int, max_nodes: int,
-                      max_new_tokens: int = 64) -> int:
+                      max_new_tokens: int = 64, min_gain: float = MIN_GAIN) -> int:
     """The node budget for a dynamic Tree(depth, top_k, n): of the budgets the profile
-    measured for that family up to max_nodes, and 0 (speculation off), the one with the most
-    tokens per millisecond (`tree_tokens_per_ms`). A larger budget must be strictly better
-    to be chosen."""
-    _check_choice(batch, max_new_tokens)
+    measured for that family up to max_nodes, the one with the most tokens per millisecond
+    (`tree_tokens_per_ms`; a larger budget must be strictly better to be chosen), or 0
+    (speculation off) unless it is predicted to beat plain decoding by min_gain."""
+    _check_choice(batch, max_new_tokens, min_gain)
     family = profile.tree_family(depth, top_k)
     fits = [n for n in family.nodes if n <= max_nodes]
     if not fits:
         raise ValueError(f"the cost profile measured Tree({depth}, {top_k}, n) for n in {list(family.nodes)}, "
                          f"none within this tree's {max_nodes} nodes")
-    rate = {0: tokens_per_ms(profile, batch, 0, max_new_tokens)}
-    rate.update({n: tree_tokens_per_ms(profile, depth, top_k, n, batch, max_new_tokens) for n in fits})
-    return max(rate, key=lambda n: (rate[n], -n))
+    rate = {n: tree_tokens_per_ms(profile, depth, top_k, n, batch, max_new_tokens) for n in fits}
+    best = max(rate, key=lambda n: (rate[n], -n))
+    return best if rate[best] >= min_gain * tokens_per_ms(profile, batch, 0, max_new_tokens) else 0
 
 
 def resolve_profile(cost_profile, backend: str) -> CostProfile:

@@ -136,7 +136,7 @@ def test_auto_refusals(pair):
         (dict(draft=specjax.DraftModel(drafts["near"], Tree.from_paths([(0,), (1,)])), num_draft_tokens="auto"),
          ValueError, "static tree"),
         (dict(draft=specjax.DraftModel(drafts["near"], Tree(2, 2, 3)), num_draft_tokens="auto"),
-         ValueError, r"measured no trees, not Tree\(2, 2, n\)"),
+         ValueError, r"not Tree\(2, 2, n\): measure that family"),
         (dict(draft=specjax.Lookahead(3, 3, 2), num_draft_tokens="auto"), ValueError, "Lookahead's shape"),
         (dict(draft=drafts["near"], cost_profile="p.json"), ValueError, "only with num_draft_tokens='auto'"),
         (dict(draft=drafts["near"], num_draft_tokens="auto", cost_profile=3), TypeError, "cost_profile must be"),
@@ -165,7 +165,23 @@ def test_the_slowest_row_sets_a_batch_s_steps():
     # Equal step costs at both batch sizes: speculation pays at batch 1 and not at 16,
     # only because batch 16 waits for its slowest row.
     p = profile([[10.0, 16.0], [10.0, 16.0]], [0.0, 0.0], [0.7], batches=(1, 16))
-    assert [choose_num_draft_tokens(p, b) for b in (1, 16)] == [1, 0]
+    assert [choose_num_draft_tokens(p, b, min_gain=1.0) for b in (1, 16)] == [1, 0]
+
+
+def test_a_small_predicted_gain_leaves_speculation_off():
+    """K = 1 is predicted ~6% faster than plain decoding at batch 1: within a measured
+    profile's noise, so off by default (min_gain 1.1) and on when any gain will do; the
+    same for a tree's budget."""
+    p = profile([[10.0, 16.0]], [0.0], [0.7])
+    gain = theory.tokens_per_ms(p, 1, 1) / theory.tokens_per_ms(p, 1, 0)
+    assert 1.0 < gain < theory.MIN_GAIN
+    assert choose_num_draft_tokens(p, 1) == 0 and choose_num_draft_tokens(p, 1, min_gain=1.0) == 1
+    t = tree_profile([[16.0, 30.0, 40.0]], [(0.7, 0.0, 0.0), (0.8, 0.1, 0.0), (0.8, 0.2, 0.0)], batches=(1,),
+                     chain_ms=[[10.0, 16.0]])
+    assert 1.0 < theory.tree_tokens_per_ms(t, 3, 2, 2, 1) / theory.tokens_per_ms(t, 1, 0) < theory.MIN_GAIN
+    assert choose_tree_nodes(t, 3, 2, 1, 6) == 0 and choose_tree_nodes(t, 3, 2, 1, 6, min_gain=1.0) == 2
+    with pytest.raises(ValueError, match="min_gain must be >= 1"):
+        choose_num_draft_tokens(p, 1, min_gain=0.9)
 
 
 def tree_profile(step_ms, reach, nodes=(2, 4, 6), batches=(1, 2), chain_ms=None):

@@ -47,14 +47,18 @@ def test_missing_checkpoint_is_named(tmp_path):
 
 
 def test_generate_with_a_tree_equals_the_chain(capsys):
-    """--tree (dynamic and static) on the shipped pair: greedy text equal to the chain's."""
+    """--tree (dynamic and static, and a node budget chosen by -k auto from the shipped
+    profile) on the shipped pair: greedy text equal to the chain's."""
     texts = {}
-    for shape in ([], ["--tree", "4,2,8"], ["--early-exit", "3", "--tree", "[[0], [1], [0, 0]]"]):
+    for shape in ([], ["--tree", "4,2,8"], ["--early-exit", "3", "--tree", "[[0], [1], [0, 0]]"],
+                  ["--tree", "4,2,12", "-k", "auto"]):
         main(["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--target", str(TARGET),
               "--draft", str(DRAFT), *shape])
         result = json.loads(capsys.readouterr().out)
         texts[" ".join(shape)] = result["outputs"][0]["text"]
     assert len(set(texts.values())) == 1, texts
+    assert "(auto), tree of" in result["stats"]["drafter"] or "auto: speculation off" in result["stats"]["drafter"]
+    assert result["stats"]["num_draft_tokens"] <= 12
     with pytest.raises(SystemExit, match="DEPTH,TOP_K,NODES"):
         main(["generate", "x", "--tree", "4,2", "--target", str(TARGET), "--draft", str(DRAFT)])
     with pytest.raises(SystemExit, match="needs a draft model"):
