@@ -1,10 +1,12 @@
 """Tokens/s at prompt lengths 256, 1,024 and 4,096, autoregressive and speculative (the
-shipped draft, K=4), greedy, batch 1, for whichever specjax is on PYTHONPATH: it checks
-out nothing itself. Issue 13's before/after:
+shipped draft, K=4), greedy, batch 1, for the specjax of the checkout given by --specjax
+(default: the installed one; PYTHONPATH alone does not override an editable install, whose
+import hook comes first). It checks out nothing itself. Issue 13's before/after, from the
+repository root:
 
     git worktree add /tmp/before $(git rev-parse ec697bf^1)
-    PYTHONPATH=/tmp/before python docs/bench/long_context.py --label before
-    PYTHONPATH=. python docs/bench/long_context.py --label after
+    python docs/bench/long_context.py --label before --specjax /tmp/before
+    python docs/bench/long_context.py --label after --specjax .
 
 The shipped pair was trained with max_position_embeddings=1024; to reach 4,096 tokens the
 limit is raised here (rotary positions extrapolate; the numbers are about speed, and the
@@ -18,11 +20,21 @@ import statistics
 import sys
 import time
 
-import jax
-import numpy as np
 
-import specjax
-from specjax import bench
+def _import_specjax_from(argv):
+    """--specjax TREE: specjax is imported from TREE, not from the installed copy."""
+    if "--specjax" in argv:
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        sys.path.insert(0, argv[argv.index("--specjax") + 1])
+
+
+_import_specjax_from(sys.argv)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax import bench  # noqa: E402
 
 LENGTHS = (256, 1024, 4096)
 
@@ -44,11 +56,13 @@ def prompt_of(tokenizer, n):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", required=True)
+    parser.add_argument("--specjax", help="a checkout whose specjax to measure (default: the installed one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     args = parser.parse_args()
+    print(f"specjax from {specjax.__file__}", file=sys.stderr)
     target = stretched(specjax.load_model("checkpoints/target"), 8192)
     draft = stretched(specjax.load_model("checkpoints/draft"), 8192)
     tokenizer = specjax.load_tokenizer("checkpoints/target")
