@@ -419,7 +419,8 @@ def main(argv=None):
                    help="move each row's draft length in 1..K by its acceptance")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--num-draft-tokens", type=lambda x: x if x == "auto" else int(x), default=None,
-                   help="chain length K (default 4), or auto: K for the batch size from the shipped cost profile")
+                   help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
+                        "node budget, at most N) from the shipped cost profile")
     p.add_argument("--tree", metavar="SHAPE",
                    help="draft a token tree: DEPTH,TOP_K,NODES (dynamic, e.g. 8,2,24) or JSON rank paths")
     p.add_argument("--temperature", type=float, default=None,
