@@ -386,7 +386,8 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
     time of its prefill) / the loop's steps, greedy), and the draft's per-position
     acceptance at K = max_k; then the same for the draft model growing Tree(depth, top_k, n)
     (tree_family = (depth, top_k)) for every n in tree_nodes, with how deep each budget's
-    accepted paths reach. Held-out prompts other than the bench's (seed 1), so that
+    accepted paths reach. Acceptance and reach come from the timed runs' own traces at the
+    first batch size. Held-out prompts other than the bench's (seed 1), so that
     `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
     as profile.json in out_dir."""
     from specjax.hf import load_model, load_tokenizer
@@ -396,26 +397,27 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
     shapes = [(draft if K else None, K) for K in range(max_k + 1)]
     if tree_family is not None:
         shapes += [(DraftModel(draft, Tree(*tree_family, n)), None) for n in tree_nodes]
-    step_ms, reach = [], {}
+    step_ms, traces = [], []  # traces: each shape's rows' tokens per step, at the first batch size
     for batch in batches:
         prefill, _ = time_generate(target, prompts, batch, repeats, max_new_tokens=1)
         row = []
-        for i, (drafter, K) in enumerate(shapes):
+        for drafter, K in shapes:
             run, _ = time_generate(target, prompts, batch, repeats, drafter, K, max_new_tokens=max_new_tokens)
             row.append(1e3 * max(run.seconds - prefill.seconds, 1e-9) / (run.loops - prefill.loops))
-            if K is None and i not in reach:  # greedy: every batch size accepts the same paths
-                reach[i] = tuple(depth_acceptance(run.traces, drafter.tree.depth))
+            if batch == batches[0]:  # greedy: every batch size accepts the same paths
+                traces.append(run.traces)
         step_ms.append(row)
         log(f"batch {batch}: one loop step with K = 0..{max_k} drafts "
             f"{' '.join(f'{t:.2f}' for t in row[: max_k + 1])} ms"
             + ("" if tree_family is None else f"; Tree({tree_family[0]}, {tree_family[1]}, n) for n = "
                f"{' '.join(map(str, tree_nodes))}: {' '.join(f'{t:.2f}' for t in row[max_k + 1:])} ms"))
-    acceptance = per_position_acceptance(_all_traces(target, draft, prompts, max_k, max_new_tokens), max_k)
+    acceptance = per_position_acceptance(traces[max_k], max_k)
     log(f"per-position acceptance at K = {max_k}: {' '.join(f'{a:.2f}' for a in acceptance)}")
     trees = ()
     if tree_family is not None:
+        reach = tuple(tuple(depth_acceptance(t, tree_family[0])) for t in traces[max_k + 1:])
         trees = (theory.TreeBudgets(*tree_family, tuple(tree_nodes), tuple(tuple(r[max_k + 1:]) for r in step_ms),
-                                    tuple(reach[i] for i in sorted(reach))),)
+                                    reach),)
         for n, r in zip(tree_nodes, trees[0].reach):
             log(f"Tree({tree_family[0]}, {tree_family[1]}, {n}): P(a step keeps >= d drafts), d = 1..: "
                 f"{' '.join(f'{a:.2f}' for a in r)}")

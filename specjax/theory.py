@@ -254,11 +254,14 @@ def expected_steps(reach: tuple[float, ...], batch: int, max_new_tokens: int, sa
     return float(steps.mean())
 
 
+def _throughput(reach: tuple[float, ...], step_ms: float, batch: int, max_new_tokens: int) -> float:
+    """batch x max_new_tokens over the slowest row's expected steps times one step's cost."""
+    return batch * max_new_tokens / (expected_steps(reach, batch, max_new_tokens) * step_ms)
+
+
 def tokens_per_ms(profile: CostProfile, batch: int, K: int, max_new_tokens: int = 64) -> float:
-    """Predicted throughput with K drafts: batch x max_new_tokens over the slowest row's
-    expected steps times one step's cost."""
-    steps = expected_steps(chain_reach(profile.acceptance, K), batch, max_new_tokens)
-    return batch * max_new_tokens / (steps * profile.cost(batch, K))
+    """Predicted throughput with K drafts (`_throughput` of the chain's reach and step)."""
+    return _throughput(chain_reach(profile.acceptance, K), profile.cost(batch, K), batch, max_new_tokens)
 
 
 # Speculation is turned on only where it is predicted to beat plain decoding by this factor:
@@ -277,37 +280,42 @@ def _check_choice(batch, max_new_tokens, min_gain):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
+def _best_or_off(rate: dict[int, float], off: float, min_gain: float) -> int:
+    """The shape (K or node budget) with the most tokens per ms, a larger one only when
+    strictly better; 0 (speculation off) unless it beats plain decoding's `off` by min_gain."""
+    best = max(rate, key=lambda n: (rate[n], -n), default=0)
+    return best if best and rate[best] >= min_gain * off else 0
+
+
 def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None,
                             max_new_tokens: int = 64, min_gain: float = MIN_GAIN) -> int:
     """The K in 1..max_k (default: all the profile prices) with the most tokens per
-    millisecond (`tokens_per_ms`; a larger K must be strictly better to be chosen), or 0
-    (speculation off) unless that K is predicted to beat plain decoding by min_gain."""
+    millisecond (`tokens_per_ms`), or 0 (speculation off) unless that K is predicted to beat
+    plain decoding by min_gain (`_best_or_off`)."""
     _check_choice(batch, max_new_tokens, min_gain)
     top = profile.max_k if max_k is None else min(max_k, profile.max_k)
-    rate = [tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(top + 1)]
-    best = max(range(1, top + 1), key=lambda K: (rate[K], -K), default=0)
-    return best if best and rate[best] >= min_gain * rate[0] else 0
+    rate = {K: tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(1, top + 1)}
+    return _best_or_off(rate, tokens_per_ms(profile, batch, 0, max_new_tokens), min_gain)
 
 
 def tree_tokens_per_ms(profile: CostProfile, depth: int, top_k: int, nodes: int, batch: int,
                        max_new_tokens: int = 64) -> float:
     """Predicted throughput of a dynamic Tree(depth, top_k, nodes) whose budget the profile
-    measured: as `tokens_per_ms`, from that budget's measured reach and step."""
+    measured (`_throughput` of that budget's measured reach and step)."""
     family = profile.tree_family(depth, top_k)
     if nodes not in family.nodes:
         raise ValueError(f"the cost profile measured Tree({depth}, {top_k}, n) for n in {list(family.nodes)}, "
                          f"not n = {nodes}")
     j = family.nodes.index(nodes)
-    steps = expected_steps(family.reach[j], batch, max_new_tokens)
-    return batch * max_new_tokens / (steps * family.cost(profile.batches, batch, j))
+    return _throughput(family.reach[j], family.cost(profile.batches, batch, j), batch, max_new_tokens)
 
 
 def choose_tree_nodes(profile: CostProfile, depth: int, top_k: int, batch: int, max_nodes: int,
                       max_new_tokens: int = 64, min_gain: float = MIN_GAIN) -> int:
     """The node budget for a dynamic Tree(depth, top_k, n): of the budgets the profile
     measured for that family up to max_nodes, the one with the most tokens per millisecond
-    (`tree_tokens_per_ms`; a larger budget must be strictly better to be chosen), or 0
-    (speculation off) unless it is predicted to beat plain decoding by min_gain."""
+    (`tree_tokens_per_ms`), or 0 (speculation off) unless it is predicted to beat plain
+    decoding by min_gain (`_best_or_off`)."""
     _check_choice(batch, max_new_tokens, min_gain)
     family = profile.tree_family(depth, top_k)
     fits = [n for n in family.nodes if n <= max_nodes]
@@ -315,8 +323,7 @@ def choose_tree_nodes(profile: CostProfile, depth: int, top_k: int, batch: int, 
         raise ValueError(f"the cost profile measured Tree({depth}, {top_k}, n) for n in {list(family.nodes)}, "
                          f"none within this tree's {max_nodes} nodes")
     rate = {n: tree_tokens_per_ms(profile, depth, top_k, n, batch, max_new_tokens) for n in fits}
-    best = max(rate, key=lambda n: (rate[n], -n))
-    return best if rate[best] >= min_gain * tokens_per_ms(profile, batch, 0, max_new_tokens) else 0
+    return _best_or_off(rate, tokens_per_ms(profile, batch, 0, max_new_tokens), min_gain)
 
 
 def resolve_profile(cost_profile, backend: str) -> CostProfile:

@@ -88,3 +88,32 @@ def test_first_divergence():
     assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2  # ended early (an EOS the other lacks)
+
+
+def test_measure_profile_writes_what_its_runs_measured(tmp_path):
+    """`specjax bench --profile` on the shipped pair, tiny settings: one step per K and per
+    tree budget, and acceptance and reach equal to those of independent runs of each shape."""
+    from pathlib import Path
+
+    from specjax import DraftModel, Tree
+    from specjax.hf import load_model, load_tokenizer
+
+    root = Path(__file__).parent.parent / "checkpoints"
+    target_path, draft_path = str(root / "target"), str(root / "draft")
+    lines = []
+    profile = bench.measure_profile(target_path, draft_path, str(tmp_path), max_k=2, batches=(1,), num_prompts=2,
+                                    prompt_tokens=16, max_new_tokens=8, repeats=1, tree_family=(2, 2),
+                                    tree_nodes=(2, 3), log=lines.append)
+    assert profile.batches == (1,) and len(profile.step_ms[0]) == 3 and min(profile.step_ms[0]) > 0
+    (family,) = profile.trees
+    assert (family.depth, family.top_k, family.nodes) == (2, 2, (2, 3)) and len(family.step_ms[0]) == 2
+    target, draft = load_model(target_path), load_model(draft_path)
+    prompts = bench.held_out_prompts(load_tokenizer(target_path), 2, 16, seed=1)
+    chain, _ = bench.time_generate(target, prompts, 1, 1, draft, 2, max_new_tokens=8)
+    assert list(profile.acceptance) == bench.per_position_acceptance(chain.traces, 2)
+    for n, reach in zip(family.nodes, family.reach):
+        tree, _ = bench.time_generate(target, prompts, 1, 1, DraftModel(draft, Tree(2, 2, n)), None, max_new_tokens=8)
+        assert list(reach) == bench.depth_acceptance(tree.traces, 2)
+    assert theory.CostProfile.load(tmp_path / "profile.json") == profile
+    assert profile.meta["command"].endswith("--profile-tree 2,2 --tree-nodes 2 3")
+    assert any("num_draft_tokens='auto' picks K = " in line for line in lines)
