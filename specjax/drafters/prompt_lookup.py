@@ -12,7 +12,6 @@ one-hot, never built): a chain verified by the top-k rule.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 
