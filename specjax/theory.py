@@ -265,9 +265,11 @@ def tokens_per_ms(profile: CostProfile, batch: int, K: int, max_new_tokens: int 
 
 
 # Speculation is turned on only where it is predicted to beat plain decoding by this factor:
-# a profile measured on a real machine is noisy at about this level (steps measured out of
-# order by up to ~10%, one program's throughput ~5% apart in one run on the 2-core CPU the
-# shipped profile comes from), so a smaller predicted gain is as likely a small loss.
+# a profile measured on a real machine is noisy at about this level, so a smaller predicted
+# gain is as likely a small loss. On the 2-core CPU the shipped profile comes from, steps
+# came out of order by up to 12% (docs/bench/profile.txt: batch 1, K=2 3.68 ms, K=3 3.29 ms)
+# and plain decoding at batches 1 and 4 measured 8-11% apart within one bench run
+# (docs/bench/auto_k.txt: 577.6 vs 622.6 and 1523.9 vs 1687.2 tokens/s).
 MIN_GAIN = 1.1
 
 
