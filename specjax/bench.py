@@ -3,7 +3,8 @@ by side in one run, with the speedup theory predicts set beside the measured one
 
     specjax bench                         # the shipped pair on held-out stdlib code
     specjax bench --hf                    # ... and transformers' generate on the same pair
-    specjax bench --synthetic gpt2-small  # no checkpoints: a random GPT-2-small-shaped pair
+    specjax bench --synthetic llama-1b    # no checkpoints: a random Llama-3.2-1B-shaped pair, the
+                                          # weight-read roofline, pass costs (see specjax.synthetic)
     specjax bench --profile               # only the cost profile behind num_draft_tokens="auto"
     specjax bench --training-free-only    # lookahead, retrieval (REST), prompt lookup vs the draft model
     specjax bench --auto-k-only           # num_draft_tokens="auto" against every fixed K, per batch size
@@ -31,10 +32,9 @@ import numpy as np
 
 from specjax import theory
 from specjax.cache import KVCache, tree_placement
-from specjax.config import ModelConfig
 from specjax.drafters import Datastore, DraftModel, EarlyExit, Lookahead, PromptLookup, Retrieval
 from specjax.generate import generate, pad_prompts
-from specjax.models import Model, apply, init
+from specjax.models import Model, apply
 from specjax.tree import Tree, ancestors, depths
 
 
@@ -668,26 +668,33 @@ def _print_tables(runs, by_batch, others, positions, best_k, log):
 
 
 def run_transformers(target_path, draft_path, prompts, max_new_tokens, repeats, auto: Run, spec: Run, log):
-    """transformers' generate, batch 1 (it refuses more for assisted decoding), float32,
-    greedy: plain, assistant_model, prompt_lookup_num_tokens."""
+    """transformers' generate, batch 1 (it refuses more for assisted decoding), greedy: plain,
+    assistant_model, prompt_lookup_num_tokens. float32 on CPU; on a CUDA GPU, bfloat16 there."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(device).eval()
     modes = {"plain": {}, "assistant_model": {"assistant_model": draft},
              "prompt_lookup_num_tokens": {"prompt_lookup_num_tokens": 10}}
     results = {}
     for name, extra in modes.items():
         def call():
             with torch.no_grad():
-                return [target.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                        do_sample=False, pad_token_id=0, **extra) for p in prompts]
+                out = [target.generate(torch.tensor([p], device=device), max_new_tokens=max_new_tokens,
+                                       min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **extra)
+                       for p in prompts]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return out
         seconds = median_time(call, repeats)
         tokens = len(prompts) * max_new_tokens
         results[name] = {"tokens_per_s": tokens / seconds}
-    log("\ntransformers (torch, float32, batch 1, greedy) on the same checkpoints and prompts:")
+    log(f"\ntransformers (torch, {str(dtype).split('.')[-1]} on {device}, batch 1, greedy) on the same "
+        f"checkpoints and prompts:")
     for name, r in results.items():
         log(f"  {name:<26} {r['tokens_per_s']:>8.1f} tok/s; specjax speculative (K={spec.K}) is "
             f"{spec.tokens_per_s / r['tokens_per_s']:.2f}x, specjax autoregressive "
@@ -744,68 +751,6 @@ def plot(report: dict, out: Path):
     plt.close("all")
 
 
-# ---- a synthetic pair: no checkpoints needed -------------------------------------------
-
-SIZES = {
-    "gpt2-small": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
-                       intermediate_size=3072, max_position_embeddings=1024),
-    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
-                 intermediate_size=256, max_position_embeddings=256),
-}
-RESIDUAL_OUTPUTS = (("attn", "o_kernel"), ("attn", "o_bias"), ("mlp", "proj_kernel"), ("mlp", "proj_bias"))
-
-
-def build_synthetic_pair(size: str, draft_layers: int, seed: int = 0):
-    """(target, draft): a random GPT-2-shaped target whose layers past `draft_layers` write
-    only faintly into the residual stream (output projections x 0.01), and as draft its own
-    first `draft_layers` layers and head, which therefore really agree with it."""
-    shape = SIZES[size]
-    config = ModelConfig(model_type="gpt2", num_kv_heads=shape["num_heads"],
-                         head_dim=shape["hidden_size"] // shape["num_heads"], norm_eps=1e-5,
-                         tie_word_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True,
-                         **shape)
-    params = jax.tree.map(lambda x: x, init(config, jax.random.key(seed), jnp.float32).params)
-    layers = params["layers"]
-    for module, name in RESIDUAL_OUTPUTS:
-        layers[module][name] = layers[module][name].at[draft_layers:].multiply(0.01)
-    # Spread the embeddings so logits are far from uniform and greedy choices are stable.
-    params["embedding"] = params["embedding"] * 10.0
-    target = Model(config, params)
-    draft_params = dict(params, layers=jax.tree.map(lambda x: x[:draft_layers], params["layers"]))
-    return target, Model(dataclasses.replace(config, num_layers=draft_layers), draft_params)
-
-
-def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batch=1, prompt_len=32,
-                  max_new_tokens=64, repeats=3, seed=0, log=print) -> list[Run]:
-    """The random pair, and the target drafting for itself (acceptance 1, c = 1)."""
-    target, small = build_synthetic_pair(size, draft_layers, seed)
-    rng = np.random.RandomState(seed)
-    prompts = [list(rng.randint(0, target.config.vocab_size, prompt_len)) for _ in range(batch)]
-    cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max(ks)
-    log(f"target: {size}, {target.config.num_params() / 1e6:.1f}M params; small draft: its first "
-        f"{draft_layers} layers, {small.config.num_params() / 1e6:.1f}M params; "
-        f"{jax.default_backend()} float32, batch {batch}, prompt {prompt_len}, "
-        f"{max_new_tokens} new tokens, median of {repeats}")
-    auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens)
-    t_target = pass_time(target, batch, 1, cache_len, repeats)
-    costs = {"small": (pass_time(small, batch, 1, cache_len, repeats),
-                       pass_time(small, batch, 2, cache_len, repeats)),
-             "target": (t_target, pass_time(target, batch, 2, cache_len, repeats))}
-    log(f"one target pass (1 token): {t_target * 1e3:.2f} ms; one small-draft step: "
-        f"{costs['small'][0] * 1e3:.2f} ms (c = {costs['small'][0] / t_target:.3f})")
-    runs = [auto]
-    for name, draft in (("small", small), ("target", target)):
-        t_step, t_catch_up = costs[name]
-        for K in ks:
-            run, rows = time_generate(target, prompts, batch, repeats, draft, K, name, 0.0, max_new_tokens)
-            predict(run, K, t_target, t_step, t_catch_up, pass_time(target, batch, K + 1, cache_len, repeats))
-            run.speedup = run.tokens_per_s / auto.tokens_per_s
-            run.exact = rows == auto_rows
-            runs.append(run)
-    _print_runs(runs, log)
-    return runs
-
-
 def main(argv=None):
     import argparse
 
@@ -832,7 +777,9 @@ def add_arguments(parser):
 
     parser.add_argument("--target", default=default_checkpoint("target"))
     parser.add_argument("--draft", default=default_checkpoint("draft"))
-    parser.add_argument("--synthetic", choices=sorted(SIZES), help="benchmark a random pair instead")
+    parser.add_argument("--synthetic", choices=["tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama-8b"],
+                        help="benchmark a random pair instead, in the backend's default dtype (see specjax.synthetic)")
+    parser.add_argument("--draft-layers", type=int, default=2, help="--synthetic: the draft's depth")
     parser.add_argument("-k", "--ks", type=int, nargs="+", default=None, help="K values (default 1..8)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
@@ -889,8 +836,12 @@ def run_from_args(args):
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats)
         return
     if args.synthetic:
-        run_synthetic(args.synthetic, ks=tuple(args.ks or (1, 2, 4, 6)), max_new_tokens=args.max_new_tokens,
-                      repeats=args.repeats)
+        from specjax.models import default_dtype
+        from specjax.synthetic import run_synthetic
+
+        run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
+                      batches=tuple(args.batches), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                      dtype=jnp.dtype(default_dtype()).name, hf=args.hf)
         return
     if args.profile:
         measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),

@@ -27,28 +27,34 @@ from specjax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, G, D]
-    v: jax.Array  # [L, B, S, G, D]
+    """One key and one value buffer per layer, each its own array: a layer's attention reads
+    its buffer whole and in place (a slice of a stacked [L, ...] buffer would be copied
+    before an attention kernel could read it)."""
+
+    k: tuple[jax.Array, ...]  # L x [B, S, G, D]
+    v: tuple[jax.Array, ...]  # L x [B, S, G, D]
     lengths: jax.Array  # int32 [B]: slots < lengths[b] hold valid entries
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
 
-def write(buffer: jax.Array, layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes new[b, t] into buffer[layer, b, positions[b, t]]: each row at its own offset.
+def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes new[b, t] into buffer[b, positions[b, t]]: each row at its own offset.
 
-    buffer [L, B, S, G, D], new [B, T, G, D], positions int32 [B, T]. One scatter into the
-    carried buffer (in place inside a loop). Writes at positions >= S are dropped."""
-    rows = jnp.arange(buffer.shape[1])[:, None]  # [B, 1]
-    return buffer.at[layer, rows, positions].set(new.astype(buffer.dtype), mode="drop")
+    buffer [B, S, G, D] (one layer's), new [B, T, G, D], positions int32 [B, T]. One scatter
+    into the carried buffer (in place inside a loop). Writes at positions >= S are dropped."""
+    rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
+    return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
 @struct.dataclass
@@ -84,9 +90,11 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies every layer's entries at slots src [B, M] to slots dst [B, M] (dst >= max_len:
     skipped). All reads happen before any write, so src and dst may overlap."""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
-    k, v = cache.k[:, rows, src], cache.v[:, rows, src]  # [L, B, M, G, D]
-    return cache.replace(k=cache.k.at[:, rows, dst].set(k, mode="drop"),
-                         v=cache.v.at[:, rows, dst].set(v, mode="drop"))
+
+    def one(buffer):  # [B, S, G, D]
+        return buffer.at[rows, dst].set(buffer[rows, src], mode="drop")
+
+    return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,

@@ -37,6 +37,12 @@ class CheckpointManager:
             state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore()))
         return out.state, out.record
 
+    def restore_saved(self, step: int | None = None) -> Any:
+        """The state as it was saved (nested dicts and lists of arrays), without a target
+        structure: for checkpoints whose structure is not today's."""
+        step = self.latest_step() if step is None else step
+        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+
     def record(self, step: int | None = None) -> dict:
         step = self.latest_step() if step is None else step
         return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record

@@ -453,14 +453,6 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
     return inv_freq
 
 
-def layer_inv_freqs(config: ModelConfig):
-    """Each layer's rotary inverse frequencies, float32 [L, D/2]."""
-    import numpy as np
-
-    table = {w is not None: rope_inv_freq(config, local=w is not None) for w in config.layer_windows()}
-    return np.stack([table[w is not None] for w in config.layer_windows()]).astype(np.float32)
-
-
 # ---- config.json sanity ----------------------------------------------------------------
 
 # Sizes a config.json may give, under the names its families use; each must be a positive

@@ -213,9 +213,10 @@ def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tok
         draft, num_draft_tokens = auto_shape(np.shape(prompts)[0], draft, cost_profile, max_new_tokens)
     elif cost_profile is not None:
         raise ValueError("cost_profile is read only with num_draft_tokens='auto'")
-    drafter = _check_request(target, jnp.asarray(prompts), jnp.asarray(lengths), draft,
-                             max_new_tokens, num_draft_tokens, temperature, top_k, top_p,
-                             eos_token_id, draft_threshold)
+    # One transfer at most: the values are checked on the host, as given (before any cast).
+    values = _host_values(prompts, lengths)
+    drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
+                             temperature, top_k, top_p, eos_token_id, draft_threshold)
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
@@ -286,25 +287,41 @@ def _run(args, static, stream, executable=None) -> GenerateOutput:
     return out
 
 
-def _check_request(target, prompts, lengths, draft, max_new_tokens, num_draft_tokens,
+def _host_values(prompts, lengths):
+    """(prompts, lengths) as numpy arrays of their own dtypes, read in one transfer, or None
+    where they cannot be read here (traced, or held partly by other processes)."""
+    arrays = (prompts, lengths)
+    if any(isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable)
+           for x in arrays):
+        return None
+    return tuple(np.asarray(x) for x in jax.device_get(arrays))
+
+
+def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
                    temperature, top_k, top_p, eos_token_id, draft_threshold):
-    """Clear errors for bad requests (values that are traced are not checked); returns the
-    drafter, its shape resolved (None without a draft)."""
+    """Clear errors for bad requests; returns the drafter, its shape resolved (None without a
+    draft). values: (prompts, lengths) as numpy, or None where they cannot be read (then
+    only shapes and dtypes are checked)."""
     c = target.config
-    if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
-        raise ValueError(f"prompts must be [B, P] and lengths [B]; got {prompts.shape} and {lengths.shape}")
-    if not (jnp.issubdtype(prompts.dtype, jnp.integer) and jnp.issubdtype(lengths.dtype, jnp.integer)):
-        raise ValueError(f"prompts and lengths must be integers, got {prompts.dtype} and {lengths.dtype}")
+    shape, length_shape = np.shape(prompts), np.shape(lengths)
+    if len(shape) != 2 or length_shape != shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and lengths [B]; got {shape} and {length_shape}")
+    dtypes = (np.dtype(prompts.dtype if hasattr(prompts, "dtype") else np.asarray(prompts).dtype),
+              np.dtype(lengths.dtype if hasattr(lengths, "dtype") else np.asarray(lengths).dtype))
+    if not all(np.issubdtype(d, np.integer) for d in dtypes):
+        raise ValueError(f"prompts and lengths must be integers, got {dtypes[0]} and {dtypes[1]}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    longest = prompts.shape[1]
-    if not isinstance(lengths, jax.core.Tracer):
+    longest = shape[1]
+    if values is not None:
+        tokens, lengths = values
         if lengths.min() < 1:
-            raise ValueError(f"prompt {int(lengths.argmin())} is empty (length 0); prompts need a token")
-        if lengths.max() > prompts.shape[1]:
-            raise ValueError(f"lengths go up to {int(lengths.max())} but prompts hold {prompts.shape[1]} tokens")
+            raise ValueError(f"prompt {int(lengths.argmin())} is empty (length {int(lengths.min())}); "
+                             f"prompts need a token")
+        if lengths.max() > shape[1]:
+            raise ValueError(f"lengths go up to {int(lengths.max())} but prompts hold {shape[1]} tokens")
         longest = int(lengths.max())
-    check_token_ids(prompts, c.vocab_size)
+        check_token_ids(tokens, c.vocab_size)
     validate(temperature, top_k, top_p)
     if not isinstance(draft_threshold, jax.core.Tracer) and not 0.0 <= float(draft_threshold) <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")

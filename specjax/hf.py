@@ -1,10 +1,11 @@
 """Hugging Face folders (config.json + *.safetensors) <-> `Model`.
 
-One table per family says, for every Hugging Face tensor, its name, its shape, which
-specjax parameter(s) it becomes and how (transposes, head splits, GPT-2's fused qkv).
-Loading checks every tensor against the table (missing, unexpected, wrong shape) before
-converting; saving runs the same table backwards, so what `save_model` writes loads in
-transformers. This module knows nothing about decoding.
+The tables of layouts.py say, for every Hugging Face tensor, its name, its shape, which
+specjax parameter(s) it becomes and how. Loading checks every tensor against the table
+(missing, unexpected, wrong shape) before converting, then streams each parameter of each
+layer out of the memory-mapped files into its device buffer(s); saving runs the same
+table backwards, so what `save_model` writes loads in transformers. This module knows
+nothing about decoding.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import mmap
 import os
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import numpy as np
 
 from specjax import quant, sharding
 from specjax.config import GenerationConfig, ModelConfig
+from specjax.layouts import Concat, expected_tensors, layout
 from specjax.models import Model, default_dtype, layers
 
 # Buffers some checkpoints carry that hold no weights.
@@ -31,148 +32,6 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing files, or its files are corrupt or do not match the config."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One Hugging Face tensor and the specjax parameters it becomes.
-
-    `name` holds `{i}` for per-layer tensors, which are stacked on a leading [L] axis."""
-
-    name: str
-    shape: tuple[int, ...]
-    paths: tuple[tuple[str, ...], ...]  # specjax parameter paths it maps to
-    to_ours: Callable  # hf array -> tuple of our arrays (one per path)
-    to_hf: Callable  # tuple of our arrays -> hf array
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.name
-
-
-def _same(path, shape, name):
-    return Tensor(name, shape, (path,), lambda w: (w,), lambda ps: ps[0])
-
-
-def _linear(path, name, n_in, n_out_shape):
-    """A torch Linear weight [out, in] -> kernel [in, *out_shape]."""
-    n_out = int(np.prod(n_out_shape))
-    return Tensor(name, (n_out, n_in), (path,),
-                  lambda w: (w.T.reshape(n_in, *n_out_shape),),
-                  lambda ps: ps[0].reshape(n_in, n_out).T)
-
-
-def _linear_out(path, name, in_shape, n_out):
-    """A torch Linear weight [out, in] whose input is heads -> kernel [*in_shape, out]."""
-    n_in = int(np.prod(in_shape))
-    return Tensor(name, (n_out, n_in), (path,),
-                  lambda w: (w.T.reshape(*in_shape, n_out),),
-                  lambda ps: ps[0].reshape(n_in, n_out).T)
-
-
-def _fused_linear(paths, name, n_in, out_shapes):
-    """One torch Linear [sum of outs, in] whose output concatenates several kernels
-    (Phi-3's qkv_proj, gate_up_proj) -> kernels [in, *out_shape] each."""
-    sizes = [int(np.prod(s)) for s in out_shapes]
-    splits = np.cumsum(sizes)[:-1]
-    return Tensor(name, (sum(sizes), n_in), paths,
-                  lambda w: tuple(p.T.reshape(n_in, *s) for p, s in zip(np.split(w, splits), out_shapes)),
-                  lambda ps: np.concatenate([p.reshape(n_in, n).T for p, n in zip(ps, sizes)]))
-
-
-def _bias(path, name, shape):
-    n = int(np.prod(shape))
-    return Tensor(name, (n,), (path,), lambda w: (w.reshape(shape),), lambda ps: ps[0].reshape(n))
-
-
-def llama_layout(c: ModelConfig) -> list[Tensor]:
-    """The Llama and Gemma families: one Linear per projection, except Phi-3, which fuses
-    q, k, v into qkv_proj and gate, up into gate_up_proj (concatenated along the output)."""
-    E, H, G, D, F, V = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                        c.intermediate_size, c.vocab_size)
-    L = "model.layers.{i}."
-    attn, mlp = ("layers", "attn"), ("layers", "mlp")
-    out = [
-        _same(("embedding",), (V, E), "model.embed_tokens.weight"),
-        _same(("final_norm", "scale"), (E,), "model.norm.weight"),
-        _same(("layers", "attn_norm", "scale"), (E,), L + "input_layernorm.weight"),
-    ]
-    if c.family == "gemma":  # a norm before and after each of attention and the MLP
-        out += [_same(attn + ("post_norm", "scale"), (E,), L + "post_attention_layernorm.weight"),
-                _same(("layers", "mlp_norm", "scale"), (E,), L + "pre_feedforward_layernorm.weight"),
-                _same(mlp + ("post_norm", "scale"), (E,), L + "post_feedforward_layernorm.weight")]
-    else:
-        out.append(_same(("layers", "mlp_norm", "scale"), (E,), L + "post_attention_layernorm.weight"))
-    o_proj = _linear_out(attn + ("o_kernel",), L + "self_attn.o_proj.weight", (H, D), E)
-    if c.model_type == "phi3":
-        out += [_fused_linear(tuple(attn + (n,) for n in ("q_kernel", "k_kernel", "v_kernel")),
-                              L + "self_attn.qkv_proj.weight", E, ((H, D), (G, D), (G, D))),
-                o_proj,
-                _fused_linear(tuple(mlp + (n,) for n in ("gate_kernel", "up_kernel")),
-                              L + "mlp.gate_up_proj.weight", E, ((F,), (F,)))]
-    else:
-        out += [_linear(attn + ("q_kernel",), L + "self_attn.q_proj.weight", E, (H, D)),
-                _linear(attn + ("k_kernel",), L + "self_attn.k_proj.weight", E, (G, D)),
-                _linear(attn + ("v_kernel",), L + "self_attn.v_proj.weight", E, (G, D)),
-                o_proj,
-                _linear(mlp + ("gate_kernel",), L + "mlp.gate_proj.weight", E, (F,)),
-                _linear(mlp + ("up_kernel",), L + "mlp.up_proj.weight", E, (F,))]
-    out.append(_linear(mlp + ("down_kernel",), L + "mlp.down_proj.weight", F, (E,)))
-    if c.qk_norm:
-        out += [_same(attn + ("q_norm", "scale"), (D,), L + "self_attn.q_norm.weight"),
-                _same(attn + ("k_norm", "scale"), (D,), L + "self_attn.k_norm.weight")]
-    if c.qkv_bias:
-        out += [_bias(attn + ("q_bias",), L + "self_attn.q_proj.bias", (H, D)),
-                _bias(attn + ("k_bias",), L + "self_attn.k_proj.bias", (G, D)),
-                _bias(attn + ("v_bias",), L + "self_attn.v_proj.bias", (G, D))]
-    if c.out_bias:
-        out.append(_bias(attn + ("o_bias",), L + "self_attn.o_proj.bias", (E,)))
-    if c.mlp_bias:
-        out += [_bias(mlp + ("gate_bias",), L + "mlp.gate_proj.bias", (F,)),
-                _bias(mlp + ("up_bias",), L + "mlp.up_proj.bias", (F,)),
-                _bias(mlp + ("down_bias",), L + "mlp.down_proj.bias", (E,))]
-    if not c.tie_word_embeddings:
-        out.append(_linear(("lm_head",), "lm_head.weight", E, (V,)))
-    return out
-
-
-def gpt2_layout(c: ModelConfig) -> list[Tensor]:
-    """GPT-2 stores Conv1D weights as [in, out] and fuses q, k, v into c_attn."""
-    E, H, D, F, V = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.vocab_size
-    L = "transformer.h.{i}."
-    attn, mlp = ("layers", "attn"), ("layers", "mlp")
-    qkv = tuple(attn + (n,) for n in ("q_kernel", "k_kernel", "v_kernel"))
-    qkv_bias = tuple(attn + (n,) for n in ("q_bias", "k_bias", "v_bias"))
-    out = [
-        _same(("embedding",), (V, E), "transformer.wte.weight"),
-        _same(("pos_embedding",), (c.max_position_embeddings, E), "transformer.wpe.weight"),
-        _same(("final_norm", "scale"), (E,), "transformer.ln_f.weight"),
-        _same(("final_norm", "bias"), (E,), "transformer.ln_f.bias"),
-        _same(("layers", "attn_norm", "scale"), (E,), L + "ln_1.weight"),
-        _same(("layers", "attn_norm", "bias"), (E,), L + "ln_1.bias"),
-        _same(("layers", "mlp_norm", "scale"), (E,), L + "ln_2.weight"),
-        _same(("layers", "mlp_norm", "bias"), (E,), L + "ln_2.bias"),
-        Tensor(L + "attn.c_attn.weight", (E, 3 * H * D), qkv,
-               lambda w: tuple(p.reshape(E, H, D) for p in np.split(w, 3, axis=1)),
-               lambda ps: np.concatenate([p.reshape(E, H * D) for p in ps], axis=1)),
-        Tensor(L + "attn.c_attn.bias", (3 * H * D,), qkv_bias,
-               lambda w: tuple(p.reshape(H, D) for p in np.split(w, 3)),
-               lambda ps: np.concatenate([p.reshape(H * D) for p in ps])),
-        Tensor(L + "attn.c_proj.weight", (H * D, E), (attn + ("o_kernel",),),
-               lambda w: (w.reshape(H, D, E),), lambda ps: ps[0].reshape(H * D, E)),
-        _same(attn + ("o_bias",), (E,), L + "attn.c_proj.bias"),
-        _same(mlp + ("fc_kernel",), (E, F), L + "mlp.c_fc.weight"),
-        _same(mlp + ("fc_bias",), (F,), L + "mlp.c_fc.bias"),
-        _same(mlp + ("proj_kernel",), (F, E), L + "mlp.c_proj.weight"),
-        _same(mlp + ("proj_bias",), (E,), L + "mlp.c_proj.bias"),
-    ]
-    if not c.tie_word_embeddings:
-        out.append(_linear(("lm_head",), "lm_head.weight", E, (V,)))
-    return out
-
-
-def layout(c: ModelConfig) -> list[Tensor]:
-    return gpt2_layout(c) if c.family == "gpt2" else llama_layout(c)
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -394,10 +253,7 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
     """The sources under their canonical names, once every tensor the layout needs is there
     with the shape the config implies and none is left unexplained."""
     sources = {_canonical(name, config): t for name, t in sources.items()}
-    expected = {}
-    for spec in layout(config):
-        for i in range(config.num_layers) if spec.per_layer else [None]:
-            expected[spec.name.format(i=i)] = spec.shape
+    expected = expected_tensors(config)
     missing = sorted(set(expected) - set(sources))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensors the config needs: "
@@ -417,37 +273,38 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
 
 def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, quantize=None,
             kv_repeat: int = 1) -> dict:
-    """Checks every tensor against the layout, then converts and places one parameter at a
-    time, each straight into its device buffer (and with a mesh, its shards). kv_repeat:
-    copies of each kv head in the k/v weights (see sharding.kv_repeat)."""
+    """Checks every tensor against the layout, then converts and places one parameter of one
+    layer at a time, each straight into its device buffer (and with a mesh, its shards).
+    kv_repeat: copies of each kv head in the q/k/v weights (see sharding.kv_repeat)."""
     quant.check_method(quantize)
     sources = _check_tensors(sources, config)
     dtype = np.dtype(dtype)
     stats["elements_read"] = 0
     specs = layout(config)
-    names = {spec.name: [spec.name.format(i=i) for i in range(config.num_layers)] if spec.per_layer
-             else [spec.name] for spec in specs}
-    total = sum(sources[n].nbytes for spec in specs for n in names[spec.name])
+    jobs = [(w, i) for w in specs for i in (range(config.num_layers) if w.per_layer else [None])]
+    total = sum(sources[n].nbytes for w, i in jobs for n in w.names(i))
     bar = None
     if progress or (progress is None and total >= PROGRESS_BYTES):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading")
-    params: dict = {}
+    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     try:
-        for spec in specs:
-            stored = [sources[n] for n in names[spec.name]]
-            for k, path in enumerate(spec.paths):
-                def view(i, spec=spec, k=k, stored=stored, path=path):  # layer i's param k, our layout
-                    x = spec.to_ours(stored[i].array())[k]
-                    if kv_repeat > 1 and path[-1] in sharding.KV_HEAD_PARAMS:  # [E, G, D] or [G, D]
-                        x = np.repeat(x, kv_repeat, axis=x.ndim - 2)
+        for w, i in jobs:
+            stored = [sources[n] for n in w.names(i)]
+            for k, path in enumerate(w.paths):
+                def view(w=w, k=k, stored=stored, path=path):  # the param in our layout, unread
+                    x = w.to_ours(tuple(s.array() for s in stored))[k]
+                    if kv_repeat > 1 and path[-1] in sharding.KV_HEAD_PARAMS:
+                        x = sharding.regroup_kv_heads(np.asarray(x), kv_repeat)
                     return x
 
+                full_path = path if i is None else ("layers", str(i)) + path
+                tree = params if i is None else params["layers"][i]
                 if quantize and quant.quantizable(path):
-                    _set(params, path, _quantized(view, stored, spec.per_layer, dtype, path, mesh, rules))
+                    _set(tree, path, _quantized(view, stored, dtype, full_path, mesh, rules))
                 else:
-                    _set(params, path, _assemble(view, stored, spec.per_layer, dtype, path, mesh, rules))
+                    _set(tree, path, _assemble(view, stored, dtype, full_path, mesh, rules))
             for s in stored:
                 s.close()
             if bar is not None:
@@ -460,44 +317,56 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, qu
     return params
 
 
-def _assemble(view, stored, stacked: bool, dtype, path, mesh, rules) -> jax.Array:
+def _assemble(view, stored, dtype, path, mesh, rules) -> jax.Array:
     """One parameter, read from its tensor(s) through `view` and placed. Each device's block
-    is copied out of the mapped file(s) into a fresh host buffer of the final dtype, a layer
-    or CHUNK_BYTES of the file at a time, the file's pages dropped after each; device_put
-    then moves the buffer to its device (on CPU it adopts the 64-byte-aligned buffer without
-    a copy). Host memory thus peaks near the parameters themselves, and no program is
-    compiled. Each device's block reads only its own slice of the files."""
-    first = view(0)
-    shape = ((len(stored),) if stacked else ()) + first.shape
-    # Copy along the axis of largest stride: the file's outermost, so pieces are contiguous bytes.
-    axis = max(range(first.ndim), key=lambda a: first.strides[a] if first.shape[a] > 1 else -1, default=0)
+    is copied out of the mapped file(s) into a fresh host buffer of the final dtype,
+    CHUNK_BYTES of the file at a time, the file's pages dropped after each; device_put then
+    moves the buffer to its device (on CPU it adopts the 64-byte-aligned buffer without a
+    copy). Host memory thus peaks near the parameters themselves, and no program is
+    compiled. Each device's block reads only its own slice of the files (of each file, for
+    a parameter that joins several tensors)."""
+    shape = view().shape
+
+    def release():
+        for s in stored:
+            s.release()
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         """The parameter's block `index` (a tuple of slices), in dtype."""
-        layers = range(len(stored))[index[0]] if stacked else [0]
-        inner = index[1:] if stacked else index
-        piece = first[inner]  # a view: only its shape is used
-        out = _aligned_empty((len(layers),) + piece.shape if stacked else piece.shape, dtype)
-        rows = piece.shape[axis] if piece.ndim else 1
-        step = max(1, CHUNK_BYTES * rows // max(piece.size * stored[0].dtype.itemsize, 1))
-        for j, i in enumerate(layers):
-            src = view(i)[inner]
-            dst = out[j] if stacked else out
-            for lo in range(0, rows, step):  # a piece, then drop the file pages it touched
-                cut = (slice(None),) * axis + (slice(lo, lo + step),) if piece.ndim else ()
-                dst[cut] = src[cut]
-                stored[i].release()
+        src = view()
+        pieces = src.parts_in(index) if isinstance(src, Concat) else [(src, index, ())]
+        out = _aligned_empty(tuple(len(range(*s.indices(n))) for s, n in
+                                   zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)), dtype)
+        for part, src_index, dst_index in pieces:
+            _copy(out[dst_index], part[src_index], release)
         stats["elements_read"] += out.size
         return out
 
     return jax.make_array_from_callback(shape, _placement(shape, path, mesh, rules), block)
 
 
-def _quantized(view, stored, stacked: bool, dtype, path, mesh, rules) -> quant.Int8:
+def _copy(dst: np.ndarray, src: np.ndarray, release):
+    """dst[...] = src (a view of mapped files), CHUNK_BYTES of the file at a time along its
+    axis of largest stride (the file's outermost, so pieces are contiguous bytes), calling
+    release() after each piece to drop the file pages it touched."""
+    if src.ndim == 0:
+        dst[...] = src
+        release()
+        return
+    axis = max(range(src.ndim), key=lambda a: src.strides[a] if src.shape[a] > 1 else -1)
+    rows = src.shape[axis]
+    step = max(1, CHUNK_BYTES * rows // max(src.size * src.itemsize, 1))
+    for lo in range(0, rows, step):
+        cut = (slice(None),) * axis + (slice(lo, lo + step),)
+        dst[cut] = src[cut]
+        release()
+
+
+def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:
     """One matmul weight, read whole onto the host, quantised to int8 there, then placed
     (with a mesh, each device gets its shards of the weight and of its scales). Host memory
     peaks at this one float parameter on top of what is already loaded."""
-    value = np.stack([view(i) for i in range(len(stored))]) if stacked else view(0)
+    value = np.asarray(view())
     stats["elements_read"] += value.size
     q = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
     if mesh is None:
@@ -596,13 +465,10 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
     params = jax.tree.map(lambda w: np.asarray(jax.device_get(layers.dequantize(w))), model.params,
                           is_leaf=lambda x: isinstance(x, quant.Int8))
     out = {}
-    for spec in layout(c):
-        ours = tuple(_get(params, p) for p in spec.paths)
-        if spec.per_layer:
-            for i in range(c.num_layers):
-                out[spec.name.format(i=i)] = spec.to_hf(tuple(o[i] for o in ours))
-        else:
-            out[spec.name] = spec.to_hf(ours)
+    for w in layout(c):
+        for i in range(c.num_layers) if w.per_layer else [None]:
+            tree = params if i is None else params["layers"][i]
+            out.update(zip(w.names(i), w.to_hf(tuple(_get(tree, p) for p in w.paths))))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -26,15 +26,13 @@ from flax import struct
 QUANTIZATIONS = ("int8",)
 
 # Parameter name -> the axes its matmul contracts over (the input channels), counted from
-# the end so that a leading stacked [L] axis does not shift them. A scale is shared
-# across these axes and differs along every other one.
+# the end. A scale is shared across these axes and differs along every other one, so it
+# factors out of the matmul: the layers multiply the matmul's output by it (see
+# layers.matmul), and the int8 values go into the matmul as they are.
 CONTRACTED: dict[str, tuple[int, ...]] = {
-    "q_kernel": (-3,),  # [E, H, D]
-    "k_kernel": (-3,),  # [E, G, D]
-    "v_kernel": (-3,),  # [E, G, D]
+    "qkv_kernel": (-4,),  # [E, G, R+2, D]
     "o_kernel": (-3, -2),  # [H, D, E]
-    "gate_kernel": (-2,),  # [E, F]
-    "up_kernel": (-2,),  # [E, F]
+    "gate_up_kernel": (-3,),  # [E, 2, F]
     "down_kernel": (-2,),  # [F, E]
     "fc_kernel": (-2,),  # [E, F]
     "proj_kernel": (-2,),  # [F, E]
@@ -86,6 +84,11 @@ def quantize_array(w, contracted: tuple[int, ...], dtype) -> Int8:
     return Int8(value, scale)
 
 
+def path_names(path) -> tuple[str, ...]:
+    """A pytree path (dict keys, list indices) as strings: ("layers", "3", "attn", "qkv_kernel")."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def quantizable(path) -> bool:
     """Whether the parameter at `path` (a tuple of names) is a matmul weight we quantise."""
     return path[-1] in CONTRACTED
@@ -101,19 +104,17 @@ def quantize(model, method: str = "int8"):
     """The model with its matmul weights and embedding in int8 (see the module docstring).
     Scales take the model's float dtype. A model quantises on its own: quantise a target
     and its draft each with this (or load both with `load_model(..., quantize="int8")`)."""
-    from specjax.models import Model
-
     check_method(method)
     dtype = model.dtype
 
     def one(path, w):
-        names = tuple(str(k.key) for k in path)
+        names = path_names(path)
         if isinstance(w, Int8) or not quantizable(names):
             return w
         return quantize_array(w, CONTRACTED[names[-1]], dtype)
 
     params = jax.tree_util.tree_map_with_path(one, model.params, is_leaf=lambda x: isinstance(x, Int8))
-    return Model(model.config, params)
+    return model.replace(params=params)
 
 
 def param_bytes(params: Any) -> int:

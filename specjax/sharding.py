@@ -32,13 +32,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from specjax.cache import KVCache
-from specjax.quant import Int8
+from specjax.quant import Int8, path_names
 
 DATA, MODEL = "data", "model"
 
 # Logical axes of each parameter by its name (or "module/name" where the name alone is
-# ambiguous); per-layer weights get a leading "layers". An int8 weight's scale has the
-# weight's axes (its contracted ones of size 1) and shards as the weight does.
+# ambiguous). An int8 weight's scale has the weight's axes (its contracted ones of size 1)
+# and shards as the weight does. "qkv" (a group's query heads, then its key and value head)
+# and "gate_up" (gate, then up) are never split: a device holds whole groups.
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "embedding": ("vocab", "embed"),
     "pos_embedding": ("positions", "embed"),
@@ -47,28 +48,20 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "q_norm/scale": ("head_dim",),  # q/k norms over D (Qwen3, Gemma 3)
     "k_norm/scale": ("head_dim",),
     "bias": ("embed",),
-    "q_kernel": ("embed", "heads", "head_dim"),
-    "k_kernel": ("embed", "kv_heads", "head_dim"),
-    "v_kernel": ("embed", "kv_heads", "head_dim"),
+    "qkv_kernel": ("embed", "kv_heads", "qkv", "head_dim"),
+    "qkv_bias": ("kv_heads", "qkv", "head_dim"),
     "o_kernel": ("heads", "head_dim", "embed"),
-    "q_bias": ("heads", "head_dim"),
-    "k_bias": ("kv_heads", "head_dim"),
-    "v_bias": ("kv_heads", "head_dim"),
     "o_bias": ("embed",),
-    "gate_kernel": ("embed", "mlp"),
-    "up_kernel": ("embed", "mlp"),
+    "gate_up_kernel": ("embed", "gate_up", "mlp"),
     "fc_kernel": ("embed", "mlp"),
     "down_kernel": ("mlp", "embed"),
     "proj_kernel": ("mlp", "embed"),
-    "gate_bias": ("mlp",),
-    "up_bias": ("mlp",),
+    "gate_up_bias": ("gate_up", "mlp"),
     "fc_bias": ("mlp",),
     "down_bias": ("embed",),
     "proj_bias": ("embed",),
 }
-CACHE_AXES = KVCache(k=("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-                     v=("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-                     lengths=("batch",))
+CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")  # each layer's k and v buffer
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("batch", DATA), ("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
@@ -114,12 +107,12 @@ def spec(shape: Sequence[int], logical: Sequence[str], mesh: Mesh,
 
 
 def logical_axes(path: Sequence[str], ndim: int) -> tuple[str, ...]:
-    """The logical axes of the parameter at `path` (e.g. ("layers", "attn", "q_kernel"))."""
+    """The logical axes of the parameter at `path` (e.g. ("layers", "0", "attn", "qkv_kernel"))."""
     name = "/".join(path[-2:]) if "/".join(path[-2:]) in LOGICAL_AXES else path[-1]
     if name not in LOGICAL_AXES:
         raise ValueError(f"parameter {'/'.join(path)} has no logical axes; add it to "
                          f"specjax.sharding.LOGICAL_AXES")
-    axes = (("layers",) if path[0] == "layers" else ()) + LOGICAL_AXES[name]
+    axes = LOGICAL_AXES[name]
     if len(axes) != ndim:
         raise ValueError(f"parameter {'/'.join(path)} has {ndim} dims but logical axes {axes}")
     return axes
@@ -133,7 +126,7 @@ def param_logical_axes(params: Mapping) -> Any:
     """The logical axes of every parameter, as a pytree shaped like params (an int8
     weight's value and scale both get the weight's axes)."""
     def one(path, leaf):
-        axes = logical_axes([str(k.key) for k in path], len(np.shape(leaf)))
+        axes = logical_axes(path_names(path), len(np.shape(leaf)))
         return Int8(axes, axes) if _is_int8(leaf) else axes
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_int8)
 
@@ -179,13 +172,16 @@ def param_sharding(path: Sequence[str], param, mesh: Mesh, rules=DEFAULT_RULES):
 
 def param_shardings(params: Mapping, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: param_sharding([str(k.key) for k in path], p, mesh, rules), params,
+        lambda path, p: param_sharding(path_names(path), p, mesh, rules), params,
         is_leaf=_is_int8)
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules=DEFAULT_RULES) -> KVCache:
-    return jax.tree.map(lambda a, ax: NamedSharding(mesh, spec(a.shape, ax, mesh, rules)),
-                        cache, CACHE_AXES, is_leaf=lambda x: isinstance(x, tuple))
+    def one(a):
+        return NamedSharding(mesh, spec(a.shape, CACHE_AXES, mesh, rules))
+
+    return KVCache(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)),
+                   lengths=NamedSharding(mesh, spec(cache.lengths.shape, ("batch",), mesh, rules)))
 
 
 def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
@@ -209,8 +205,21 @@ def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     return jax.make_array_from_callback(x.shape, placement, lambda index: x[index])
 
 
-# The weights that hold kv heads (`repeat_kv_heads` copies them).
-KV_HEAD_PARAMS = ("k_kernel", "v_kernel", "k_bias", "v_bias")
+# The weights that hold kv heads, their last three axes [G, R+2, D] (`regroup_kv_heads`).
+KV_HEAD_PARAMS = ("qkv_kernel", "qkv_bias")
+
+
+def regroup_kv_heads(x, repeat: int):
+    """x [..., G, R+2, D] (a group's R query heads, its key head, its value head) ->
+    [..., G repeat, R/repeat + 2, D]: each group split into `repeat` groups, consecutive
+    query heads each, every one with a copy of the group's key and value heads. Query head
+    h keeps its place (h = g R + j) and still reads a copy of kv head h // R. numpy or jax."""
+    xp = np if isinstance(x, np.ndarray) else jax.numpy
+    *lead, G, R2, D = x.shape
+    R = R2 - 2
+    q = x[..., :R, :].reshape(*lead, G * repeat, R // repeat, D)
+    kv = xp.repeat(x[..., R:, :], repeat, axis=-3)
+    return xp.concatenate([q, kv], axis=-2)
 
 
 def kv_repeat(config, mesh: Mesh, rules: Sequence[tuple[str, str]] = DEFAULT_RULES) -> int:
@@ -228,10 +237,9 @@ def kv_repeat(config, mesh: Mesh, rules: Sequence[tuple[str, str]] = DEFAULT_RUL
 
 
 def repeat_kv_heads(model, repeat: int):
-    """The model with each kv head's k/v weights repeated `repeat` times, adjacent copies
-    (head j becomes heads j r .. j r + r - 1), so that query head h reads the copy
-    h // (H / (G r)) of kv head h // (H / G): the same numbers. int8 weights repeat their
-    scales too. Its config says G r kv heads."""
+    """The model with each kv head's k/v weights repeated `repeat` times (`regroup_kv_heads`),
+    so that query head h reads the copy h // (H / (G r)) of kv head h // (H / G): the same
+    numbers. int8 weights regroup their scales too. Its config says G r kv heads."""
     if repeat == 1:
         return model
     if not isinstance(repeat, int) or repeat < 1 or model.config.num_heads % (model.config.num_kv_heads * repeat):
@@ -239,11 +247,9 @@ def repeat_kv_heads(model, repeat: int):
                          f"{model.config.num_heads} query heads")
 
     def one(path, leaf):
-        names = [str(k.key) for k in path]
-        if names[-1] not in KV_HEAD_PARAMS:
+        if path_names(path)[-1] not in KV_HEAD_PARAMS:
             return leaf
-        axis = ((("layers",) if names[0] == "layers" else ()) + LOGICAL_AXES[names[-1]]).index("kv_heads")
-        return jax.tree.map(lambda x: jax.numpy.repeat(x, repeat, axis=axis), leaf)
+        return jax.tree.map(lambda x: regroup_kv_heads(x, repeat), leaf)
 
     params = jax.tree_util.tree_map_with_path(one, model.params, is_leaf=_is_int8)
     config = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads * repeat)

@@ -113,9 +113,9 @@ def main():
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
         S = cache_length(prompts.shape[1], MAX_NEW, K)
-        # [L, B, S, G, D] of either model (the draft's cache is longer) unsharded, or (with a
-        # model axis) whole on heads and head_dim in one device's rows
-        whole = [f"f32[2,{rows},{s},2,16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
+        # a layer's [B, S, G, D] of either model (the draft's cache is longer) unsharded, or
+        # (with a model axis) whole on heads and head_dim in one device's rows
+        whole = [f"f32[{rows},{s},2,16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
                  for rows in {8, 8 // data if model > 1 else 8}]
         findings["meshes"][f"{data}x{model}"] = {
             "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
@@ -137,7 +137,7 @@ def main():
                                                      jax.tree.leaves(target.params))
                                 for shard in leaf.addressable_shards),
             "cache_spec": str(specjax.sharding.cache_shardings(
-                specjax.KVCache.init(CONFIG, 8, S), mesh).k.spec),
+                specjax.KVCache.init(CONFIG, 8, S), mesh).k[0].spec),
         }
     findings["int8"] = int8_findings(folder)
     findings["kv_heads"] = kv_head_findings(prompts, lengths)
@@ -162,7 +162,10 @@ def kv_head_findings(prompts, lengths) -> dict:
     from specjax.memory import _prepared
 
     mesh = specjax.make_mesh(data=2, model=4)
-    target, draft = random_model(0, config=KV_CONFIG), random_model(1, config=KV_DRAFT)
+    target = random_model(0, config=KV_CONFIG)
+    # The draft: the target's first layer and head, perturbed (so that some drafts are accepted).
+    draft = random_model(1, base=specjax.Model(KV_DRAFT, {**target.params, "layers": target.params["layers"][:1]}),
+                         config=KV_DRAFT)
     kwargs = dict(max_new_tokens=KV_NEW, num_draft_tokens=K)
     single = specjax.generate(target, prompts, lengths, draft=draft, **kwargs)
     replicated_draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))
@@ -185,10 +188,10 @@ def kv_head_findings(prompts, lengths) -> dict:
             out[name]["equal"] = bool(np.array_equal(np.asarray(got.tokens), np.asarray(single.tokens))
                                       and np.array_equal(np.asarray(got.num_tokens), np.asarray(single.num_tokens)))
             out[name]["accepted"] = int(np.asarray(got.stats.accepted).sum())
-            # Per-device shapes in the loop: [L, B/data, S, G/model or G, D].
-            out[name]["draft_cache_whole_per_row_group"] = f"f32[1,4,{Sd},2,16]" in hlo
-            out[name]["target_cache_split_by_heads"] = (f"f32[2,4,{S},1,16]" in hlo
-                                                         and f"f32[2,4,{S},4,16]" not in hlo)
+            # Per-device shapes of each layer's cache in the loop: [B/data, S, G/model or G, D].
+            out[name]["draft_cache_whole_per_row_group"] = f"f32[4,{Sd},2,16]" in hlo
+            out[name]["target_cache_split_by_heads"] = (f"f32[4,{S},1,16]" in hlo
+                                                         and f"f32[4,{S},4,16]" not in hlo)
     return out
 
 

@@ -1,14 +1,31 @@
 """The benchmark script runs end to end (a smoke test; its timings are not asserted)."""
 
-from specjax import bench, theory
+import jax
+
+from specjax import bench, synthetic, theory
 
 
 def test_synthetic_bench_runs_and_stays_exact(capsys):
-    runs = bench.run_synthetic(size="tiny", draft_layers=2, ks=(2,), max_new_tokens=16, repeats=1)
-    assert [r.drafter for r in runs] == ["none", "small", "target"]
-    assert all(r.exact for r in runs[1:])
+    runs = synthetic.run_synthetic(size="llama-tiny", draft_layers=2, ks=(2,), batches=(1, 2), max_new_tokens=16,
+                                   repeats=1, widths=(1, 4))
+    assert [(r.drafter, r.batch) for r in runs] == [(d, b) for b in (1, 2) for d in ("none", "small", "target")]
+    assert all(r.exact for r in runs if r.drafter != "none")
     assert runs[2].acceptance > 0.9  # the target drafting for itself
-    assert "tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "weight-read roofline" in out and "pass cost by width" in out and "tok/s" in out
+
+
+def test_the_synthetic_draft_is_the_targets_own_first_layers():
+    """Shared arrays, not copies; the later layers' residual writes scaled down."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    target, draft = synthetic.build_synthetic_pair("llama-tiny", 2, dtype=jnp.bfloat16)
+    assert draft.config.num_layers == 2 and target.dtype == jnp.bfloat16
+    assert all(a is b for a, b in zip(jax.tree.leaves(draft.params["layers"]), jax.tree.leaves(target.params["layers"])))
+    assert draft.params["embedding"] is target.params["embedding"]
+    o = [float(jnp.abs(layer["attn"]["o_kernel"].astype(jnp.float32)).mean()) for layer in target.params["layers"]]
+    np.testing.assert_allclose(np.array(o[2:]) / np.mean(o[:2]), synthetic.FAINT, rtol=0.2)
 
 
 def test_per_position_acceptance():
@@ -30,7 +47,7 @@ def test_theory():
 def test_tree_bench_runs_and_stays_exact(capsys):
     from specjax import Tree
 
-    target, small = bench.build_synthetic_pair("tiny", 2)
+    target, small = synthetic.build_synthetic_pair("tiny", 2)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=16)
     report = bench.run_trees(target, small, prompts, auto, rows, 16, 1, 64, trees=(Tree(3, 2, 6),))
@@ -47,7 +64,7 @@ def test_heads_bench_runs_and_stays_exact(capsys):
 
     import specjax
 
-    target, small = bench.build_synthetic_pair("tiny", 2)
+    target, small = synthetic.build_synthetic_pair("tiny", 2)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=8)
     trained = {"Medusa": specjax.Medusa.init(target, 3, jax.random.key(0)),
@@ -66,7 +83,7 @@ def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
     equal to autoregressive; auto K's choice printed beside every fixed K per batch size."""
     import specjax
 
-    target, small = bench.build_synthetic_pair("tiny", 2)
+    target, small = synthetic.build_synthetic_pair("tiny", 2)
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8]]
     auto, rows = bench.time_generate(target, prompts, 1, 1, max_new_tokens=8)
     report = bench.run_training_free(target, small, None, prompts, auto, rows, 8, 1, K=3,

@@ -254,6 +254,33 @@ def test_bad_prompts(pair):
         specjax.generate(target, np.ones((1, 4), np.int32), np.array([5]))
     with pytest.raises(ValueError, match="token ids"):
         specjax.generate(target, np.full((1, 4), tiny.VOCAB), np.array([4]))
+    # Values past int32 are checked as given, not after a cast that would wrap them.
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 97\)"):
+        specjax.generate(target, np.full((1, 4), 2**32 + 5, np.int64), np.array([4]))
+    with pytest.raises(ValueError, match="lengths go up to 4294967300"):
+        specjax.generate(target, np.ones((1, 4), np.int64), np.array([2**32 + 4], np.int64))
+    with pytest.raises(ValueError, match="token ids"):
+        specjax.forward(target, np.full((1, 4), 2**32 + 5, np.int64))
+
+
+def test_nothing_is_read_back_from_the_device_before_the_loop(pair, monkeypatch):
+    """With host prompts, generate checks them in numpy and never waits on the device before
+    the loop runs (reading a device array's value is a sync); with device prompts, it reads
+    them once, together. Counted where every read of a jax.Array's value goes."""
+    from jax._src import array as jax_array
+
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(3, seed=14), bucket=16)
+    kwargs = dict(draft=drafts["near"], max_new_tokens=MAX_NEW, num_draft_tokens=2, eos_token_id=[4, 9])
+    expected = specjax.generate(target, padded, lengths, **kwargs)
+    reads, value = [], jax_array.ArrayImpl._value
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(lambda a: reads.append(a.shape) or value.fget(a)))
+    out = specjax.generate(target, padded, lengths, **kwargs)
+    assert reads == []
+    specjax.generate(target, jnp.asarray(padded), jnp.asarray(lengths), **kwargs)
+    assert sorted(reads) == sorted([padded.shape, lengths.shape])
+    monkeypatch.undo()
+    np.testing.assert_array_equal(out.tokens, expected.tokens)
 
 
 def test_vocabulary_mismatch_is_refused(pair, hf_folder):

@@ -109,14 +109,14 @@ def test_a_weight_that_does_not_divide_warns_once_naming_its_fallback():
 
     P = jax.sharding.PartitionSpec
     sharding._warned.clear()
-    with pytest.warns(UserWarning, match=r"layers/attn/q_kernel .*heads dimension \(6\).*model axis \(4\); "
+    with pytest.warns(UserWarning, match=r"layers/0/attn/qkv_kernel .*kv_heads dimension \(6\).*model axis \(4\); "
                                          r"split over its head_dim dimension instead"):
-        sharding._warn_fallback("layers/attn/q_kernel", (2, 64, 6, 16), ("layers", "embed", "heads", "head_dim"),
+        sharding._warn_fallback("layers/0/attn/qkv_kernel", (64, 6, 3, 16), ("embed", "kv_heads", "qkv", "head_dim"),
                                 P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time: silent
-        sharding._warn_fallback("layers/attn/q_kernel", (2, 64, 6, 16), ("layers", "embed", "heads", "head_dim"),
+        sharding._warn_fallback("layers/0/attn/qkv_kernel", (64, 6, 3, 16), ("embed", "kv_heads", "qkv", "head_dim"),
                                 P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
 
 

@@ -116,3 +116,23 @@ def test_export_loads_in_transformers(stream, tmp_path):
     with torch.no_grad():
         ref = theirs(torch.as_tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(specjax.forward(ours, tokens)), ref, atol=1e-4)
+
+
+def test_a_run_of_the_stacked_layout_exports_converted_and_refuses_to_resume(stream, tmp_path):
+    """tests/data/legacy_run was written by specjax at f58689a, when layers were stacked
+    [L, ...] and q/k/v, gate/up separate (a GQA Llama with every bias), with the logits its
+    model gave: today's export converts it to the same logits; resuming it is refused."""
+    import shutil
+    from pathlib import Path
+
+    from specjax.train.loop import restore_model
+
+    data = Path(__file__).parent / "data"
+    run = shutil.copytree(data / "legacy_run", tmp_path / "run")
+    model, record = restore_model(run)
+    assert "layout" not in record and model.config.qkv_bias and model.config.num_kv_heads == 2
+    tokens = np.random.RandomState(0).randint(0, 64, 5000).astype(np.int32)[:24][None]
+    np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), np.load(data / "legacy_run_logits.npy"),
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="older specjax, whose params stacked the layers"):
+        train(model, stream, stream[-3000:], CFG, run, progress=False, log=lambda s: None)

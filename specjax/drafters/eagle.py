@@ -28,9 +28,10 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
 from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.layouts import fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import init as normal_init
-from specjax.models.transformer import Block, embed_tokens, layer_table, slots_and_masks
+from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_tables, slots_and_masks
 from specjax.tree import Tree
 
 
@@ -47,13 +48,13 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
     x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
                          features], axis=-1)
     x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
-    slots, masks = slots_and_masks(config, positions, cache, placement)
-    layer = jax.tree.map(lambda a: a[0], layer_table(config))
+    slots, masks, kv_limit = slots_and_masks(config, positions, cache, placement)
     layer_params = jax.tree.map(lambda w: w.astype(dtype), params["layer"])
-    carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
-    (x, k, v), _ = Block(config).apply({"params": layer_params}, carry, layer, positions, slots, masks)
+    kv = None if cache is None else (cache.k[0], cache.v[0])
+    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], slots,
+                                masks[False], kv_limit, kv)
     if cache is not None:
-        cache = cache.replace(k=k, v=v)
+        cache = cache.replace(k=(kv[0],), v=(kv[1],))
     return head_logits(target, x), x, cache
 
 
@@ -74,7 +75,7 @@ class Eagle:
         E = config.hidden_size
         fc_key, layer_key = jax.random.split(key)
         fc = {"kernel": normal_init(fc_key, (2 * E, E), jnp.float32), "bias": jnp.zeros((E,), jnp.float32)}
-        return cls({"fc": fc, "layer": _init_layer(config, layer_key)}, config,
+        return cls({"fc": fc, "layer": init_layer(config, layer_key)}, config,
                    trained.TargetSignature.of(target), tree)
 
     def resolve(self, K: int | None) -> "Eagle":
@@ -130,23 +131,17 @@ class Eagle:
         from specjax.hf import CheckpointError
 
         config = layer_config(ModelConfig.from_hf_config(record["layer"]))
+        if record.get("format") == 1:  # saved before the fused layout: q/k/v and gate/up apart
+            params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
         got = jax.tree.map(lambda w: tuple(w.shape), params)
         if got != _shapes(config):
             raise CheckpointError(f"EAGLE weights {got} do not match its layer's shapes {_shapes(config)}")
         return cls(params, config, signature, tree)
 
 
-def _init_layer(config: ModelConfig, key: jax.Array) -> dict:
-    x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
-    positions = jnp.zeros((1, 1), jnp.int32)
-    slots, masks = slots_and_masks(config, positions, None, None)
-    layer = jax.tree.map(lambda a: a[0], layer_table(config))
-    return Block(config).init(key, (x, None, None), layer, positions, slots, masks)["params"]
-
-
 @functools.lru_cache(maxsize=None)
 def _shapes(config: ModelConfig) -> dict:
     """The shapes of an Eagle's params for a layer config."""
     E = config.hidden_size
-    layer = jax.eval_shape(lambda: _init_layer(config, jax.random.key(0)))
+    layer = jax.eval_shape(lambda: init_layer(config, jax.random.key(0)))
     return {"fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}

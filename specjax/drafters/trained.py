@@ -19,7 +19,10 @@ import numpy as np
 
 from specjax.models import Model
 
-FORMAT = 1
+# 2: EAGLE's layer in the per-layer model layout (fused qkv and gate_up kernels). Format 1
+# files (separate q/k/v and gate/up kernels) still load: `from_record` converts them.
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 WEIGHTS, RECORD = "drafter.safetensors", "drafter.json"
 
 
@@ -104,8 +107,9 @@ def load_drafter(path, tree=None):
         kind = record["kind"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder / RECORD} is not a drafter record ({e})") from None
-    if record.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / RECORD}: format {record.get('format')!r}, expected {FORMAT}")
+    if record.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{folder / RECORD}: format {record.get('format')!r}, expected one of "
+                              f"{READABLE_FORMATS}")
     try:
         params = unflatten(load_file(str(folder / WEIGHTS)))
         # On the device once, not copied from the host by every generate call.

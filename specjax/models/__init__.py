@@ -10,13 +10,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache, Placement
 from specjax.config import GenerationConfig, ModelConfig
-from specjax.models.transformer import Decoder, read_out
+from specjax.models.transformer import decode, init_params, read_out
 
-Params = Any  # nested dict of arrays, layer weights stacked on a leading [L] axis
+# {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
+# array (see transformer.py for why layers are not stacked).
+Params = Any
 
 
 @struct.dataclass
@@ -47,9 +50,7 @@ def cast(params: Params, dtype) -> Params:
 
 def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
     """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    params = Decoder(config).init(key, tokens, tokens)["params"]
-    return Model(config, cast(params, dtype or default_dtype()))
+    return Model(config, cast(init_params(config, key), dtype or default_dtype()))
 
 
 def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
@@ -59,8 +60,7 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     exit_layer: run only the first exit_layer layers, then the final norm and head.
     placement: where the tokens go in the cache and what they see, when not "slot =
     position, causal" (a token tree; see cache.Placement)."""
-    decoder = Decoder(model.config, exit_layer=exit_layer)
-    return decoder.apply({"params": model.params}, tokens, positions, cache, placement)
+    return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer)
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,
@@ -118,8 +118,10 @@ def _forward(model: Model, tokens: jax.Array) -> jax.Array:
 def forward(model: Model, tokens) -> jax.Array:
     """Full causal pass without a cache: tokens int [B, T] -> float32 logits [B, T, V].
 
-    Right padding is harmless: a token never attends to positions after its own."""
-    tokens = jnp.asarray(tokens)
+    Right padding is harmless: a token never attends to positions after its own. Token ids
+    are checked on the host as given, before any cast."""
+    if not isinstance(tokens, jax.core.Tracer):
+        tokens = np.asarray(jax.device_get(tokens))
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -129,7 +131,7 @@ def forward(model: Model, tokens) -> jax.Array:
         raise ValueError(f"{tokens.shape[1]} tokens exceed max_position_embeddings="
                          f"{c.max_position_embeddings}")
     check_token_ids(tokens, c.vocab_size)
-    return _forward(model, tokens.astype(jnp.int32))
+    return _forward(model, jnp.asarray(tokens, jnp.int32))
 
 
 def check_token_ids(tokens, vocab_size: int):

@@ -19,16 +19,31 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig
 from specjax.quant import Int8
 
 init = nn.initializers.normal(stddev=0.02)
 
 
 def dequantize(w):
-    """A weight as a float array: int8 weights (`specjax.quant.Int8`) are dequantised here,
-    on the fly inside the jitted pass; float weights pass through."""
+    """A weight as a float array (int8 weights dequantised; float weights pass through).
+    The passes do not use it (see `matmul`); exporting does."""
     return w.dequantize() if isinstance(w, Int8) else w
+
+
+def matmul(subscripts: str, x, w, out_dtype=None):
+    """einsum(subscripts, x, w) for a float or int8 weight w. An int8 weight's values go into
+    the matmul as they are (converted to x's dtype inside it, exactly: |value| <= 127) and
+    its per-output-channel scale multiplies the output, which equals the matmul with the
+    dequantised weight up to rounding, without ever writing a dequantised copy. The output's
+    last axes must be w's uncontracted axes, in w's order (true of every einsum here).
+    out_dtype: the output's dtype (the matmul accumulates into it; default x's)."""
+    if not isinstance(w, Int8):
+        return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
+    w_axes, out_axes = subscripts.split("->")[0].split(",")[1], subscripts.split("->")[1]
+    scale = w.scale.reshape([n for n, a in zip(w.scale.shape, w_axes) if a in out_axes])
+    out = jnp.einsum(subscripts, x, w.value.astype(x.dtype), preferred_element_type=out_dtype)
+    return out * scale.astype(out.dtype)
 
 
 def softcap(x, cap: float):
@@ -74,20 +89,31 @@ class Norm(nn.Module):
         return (y * scale + bias).astype(x.dtype)
 
 
-def rotary(x, positions, inv_freq):
-    """Rotary embedding with split halves (transformers' rotate_half).
-
-    x [B, T, N, D] (N heads), positions int32 [B, T], inv_freq float32 [D/2]."""
+def rotary_angles(positions, inv_freq):
+    """(cos, sin) float32 [B, T, 1, D] of the rotary angles at positions int32 [B, T] for
+    inverse frequencies float32 [D/2]: computed once per pass and shared by its layers."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotary(x, cos_sin):
+    """Rotary embedding with split halves (transformers' rotate_half).
+
+    x [B, T, N, D] (N heads), cos_sin: `rotary_angles` of its positions."""
+    cos, sin = cos_sin
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads over a key/value sequence that the
     caller supplies (fresh keys, or a cache buffer the new keys were written into).
+
+    q, k and v are one matmul: `qkv_kernel` [E, G, R+2, D] holds, for each kv head g, its
+    R = H/G query heads, then its key head, then its value head (query head h = g R + r
+    reads kv head g, as in transformers). Split over kv heads, a device holds whole groups.
 
     Gemma's output is normed (its post-attention norm) before the caller adds it to the
     residual stream."""
@@ -97,14 +123,10 @@ class Attention(nn.Module):
     def setup(self):
         c = self.config
         E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_kernel = self.param("q_kernel", init, (E, H, D))
-        self.k_kernel = self.param("k_kernel", init, (E, G, D))
-        self.v_kernel = self.param("v_kernel", init, (E, G, D))
+        self.qkv_kernel = self.param("qkv_kernel", init, (E, G, H // G + 2, D))
         self.o_kernel = self.param("o_kernel", init, (H, D, E))
         if c.qkv_bias:
-            self.q_bias = self.param("q_bias", nn.initializers.zeros, (H, D))
-            self.k_bias = self.param("k_bias", nn.initializers.zeros, (G, D))
-            self.v_bias = self.param("v_bias", nn.initializers.zeros, (G, D))
+            self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros, (G, H // G + 2, D))
         if c.out_bias:
             self.o_bias = self.param("o_bias", nn.initializers.zeros, (E,))
         if c.qk_norm:
@@ -113,35 +135,32 @@ class Attention(nn.Module):
         if c.family == "gemma":
             self.post_norm = Norm(c)
 
-    def project_qkv(self, x, positions, inv_freq=None):
-        """x [B, T, E] -> q [B, T, H, D], k [B, T, G, D], v [B, T, G, D] (rotary applied).
-
-        inv_freq float32 [D/2]: this layer's rotary frequencies (default: the full-attention
-        layers'; Gemma 3's sliding layers have their own)."""
+    def project_qkv(self, x, cos_sin=None):
+        """x [B, T, E] -> q [B, T, H, D], k [B, T, G, D], v [B, T, G, D] (rotary applied
+        with cos_sin, this layer's `rotary_angles`; None for GPT-2)."""
         c = self.config
-        q = jnp.einsum("bte,ehd->bthd", x, dequantize(self.q_kernel))
-        k = jnp.einsum("bte,egd->btgd", x, dequantize(self.k_kernel))
-        v = jnp.einsum("bte,egd->btgd", x, dequantize(self.v_kernel))
+        B, T, _ = x.shape
+        R = c.num_heads // c.num_kv_heads
+        qkv = matmul("bte,egrd->btgrd", x, self.qkv_kernel)  # [B, T, G, R+2, D]
         if c.qkv_bias:
-            q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv[:, :, :, :R].reshape(B, T, c.num_heads, c.head_dim), qkv[:, :, :, R], qkv[:, :, :, R + 1]
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if c.family != "gpt2":
-            if inv_freq is None:
-                inv_freq = jnp.asarray(rope_inv_freq(c), jnp.float32)
-            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+        if cos_sin is not None:
+            q, k = rotary(q, cos_sin), rotary(k, cos_sin)
         return q, k, v
 
     def attend(self, q, k, v, mask, kv_limit=None):
         """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, E].
 
-        kv_limit: None, or int32 []: no query of this pass sees a slot at or beyond it (a
-        cache pass: see `attention`)."""
+        kv_limit: None, or int32 [B]: no query of row b sees a slot at or beyond
+        kv_limit[b] (a cache pass: see `attention`)."""
         c = self.config
         scale = (c.gemma.query_pre_attn_scalar if c.gemma else c.head_dim) ** -0.5
         cap = c.gemma.attn_softcap if c.gemma else None
         out = attention(q, k, v, mask, scale, cap, kv_limit)  # [B, T, H, D]
-        out = jnp.einsum("bthd,hde->bte", out, dequantize(self.o_kernel))
+        out = matmul("bthd,hde->bte", out, self.o_kernel)
         if c.out_bias:
             out = out + self.o_bias
         return self.post_norm(out) if c.family == "gemma" else out
@@ -162,10 +181,11 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     materialised (the reference computation). Beyond, keys are visited in blocks of `block`
     slots with an online softmax (running max and sum, float32), so no more than
     [B, H, T, block] scores live at once; results agree with the dense path to float32
-    rounding. kv_limit (int32 [], traced; blockwise only): blocks starting at or beyond
-    it are not read at all (a decode step reads only up to its longest live row); without
-    one every block is visited in a fixed-length loop, which reverse-mode autodiff can
-    differentiate. A query that sees no slot at all gets zeros (the dense path's output
+    rounding. kv_limit (int32 [B], traced): no query of row b sees a slot at or beyond
+    kv_limit[b]. Blockwise, blocks starting at or beyond the largest are not read at all (a
+    decode step reads only up to its longest live row); without it every block is visited
+    in a fixed-length loop, which reverse-mode autodiff can differentiate. cuDNN takes it as
+    each row's key/value length and reads no block past it. A query that sees no slot at all gets zeros (the dense path's output
     for it, a uniform average, is equally meaningless).
 
     Where an accelerator kernel applies (`attention_kernel`: cuDNN on GPU, Pallas splash
@@ -177,7 +197,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     S, G = k.shape[1], k.shape[2]
     kernel = attention_kernel(jax.default_backend(), q.dtype, T, S, D, cap)
     if kernel == "cudnn":
-        return dot_product_attention(q, k, v, mask, scale)
+        return dot_product_attention(q, k, v, mask, scale, kv_limit)
     if kernel == "splash":
         return splash_attention(q, k, v, mask, scale, cap)
     R = H // G
@@ -219,7 +239,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     if kv_limit is None:
         _, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init_state)
     else:
-        upto = jnp.clip((kv_limit + block - 1) // block, 0, num_blocks)
+        upto = jnp.clip((jnp.max(kv_limit) + block - 1) // block, 0, num_blocks)
         _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
@@ -284,12 +304,15 @@ def _splash_module():
     return splash_attention
 
 
-def dot_product_attention(q, k, v, mask, scale: float, implementation: str = "cudnn"):
+def dot_product_attention(q, k, v, mask, scale: float, kv_limit=None, implementation: str = "cudnn"):
     """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, H, D] through
     `jax.nn.dot_product_attention` (grouped heads natively); implementation "xla" computes
-    the same on any backend (what the CPU tests use)."""
+    the same on any backend (what the CPU tests use). kv_limit int32 [B] (or None): each
+    row's live key length, passed as key_value_seq_lengths so that cuDNN's flash attention
+    stops at it instead of reading the whole cache; the mask already hides what lies past."""
+    lengths = None if kv_limit is None else jnp.broadcast_to(kv_limit, q.shape[:1]).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
-                                        implementation=implementation)
+                                        key_value_seq_lengths=lengths, implementation=implementation)
 
 
 def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, interpret: bool = False):
@@ -319,7 +342,7 @@ def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, inte
 
 class MLP(nn.Module):
     """SwiGLU (Llama family), GeGLU with tanh gelu and a post-norm (Gemma), or a gelu_new
-    MLP with biases (GPT-2)."""
+    MLP with biases (GPT-2). Gate and up are one matmul: `gate_up_kernel` [E, 2, F]."""
 
     config: ModelConfig
 
@@ -329,18 +352,16 @@ class MLP(nn.Module):
         E, F = c.hidden_size, c.intermediate_size
         zeros = nn.initializers.zeros
         if c.family == "gpt2":
-            h = x @ dequantize(self.param("fc_kernel", init, (E, F)))
+            h = matmul("bte,ef->btf", x, self.param("fc_kernel", init, (E, F)))
             h = jax.nn.gelu(h + self.param("fc_bias", zeros, (F,)), approximate=True)  # gelu_new
-            out = h @ dequantize(self.param("proj_kernel", init, (F, E)))
+            out = matmul("btf,fe->bte", h, self.param("proj_kernel", init, (F, E)))
             return out + self.param("proj_bias", zeros, (E,))
-        gate = x @ dequantize(self.param("gate_kernel", init, (E, F)))
-        up = x @ dequantize(self.param("up_kernel", init, (E, F)))
-        down = dequantize(self.param("down_kernel", init, (F, E)))
+        gate_up = matmul("bte,eif->btif", x, self.param("gate_up_kernel", init, (E, 2, F)))  # [B, T, 2, F]
         if c.mlp_bias:
-            gate = gate + self.param("gate_bias", zeros, (F,))
-            up = up + self.param("up_bias", zeros, (F,))
+            gate_up = gate_up + self.param("gate_up_bias", zeros, (2, F))
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         act = jax.nn.gelu(gate, approximate=True) if c.family == "gemma" else jax.nn.silu(gate)
-        out = (act * up) @ down
+        out = matmul("btf,fe->bte", act * up, self.param("down_kernel", init, (F, E)))
         if c.mlp_bias:
             out = out + self.param("down_bias", zeros, (E,))
         return Norm(c, name="post_norm")(out) if c.family == "gemma" else out

@@ -3,10 +3,14 @@ Gemma family (Gemma 2, Gemma 3 text). Where families differ, the difference is a
 piece of layers.py (norms, activation, soft-caps, q/k norms, post-norms) or, here, the
 embedding scale and final soft-cap of Gemma and each layer's rotary frequencies.
 
-`Decoder` is a pure function of (params, tokens [B, T], positions [B, T], cache) returning
-(logits [B, T, V] float32, hidden [B, T, E], cache). Layers are stacked ([L, ...] leaves)
-and run with `nn.scan`, so compile time does not grow with depth. With a cache, each layer
-writes its new keys/values at each row's own positions and attends over the whole buffer,
+`decode` is a pure function of (config, params, tokens [B, T], positions [B, T], cache)
+returning (logits [B, T, V] float32, hidden [B, T, E], cache). Each layer's weights are
+arrays of their own (params["layers"][i]) and the layers run in a Python loop, unrolled
+into the program: on a GPU a matmul whose weight is a slice of a stacked [L, ...] array
+becomes a fusion that reads it at a third of the memory bandwidth, while a weight of its
+own is read at full speed (measured: ../docs/bench/gpu/README.md). The price is compile
+time that grows with depth (docs/bench/compile_time.txt). With a cache, each layer writes
+its new keys/values at each row's own positions into its own buffer and attends over it,
 masked by position; without one, it attends over the T tokens given (a full causal pass).
 
 A `Placement` (cache.py) overrides "slot = position, causal" for one pass: token trees
@@ -18,80 +22,88 @@ whoever drives it (the decoding loop). It knows nothing about checkpoints or sam
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
-from specjax.config import ModelConfig, layer_inv_freqs
-from specjax.models.layers import MLP, Attention, Norm, dequantize, init, softcap
+from specjax.config import ModelConfig, rope_inv_freq
+from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
 from specjax.quant import Int8
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer. Scanned over layers: carry is (x, cache k, cache v).
-    (Gemma's attention and MLP also norm their own outputs: see layers.py.)"""
+    """One pre-norm decoder layer. (Gemma's attention and MLP also norm their own outputs:
+    see layers.py.)"""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions, slots, masks):
-        x, cache_k, cache_v = carry  # x [B, T, E]; cache_k/v [L, B, S, G, D] or None
+    def __call__(self, x, cos_sin, slots, mask, kv_limit, cache_kv=None):
+        """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); slots int32
+        [B, T]; mask bool [B, T, S]; cache_kv: None, or this layer's (k, v) buffers [B, S, G, D].
+        Returns (x, cache_kv with the T new entries written)."""
         attn = Attention(self.config, name="attn")
-        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), positions,
-                                   layer.get("inv_freq"))
-        if cache_k is not None:
-            i = layer["index"]
-            cache_k, cache_v = write(cache_k, i, k, slots), write(cache_v, i, v, slots)
-            k, v = cache_k[i], cache_v[i]  # [B, S, G, D]
-        full_mask, window_mask, kv_limit = masks
-        mask = full_mask if window_mask is None else jnp.where(layer["sliding"], window_mask, full_mask)
+        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
+        if cache_kv is not None:
+            cache_kv = (write(cache_kv[0], k, slots), write(cache_kv[1], v, slots))
+            k, v = cache_kv
         x = x + attn.attend(q, k, v, mask, kv_limit)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
-        return (x, cache_k, cache_v), None
+        return x, cache_kv
 
 
-class Decoder(nn.Module):
-    """Activations take the parameters' dtype; logits are always float32."""
+def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
+           placement: Placement | None = None, num_layers: int | None = None):
+    """Activations take the parameters' dtype; logits are always float32.
 
-    config: ModelConfig
-    exit_layer: int | None = None  # run only the first exit_layer layers, then norm and head
-
-    @nn.compact
-    def __call__(self, tokens, positions, cache: KVCache | None = None, placement: Placement | None = None):
-        c = self.config
-        embedding = self.param("embedding", init, (c.vocab_size, c.hidden_size))
-        x = embed_tokens(c, embedding, tokens)  # [B, T, E]
-        if c.family == "gpt2":
-            pos_embedding = self.param("pos_embedding", init,
-                                       (c.max_position_embeddings, c.hidden_size))
-            x = x + pos_embedding[jnp.minimum(positions, c.max_position_embeddings - 1)]
-
-        slots, masks = slots_and_masks(c, positions, cache, placement)
-        layers = layer_table(c)
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
-        carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
-        if self.exit_layer is None or self.is_initializing():
-            (x, cache_k, cache_v), _ = stack(c, name="layers")(carry, layers, positions, slots, masks)
-        else:
-            # Early exit: the first exit_layer layers, each read in place from the stacked
-            # weights (no copy of the slice), writing the shared cache's own layers.
-            stacked = self.variables["params"]["layers"]
-
-            def run_layer(i, carry):
-                params = jax.tree.map(lambda w: w[i], stacked)
-                layer = jax.tree.map(lambda a: a[i], layers)
-                return Block(c).apply({"params": params}, carry, layer, positions, slots, masks)[0]
-
-            x, cache_k, cache_v = jax.lax.fori_loop(0, self.exit_layer, run_layer, carry)
-        hidden = Norm(c, name="final_norm")(x)
-        head = embedding if c.tie_word_embeddings else self.param(
-            "lm_head", init, (c.hidden_size, c.vocab_size))
-        logits = read_out(c, head, hidden, transposed=c.tie_word_embeddings)
+    num_layers: run only the first num_layers layers, then the final norm and head (early
+    exit; the cache's other layers are returned untouched)."""
+    x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
+    if c.family == "gpt2":
+        x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
+    slots, masks, kv_limit = slots_and_masks(c, positions, cache, placement)
+    angles = rotary_tables(c, positions)
+    k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
+    for i in range(c.num_layers if num_layers is None else num_layers):
+        sliding = c.layer_windows()[i] is not None
+        kv = None if cache is None else (k[i], v[i])
+        x, kv = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], slots, masks[sliding],
+                               kv_limit, kv)
         if cache is not None:
-            cache = cache.replace(k=cache_k, v=cache_v)
-        return logits, hidden, cache
+            k[i], v[i] = kv
+    hidden = Norm(c).apply({"params": params["final_norm"]}, x)
+    tied = c.tie_word_embeddings
+    logits = read_out(c, params["embedding" if tied else "lm_head"], hidden, transposed=tied)
+    if cache is not None:
+        cache = cache.replace(k=tuple(k), v=tuple(v))
+    return logits, hidden, cache
+
+
+def init_params(c: ModelConfig, key: jax.Array) -> dict:
+    """Random float32 params (normal(0.02) weights, unit norms (Gemma: zero), zero biases)."""
+    keys = jax.random.split(key, c.num_layers + 3)
+    E = c.hidden_size
+    params = {"embedding": init(keys[0], (c.vocab_size, E), jnp.float32),
+              "layers": [init_layer(c, k) for k in keys[3:]],
+              "final_norm": Norm(c).init(keys[1], jnp.zeros((1, 1, E)))["params"]}
+    if c.family == "gpt2":
+        params["pos_embedding"] = init(keys[2], (c.max_position_embeddings, E), jnp.float32)
+    if not c.tie_word_embeddings:
+        params["lm_head"] = init(keys[2], (E, c.vocab_size), jnp.float32)
+    return params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_layer(c: ModelConfig, key: jax.Array) -> dict:
+    """One layer's random params (compiled once per config, run once per layer)."""
+    x = jnp.zeros((1, 1, c.hidden_size), jnp.float32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    slots, masks, kv_limit = slots_and_masks(c, positions, None, None)
+    angles = rotary_tables(c, positions)
+    return Block(c).init(key, x, angles[False], slots, masks[False], kv_limit)["params"]
 
 
 def embed_tokens(c: ModelConfig, embedding, tokens):
@@ -103,45 +115,45 @@ def embed_tokens(c: ModelConfig, embedding, tokens):
     return x
 
 
+def rotary_tables(c: ModelConfig, positions) -> dict:
+    """{sliding: (cos, sin)}: the rotary angles of full-attention layers (False) and of
+    sliding-window layers (True), each computed once per pass; None for GPT-2."""
+    if c.family == "gpt2":
+        return {False: None, True: None}
+    full = rotary_angles(positions, jnp.asarray(rope_inv_freq(c), jnp.float32))
+    if c.local_rope_theta is None:
+        return {False: full, True: full}
+    return {False: full, True: rotary_angles(positions, jnp.asarray(rope_inv_freq(c, local=True), jnp.float32))}
+
+
 def slots_and_masks(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None):
-    """Where T tokens at positions [B, T] are written in the cache (slots [B, T]) and what
-    they see: (full mask, window mask or None, kv_limit), the masks bool [B, T, S] (S: the
-    cache's length, or T without a cache). Without a placement, slot = position and
-    attention is causal. kv_limit (int32 [], with a cache; None without): one past the
-    highest slot any query of the pass sees, so that long-cache attention reads no block
-    beyond it (see layers.attention)."""
+    """Where T tokens at positions [B, T] are written in the cache (slots [B, T]), what they
+    see ({sliding: mask bool [B, T, S]}, S the cache's length, or T without a cache: the
+    full-attention layers' mask and the sliding-window layers') and kv_limit (int32 [B], with
+    a cache; None without): one past the highest slot any query of row b sees, so that
+    attention reads no block beyond it (see layers.attention). Without a placement, slot =
+    position and attention is causal."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     if placement is not None:
         full = placement_mask(positions, placement)
-        masks = (full, None if window is None else placement_mask(positions, placement, window))
+        windowed = None if window is None else placement_mask(positions, placement, window)
     else:
         kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
         full = attention_mask(positions, kv_positions)
-        masks = (full, None if window is None else attention_mask(positions, kv_positions, window))
+        windowed = None if window is None else attention_mask(positions, kv_positions, window)
+    masks = {False: full, True: windowed}
     slots = positions if placement is None else placement.slots
     if cache is None:
-        return slots, masks + (None,)
-    seen = full.any(axis=(0, 1))  # [S]: slots some query sees
-    kv_limit = jnp.max(jnp.where(seen, jnp.arange(full.shape[-1], dtype=jnp.int32) + 1, 0))
-    return slots, masks + (kv_limit,)
-
-
-def layer_table(c: ModelConfig, num_layers: int | None = None) -> dict:
-    """What each scanned layer is given besides its weights: its index, whether it slides
-    and (rotary families) its inverse frequencies [L, D/2]. num_layers: the first few only."""
-    L = c.num_layers if num_layers is None else num_layers
-    table = {"index": jnp.arange(L), "sliding": jnp.array([w is not None for w in c.layer_windows()][:L])}
-    if c.family != "gpt2":
-        table["inv_freq"] = jnp.asarray(layer_inv_freqs(c))[:L]
-    return table
+        return slots, masks, None
+    seen = full.any(axis=1)  # [B, S]: slots some query of the row sees
+    kv_limit = jnp.max(jnp.where(seen, jnp.arange(full.shape[-1], dtype=jnp.int32) + 1, 0), axis=1)
+    return slots, masks, kv_limit
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
     """float32 logits [..., V] from final hidden states [..., E] through a head [E, V] (or
     the embedding [V, E] when transposed: tied), int8 or float, with Gemma's final soft-cap."""
-    head = dequantize(head)
-    logits = jnp.einsum("...e,ve->...v" if transposed else "...e,ev->...v", hidden, head,
-                        preferred_element_type=jnp.float32)
+    logits = matmul("...e,ve->...v" if transposed else "...e,ev->...v", hidden, head, jnp.float32)
     if c.gemma and c.gemma.final_softcap is not None:
         logits = softcap(logits, c.gemma.final_softcap)
     return logits

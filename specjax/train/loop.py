@@ -25,9 +25,15 @@ from tqdm.auto import tqdm
 from specjax import theory
 from specjax.checkpoint import CheckpointManager
 from specjax.config import ModelConfig
+from specjax.layouts import from_legacy
 from specjax.models import Model, apply, init
 from specjax.train import losses
 from specjax.train.data import batch_at, eval_batches
+
+
+# The params layout a run's checkpoints hold, recorded with them: 2 is one dict per layer
+# with fused qkv and gate_up kernels (records without one: stacked [L, ...] layers).
+PARAMS_LAYOUT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +160,14 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
     evaluate = make_eval(metrics_fn)
     eval_set = eval_batches(held_out, cfg.batch, cfg.seq_len, cfg.eval_batches)
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
-    record = {"train": dataclasses.asdict(cfg), **record}
+    record = {"train": dataclasses.asdict(cfg), "layout": PARAMS_LAYOUT, **record}
 
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
     if manager.latest_step() is not None:
+        if manager.record().get("layout") != PARAMS_LAYOUT:
+            raise ValueError(f"{run_dir} holds a run of an older specjax, whose params stacked the layers "
+                             f"([L, ...] arrays); it cannot resume in today's per-layer layout. `specjax export "
+                             f"{run_dir} OUT` still exports its latest checkpoint; train on in a new run directory")
         state, saved = manager.restore(jax.tree.map(np.zeros_like, jax.device_get(state)))
         state = jax.tree.map(jnp.asarray, state)
         for key in ("model", "train", "kind"):
@@ -193,13 +203,18 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
 
 
 def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
-    """The model of a run's latest checkpoint, and the checkpoint's JSON record."""
+    """The model of a run's latest checkpoint, and the checkpoint's JSON record. A run of an
+    older specjax (layers stacked, no "layout" in its record) is converted (`from_legacy`)."""
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
     record = manager.record()
     config = ModelConfig.from_hf_config(record["model"])
-    params = init(config, jax.random.key(0), jnp.float32).params
-    abstract = TrainState(params, make_optimizer(TrainConfig(**record["train"])).init(params),
-                          jnp.zeros((), jnp.int32))
-    state, _ = manager.restore(jax.device_get(abstract))
+    if record.get("layout") != PARAMS_LAYOUT:
+        params = from_legacy(jax.device_get(manager.restore_saved()["params"]), config)
+        manager.close()
+        return Model(config, jax.tree.map(jnp.asarray, params)), record
+    abstract = jax.eval_shape(lambda: init(config, jax.random.key(0), jnp.float32).params)
+    abstract = TrainState(abstract, jax.eval_shape(make_optimizer(TrainConfig(**record["train"])).init, abstract),
+                          jax.ShapeDtypeStruct((), jnp.int32))
+    state, _ = manager.restore(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract))
     manager.close()
     return Model(config, jax.tree.map(jnp.asarray, state.params)), record

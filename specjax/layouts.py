@@ -1,0 +1,263 @@
+"""Hugging Face tensor names and shapes <-> specjax parameters, one table per family.
+
+Each `Weights` entry says which Hugging Face tensors (names, shapes) become which specjax
+parameters and how: transposes, head splits, and the fusions specjax computes with (q, k
+and v as one `qkv_kernel` [E, G, R+2, D] whatever the checkpoint fused; gate and up as one
+`gate_up_kernel` [E, 2, F]). `to_ours` returns numpy views of the files' arrays where a
+view exists, and a lazy `Concat` of views where the parameter joins several tensors, so
+that a loader reads only the blocks it places; `to_hf` runs the table backwards for saving.
+
+This module knows names, shapes and index arithmetic; it reads no file (see hf.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from specjax.config import ModelConfig
+
+
+class Concat:
+    """np.concatenate(parts, axis), not yet computed: `block(index)` builds only the block
+    a tuple of slices asks for, from the parts that overlap it, and `parts_in(index)` says
+    which part slices fill which block slices (so that a loader can copy them piecewise)."""
+
+    def __init__(self, parts, axis: int):
+        self.parts, self.axis = list(parts), axis
+        first = self.parts[0]
+        self.dtype = first.dtype
+        self.shape = tuple(sum(p.shape[axis] for p in self.parts) if a == axis else n
+                           for a, n in enumerate(first.shape))
+        self.ndim = len(self.shape)
+
+    def parts_in(self, index: tuple[slice, ...]):
+        """(part, the part's index, the block's index) for each part that index overlaps."""
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        lo, hi, _ = index[self.axis].indices(self.shape[self.axis])
+        offset = 0
+        for part in self.parts:
+            n = part.shape[self.axis]
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                src = index[:self.axis] + (slice(a - offset, b - offset),) + index[self.axis + 1:]
+                dst = (slice(None),) * self.axis + (slice(a - lo, b - lo),)
+                yield part, src, dst
+            offset += n
+
+    def block(self, index: tuple[slice, ...] = ()) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape))
+        out = np.empty(shape, self.dtype)
+        for part, src, dst in self.parts_in(index):
+            out[dst] = part[src]
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.block()
+        return out if dtype is None else out.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Hugging Face tensors (names with `{i}` for per-layer ones, and shapes) and the specjax
+    parameters they become (paths inside a layer's params for per-layer ones)."""
+
+    hf: tuple[tuple[str, tuple[int, ...]], ...]
+    paths: tuple[tuple[str, ...], ...]
+    to_ours: Callable  # tuple of hf arrays -> tuple of ours (views or Concats), one per path
+    to_hf: Callable  # tuple of our arrays -> tuple of hf arrays, one per name
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf[0][0]
+
+    def names(self, i: int | None = None) -> tuple[str, ...]:
+        return tuple(name.format(i=i) for name, _ in self.hf)
+
+
+def _same(path, name, shape):
+    return Weights(((name, shape),), (path,), lambda ws: ws, lambda ps: ps)
+
+
+def _linear(path, name, n_in, n_out_shape):
+    """A torch Linear weight [out, in] -> kernel [in, *out_shape]."""
+    n_out = int(np.prod(n_out_shape))
+    return Weights(((name, (n_out, n_in)),), (path,), lambda ws: (ws[0].T.reshape(n_in, *n_out_shape),),
+                   lambda ps: (ps[0].reshape(n_in, n_out).T,))
+
+
+def _linear_out(path, name, in_shape, n_out):
+    """A torch Linear weight [out, in] whose input is heads -> kernel [*in_shape, out]."""
+    n_in = int(np.prod(in_shape))
+    return Weights(((name, (n_out, n_in)),), (path,), lambda ws: (ws[0].T.reshape(*in_shape, n_out),),
+                   lambda ps: (ps[0].reshape(n_in, n_out).T,))
+
+
+def _qkv(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weights:
+    """q, k, v projections (three Linear weights [out, E], or Phi-3's one qkv_proj with the
+    three stacked along out; or their biases) -> qkv_kernel [E, G, R+2, D] (qkv_bias [G, R+2, D])."""
+    E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    R = H // G
+    sizes = (H * D, G * D, G * D)
+    shapes = ((sum(sizes),),) if len(names) == 1 else tuple((n,) for n in sizes)
+    if not bias:
+        shapes = tuple(s + (E,) for s in shapes)
+    lead = () if bias else (E,)
+
+    def to_ours(ws):
+        q, k, v = np.split(ws[0], np.cumsum(sizes)[:-1]) if len(ws) == 1 else ws
+        q, k, v = (w if bias else w.T for w in (q, k, v))  # [..., out]
+        parts = [q.reshape(*lead, G, R, D), k.reshape(*lead, G, 1, D), v.reshape(*lead, G, 1, D)]
+        return (Concat(parts, axis=len(lead) + 1),)
+
+    def to_hf(ps):
+        w = ps[0]  # [*lead, G, R+2, D]
+        q, k, v = (x.reshape(*lead, -1) for x in (w[..., :R, :], w[..., R, :], w[..., R + 1, :]))
+        out = tuple(x if bias else x.T for x in (q, k, v))
+        return (np.concatenate(out),) if len(names) == 1 else out
+
+    return Weights(tuple(zip(names, shapes)), (("attn", "qkv_bias" if bias else "qkv_kernel"),), to_ours, to_hf)
+
+
+def _gate_up(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weights:
+    """gate and up projections (two Linear weights [F, E], or Phi-3's one gate_up_proj [2F, E];
+    or their biases) -> gate_up_kernel [E, 2, F] (gate_up_bias [2, F])."""
+    E, F = c.hidden_size, c.intermediate_size
+    shapes = ((2 * F,),) if len(names) == 1 else ((F,), (F,))
+    if not bias:
+        shapes = tuple(s + (E,) for s in shapes)
+
+    def to_ours(ws):
+        gate, up = np.split(ws[0], 2) if len(ws) == 1 else ws
+        if bias:
+            return (Concat([gate[None], up[None]], axis=0),)
+        return (Concat([gate.T[:, None], up.T[:, None]], axis=1),)
+
+    def to_hf(ps):
+        w = ps[0]
+        gate, up = (w[i] if bias else w[:, i].T for i in (0, 1))
+        return (np.concatenate([gate, up]),) if len(names) == 1 else (gate, up)
+
+    return Weights(tuple(zip(names, shapes)), (("mlp", "gate_up_bias" if bias else "gate_up_kernel"),),
+                   to_ours, to_hf)
+
+
+def llama_layout(c: ModelConfig) -> list[Weights]:
+    """The Llama and Gemma families: one Linear per projection, except Phi-3, which fuses
+    q, k, v into qkv_proj and gate, up into gate_up_proj (concatenated along the output)."""
+    E, H, D, F, V = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    L = "model.layers.{i}."
+    out = [
+        _same(("embedding",), "model.embed_tokens.weight", (V, E)),
+        _same(("final_norm", "scale"), "model.norm.weight", (E,)),
+        _same(("attn_norm", "scale"), L + "input_layernorm.weight", (E,)),
+    ]
+    if c.family == "gemma":  # a norm before and after each of attention and the MLP
+        out += [_same(("attn", "post_norm", "scale"), L + "post_attention_layernorm.weight", (E,)),
+                _same(("mlp_norm", "scale"), L + "pre_feedforward_layernorm.weight", (E,)),
+                _same(("mlp", "post_norm", "scale"), L + "post_feedforward_layernorm.weight", (E,))]
+    else:
+        out.append(_same(("mlp_norm", "scale"), L + "post_attention_layernorm.weight", (E,)))
+    if c.model_type == "phi3":
+        out += [_qkv(c, (L + "self_attn.qkv_proj.weight",)), _gate_up(c, (L + "mlp.gate_up_proj.weight",))]
+    else:
+        out += [_qkv(c, tuple(L + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                _gate_up(c, (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"))]
+    out += [_linear_out(("attn", "o_kernel"), L + "self_attn.o_proj.weight", (H, D), E),
+            _linear(("mlp", "down_kernel"), L + "mlp.down_proj.weight", F, (E,))]
+    if c.qk_norm:
+        out += [_same(("attn", "q_norm", "scale"), L + "self_attn.q_norm.weight", (D,)),
+                _same(("attn", "k_norm", "scale"), L + "self_attn.k_norm.weight", (D,))]
+    if c.qkv_bias:
+        out.append(_qkv(c, tuple(L + f"self_attn.{n}_proj.bias" for n in "qkv"), bias=True))
+    if c.out_bias:
+        out.append(_same(("attn", "o_bias"), L + "self_attn.o_proj.bias", (E,)))
+    if c.mlp_bias:
+        out += [_gate_up(c, (L + "mlp.gate_proj.bias", L + "mlp.up_proj.bias"), bias=True),
+                _same(("mlp", "down_bias"), L + "mlp.down_proj.bias", (E,))]
+    if not c.tie_word_embeddings:
+        out.append(_linear(("lm_head",), "lm_head.weight", E, (V,)))
+    return out
+
+
+def gpt2_layout(c: ModelConfig) -> list[Weights]:
+    """GPT-2 stores Conv1D weights as [in, out] and fuses q, k, v into c_attn [E, 3 H D]."""
+    E, H, D, F, V = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    L = "transformer.h.{i}."
+    out = [
+        _same(("embedding",), "transformer.wte.weight", (V, E)),
+        _same(("pos_embedding",), "transformer.wpe.weight", (c.max_position_embeddings, E)),
+        _same(("final_norm", "scale"), "transformer.ln_f.weight", (E,)),
+        _same(("final_norm", "bias"), "transformer.ln_f.bias", (E,)),
+        _same(("attn_norm", "scale"), L + "ln_1.weight", (E,)),
+        _same(("attn_norm", "bias"), L + "ln_1.bias", (E,)),
+        _same(("mlp_norm", "scale"), L + "ln_2.weight", (E,)),
+        _same(("mlp_norm", "bias"), L + "ln_2.bias", (E,)),
+        # [E, 3 H D] -> [E, H, 3, D]: G = H kv heads, each with R = 1 query head (a view).
+        Weights(((L + "attn.c_attn.weight", (E, 3 * H * D)),), (("attn", "qkv_kernel"),),
+                lambda ws: (ws[0].reshape(E, 3, H, D).transpose(0, 2, 1, 3),),
+                lambda ps: (ps[0].transpose(0, 2, 1, 3).reshape(E, 3 * H * D),)),
+        Weights(((L + "attn.c_attn.bias", (3 * H * D,)),), (("attn", "qkv_bias"),),
+                lambda ws: (ws[0].reshape(3, H, D).transpose(1, 0, 2),),
+                lambda ps: (ps[0].transpose(1, 0, 2).reshape(3 * H * D),)),
+        Weights(((L + "attn.c_proj.weight", (H * D, E)),), (("attn", "o_kernel"),),
+                lambda ws: (ws[0].reshape(H, D, E),), lambda ps: (ps[0].reshape(H * D, E),)),
+        _same(("attn", "o_bias"), L + "attn.c_proj.bias", (E,)),
+        _same(("mlp", "fc_kernel"), L + "mlp.c_fc.weight", (E, F)),
+        _same(("mlp", "fc_bias"), L + "mlp.c_fc.bias", (F,)),
+        _same(("mlp", "proj_kernel"), L + "mlp.c_proj.weight", (F, E)),
+        _same(("mlp", "proj_bias"), L + "mlp.c_proj.bias", (E,)),
+    ]
+    if not c.tie_word_embeddings:
+        out.append(_linear(("lm_head",), "lm_head.weight", E, (V,)))
+    return out
+
+
+def layout(c: ModelConfig) -> list[Weights]:
+    return gpt2_layout(c) if c.family == "gpt2" else llama_layout(c)
+
+
+def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name the config implies, with its shape."""
+    out = {}
+    for w in layout(c):
+        for i in range(c.num_layers) if w.per_layer else [None]:
+            out.update((name.format(i=i), shape) for name, shape in w.hf)
+    return out
+
+
+# ---- params of specjax before the per-layer layout ----------------------------------------
+#
+# Until this layout, specjax stacked every layer's weights on a leading [L] axis and kept
+# q, k, v (and gate, up) as separate kernels. Training runs and EAGLE drafters saved then
+# hold that layout; these functions turn it into today's, exactly (concatenations only).
+
+
+def fuse_legacy_layer(layer: dict, c: ModelConfig) -> dict:
+    """One layer's params in the old layout (attn q/k/v_kernel [E, H|G, D] and biases, mlp
+    gate/up_kernel [E, F] and biases; numpy) -> today's (qkv_kernel [E, G, R+2, D],
+    gate_up_kernel [E, 2, F], ...). Everything else passes through."""
+    G, R = c.num_kv_heads, c.num_heads // c.num_kv_heads
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    for kind in ("kernel", "bias"):
+        if f"q_{kind}" in attn:
+            q, k, v = (np.asarray(attn.pop(f"{n}_{kind}")) for n in "qkv")
+            q = q.reshape(*q.shape[:-2], G, R, q.shape[-1])
+            attn[f"qkv_{kind}"] = np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+        if f"gate_{kind}" in mlp:
+            gate, up = np.asarray(mlp.pop(f"gate_{kind}")), np.asarray(mlp.pop(f"up_{kind}"))
+            mlp[f"gate_up_{kind}"] = np.stack([gate, up], axis=-2)
+    return {**layer, "attn": attn, "mlp": mlp}
+
+
+def from_legacy(params: dict, c: ModelConfig) -> dict:
+    """A whole model's params in the old layout (layers stacked [L, ...]; numpy) -> today's."""
+    import jax
+
+    stacked = params["layers"]
+    layers = [fuse_legacy_layer(jax.tree.map(lambda w, i=i: np.asarray(w)[i], stacked), c)
+              for i in range(c.num_layers)]
+    return {**params, "layers": layers}
