@@ -576,6 +576,9 @@ def run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_
     """Auto's chain K against every fixed K, then, for every tree family the profile
     measured, auto's node budget against every measured budget."""
     profile = theory.resolve_profile(cost_profile, jax.default_backend())
+    if profile is None:
+        raise ValueError(f"no cost profile is shipped for the {jax.default_backend()!r} backend: measure one with "
+                         f"`specjax bench --profile` and pass --cost-profile PATH")
     chain = run_auto_k(target, draft, prompts, batches, ks, max_new_tokens, repeats, profile, log=log)
     trees = [run_auto_k(target, draft, prompts, batches, family.nodes, max_new_tokens, repeats, profile,
                         tree=Tree(family.depth, family.top_k, max(family.nodes)), log=log) for family in profile.trees]

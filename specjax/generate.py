@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -179,15 +180,27 @@ def compile_generate(target: Model, prompts, lengths, **kwargs) -> Callable[[], 
     return lambda: _run(args, {}, stream, executable)
 
 
-def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64):
+def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, backend: str | None = None):
     """num_draft_tokens="auto": (draft, num_draft_tokens) for this batch size and output
     length from the cost profile. A chain gets its K; a drafter with a dynamic
     Tree(depth, top_k, nodes) gets the same tree with the node budget chosen among those the
     profile measured for that family, up to `nodes`. Where speculation loses: (None, None),
-    plain decoding."""
+    plain decoding.
+
+    Without a cost_profile on a backend (default: JAX's) for which specjax ships none (only
+    CPU's is measured; see specjax/profiles), the choice is the conservative one: plain
+    decoding, which is never slower, with a warning saying how to measure a profile. On a GPU
+    a draft step of a small pair costs about as much as a target pass (the step is bound by
+    kernel launches: ../docs/bench/gpu), so no K can be assumed to pay there."""
     if draft is None:
         raise ValueError("num_draft_tokens='auto' needs a draft (there is nothing to speculate with)")
-    profile = theory.resolve_profile(cost_profile, jax.default_backend())
+    backend = backend or jax.default_backend()
+    profile = theory.resolve_profile(cost_profile, backend)
+    if profile is None:
+        warnings.warn(f"num_draft_tokens='auto': specjax ships no cost profile for the {backend!r} backend, so "
+                      f"speculation stays off here (plain decoding, never slower). Measure one on this machine "
+                      f"with `specjax bench --profile` and pass cost_profile=PATH", stacklevel=3)
+        return None, None
     if isinstance(draft, Lookahead):
         raise ValueError("num_draft_tokens='auto' does not choose Lookahead's shape (window, ngram and guesses "
                          "set it): leave num_draft_tokens unset")

@@ -328,9 +328,12 @@ def choose_tree_nodes(profile: CostProfile, depth: int, top_k: int, batch: int, 
     return _best_or_off(rate, tokens_per_ms(profile, batch, 0, max_new_tokens), min_gain)
 
 
-def resolve_profile(cost_profile, backend: str) -> CostProfile:
-    """A `CostProfile`, a profile.json path, or None (the profile shipped for `backend`)."""
+def resolve_profile(cost_profile, backend: str) -> CostProfile | None:
+    """A `CostProfile`, a profile.json path, or None (the profile shipped for `backend`, or
+    None where none is shipped: see `generate.auto_shape`)."""
     if cost_profile is None:
+        if not (resources.files("specjax") / "profiles" / f"{backend}.json").is_file():
+            return None
         return default_profile(backend)
     if isinstance(cost_profile, CostProfile):
         return cost_profile

@@ -165,7 +165,7 @@ def kv_head_findings(prompts, lengths) -> dict:
     target = random_model(0, config=KV_CONFIG)
     # The draft: the target's first layer and head, perturbed (so that some drafts are accepted).
     draft = random_model(1, base=specjax.Model(KV_DRAFT, {**target.params, "layers": target.params["layers"][:1]}),
-                         config=KV_DRAFT)
+                         config=KV_DRAFT, std=0.01)
     kwargs = dict(max_new_tokens=KV_NEW, num_draft_tokens=K)
     single = specjax.generate(target, prompts, lengths, draft=draft, **kwargs)
     replicated_draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))

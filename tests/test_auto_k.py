@@ -251,3 +251,15 @@ def test_generate_auto_picks_a_node_budget_per_batch(pair):
             assert 0 < out.stats.drafted[0] <= 4 * out.stats.steps[0] and out.stats.accepted[0] > 0
         else:
             assert int(out.stats.drafted.sum()) == 0
+
+
+def test_auto_without_a_profile_for_the_backend_decodes_plainly(pair):
+    """No profile ships for GPUs: 'auto' there is plain decoding (never slower), with a warning
+    that says how to measure one; CPU's shipped profile is found as before."""
+    from specjax.generate import auto_shape
+
+    _, drafts, _ = pair
+    assert theory.resolve_profile(None, "gpu") is None
+    with pytest.warns(UserWarning, match="no cost profile for the 'gpu' backend.*specjax bench --profile"):
+        assert auto_shape(1, drafts["near"], backend="gpu") == (None, None)
+    assert theory.resolve_profile(None, "cpu") == theory.default_profile("cpu")

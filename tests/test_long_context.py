@@ -39,7 +39,8 @@ def test_blockwise_attention_equals_dense(kind, cap):
         mask[np.arange(B)[:, None], np.arange(T)[None], 25 + np.arange(T)[None]] = True
     mask = jnp.asarray(np.broadcast_to(mask, (B, T, S)))
     want = _dense(q, k, v, mask, 0.3, cap)
-    limit = jnp.int32(int(np.max(np.nonzero(np.asarray(mask).any((0, 1)))[0])) + 1)
+    # Each row's live length: one past the highest slot any of its queries sees.
+    limit = jnp.asarray([int(np.max(np.nonzero(np.asarray(mask)[b].any(0))[0])) + 1 for b in range(B)], jnp.int32)
     for block in (4, 7, 16):
         got = layers.attention(q, k, v, mask, 0.3, cap, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
@@ -47,6 +48,9 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     if cap is None:  # cuDNN's path (it has no soft-cap), through the same call with "xla"
         got = layers.dot_product_attention(q, k, v, mask, 0.3, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        # With each row's live length as key_value_seq_lengths (what bounds cuDNN's reads).
+        got = layers.dot_product_attention(q, k, v, mask, 0.3, limit, implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
