@@ -88,3 +88,26 @@ def test_forward_rejects_bad_tokens(hf_folder):
         specjax.forward(model, np.array([1, 2, 3]))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         specjax.forward(model, np.zeros((1, 65), np.int32))
+
+
+def test_a_pass_reads_every_weight_in_place():
+    """The compiled cached pass (one token, and a verification's five) copies or transposes
+    no weight: each is read where it lies. With layers stacked [L, ...], or the output
+    projection contracted over (heads, head_dim) as two axes, XLA laid a copy of weights out
+    on every pass. (The portable attention still transposes each layer's [B, S, G, D] cache
+    on CPU; a [B, G, S, D] cache would not need it.)"""
+    import re
+    from pathlib import Path
+
+    target = specjax.load_model(Path(__file__).parent.parent / "checkpoints" / "target", dtype=jnp.float32)
+    cache = KVCache.init(target.config, 1, 256)
+    # The smallest weight matrix of a layer, o's H x D x E (6 x 64 x 384); the pass's
+    # activations, scores and one layer's cache (256 x 2 x 64) are all far smaller.
+    c = target.config
+    smallest = c.num_heads * c.head_dim * c.hidden_size
+    for T in (1, 5):
+        tokens, positions = jnp.ones((1, T), jnp.int32), 100 + jnp.arange(T, dtype=jnp.int32)[None]
+        hlo = jax.jit(lambda m, c: apply(m, tokens, positions, c)[0]).lower(target, cache).compile().as_text()
+        moved = [int(np.prod([int(d) for d in dims.split(",")]))
+                 for dims in re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} (?:copy|transpose)\(", hlo)]
+        assert max(moved, default=0) < smallest, (T, max(moved), smallest)

@@ -160,7 +160,13 @@ class Attention(nn.Module):
         scale = (c.gemma.query_pre_attn_scalar if c.gemma else c.head_dim) ** -0.5
         cap = c.gemma.attn_softcap if c.gemma else None
         out = attention(q, k, v, mask, scale, cap, kv_limit)  # [B, T, H, D]
-        out = matmul("bthd,hde->bte", out, self.o_kernel)
+        B, T, H, D = out.shape
+        # One [H D, E] matmul (a free reshape of the weight): contracting over (h, d) as two
+        # axes lets XLA's CPU backend transpose the whole weight on every pass to match the
+        # activations' layout (seen in its compiled programs); flat, the weight is read as is.
+        w = self.o_kernel
+        w = Int8(w.value.reshape(H * D, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8) else w.reshape(H * D, -1)
+        out = matmul("btk,ke->bte", out.reshape(B, T, H * D), w)
         if c.out_bias:
             out = out + self.o_bias
         return self.post_norm(out) if c.family == "gemma" else out
