@@ -25,7 +25,7 @@ def test_the_synthetic_draft_is_the_targets_own_first_layers():
     assert all(a is b for a, b in zip(jax.tree.leaves(draft.params["layers"]), jax.tree.leaves(target.params["layers"])))
     assert draft.params["embedding"] is target.params["embedding"]
     o = [float(jnp.abs(layer["attn"]["o_kernel"].astype(jnp.float32)).mean()) for layer in target.params["layers"]]
-    np.testing.assert_allclose(np.array(o[2:]) / np.mean(o[:2]), synthetic.FAINT, rtol=0.2)
+    np.testing.assert_allclose(np.array(o[2:]) / np.mean(o[:2]), synthetic.FAINT["llama"], rtol=0.2)
 
 
 def test_per_position_acceptance():
