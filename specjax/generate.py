@@ -73,7 +73,7 @@ class GenerateOutput:
 class LoopState:
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
-    target_cache: KVCache  # [L, B, S, G, D]; valid below length - 1
+    target_cache: KVCache  # L x [B, S, G, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
     k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
     done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
@@ -191,7 +191,7 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
     CPU's is measured; see specjax/profiles), the choice is the conservative one: plain
     decoding, which is never slower, with a warning saying how to measure a profile. On a GPU
     a draft step of a small pair costs about as much as a target pass (the step is bound by
-    kernel launches: ../docs/bench/gpu), so no K can be assumed to pay there."""
+    kernel launches: docs/bench/gpu), so no K can be assumed to pay there."""
     if draft is None:
         raise ValueError("num_draft_tokens='auto' needs a draft (there is nothing to speculate with)")
     backend = backend or jax.default_backend()

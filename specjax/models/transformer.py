@@ -8,7 +8,7 @@ returning (logits [B, T, V] float32, hidden [B, T, E], cache). Each layer's weig
 arrays of their own (params["layers"][i]) and the layers run in a Python loop, unrolled
 into the program: on a GPU a matmul whose weight is a slice of a stacked [L, ...] array
 becomes a fusion that reads it at a third of the memory bandwidth, while a weight of its
-own is read at full speed (measured: ../docs/bench/gpu/README.md). The price is compile
+own is read at full speed (measured: docs/bench/gpu/README.md). The price is compile
 time that grows with depth (docs/bench/compile_time.txt). With a cache, each layer writes
 its new keys/values at each row's own positions into its own buffer and attends over it,
 masked by position; without one, it attends over the T tokens given (a full causal pass).
