@@ -133,6 +133,10 @@ def test_an_eagle_saved_before_the_fused_layout_loads_converted(pair, tmp_path):
     (tmp_path / "old" / "drafter.json").write_text(json.dumps({**record, "format": 1}))
     loaded = specjax.load_drafter(tmp_path / "old")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, eagle.params)
+    del tensors["layer.attn.v_kernel"]
+    save_file(tensors, str(tmp_path / "old" / "drafter.safetensors"))
+    with pytest.raises(CheckpointError, match="format 1 lack or misshape"):
+        specjax.load_drafter(tmp_path / "old")
 
 
 def test_shapes_are_refused_clearly(pair):

@@ -132,7 +132,10 @@ class Eagle:
 
         config = layer_config(ModelConfig.from_hf_config(record["layer"]))
         if record.get("format") == 1:  # saved before the fused layout: q/k/v and gate/up apart
-            params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
+            try:
+                params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
+            except (KeyError, ValueError) as e:
+                raise CheckpointError(f"EAGLE weights of format 1 lack or misshape a layer tensor ({e!r})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
         if got != _shapes(config):
             raise CheckpointError(f"EAGLE weights {got} do not match its layer's shapes {_shapes(config)}")
