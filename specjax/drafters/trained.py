@@ -52,12 +52,13 @@ class TargetSignature:
                              f"({self.name or 'unnamed'}): {diff} (drafter's vs target's)")
 
 
-def flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    """{"a": {"b": x}} -> {"a.b": float32 numpy x}."""
+def flatten(params, prefix: str = "") -> dict[str, np.ndarray]:
+    """{"a": {"b": x}, "c": [y]} -> {"a.b": float32 numpy x, "c.0": y}."""
     out = {}
-    for key, value in params.items():
+    items = enumerate(params) if isinstance(params, (list, tuple)) else params.items()
+    for key, value in items:
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, (dict, list, tuple)):
             out.update(flatten(value, name + "."))
         else:
             out[name] = np.asarray(jax.device_get(value), np.float32)
