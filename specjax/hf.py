@@ -14,6 +14,8 @@ import dataclasses
 import json
 import mmap
 import os
+import stat
+import sys
 from pathlib import Path
 
 import jax
@@ -58,6 +60,18 @@ class UnsafeCheckpointError(CheckpointError):
     refuses to load: unpickling a file can run any code its author chose."""
 
 
+def check_regular(file: Path) -> Path:
+    """file, unless it exists and is not a regular file (a FIFO, a device, a socket: reading
+    one can block forever or never end), which raises CheckpointError."""
+    try:
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        return file
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{file} is not a regular file (a FIFO, device or socket); refusing to read it")
+    return file
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A local folder, or a hub id resolved (downloaded) with huggingface_hub."""
     folder = Path(path)
@@ -70,6 +84,8 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint folder {name} does not exist")
     from huggingface_hub import snapshot_download
 
+    print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
+
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as e:  # offline, unknown repo, no access: say which and why
@@ -78,6 +94,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read_json(file: Path) -> dict:
+    check_regular(file)
     try:
         value = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -113,12 +130,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map object")
-        files = [folder / f for f in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        outside = sorted(str(f) for f in names if not isinstance(f, str) or Path(f).name != f or f in ("", ".", ".."))
+        if outside:
+            raise CheckpointError(f"{index} names shard files outside its folder (only plain file names are "
+                                  f"allowed): {outside[:4]}")
+        files = [check_regular(folder / f) for f in sorted(names)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names shard files that are missing: {missing}")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    files = [check_regular(f) for f in sorted(folder.glob("*.safetensors"))]
     if not files:
         pickles = sorted({f.name for pattern in PICKLE_PATTERNS for f in folder.glob(pattern)})
         if pickles:
@@ -427,10 +449,20 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer stored beside the weights."""
+    """The transformers tokenizer stored beside the weights. Code shipped in the folder never
+    runs: transformers is told not to trust remote code, so a tokenizer that needs its own
+    Python (an auto_map naming a class transformers lacks) is refused, never prompted for."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve(path)))
+    folder = resolve(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UnsafeCheckpointError(f"the tokenizer in {folder} needs Python code shipped in the folder, which "
+                                    f"specjax never runs: use a checkpoint whose tokenizer transformers ships "
+                                    f"({str(e).splitlines()[0]})") from None
 
 
 # Text on which two tokenizers must agree: ASCII prose and code, digits, runs of spaces and

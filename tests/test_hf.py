@@ -286,3 +286,85 @@ def test_tokenizers_are_compared_on_text(tmp_path):
     b = tiny.save_tokenizer(tmp_path / "b", ["a dog ran to the park"] * 20, vocab_size=len(a))
     with pytest.raises(TokenizerMismatchError, match="differ: on a probe text"):
         check_tokenizers(a, b)
+
+
+# ---- hostile folders ------------------------------------------------------------------------
+
+
+def _finishes(fn, seconds=60):
+    """fn()'s exception (or None), asserting it returned at all: a read of a FIFO would block."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 -- handed back to the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the load blocked (a special file was read)"
+    return box.get("error")
+
+
+def test_special_files_are_refused_never_read(hf_folder, tmp_path):
+    """A FIFO where weights, a shard index's shard or a datastore's arrays should be: a clear
+    refusal, not a read that blocks forever."""
+    import os
+
+    folder = shutil.copytree(hf_folder("llama")[0], tmp_path / "fifo")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    error = _finishes(lambda: specjax.load_model(folder))
+    assert isinstance(error, CheckpointError) and "not a regular file" in str(error), error
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model.safetensors"}}))
+    error = _finishes(lambda: specjax.load_model(folder))
+    assert isinstance(error, CheckpointError) and "not a regular file" in str(error), error
+
+    store = tmp_path / "store"
+    specjax.Datastore.build([[1, 2, 3, 4, 1, 2, 5]]).save(store)
+    (store / "tokens.npy").unlink()
+    os.mkfifo(store / "tokens.npy")
+    error = _finishes(lambda: specjax.Datastore.load(store))
+    assert isinstance(error, CheckpointError) and "not a regular file" in str(error), error
+
+
+def test_a_shard_index_names_only_files_in_its_folder(hf_folder, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(hf_folder("llama")[0], outside)
+    folder = shutil.copytree(hf_folder("llama")[0], tmp_path / "indexed")
+    (folder / "model.safetensors").unlink()
+    for name in ("../outside/model.safetensors", str(outside / "model.safetensors"), ".."):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": name}}))
+        with pytest.raises(CheckpointError, match="outside its folder"):
+            specjax.load_model(folder)
+
+
+def test_a_tokenizer_that_needs_its_own_code_is_refused_and_never_runs(tmp_path):
+    """An auto_map naming a tokenizer class shipped as Python in the folder: refused without a
+    prompt (stdin is not read), and the folder's code never runs."""
+    from pathlib import Path
+
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    shipped = Path(__file__).parent.parent / "checkpoints" / "target"
+    for name in ("tokenizer.json", "config.json"):
+        shutil.copy(shipped / name, folder / name)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "CustomTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}}))
+    marker = tmp_path / "ran"
+    (folder / "tokenization_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    with pytest.raises(specjax.hf.UnsafeCheckpointError, match="never runs"):
+        specjax.load_tokenizer(folder)
+    assert not marker.exists()
+
+
+def test_a_missing_path_that_looks_like_a_hub_id_says_it_tries_the_hub(capsys):
+    with pytest.raises(CheckpointError, match="could not be fetched"):
+        specjax.load_model("checkpoints-typo/target")  # offline in the tests
+    assert "checkpoints-typo/target is not a folder here; trying it as a Hugging Face hub id" in capsys.readouterr().err

@@ -38,7 +38,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import DraftRequest, Proposal, shape_for
-from specjax.hf import CheckpointError
+from specjax.hf import CheckpointError, check_regular
 from specjax.tree import Tree
 
 SEPARATOR = -1  # ends every document; never equal to a token
@@ -129,7 +129,7 @@ class Datastore:
         if not path.is_dir():
             raise CheckpointError(f"no datastore folder at {path}")
         try:
-            meta = json.loads((path / _META).read_text())
+            meta = json.loads(check_regular(path / _META).read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{path} holds no {_META}: not a datastore folder") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -141,7 +141,7 @@ class Datastore:
         arrays = {}
         for name in (_TOKENS, _SUFFIXES):
             try:
-                arrays[name] = np.load(path / name, allow_pickle=False)
+                arrays[name] = np.load(check_regular(path / name), allow_pickle=False)
             except FileNotFoundError:
                 raise CheckpointError(f"{path} lacks {name}") from None
             except (ValueError, OSError, EOFError) as e:
