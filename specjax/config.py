@@ -111,8 +111,25 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        _check_positive("norm_eps", self.norm_eps)
+        if self.family != "gpt2":
+            _check_positive("rope_theta", self.rope_theta)
+            if self.local_rope_theta is not None:
+                _check_positive("local_rope_theta", self.local_rope_theta)
+            r = self.rope_scaling
+            if r.rope_type != "default":
+                _check_positive("rope scaling factor", r.factor)
+            if r.rope_type == "llama3":
+                for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                    _check_positive(f"rope scaling {name}", getattr(r, name))
+                if not r.high_freq_factor > r.low_freq_factor:
+                    raise InvalidConfigError(f"rope scaling high_freq_factor ({r.high_freq_factor}) must exceed "
+                                             f"low_freq_factor ({r.low_freq_factor})")
+        if self.gemma is not None:
+            _check_positive("query_pre_attn_scalar", self.gemma.query_pre_attn_scalar)
+            for name in ("attn_softcap", "final_softcap"):
+                if getattr(self.gemma, name) is not None:
+                    _check_positive(name, getattr(self.gemma, name))
         if self.rope_scaling.rope_type not in ROPE_TYPES:
             raise UnsupportedConfigError(
                 f"unsupported rope_type {self.rope_scaling.rope_type!r}; specjax supports {ROPE_TYPES}")
@@ -184,6 +201,8 @@ class ModelConfig:
             return cls._from_rotary(hf)
         except KeyError as e:
             raise InvalidConfigError(f"config.json ({model_type}) lacks the required key {e}") from None
+        except (TypeError, AttributeError, OverflowError) as e:  # a list where a number is due, ...
+            raise InvalidConfigError(f"config.json ({model_type}) holds a value of the wrong type: {e}") from None
 
     @classmethod
     def _from_gpt2(cls, hf):
@@ -451,6 +470,13 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def _check_positive(name: str, value) -> None:
+    """Raises InvalidConfigError unless value is a finite number > 0 (zero, negative,
+    infinite or NaN values load but compute NaN or silently wrong logits)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidConfigError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 # ---- config.json sanity ----------------------------------------------------------------

@@ -99,6 +99,8 @@ def _read_json(file: Path) -> dict:
         value = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    except RecursionError:
+        raise CheckpointError(f"{file} nests its JSON too deeply to be a config") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object")
     return value
@@ -435,6 +437,9 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     tensors are read lazily, one parameter at a time, through memory maps: host memory
     peaks near the parameters' own size, not twice it. generation_config.json (stop ids,
     sampling defaults) becomes `model.generation_config`."""
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype must be a floating-point type (activations take it), got {jnp.dtype(dtype)}; "
+                         f"for int8 weights pass quantize='int8'")
     folder = resolve(path)
     hf_config = _read_hf_config(folder)
     config = ModelConfig.from_hf_config(hf_config)

@@ -124,3 +124,37 @@ def test_config_is_frozen():
     config = ModelConfig.from_hf_config(LEGACY_LLAMA3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.vocab_size = 3
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("arch, change, message", [
+    ("llama3", {"rope_theta": 0.0}, "rope_theta must be a finite number > 0, got 0.0"),
+    ("llama3", {"rope_theta": -10000.0}, "rope_theta must be"),
+    ("llama3", {"rope_theta": INF}, "rope_theta must be"),
+    ("llama3", {"rope_theta": NAN}, "rope_theta must be"),
+    ("llama3", {"rms_norm_eps": 0.0}, "norm_eps must be"),
+    ("llama3", {"rms_norm_eps": NAN}, "norm_eps must be"),
+    ("llama3", {"rms_norm_eps": INF}, "norm_eps must be"),
+    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "factor": 0.0}}, "rope scaling factor must be"),
+    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "high_freq_factor": 1.0}},
+     "high_freq_factor .* must exceed low_freq_factor"),
+    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "low_freq_factor": NAN}}, "low_freq_factor must be"),
+    ("llama3", {"rope_scaling": "llama3"}, "wrong type"),
+    ("gemma2", {"final_logit_softcapping": 0.0}, "final_softcap must be"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_softcap must be"),
+    ("gemma2", {"query_pre_attn_scalar": NAN}, "query_pre_attn_scalar must be"),
+    ("gemma3", {"rope_local_base_freq": 0.0}, "local_rope_theta must be"),
+])
+def test_configs_that_would_compute_garbage_are_refused(arch, change, message):
+    """Values that load but give NaN logits or silently wrong ones: refused when read."""
+    from specjax.config import InvalidConfigError
+
+    base = LEGACY_LLAMA3 if arch == "llama3" else tiny.CONFIGS[arch]().to_dict()
+    if arch == "gemma3" and "rope_parameters" in base:  # the local base read from the 5.x layout
+        base = {**base, "rope_parameters": {**base["rope_parameters"], "sliding_attention": {
+            "rope_type": "default", "rope_theta": 0.0}}}
+        change = {}
+    with pytest.raises(InvalidConfigError, match=message):
+        ModelConfig.from_hf_config({**base, **change})

@@ -368,3 +368,12 @@ def test_a_missing_path_that_looks_like_a_hub_id_says_it_tries_the_hub(capsys):
     with pytest.raises(CheckpointError, match="could not be fetched"):
         specjax.load_model("checkpoints-typo/target")  # offline in the tests
     assert "checkpoints-typo/target is not a folder here; trying it as a Hugging Face hub id" in capsys.readouterr().err
+
+
+def test_config_files_of_absurd_shape_and_non_float_dtypes_are_refused(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder("llama")[0], tmp_path / "deep")
+    with pytest.raises(ValueError, match="dtype must be a floating-point type"):
+        specjax.load_model(folder, dtype=jnp.int8)
+    (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nests its JSON too deeply"):
+        specjax.load_model(folder)
