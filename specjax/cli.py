@@ -89,7 +89,7 @@ def _generate(args):
         raise SystemExit("specjax generate: --tree needs a draft model, heads, --early-exit or --retrieval")
     if args.no_draft:
         draft, drafter_name = None, "none"
-    elif args.early_exit:
+    elif args.early_exit is not None:
         draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
     elif args.prompt_lookup:
         draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
@@ -498,5 +498,25 @@ def main(argv=None):
     return args.run(args)
 
 
+def entry(argv=None):
+    """The `specjax` command: `main`, with a user's error (a missing or refused checkpoint, a
+    bad value, a file that cannot be read: ValueError and OSError, which specjax raises for
+    bad input) printed as one line on stderr and exit code 2, as argparse does for bad flags.
+    SPECJAX_TRACEBACK=1 shows the traceback instead; `main` itself raises (for programs)."""
+    import os
+
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        if os.environ.get("SPECJAX_TRACEBACK"):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"specjax: error: {message}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -172,3 +172,20 @@ def test_draft_with_another_tokenizer_is_refused(tiny_target, tmp_path):
     tiny.save_tokenizer(draft, ["a bird sang in the tree by the river"] * 20, vocab_size=len(tok))
     with pytest.raises(TokenizerMismatchError, match="a draft must share the target's tokenizer"):
         main(["generate", "the cat", "--target", str(folder), "--draft", str(draft)])
+
+
+def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
+    """What the `specjax` command runs: a user's error is one line on stderr and exit code 2,
+    no traceback; `--early-exit 0` is refused, not quietly replaced by the draft model."""
+    from specjax.cli import entry
+
+    bad_batch = tmp_path / "batch.txt"
+    bad_batch.write_bytes(b"\xff\xfe\xfa not utf-8")
+    for argv, message in (
+            (["generate", "x", "--target", str(tmp_path / "nope")], "does not exist"),
+            (["generate", "x", "-k", "0", "--target", str(TARGET), "--draft", str(DRAFT)], "num_draft_tokens"),
+            (["generate", "x", "--early-exit", "0", "--target", str(TARGET)], "EarlyExit(0)"),
+            (["generate", "--batch-file", str(bad_batch), "--target", str(TARGET), "--draft", str(DRAFT)], "utf-8")):
+        assert entry(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("specjax: error: ") and err.count("\n") == 1 and message in err, (argv, err)
