@@ -136,3 +136,41 @@ def test_a_run_of_the_stacked_layout_exports_converted_and_refuses_to_resume(str
                                atol=1e-5)
     with pytest.raises(ValueError, match="older specjax, whose params stacked the layers"):
         train(model, stream, stream[-3000:], CFG, run, progress=False, log=lambda s: None)
+
+
+def test_a_damaged_latest_step_is_never_restored_silently(stream, tmp_path):
+    """Bytes flipped in the array data of the latest step's files: restoring warns, names the
+    step and falls back to the previous kept step, bit for bit; with every kept step damaged,
+    one clear error."""
+    from pathlib import Path
+
+    from specjax.checkpoint import CheckpointManager, DamagedCheckpointError
+    from specjax.train.loop import restore_model
+
+    model = init(_config(), jax.random.key(5), jnp.float32)
+    run = tmp_path / "run"
+    train(model, stream, stream[-3000:], CFG, run, progress=False, log=lambda s: None)
+    latest, _ = restore_model(run)
+    manager = CheckpointManager(run / "checkpoints")
+    assert manager._manager.all_steps() == [20, 40]
+    abstract = jax.tree.map(np.zeros_like, manager.restore_saved(20))
+    step20 = manager.restore(abstract, step=20)[0]["params"]
+    manager.close()
+
+    def damage(step):
+        files = [f for f in (run / "checkpoints" / str(step) / "state").rglob("*") if f.is_file()]
+        data = max(files, key=lambda f: f.stat().st_size)  # the array data
+        raw = bytearray(data.read_bytes())
+        for i in range(len(raw) // 3, len(raw) // 3 + 64):
+            raw[i] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+    damage(40)
+    with pytest.warns(UserWarning, match=r"checkpoint step 40 .* is damaged"):
+        restored, _ = restore_model(run)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.params, step20)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(latest.params)))
+    damage(20)
+    with pytest.warns(UserWarning), pytest.raises(DamagedCheckpointError, match="tried 40, 20"):
+        restore_model(run)
