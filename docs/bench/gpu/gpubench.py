@@ -14,7 +14,6 @@ specjax.synthetic.weights_only_time; the rest is as it was (see README.md here).
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax.bench import median_time
 from specjax.synthetic import SIZES as SYNTHETIC_SIZES
 from specjax.synthetic import build_synthetic_pair, weights_only_time
 
@@ -32,16 +32,6 @@ RESULTS = {}
 
 def log(*a):
     print(*a, flush=True)
-
-
-def median_time(fn, repeats=3):
-    fn()  # warm (compile)
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def bandwidth():
@@ -66,7 +56,7 @@ def gen(target, prompts, draft=None, K=None, max_new=256, temperature=0.0, batch
             target, p, l, draft=draft, key=jax.random.key(0), max_new_tokens=max_new,
             num_draft_tokens=K, temperature=temperature, **kw)) for p, l in padded]
 
-    t = median_time(call)
+    t = median_time(call, 3)
     outs = [jax.tree.map(np.asarray, o) for o in out["o"]]
     rows = [o.tokens[b, : o.num_tokens[b]].tolist() for o in outs for b in range(o.tokens.shape[0])]
     tot = lambda f: int(sum(f(o).sum() for o in outs))  # noqa: E731
