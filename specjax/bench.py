@@ -838,14 +838,6 @@ def run_from_args(args):
                        batches=tuple(args.batches), num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats)
         return
-    if args.synthetic:
-        from specjax.models import default_dtype
-        from specjax.synthetic import run_synthetic
-
-        run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
-                      batches=tuple(args.batches), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                      dtype=jnp.dtype(default_dtype()).name, hf=args.hf)
-        return
     if args.profile:
         measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),
                         num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,

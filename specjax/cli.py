@@ -390,6 +390,22 @@ def _add_train_args(p, steps, lr):
                    help="storage dtype of the exported Hugging Face folder")
 
 
+def _bench(args):
+    """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
+    if not args.synthetic:
+        return bench.run_from_args(args)
+    if args.dtype != "float32":
+        raise SystemExit("--synthetic runs in the backend's default dtype; leave out --dtype")
+    import jax
+
+    from specjax.models import default_dtype
+    from specjax.synthetic import run_synthetic
+
+    run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)), batches=tuple(args.batches),
+                  max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                  dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -457,7 +473,7 @@ def main(argv=None):
     from specjax import bench
 
     bench.add_arguments(p)
-    p.set_defaults(run=bench.run_from_args)
+    p.set_defaults(run=_bench)
 
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
     _add_train_args(p, steps=1000, lr=1.5e-3)
