@@ -227,17 +227,30 @@ def _datastore_build(args):
           f"{size / 1e6:.1f} MB")
 
 
-def _ints(count: int):
-    """An argparse type: COUNT comma-separated ints, e.g. 5,4,5."""
+def _ints(count: int | None, flag: str, example: str):
+    """An argparse type: COUNT comma-separated ints (any number for None), e.g. 5,4,5. Every
+    flag's value is one word, so no flag can swallow the prompt that follows it."""
     def parse(text):
         try:
             values = tuple(int(x) for x in text.split(","))
         except ValueError:
             values = ()
-        if len(values) != count:
-            raise argparse.ArgumentTypeError(f"expected {count} comma-separated ints, got {text!r}")
+        if not values or count is not None and len(values) != count:
+            raise argparse.ArgumentTypeError(
+                f"expected {count or 'one or more'} comma-separated ints such as {example}, got {text!r} "
+                f"(a prompt goes before the flags, or write {flag}={example})")
         return values
     return parse
+
+
+def _draft_tokens(text):
+    """-k: an int or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or auto, got {text!r}") from None
 
 
 def _parse_tree(text):
@@ -406,8 +419,15 @@ def _bench(args):
                   dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
+    parser = _Parser(prog="specjax", description="Speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
@@ -427,14 +447,15 @@ def main(argv=None):
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",
                           help="draft by n-gram lookup in the prompt and output")
-    drafters.add_argument("--lookahead", type=_ints(3), nargs="?", const=(5, 4, 5), metavar="W,N,G",
+    drafters.add_argument("--lookahead", type=_ints(3, "--lookahead", "5,4,5"), nargs="?", const=(5, 4, 5),
+                          metavar="W,N,G",
                           help="lookahead decoding, no draft: Jacobi window W, N-grams, G guesses (default 5,4,5)")
     drafters.add_argument("--retrieval", metavar="DATASTORE",
                           help="draft by retrieval from a datastore folder (specjax datastore build)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", "--num-draft-tokens", type=lambda x: x if x == "auto" else int(x), default=None,
+    p.add_argument("-k", "--num-draft-tokens", type=_draft_tokens, default=None,
                    help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
                         "node budget, at most N) from the shipped cost profile")
     p.add_argument("--tree", metavar="SHAPE",
@@ -450,8 +471,9 @@ def main(argv=None):
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn of the tokenizer's chat template")
     stops = p.add_mutually_exclusive_group()
-    stops.add_argument("--eos-token-id", type=int, nargs="+", metavar="ID",
-                       help="stop ids (default: the model's generation_config.json, else config.json's)")
+    stops.add_argument("--eos-token-id", type=_ints(None, "--eos-token-id", "2,7"), metavar="ID[,ID...]",
+                       help="stop ids, comma-separated (default: the model's generation_config.json, "
+                            "else config.json's)")
     stops.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--no-stream", action="store_true", help="print a single prompt's text only at the end")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -516,8 +538,9 @@ def main(argv=None):
 
 def entry(argv=None):
     """The `specjax` command: `main`, with a user's error (a missing or refused checkpoint, a
-    bad value, a file that cannot be read: ValueError and OSError, which specjax raises for
-    bad input) printed as one line on stderr and exit code 2, as argparse does for bad flags.
+    bad value, a file that cannot be read, a request too large for the memory: ValueError,
+    OSError and MemoryError, which specjax raises for bad input) printed as one line on
+    stderr and exit code 2, as argparse does for bad flags.
     SPECJAX_TRACEBACK=1 shows the traceback instead; `main` itself raises (for programs)."""
     import os
 
@@ -526,7 +549,7 @@ def entry(argv=None):
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, MemoryError) as e:
         if os.environ.get("SPECJAX_TRACEBACK"):
             raise
         message = " ".join(str(e).split()) or type(e).__name__

@@ -230,6 +230,7 @@ def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tok
     values = _host_values(prompts, lengths)
     drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
                              temperature, top_k, top_p, eos_token_id, draft_threshold)
+    memory.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh)  # nothing traced yet
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
@@ -346,12 +347,20 @@ def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_
         if num_draft_tokens is not None and (
                 not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 with a draft, got {num_draft_tokens!r}")
+        if num_draft_tokens is not None and num_draft_tokens >= c.max_position_embeddings:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens}: a step would verify more tokens than the "
+                             f"target's max_position_embeddings ({c.max_position_embeddings})")
         drafter = DraftModel(draft) if isinstance(draft, Model) else draft
         if not all(hasattr(drafter, a) for a in ("resolve", "start", "propose")):
             raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
         drafter = drafter.resolve(None if num_draft_tokens is None else int(num_draft_tokens))
         if hasattr(drafter, "bind"):
             drafter = drafter.bind(target)
+        width = 1 + max(drafter.tree.nodes, drafter.target_room)  # T: tokens one verification pass scores
+        if width > c.max_position_embeddings:
+            raise ValueError(f"a step would verify {width} tokens (the drafter's tree of {drafter.tree.nodes} "
+                             f"nodes, depth {drafter.tree.depth}), more than the target's "
+                             f"max_position_embeddings ({c.max_position_embeddings}): use a smaller tree")
     models = [target]
     if isinstance(drafter, DraftModel):
         check_vocabularies(c.vocab_size, drafter.model)

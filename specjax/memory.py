@@ -6,7 +6,10 @@ run) and reads XLA's own accounting of the program (`memory_analysis()`): the ar
 since the loop allocates them. The caches are also computed from their shapes, so that the
 report says how much of the temporaries they are.
 
-`generate` asks `check_fits` before running: where the device reports its memory
+Before anything is traced, `check_shapes` refuses a request whose shapes the memory
+cannot hold whatever XLA makes of them: a lower bound from the shapes alone (weights, KV
+caches, the verification pass's logits and mask) against the device's memory, or the
+host's on CPU. Then `generate` asks `check_fits` before running: where the device reports its memory
 (`Device.memory_stats()`: GPU, TPU) a request whose program needs more than is free is
 refused with the numbers; where it reports none (CPU) nothing is checked. The verdict is
 remembered per shape, so a call of shapes seen before costs a dictionary look-up.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 MB = 2 ** 20
+GB = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +129,75 @@ def device_free_bytes(mesh=None) -> int | None:
                                                            if d.process_index == jax.process_index()]
     free = []
     for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 - backends without the call
-            stats = None
-        if not stats or "bytes_limit" not in stats:
+        stats = _stats(d)
+        if "bytes_limit" not in stats:
             return None
         free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
     return min(free) if free else None
 
 
+def _stats(device) -> dict:
+    """device.memory_stats(), or {} where the backend reports none (CPU)."""
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without the call
+        return {}
+
+
 class InsufficientMemoryError(MemoryError):
     """generate was asked for more memory than the device has free."""
+
+
+def memory_capacity(mesh=None) -> int | None:
+    """Bytes all the devices a call runs on can hold together: bytes_limit of
+    `Device.memory_stats()` times their number; on CPU (no stats) the host's physical
+    memory, which its devices share. None where neither is known."""
+    stats = _stats(jax.local_devices()[0])
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) * (1 if mesh is None else mesh.devices.size)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _kv_bytes(model, batch: int, slots: int) -> int:
+    c = model.config
+    return 2 * c.num_layers * batch * slots * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+
+
+def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: int) -> dict[str, int]:
+    """Bytes a generate call of these shapes needs at the least, by part, from the shapes
+    alone (nothing traced): the weights, the KV caches, and one verification pass's logits
+    [B, T, V] and attention mask [B, T, S], T = 1 + the tree's nodes (or the drafter's
+    writes). XLA's program needs these and more."""
+    from specjax.drafters.model import DraftModel
+    from specjax.generate import cache_length
+
+    room = 0 if drafter is None else max(drafter.tree.nodes, drafter.target_room)
+    S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
+    caches = _kv_bytes(target, batch, S)
+    if isinstance(drafter, DraftModel):
+        caches += _kv_bytes(drafter.model, batch, S + drafter.tree.region + drafter.tree.depth + 1)
+    return {"weights": _nbytes(target.params) + _nbytes(drafter), "caches": caches,
+            "logits": batch * T * target.config.vocab_size * jnp.dtype(target.dtype).itemsize,
+            "mask": batch * T * S}
+
+
+def check_shapes(target, drafter, batch: int, prompt_len: int, max_new_tokens: int, mesh=None):
+    """Raises InsufficientMemoryError, before anything is traced, when `shape_bound` alone
+    exceeds `memory_capacity`: such a request cannot run, whatever the program."""
+    capacity = memory_capacity(mesh)
+    need = shape_bound(target, drafter, batch, prompt_len, max_new_tokens)
+    if capacity is None or sum(need.values()) <= capacity:
+        return
+    nodes = "" if drafter is None else f" and {drafter.tree.nodes} draft tokens per step"
+    parts = ", ".join(f"{k} {v / GB:.1f} GiB" for k, v in need.items())
+    where = "the devices hold" if "bytes_limit" in _stats(jax.local_devices()[0]) else "the host has"
+    raise InsufficientMemoryError(
+        f"generate for batch {batch} x prompt {prompt_len} tokens with max_new_tokens={max_new_tokens}{nodes} "
+        f"needs at least {sum(need.values()) / GB:.1f} GiB ({parts}), but {where} {capacity / GB:.1f} GiB. "
+        f"Use a smaller batch, prompt, max_new_tokens or tree.")
 
 
 _verdicts: dict = {}  # shapes of a request -> its MemoryEstimate

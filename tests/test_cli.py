@@ -185,7 +185,23 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
             (["generate", "x", "--target", str(tmp_path / "nope")], "does not exist"),
             (["generate", "x", "-k", "0", "--target", str(TARGET), "--draft", str(DRAFT)], "num_draft_tokens"),
             (["generate", "x", "--early-exit", "0", "--target", str(TARGET)], "EarlyExit(0)"),
-            (["generate", "--batch-file", str(bad_batch), "--target", str(TARGET), "--draft", str(DRAFT)], "utf-8")):
-        assert entry(argv) == 2, argv
+            (["generate", "--batch-file", str(bad_batch), "--target", str(TARGET), "--draft", str(DRAFT)], "utf-8"),
+            # shapes past what the model verifies: refused before anything is traced
+            (["generate", "x", "--tree", "100000,2,100000", "--target", str(TARGET), "--draft", str(DRAFT)],
+             "a step would verify 100001 tokens"),
+            (["generate", "x", "--drafter", "medusa", "--tree", "[[0], [5000]]", "--target", str(TARGET)],
+             "the vocabulary has 4096 tokens"),
+            # a flag's value is one word: what follows is the prompt, never swallowed
+            (["generate", "--lookahead", "the cat", "--target", str(TARGET)], "a prompt goes before the flags")):
+        try:
+            assert entry(argv) == 2, argv
+        except SystemExit as e:  # argparse's bad flags
+            assert e.code == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith("specjax: error: ") and err.count("\n") == 1 and message in err, (argv, err)
+        assert err.startswith("specjax") and err.count("\n") == 1 and message in err, (argv, err)
+
+
+def test_no_flag_swallows_the_prompt(capsys):
+    """--eos-token-id takes one word (ids joined by commas): a prompt after it stays the prompt."""
+    result = _run_json(capsys, "--eos-token-id", "5,9", "17")
+    assert result["outputs"][0]["prompt"] == "17" and result["stats"]["eos_token_id"] == [5, 9]

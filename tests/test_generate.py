@@ -263,6 +263,49 @@ def test_bad_prompts(pair):
         specjax.forward(target, np.full((1, 4), 2**32 + 5, np.int64))
 
 
+def test_absurd_shapes_are_refused_before_anything_is_traced(pair, monkeypatch):
+    """Shapes past what the model can verify or the memory can hold: a clear refusal before
+    the loop is traced (tracing would build tables of N^2 entries; XLA would try to allocate
+    hundreds of GiB)."""
+    import importlib
+
+    from specjax.memory import InsufficientMemoryError
+
+    generate_module = importlib.import_module("specjax.generate")
+
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)
+    monkeypatch.setattr(generate_module, "_generate", None)  # tracing it would fail with a TypeError
+    with pytest.raises(ValueError, match="num_draft_tokens=100000: a step would verify more tokens than the "
+                                         "target's max_position_embeddings"):
+        specjax.generate(target, padded, lengths, draft=drafts["near"], num_draft_tokens=100_000)
+    for tree in (specjax.Tree(depth=100_000, top_k=2, nodes=100_000), specjax.Tree.chain(200)):
+        with pytest.raises(ValueError, match=f"a step would verify {tree.nodes + 1} tokens"):
+            specjax.generate(target, padded, lengths, draft=specjax.DraftModel(drafts["near"], tree))
+    # 4M rows fit the position limit, but their caches alone are hundreds of GiB
+    many = np.ones((2**22, 4), np.int32)
+    with pytest.raises(InsufficientMemoryError, match=r"needs at least \d+\.\d GiB \(weights .* caches"):
+        specjax.generate(target, many, np.full(2**22, 4, np.int32), draft=drafts["near"])
+    monkeypatch.undo()
+    # a rank past the vocabulary is named (at trace time), not left to XLA's top_k
+    with pytest.raises(ValueError, match=f"ranks 0..200\\), but the vocabulary has {tiny.VOCAB} tokens"):
+        specjax.generate(target, padded, lengths, max_new_tokens=4,
+                         draft=specjax.DraftModel(drafts["near"], specjax.Tree.from_paths([[0], [200]])))
+
+
+def test_the_shape_bound_is_a_lower_bound_of_xlas_accounting(pair):
+    from specjax import memory
+
+    target, drafts, _ = pair
+    tree = specjax.Tree(depth=3, top_k=2, nodes=6)
+    draft = specjax.DraftModel(drafts["near"], tree)
+    bound = memory.shape_bound(target, draft, 2, 16, 32)
+    c = target.config
+    estimate = specjax.estimate_memory(target, draft, batch=2, prompt_len=16, max_new_tokens=32)
+    assert sum(bound.values()) <= estimate.total
+    assert bound["logits"] == 2 * 7 * c.vocab_size * 4 and bound["caches"] <= estimate.caches
+
+
 def test_nothing_is_read_back_from_the_device_before_the_loop(pair, monkeypatch):
     """With host prompts, generate checks them in numpy and never waits on the device before
     the loop runs (reading a device array's value is a sync); with device prompts, it reads

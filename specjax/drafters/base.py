@@ -92,6 +92,9 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     threshold; the loop stops when no row grows. Returns (cache, Proposal)."""
     B, V = logits0.shape
     D, W, C, R = tree.depth, tree.width, tree.top_k, tree.region
+    if C > V:
+        raise ValueError(f"the tree takes up to {C} candidates per node (ranks 0..{C - 1}), but the "
+                         f"vocabulary has {V} tokens")
     sampled = tree.siblings == "sampled"
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
     region_offsets = np.arange(R) // W  # region slot r holds a node of depth r // W + 1, at position start + r // W
