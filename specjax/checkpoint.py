@@ -1,10 +1,14 @@
 """Orbax checkpoints of training state: params, optimizer state, step, and a JSON record
 (model config, data seed and position, hyperparameters), resumable bit for bit.
 
-Each step's record carries a SHA-256 of the state's bytes. Restoring recomputes it: a step
-whose files were damaged (bytes changed, files missing or unreadable) is never restored
-silently; the previous kept step is restored instead, with a warning naming the bad one,
-and if none is good the restore fails with one line naming the steps tried.
+Two checksums guard every step: a manifest of each of its files' SHA-256, written beside
+the checkpoints (CHECKPOINTS.sha256/STEP.json) once orbax has finished, and a SHA-256 of
+the state's arrays in its record. Restoring checks the files first (a missing, changed or
+extra file is caught before orbax reads anything, so its readers never fail half-way),
+then the arrays: a damaged step is never restored silently; the previous kept step is
+restored instead, with a warning naming the bad one, and if none is good the restore
+fails with one line naming the steps tried. Steps written before manifests existed are
+checked by their arrays alone.
 
 It knows nothing about what is being trained; Hugging Face export lives in hf.py.
 """
@@ -12,6 +16,7 @@ It knows nothing about what is being trained; Hugging Face export lives in hf.py
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,23 @@ def state_digest(state: Any) -> str:
     return hashlib.sha256("".join(sorted(leaves)).encode()).hexdigest()
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """{path relative to folder: SHA-256 of its bytes} for every file under folder; anything
+    that is not a regular file or folder is listed as such, never read."""
+    digests = {}
+    for path in sorted(Path(folder).rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            digests[name] = "not a regular file"
+        elif path.is_file():
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            digests[name] = h.hexdigest()
+    return digests
+
+
 class CheckpointManager:
     """Thin wrapper over `ocp.CheckpointManager` holding {state pytree, JSON record}."""
 
@@ -44,37 +66,77 @@ class CheckpointManager:
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
+    @property
+    def _manifests(self) -> Path:
+        return self.directory.with_name(self.directory.name + ".sha256")
+
     def save(self, step: int, state: Any, record: dict) -> None:
         record = {**record, "sha256": state_digest(state)}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
         self._manager.wait_until_finished()
+        self._manifests.mkdir(exist_ok=True)
+        (self._manifests / f"{step}.json").write_text(json.dumps(file_digests(self.directory / str(step))))
+        kept = {f"{s}.json" for s in self._manager.all_steps()}
+        for manifest in self._manifests.iterdir():  # orbax deleted those steps
+            if manifest.name not in kept:
+                manifest.unlink()
+
+    def _check_files(self, step: int):
+        """Raises ValueError naming the first file of `step` that differs from its manifest."""
+        manifest = self._manifests / f"{step}.json"
+        if not manifest.is_file():
+            return  # written before manifests existed
+        expected = json.loads(manifest.read_text())
+        found = file_digests(self.directory / str(step))
+        for name in sorted(set(expected) | set(found)):
+            if expected.get(name) != found.get(name):
+                what = "is missing" if name not in found else "is not one it saved" if name not in expected \
+                    else "has changed"
+                raise ValueError(f"its file {name} {what}")
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state shaped like abstract_state, record) of `step` (default: the latest), or of
-        the newest earlier kept step if that one is damaged (see the module docstring)."""
+        """(state, record) of `step` (default: the latest), or of the newest earlier kept step
+        if that one is damaged (see the module docstring). abstract_state: the state's
+        structure, or a function of the step's record that returns it."""
+        def read(candidate):
+            record = self._read_record(candidate)
+            abstract = abstract_state(record) if callable(abstract_state) else abstract_state
+            state = self._manager.restore(candidate, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract))).state
+            expected = record.pop("sha256", None)
+            if expected is not None and state_digest(state) != expected:
+                raise ValueError("its arrays do not match the checksum saved with them")
+            return state, record
+        return self._newest_intact(step, read)
+
+    def record(self, step: int | None = None) -> dict:
+        """The JSON record of `step` (default: the latest), or of the newest earlier kept step
+        whose files are intact."""
+        return self._newest_intact(step, self._read_record)
+
+    def _read_record(self, step: int) -> dict:
+        self._check_files(step)
+        return dict(self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record)
+
+    def _newest_intact(self, step: int | None, read):
+        """read(step) of `step` or, where it raises, of the next older kept step, warning
+        about each damaged one."""
         latest = self.latest_step() if step is None else step
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         tried = []
         for candidate in sorted((s for s in self._manager.all_steps() if s <= latest), reverse=True):
             try:
-                out = self._manager.restore(candidate, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore()))
-                state, record = out.state, dict(out.record)
-                expected = record.pop("sha256", None)
-                if expected is not None and state_digest(state) != expected:
-                    raise ValueError("its arrays do not match the checksum saved with them")
+                return read(candidate)
             except Exception as e:  # noqa: BLE001 -- any failure to read a step back is damage
                 why = " ".join(str(e).split())[:200] or type(e).__name__
                 tried.append(candidate)
                 warnings.warn(f"checkpoint step {candidate} in {self.directory} is damaged ({why}); "
-                              f"trying the previous kept step", stacklevel=2)
-                continue
-            return state, record
+                              f"trying the previous kept step", stacklevel=3)
         raise DamagedCheckpointError(f"no kept checkpoint step in {self.directory} restores intact (tried "
                                      f"{', '.join(map(str, tried))}); start a new run directory")
 
@@ -84,9 +146,6 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
 
-    def record(self, step: int | None = None) -> dict:
-        step = self.latest_step() if step is None else step
-        return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record
 
     def close(self):
         self._manager.close()

@@ -212,9 +212,14 @@ def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
         params = from_legacy(jax.device_get(manager.restore_saved()["params"]), config)
         manager.close()
         return Model(config, jax.tree.map(jnp.asarray, params)), record
-    abstract = jax.eval_shape(lambda: init(config, jax.random.key(0), jnp.float32).params)
-    abstract = TrainState(abstract, jax.eval_shape(make_optimizer(TrainConfig(**record["train"])).init, abstract),
-                          jax.ShapeDtypeStruct((), jnp.int32))
-    state, _ = manager.restore(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract))
+
+    def abstract(record):  # the state's structure, from the step's own record
+        params = jax.eval_shape(lambda: init(ModelConfig.from_hf_config(record["model"]), jax.random.key(0),
+                                             jnp.float32).params)
+        state = TrainState(params, jax.eval_shape(make_optimizer(TrainConfig(**record["train"])).init, params),
+                           jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), state)
+
+    state, record = manager.restore(abstract)
     manager.close()
-    return Model(config, jax.tree.map(jnp.asarray, state.params)), record
+    return Model(ModelConfig.from_hf_config(record["model"]), jax.tree.map(jnp.asarray, state.params)), record
