@@ -187,7 +187,7 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Reads a config.json dict of a supported model_type."""
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             archs = hf.get("architectures")
             hint = (" (for Gemma 3, specjax reads the text-only gemma3_text / Gemma3ForCausalLM "
                     "checkpoints)" if model_type == "gemma3" else "")
@@ -195,14 +195,23 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
                 f"supports {sorted(SUPPORTED_MODEL_TYPES)}{hint}")
         check_hf_config(hf)
+        gpt2 = SUPPORTED_MODEL_TYPES[model_type] == "gpt2"
         try:
-            if SUPPORTED_MODEL_TYPES[model_type] == "gpt2":
-                return cls._from_gpt2(hf)
-            return cls._from_rotary(hf)
+            return cls._from_gpt2(hf) if gpt2 else cls._from_rotary(hf)
         except KeyError as e:
             raise InvalidConfigError(f"config.json ({model_type}) lacks the required key {e}") from None
+        except UnsupportedConfigError:
+            raise
+        except InvalidConfigError as e:  # a value __post_init__ refused: named as config.json names it
+            message = str(e)
+            for name, key in (_GPT2_KEYS if gpt2 else _ROTARY_KEYS).items():
+                if message.startswith(name + " "):
+                    message = key + message[len(name):]
+            raise InvalidConfigError(f"config.json: {message}") from None
         except (TypeError, AttributeError, OverflowError) as e:  # a list where a number is due, ...
             raise InvalidConfigError(f"config.json ({model_type}) holds a value of the wrong type: {e}") from None
+        except ValueError as e:  # text where a number is due, a window of -5, ...
+            raise InvalidConfigError(f"config.json ({model_type}): {e}") from None
 
     @classmethod
     def _from_gpt2(cls, hf):
@@ -472,6 +481,16 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
     return inv_freq
 
 
+# ModelConfig's names of the values `_check_positive` checks -> config.json's keys.
+_GPT2_KEYS = {"norm_eps": "layer_norm_epsilon"}
+_ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
+                "local_rope_theta": "rope_local_base_freq (or rope_parameters.sliding_attention.rope_theta)",
+                "rope scaling factor": "rope_parameters.factor (or rope_scaling.factor)",
+                **{f"rope scaling {k}": f"rope_parameters.{k} (or rope_scaling.{k})"
+                   for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+                "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
+
+
 def _check_positive(name: str, value) -> None:
     """Raises InvalidConfigError unless value is a finite number > 0 (zero, negative,
     infinite or NaN values load but compute NaN or silently wrong logits)."""
@@ -486,6 +505,9 @@ def _check_positive(name: str, value) -> None:
 SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
              "intermediate_size", "n_inner", "max_position_embeddings", "n_positions")
+# Switches a config.json may give: each must be true or false when present.
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+             "use_bidirectional_attention")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
 # a corrupt or hostile file asking for a giant embedding table.
 MAX_VOCAB_SIZE = 2**24
@@ -503,6 +525,9 @@ def check_hf_config(hf: dict[str, Any]) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidConfigError(f"config.json: {key}={value!r} must be a positive integer")
+    for key in BOOL_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise InvalidConfigError(f"config.json: {key}={hf[key]!r} must be true or false")
     vocab = hf.get("vocab_size")
     if vocab is not None and vocab > MAX_VOCAB_SIZE:
         raise InvalidConfigError(f"config.json: vocab_size={vocab} is absurd (more than "
@@ -579,8 +604,8 @@ class GenerationConfig:
         t, k, p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
         if not sampling["do_sample"]:  # greedy: transformers does not use them either
             t, k, p = (_SAMPLING_DEFAULTS[key] for key in ("temperature", "top_k", "top_p"))
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise InvalidConfigError(f"{source}: temperature={t!r} must be a number > 0")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise InvalidConfigError(f"{source}: temperature={t!r} must be a finite number > 0")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer >= 0")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:

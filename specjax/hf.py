@@ -62,13 +62,16 @@ class UnsafeCheckpointError(CheckpointError):
 
 def check_regular(file: Path) -> Path:
     """file, unless it exists and is not a regular file (a FIFO, a device, a socket: reading
-    one can block forever or never end), which raises CheckpointError."""
+    one can block forever or never end) or is a symbolic link to nothing: those raise
+    CheckpointError."""
     try:
         mode = file.stat().st_mode
     except FileNotFoundError:
+        if file.is_symlink():
+            raise CheckpointError(f"{file} is a symbolic link to nothing ({os.readlink(file)})") from None
         return file
     if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{file} is not a regular file (a FIFO, device or socket); refusing to read it")
+        raise CheckpointError(f"{file} is not a regular file (a folder, FIFO, device or socket); refusing to read it")
     return file
 
 
@@ -108,7 +111,7 @@ def _read_json(file: Path) -> dict:
 
 def _read_hf_config(folder: Path) -> dict:
     config_file = folder / "config.json"
-    if not config_file.is_file():
+    if not config_file.exists():
         raise CheckpointError(f"{folder} has no config.json")
     return _read_json(config_file)
 
@@ -123,7 +126,7 @@ def read_generation_config(folder: Path, hf_config: dict | None = None,
     """generation_config.json (stop ids, sampling defaults); without one, config.json's ids."""
     hf_config = _read_hf_config(folder) if hf_config is None else hf_config
     file = folder / "generation_config.json"
-    return GenerationConfig.from_hf(_read_json(file) if file.is_file() else None, hf_config, vocab_size)
+    return GenerationConfig.from_hf(_read_json(file) if file.exists() else None, hf_config, vocab_size)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -133,7 +136,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map object")
         names = set(weight_map.values())
-        outside = sorted(str(f) for f in names if not isinstance(f, str) or Path(f).name != f or f in ("", ".", ".."))
+        outside = sorted(str(f) for f in names if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")
+                         or "\x00" in f)
         if outside:
             raise CheckpointError(f"{index} names shard files outside its folder (only plain file names are "
                                   f"allowed): {outside[:4]}")
@@ -277,6 +281,9 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
     """The sources under their canonical names, once every tensor the layout needs is there
     with the shape the config implies and none is left unexplained."""
     sources = {_canonical(name, config): t for name, t in sources.items()}
+    if config.num_layers > len(sources):  # every layer has tensors: don't list a billion names
+        raise CheckpointError(f"config.json asks for {config.num_layers} layers, but the checkpoint holds "
+                              f"{len(sources)} tensors in all")
     expected = expected_tensors(config)
     missing = sorted(set(expected) - set(sources))
     if missing:

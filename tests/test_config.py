@@ -130,22 +130,24 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("arch, change, message", [
-    ("llama3", {"rope_theta": 0.0}, "rope_theta must be a finite number > 0, got 0.0"),
+    ("llama3", {"rope_theta": 0.0}, "config.json: rope_theta must be a finite number > 0, got 0.0"),
     ("llama3", {"rope_theta": -10000.0}, "rope_theta must be"),
     ("llama3", {"rope_theta": INF}, "rope_theta must be"),
     ("llama3", {"rope_theta": NAN}, "rope_theta must be"),
-    ("llama3", {"rms_norm_eps": 0.0}, "norm_eps must be"),
-    ("llama3", {"rms_norm_eps": NAN}, "norm_eps must be"),
-    ("llama3", {"rms_norm_eps": INF}, "norm_eps must be"),
-    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "factor": 0.0}}, "rope scaling factor must be"),
+    ("llama3", {"rms_norm_eps": 0.0}, "config.json: rms_norm_eps must be"),
+    ("llama3", {"rms_norm_eps": NAN}, "rms_norm_eps must be"),
+    ("llama3", {"rms_norm_eps": INF}, "rms_norm_eps must be"),
+    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "factor": 0.0}}, r"rope_parameters.factor \(or rope_scaling.factor\) must be"),
     ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "high_freq_factor": 1.0}},
      "high_freq_factor .* must exceed low_freq_factor"),
-    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "low_freq_factor": NAN}}, "low_freq_factor must be"),
+    ("llama3", {"rope_scaling": {**LEGACY_LLAMA3["rope_scaling"], "low_freq_factor": NAN}}, r"rope_parameters.low_freq_factor \(or rope_scaling.low_freq_factor\) must be"),
     ("llama3", {"rope_scaling": "llama3"}, "wrong type"),
-    ("gemma2", {"final_logit_softcapping": 0.0}, "final_softcap must be"),
-    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_softcap must be"),
-    ("gemma2", {"query_pre_attn_scalar": NAN}, "query_pre_attn_scalar must be"),
-    ("gemma3", {"rope_local_base_freq": 0.0}, "local_rope_theta must be"),
+    ("gemma2", {"final_logit_softcapping": 0.0}, "config.json: final_logit_softcapping must be"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be"),
+    ("gemma2", {"query_pre_attn_scalar": NAN}, "config.json: query_pre_attn_scalar must be"),
+    ("llama3", {"rope_theta": "ten thousand"}, "config.json .* wrong type"),
+    ("gpt2", {"layer_norm_epsilon": -1e-5}, "config.json: layer_norm_epsilon must be"),
+    ("gemma3", {"rope_local_base_freq": 0.0}, "rope_local_base_freq .* must be"),
 ])
 def test_configs_that_would_compute_garbage_are_refused(arch, change, message):
     """Values that load but give NaN logits or silently wrong ones: refused when read."""

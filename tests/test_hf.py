@@ -224,7 +224,8 @@ def test_generation_config_is_read_and_written(llama_copy, tmp_path):
 
 @pytest.mark.parametrize("generation, message", [
     ({"eos_token_id": [1, tiny.VOCAB]}, "eos_token_id=.* is not a token id"),
-    ({"do_sample": True, "temperature": -1.0}, "temperature=-1.0 must be a number > 0"),
+    ({"do_sample": True, "temperature": -1.0}, "temperature=-1.0 must be a finite number > 0"),
+    ({"do_sample": True, "temperature": float("inf")}, "temperature=inf must be a finite number > 0"),
     ({"do_sample": True, "top_p": 0}, r"top_p=0 must lie in \(0, 1\]"),
 ])
 def test_nonsensical_generation_config_is_refused(llama_copy, generation, message):
