@@ -145,7 +145,7 @@ NAN, INF = float("nan"), float("inf")
     ("gemma2", {"final_logit_softcapping": 0.0}, "config.json: final_logit_softcapping must be"),
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be"),
     ("gemma2", {"query_pre_attn_scalar": NAN}, "config.json: query_pre_attn_scalar must be"),
-    ("llama3", {"rope_theta": "ten thousand"}, "config.json .* wrong type"),
+    ("llama3", {"rope_theta": "ten thousand"}, r"config.json \(llama\): could not convert string to float"),
     ("gpt2", {"layer_norm_epsilon": -1e-5}, "config.json: layer_norm_epsilon must be"),
     ("gemma3", {"rope_local_base_freq": 0.0}, "rope_local_base_freq .* must be"),
 ])
