@@ -125,7 +125,7 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
              num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
              eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
-             stream: Callable | None = None, cost_profile=None) -> GenerateOutput:
+             stream: Callable | None = None, cost_profile=None, deterministic: bool = False) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
 
     target: a `Model`. prompts int [B, P] right-padded, lengths int [B] (see `pad_prompts`).
@@ -161,6 +161,11 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         the function; None leaves the callback out of the program. With a stream, generate
         returns only once the loop has finished (and its calls have all been made); with a
         mesh, the calls happen in the process that holds the first device.
+    deterministic: the target computes every token by fixed-shape bodies whose bits do not
+        depend on the pass (models/exact.py), so that greedy output equals greedy plain
+        decoding with the flag bit for bit in any dtype, for every drafter, K and tree, and
+        a row's output does not depend on the rest of its batch. Slower (measured in
+        docs/bench/exact.txt); CPU only for now, where it is verified; refused with a mesh.
     """
     args, static, stream = _prepare(**locals())
     memory.check_fits(args, static, stream)  # refuses, with the numbers, what cannot fit
@@ -218,8 +223,10 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
              top_k, top_p, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
-             stream, cost_profile):
+             stream, cost_profile, deterministic):
     """generate's checks and conversions: (_generate's arguments, its static ones, stream)."""
+    if deterministic:
+        target = _deterministic(target, mesh)
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an int, None or 'auto', got {num_draft_tokens!r}")
@@ -245,6 +252,21 @@ def _prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tok
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
                   adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules)
     return args, static, stream
+
+
+# Backends on which deterministic=True is measured to keep its promise (tests/test_exact.py).
+DETERMINISTIC_BACKENDS = ("cpu",)
+
+
+def _deterministic(target: Model, mesh) -> Model:
+    backend = jax.default_backend()
+    if backend not in DETERMINISTIC_BACKENDS:
+        raise ValueError(f"deterministic=True is verified on {DETERMINISTIC_BACKENDS} only; on {backend!r} its "
+                         f"bit-for-bit promise is untested (XLA's kernels there may reduce in another order), so it "
+                         f"is refused rather than assumed")
+    if mesh is not None:
+        raise ValueError("deterministic=True does not run on a mesh yet: leave mesh unset")
+    return target.replace(exact=True)
 
 
 # ---- stop ids ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from flax import struct
 
 from specjax.cache import KVCache, Placement
 from specjax.config import GenerationConfig, ModelConfig
+from specjax.models import exact
 from specjax.models.transformer import decode, init_params, read_out
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
@@ -33,6 +34,9 @@ class Model:
     # The logical-axis rules its params were placed by (`shard_model`, `load_model(mesh=...)`);
     # None: not sharded. Under a mesh, `generate` lays out this model's cache by them.
     rules: tuple | None = struct.field(pytree_node=False, default=None)
+    # True: every pass computes each token by fixed-shape bodies (models/exact.py), so that
+    # its bits do not depend on the pass; what `generate(deterministic=True)` sets.
+    exact: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def dtype(self):
@@ -60,7 +64,8 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     exit_layer: run only the first exit_layer layers, then the final norm and head.
     placement: where the tokens go in the cache and what they see, when not "slot =
     position, causal" (a token tree; see cache.Placement)."""
-    return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer)
+    run = exact.decode if model.exact else decode
+    return run(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer)
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

@@ -156,10 +156,20 @@ class Attention(nn.Module):
 
         kv_limit: None, or int32 [B]: no query of row b sees a slot at or beyond
         kv_limit[b] (a cache pass: see `attention`)."""
+        return self.project_out(attention(q, k, v, mask, self.scale, self.cap, kv_limit))
+
+    @property
+    def scale(self) -> float:
         c = self.config
-        scale = (c.gemma.query_pre_attn_scalar if c.gemma else c.head_dim) ** -0.5
-        cap = c.gemma.attn_softcap if c.gemma else None
-        out = attention(q, k, v, mask, scale, cap, kv_limit)  # [B, T, H, D]
+        return (c.gemma.query_pre_attn_scalar if c.gemma else c.head_dim) ** -0.5
+
+    @property
+    def cap(self) -> float | None:
+        return self.config.gemma.attn_softcap if self.config.gemma else None
+
+    def project_out(self, out):
+        """Attention's per-head output [B, T, H, D] -> [B, T, E] (Gemma's normed)."""
+        c = self.config
         B, T, H, D = out.shape
         # One [H D, E] matmul (a free reshape of the weight): contracting over (h, d) as two
         # axes lets XLA's CPU backend transpose the whole weight on every pass to match the

@@ -1,0 +1,174 @@
+"""Deterministic passes: every token computed by bodies of one fixed shape, so that its bits
+do not depend on what else the pass computes.
+
+Greedy speculative decoding equals greedy plain decoding only if the target's logits at a
+position are the same bits whichever pass computed them: a K+1-token verification pass, a
+one-token step, a tree of candidates, a batch of 1 or of 8. In float32 near-ties are rare
+enough never to be seen; in bfloat16 they flip rows. XLA picks a matmul's algorithm by its
+shape (on CPU a [1, E] x [E, F] product is a matrix-vector loop; [2, E] and [5, E] reduce
+in different orders: measured, docs/bench/exact.txt), and it fuses each program its own
+way. So here:
+
+- Every per-token computation (embedding, norms, projections, rotary, MLP, head) runs in
+  a `lax.map` over chunks of ROWS tokens (the pass's B·T tokens, padded), in a body fenced
+  by optimization barriers: the same computation of the same shapes in every program.
+  Within one such matmul a row's result depends on that row alone (measured).
+- Attention runs one query at a time, over key blocks of BLOCK slots with an online
+  softmax, visiting blocks 0 .. position // BLOCK: a block past the query's position is
+  never read, and a fully masked one changes nothing, so neither the cache's length nor
+  the other queries matter. The keys a query sees are gathered in position order: a tree
+  node's ancestors come from the region slots they were written to, so a node attends
+  exactly as a one-token pass at its position does.
+
+The price: weights are read once per chunk of ROWS tokens rather than once per pass, and
+attention is sequential over queries (docs/bench/exact.txt measures it). Kernels chosen for
+speed (cuDNN, splash) are not used. This module knows nothing of drafting or decoding, and
+nothing of backends: whether a backend keeps these promises is measured, not assumed
+(`generate` allows deterministic=True where it was).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.cache import KVCache, Placement, write
+from specjax.config import ModelConfig, rope_inv_freq
+from specjax.models.layers import MLP, Attention, Norm, rotary, rotary_angles, softcap
+from specjax.models.transformer import embed_tokens, read_out
+
+ROWS = 8  # tokens per fixed-shape body (a pass of fewer is padded to it)
+BLOCK = 128  # key slots per attention block
+
+
+def _fenced(fn):
+    """fn with optimization barriers around its inputs and outputs: XLA fuses nothing of it
+    with what surrounds it, so it compiles alike in every program."""
+    def body(args):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+    return body
+
+
+def rowwise(fn, *xs):
+    """fn(*chunks) over xs [N, ...] in chunks of ROWS rows (N padded with zeros), one
+    fixed-shape fenced body per chunk, one after another. Returns fn's outputs [N, ...]."""
+    N = xs[0].shape[0]
+    n = -(-N // ROWS)
+    chunks = tuple(jnp.pad(x, [(0, n * ROWS - N)] + [(0, 0)] * (x.ndim - 1)).reshape(n, ROWS, *x.shape[1:])
+                   for x in xs)
+    out = jax.lax.map(_fenced(fn), chunks)
+    return jax.tree.map(lambda y: y.reshape(n * ROWS, *y.shape[2:])[:N], out)
+
+
+def _slot_of_position(positions, cache_len: int, placement: Placement | None):
+    """int32 [B, T, S'] (S' = cache_len rounded up to BLOCK): for each query, the slot that
+    holds the key of each position it may see. Slot = position, except a tree's ancestors,
+    which sit in region slots (the placement's visible slots that hold another position)."""
+    B, T = positions.shape
+    S = cache_len
+    padded = -(-S // BLOCK) * BLOCK
+    base = jnp.minimum(jnp.arange(padded, dtype=jnp.int32), S - 1)  # past S: masked, any slot
+    if placement is None:
+        return jnp.broadcast_to(base, (B, T, padded))
+    slots = jnp.arange(S, dtype=jnp.int32)
+    moved = placement.visible & (placement.kv_positions[:, None, :] != slots)  # [B, T, S]
+    stands_for = jnp.where(moved, placement.kv_positions[:, None, :], padded)  # out of range: dropped
+
+    def one(target):  # [S] -> [S']
+        return base.at[target].set(slots, mode="drop")
+    return jax.vmap(jax.vmap(one))(stands_for)
+
+
+def _attend_one(q, k, v, b, where, position, scale, cap, window):
+    """One query's attention: q [H, D]; k, v [B, S, G, D] (the layer's cache); b its row;
+    where int32 [S'] (`_slot_of_position`); position its position. -> [H, D]."""
+    G, D = k.shape[2], k.shape[3]
+    H = q.shape[0]
+    qg = q.reshape(G, H // G, D)
+
+    def visit(j, carry):
+        m, l, acc = carry  # [G, R], [G, R], [G, R, D] float32
+        slots = jax.lax.dynamic_slice_in_dim(where, j * BLOCK, BLOCK)
+        kb, vb = k[b, slots], v[b, slots]  # [BLOCK, G, D]
+        s = jnp.einsum("grd,sgd->grs", qg, kb, preferred_element_type=jnp.float32) * scale
+        if cap is not None:
+            s = softcap(s, cap)
+        seen = j * BLOCK + jnp.arange(BLOCK) <= position
+        if window is not None:
+            seen &= position - (j * BLOCK + jnp.arange(BLOCK)) < window
+        s = jnp.where(seen, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(seen, jnp.exp(s - safe[..., None]), 0.0)
+        correction = jnp.exp(m - safe)
+        pv = jnp.einsum("grs,sgd->grd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
+
+    R = H // G
+    init = (jnp.full((G, R), -jnp.inf, jnp.float32), jnp.zeros((G, R), jnp.float32),
+            jnp.zeros((G, R, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, position // BLOCK + 1, visit, init)
+    return (acc / l[..., None]).reshape(H, D).astype(v.dtype)
+
+
+def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
+           placement: Placement | None = None, num_layers: int | None = None):
+    """transformer.decode, computed deterministically (see the module docstring): the same
+    arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache)."""
+    B, T = tokens.shape
+    N = B * T
+    flat_positions = positions.reshape(N)
+    local = c.local_rope_theta is not None
+
+    def embed(tok, pos):  # [ROWS] -> [ROWS, E]
+        x = embed_tokens(c, params["embedding"], tok)
+        if c.family == "gpt2":
+            x = x + params["pos_embedding"][jnp.minimum(pos, c.max_position_embeddings - 1)]
+        return x
+
+    x = rowwise(embed, tokens.reshape(N), flat_positions)  # [N, E]
+    if cache is None:  # a full causal pass: its own keys are the cache
+        own = KVCache.init(c, B, T, x.dtype)
+        k_all, v_all, slots, length = list(own.k), list(own.v), positions, T
+    else:
+        k_all, v_all, length = list(cache.k), list(cache.v), cache.max_len
+        slots = positions if placement is None else placement.slots
+    where = _slot_of_position(positions, length, placement).reshape(N, -1)  # [N, S']
+    rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)  # [N]
+    windows = c.layer_windows()
+    attn = Attention(c)
+
+    for i in range(c.num_layers if num_layers is None else num_layers):
+        p = params["layers"][i]
+        sliding = local and windows[i] is not None
+
+        def project(x, pos, p=p, sliding=sliding):  # [ROWS, E] -> q [ROWS, H, D], k, v [ROWS, G, D]
+            h = Norm(c).apply({"params": p["attn_norm"]}, x[None])
+            cos_sin = None if c.family == "gpt2" else rotary_angles(
+                pos[None], jnp.asarray(rope_inv_freq(c, local=sliding), jnp.float32))
+            q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, method=Attention.project_qkv)
+            return q[0], k[0], v[0]
+
+        q, k, v = rowwise(project, x, flat_positions)
+        k_all[i] = write(k_all[i], k.reshape(B, T, *k.shape[1:]), slots)
+        v_all[i] = write(v_all[i], v.reshape(B, T, *v.shape[1:]), slots)
+        heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
+            q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i])), (q, rows, where, flat_positions))
+
+        def finish(x, heads, p=p):  # the residual stream after attention and MLP, [ROWS, E]
+            x = x + attn.apply({"params": p["attn"]}, heads[None], method=Attention.project_out)[0]
+            h = Norm(c).apply({"params": p["mlp_norm"]}, x)
+            return x + MLP(c).apply({"params": p["mlp"]}, h[None])[0]
+
+        x = rowwise(finish, x, heads)
+
+    tied = c.tie_word_embeddings
+
+    def head(x):  # [ROWS, E] -> logits [ROWS, V], hidden [ROWS, E]
+        hidden = Norm(c).apply({"params": params["final_norm"]}, x)
+        return read_out(c, params["embedding" if tied else "lm_head"], hidden, transposed=tied), hidden
+
+    logits, hidden = rowwise(head, x)
+    if cache is not None:
+        cache = cache.replace(k=tuple(k_all), v=tuple(v_all))
+    return logits.reshape(B, T, -1), hidden.reshape(B, T, -1), cache
