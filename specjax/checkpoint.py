@@ -8,7 +8,10 @@ extra file is caught before orbax reads anything, so its readers never fail half
 then the arrays: a damaged step is never restored silently; the previous kept step is
 restored instead, with a warning naming the bad one, and if none is good the restore
 fails with one line naming the steps tried. Steps written before manifests existed are
-checked by their arrays alone.
+checked by their arrays alone; a step of today's layout whose record lacks its checksum is
+damaged (removing both checksums does not make an edit pass). Something other than a file
+or folder where orbax first reads a step (its metadata) is refused outright: orbax would
+block reading a FIFO before any check could run.
 
 It knows nothing about what is being trained; Hugging Face export lives in hf.py.
 """
@@ -26,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
-class DamagedCheckpointError(RuntimeError):
+class DamagedCheckpointError(ValueError):
     """No kept step of a run directory restores to the bytes that were saved."""
 
 
@@ -63,6 +66,10 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, keep: int = 2):
         self.directory = Path(directory).absolute()  # orbax wants absolute paths
+        for path in self.directory.glob("*/*") if self.directory.is_dir() else ():  # what orbax opens first
+            if not (path.is_dir() or path.is_file()) or path.is_symlink():  # it would block on a FIFO
+                raise DamagedCheckpointError(f"{path} in a run's checkpoints is not a regular file or folder; "
+                                             f"refusing to read the run")
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
@@ -85,8 +92,10 @@ class CheckpointManager:
     def _check_files(self, step: int):
         """Raises ValueError naming the first file of `step` that differs from its manifest."""
         manifest = self._manifests / f"{step}.json"
-        if not manifest.is_file():
+        if not manifest.exists():
             return  # written before manifests existed
+        if not manifest.is_file():
+            raise ValueError(f"its manifest {manifest} is not a regular file")
         expected = json.loads(manifest.read_text())
         found = file_digests(self.directory / str(step))
         for name in sorted(set(expected) | set(found)):
@@ -108,6 +117,8 @@ class CheckpointManager:
             state = self._manager.restore(candidate, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract))).state
             expected = record.pop("sha256", None)
+            if expected is None and record.get("layout", 1) >= 2:  # written since checksums exist
+                raise ValueError("its record lacks the checksum every step of its layout is saved with")
             if expected is not None and state_digest(state) != expected:
                 raise ValueError("its arrays do not match the checksum saved with them")
             return state, record

@@ -1,6 +1,8 @@
 """Training: loss goes down, distillation raises acceptance, resume is exact, export loads
 in transformers, and the losses mean what they claim."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +186,23 @@ def test_a_damaged_latest_step_is_never_restored_silently(stream, tmp_path, capf
         shutil.rmtree(run)
         shutil.copytree(pristine, run)
     assert "Traceback" not in capfd.readouterr().err
+    # An attacker's edit that also removes both checksums (manifest and the record's) is
+    # still refused: every step of today's layout is saved with its checksum.
+    shutil.rmtree(run / "checkpoints.sha256")
+    record_file = next((run / "checkpoints" / "40" / "record").rglob("*metadata*"))
+    record_file.write_text(json.dumps({k: v for k, v in json.loads(record_file.read_text()).items() if k != "sha256"}))
+    with pytest.warns(UserWarning, match="step 40 .* lacks the checksum"):
+        assert restore_model(run)[1]["step"] == 20
+    # orbax reads each step's metadata as it opens a run: a FIFO there is refused, not read
+    shutil.rmtree(run)
+    shutil.copytree(pristine, run)
+    metadata = next((run / "checkpoints" / "40").glob("_CHECKPOINT_METADATA"))
+    metadata.unlink()
+    os.mkfifo(metadata)
+    with pytest.raises(DamagedCheckpointError, match="_CHECKPOINT_METADATA in a run's checkpoints is not a regular"):
+        restore_model(run)
+    shutil.rmtree(run)
+    shutil.copytree(pristine, run)
 
     damage(40)
     with pytest.warns(UserWarning, match=r"checkpoint step 40 .* is damaged"):

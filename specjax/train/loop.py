@@ -23,7 +23,7 @@ from flax import struct
 from tqdm.auto import tqdm
 
 from specjax import theory
-from specjax.checkpoint import CheckpointManager
+from specjax.checkpoint import CheckpointManager, DamagedCheckpointError
 from specjax.config import ModelConfig
 from specjax.layouts import from_legacy
 from specjax.models import Model, apply, init
@@ -209,7 +209,11 @@ def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
     record = manager.record()
     config = ModelConfig.from_hf_config(record["model"])
     if record.get("layout") != PARAMS_LAYOUT:
-        params = from_legacy(jax.device_get(manager.restore_saved()["params"]), config)
+        try:
+            params = from_legacy(jax.device_get(manager.restore_saved()["params"]), config)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise DamagedCheckpointError(f"{run_dir}: its latest checkpoint is neither in today's layout nor in "
+                                         f"an older specjax's ({type(e).__name__}: {e})") from None
         manager.close()
         return Model(config, jax.tree.map(jnp.asarray, params)), record
 
