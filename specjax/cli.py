@@ -34,14 +34,17 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
     where the model expects one); with chat, each prompt is a user turn of the tokenizer's
     chat template, ready for the assistant's reply."""
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("specjax generate --chat: the target's tokenizer has no chat template "
+        raise ValueError("--chat: the target's tokenizer has no chat template "
                          "(tokenizer_config.json or chat_template.jinja); drop --chat")
     ids = []
     for p in prompts:
         if chat:
-            ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                          add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]))
+            try:  # the template is the checkpoint's: sandboxed by transformers, and it may fail
+                ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"]))
+            except Exception as e:  # noqa: BLE001 -- jinja2's errors, or what the template raises
+                raise ValueError(f"--chat: the tokenizer's chat template fails: {type(e).__name__}: {e}") from None
         else:
             ids.append(list(tokenizer(p)["input_ids"]))
     fallback = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -78,15 +81,17 @@ def _generate(args):
 
     prompts = [args.prompt] if args.prompt is not None else []
     if args.batch_file:
+        from specjax.hf import check_regular  # a FIFO or /dev/zero would be read forever
+
         prompts += [line.rstrip("\n").replace("\\n", "\n")
-                    for line in Path(args.batch_file).read_text().splitlines() if line.strip()]
+                    for line in check_regular(Path(args.batch_file)).read_text().splitlines() if line.strip()]
     if not prompts:
-        raise SystemExit("specjax generate: give a PROMPT or --batch-file")
+        raise ValueError("give a PROMPT or --batch-file")
     target = specjax.load_model(args.target, quantize=args.quantize)
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
     if tree is not None and (args.no_draft or args.prompt_lookup or args.lookahead):
-        raise SystemExit("specjax generate: --tree needs a draft model, heads, --early-exit or --retrieval")
+        raise ValueError("--tree needs a draft model, heads, --early-exit or --retrieval")
     if args.no_draft:
         draft, drafter_name = None, "none"
     elif args.early_exit is not None:
@@ -186,7 +191,7 @@ def _text_files(paths):
         elif path.is_file():
             files.append(path)
         else:
-            raise SystemExit(f"specjax datastore build: no file or folder {name}")
+            raise ValueError(f"datastore build: no file or folder {name}")
     return files
 
 
@@ -196,7 +201,7 @@ def _datastore_build(args):
     import specjax
 
     if bool(args.paths) == bool(args.stdlib_train):
-        raise SystemExit("specjax datastore build: give FILES_OR_DIRS or --stdlib-train (not both)")
+        raise ValueError("datastore build: give FILES_OR_DIRS or --stdlib-train (not both)")
     tokenizer = specjax.load_tokenizer(args.tokenizer)
     if args.stdlib_train:
         from specjax.train.data import split_corpus
@@ -219,7 +224,7 @@ def _datastore_build(args):
     if skipped:
         print(f"skipped {len(skipped)} files that are not UTF-8 text, e.g. {skipped[0]}", file=sys.stderr)
     if not any(docs):
-        raise SystemExit("specjax datastore build: the files hold no text")
+        raise ValueError("datastore build: the files hold no text")
     datastore = specjax.Datastore.build(docs)
     datastore.save(args.out)
     size = sum(f.stat().st_size for f in Path(args.out).iterdir())
@@ -243,6 +248,17 @@ def _ints(count: int | None, flag: str, example: str):
     return parse
 
 
+def _seed(text):
+    """--seed: an int in [0, 2**32)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}")
+    return seed
+
+
 def _draft_tokens(text):
     """-k: an int or auto."""
     if text == "auto":
@@ -264,8 +280,10 @@ def _parse_tree(text):
             return specjax.Tree.from_paths(json.loads(text))
         depth, top_k, nodes = (int(x) for x in text.split(","))
         return specjax.Tree(depth, top_k, nodes)
+    except RecursionError:
+        raise ValueError(f"--tree: its JSON nests too deeply to be rank paths ({len(text)} characters)") from None
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"specjax generate: --tree {text!r}: {e} (give DEPTH,TOP_K,NODES such as 8,2,24, "
+        raise ValueError(f"--tree {text!r}: {e} (give DEPTH,TOP_K,NODES such as 8,2,24, "
                          f"or rank paths such as '[[0], [1], [0, 0]]')")
 
 
@@ -408,7 +426,7 @@ def _bench(args):
     if not args.synthetic:
         return bench.run_from_args(args)
     if args.dtype != "float32":
-        raise SystemExit("--synthetic runs in the backend's default dtype; leave out --dtype")
+        raise ValueError("--synthetic runs in the backend's default dtype; leave out --dtype")
     import jax
 
     from specjax.models import default_dtype
@@ -466,7 +484,7 @@ def main(argv=None):
                    help="0 is off (default: generation_config.json's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None,
                    help="1 is off (default: generation_config.json's, else 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn of the tokenizer's chat template")

@@ -606,8 +606,8 @@ class GenerationConfig:
             t, k, p = (_SAMPLING_DEFAULTS[key] for key in ("temperature", "top_k", "top_p"))
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise InvalidConfigError(f"{source}: temperature={t!r} must be a finite number > 0")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer >= 0")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
+            raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer in [0, 2**31)")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise InvalidConfigError(f"{source}: top_p={p!r} must lie in (0, 1]")
         known = set(_SAMPLING_DEFAULTS) | {"eos_token_id", "bos_token_id", "pad_token_id"}

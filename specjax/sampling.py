@@ -31,10 +31,10 @@ def validate(temperature, top_k, top_p):
     def concrete(x):
         return not isinstance(x, jax.core.Tracer)
 
-    if concrete(temperature) and not float(temperature) >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if concrete(top_k) and (int(top_k) != top_k or top_k < 0):
-        raise ValueError(f"top_k must be an int >= 0 (0 is off), got {top_k}")
+    if concrete(temperature) and not 0 <= float(temperature) < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if concrete(top_k) and (int(top_k) != top_k or not 0 <= top_k < 2**31):
+        raise ValueError(f"top_k must be an int in [0, 2**31) (0 is off), got {top_k}")
     if concrete(top_p) and not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
 

@@ -1,6 +1,7 @@
 """The README's first command: `specjax generate` on the shipped pair prints text and stats."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,9 @@ def test_generate_with_a_tree_equals_the_chain(capsys):
     assert result["stats"]["num_draft_tokens"] == nodes
     assert result["stats"]["drafter"].endswith(f"(auto), tree of {nodes} nodes, depth 4" if nodes
                                                else "none (auto: speculation off at this batch size)")
-    with pytest.raises(SystemExit, match="DEPTH,TOP_K,NODES"):
+    with pytest.raises(ValueError, match="DEPTH,TOP_K,NODES"):
         main(["generate", "x", "--tree", "4,2", "--target", str(TARGET), "--draft", str(DRAFT)])
-    with pytest.raises(SystemExit, match="needs a draft model"):
+    with pytest.raises(ValueError, match="needs a draft model"):
         main(["generate", "x", "--tree", "4,2,8", "--prompt-lookup", "--target", str(TARGET)])
 
 
@@ -181,6 +182,8 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
 
     bad_batch = tmp_path / "batch.txt"
     bad_batch.write_bytes(b"\xff\xfe\xfa not utf-8")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
     for argv, message in (
             (["generate", "x", "--target", str(tmp_path / "nope")], "does not exist"),
             (["generate", "x", "-k", "0", "--target", str(TARGET), "--draft", str(DRAFT)], "num_draft_tokens"),
@@ -192,7 +195,14 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
             (["generate", "x", "--drafter", "medusa", "--tree", "[[0], [5000]]", "--target", str(TARGET)],
              "the vocabulary has 4096 tokens"),
             # a flag's value is one word: what follows is the prompt, never swallowed
-            (["generate", "--lookahead", "the cat", "--target", str(TARGET)], "a prompt goes before the flags")):
+            (["generate", "--lookahead", "the cat", "--target", str(TARGET)], "a prompt goes before the flags"),
+            (["generate", "--batch-file", str(fifo), "--target", str(TARGET)], "not a regular file"),
+            (["generate", "--batch-file", "/dev/zero", "--target", str(TARGET)], "not a regular file"),
+            (["generate", "x", "--seed", str(2**70), "--target", str(TARGET)], "expected an int in [0, 2**32)"),
+            (["generate", "x", "--tree", "[" * 50_000, "--target", str(TARGET)], "nests too deeply"),
+            (["generate", "x", "--tree", "2,2,3", "--no-draft", "--target", str(TARGET)], "--tree needs a draft"),
+            (["generate", "x", "--temperature", "inf", "--target", str(TARGET), "--draft", str(DRAFT)],
+             "temperature must be a finite number")):
         try:
             assert entry(argv) == 2, argv
         except SystemExit as e:  # argparse's bad flags
