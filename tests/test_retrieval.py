@@ -52,12 +52,35 @@ def test_save_load_round_trip(tmp_path):
     assert (back.max_token, back.num_documents, back.num_tokens) == (7, 2, 7)
 
 
+def _edit_meta(folder, **changes):
+    meta = json.loads((folder / "datastore.json").read_text())
+    (folder / "datastore.json").write_text(json.dumps({**meta, **changes}))
+
+
+def _write_npy(file, header: bytes, data=b""):
+    """A version 1.0 .npy file with this raw header."""
+    file.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data)
+
+
+HUGE = b"{'descr': '<i4', 'fortran_order': False, 'shape': (1099511627776,)}\n"  # 2**40 values: 4 TiB
+
+
 @pytest.mark.parametrize("spoil, message", [
     (lambda p: (p / "suffixes.npy").unlink(), "lacks suffixes.npy"),
     (lambda p: (p / "datastore.json").unlink(), "holds no datastore.json"),
-    (lambda p: (p / "datastore.json").write_text("{not json"), "datastore.json is corrupt"),
+    (lambda p: (p / "datastore.json").write_text("{not json"), "datastore.json is not valid JSON"),
+    (lambda p: (p / "datastore.json").write_text("[" * 100_000 + "]" * 100_000), "nests its JSON too deeply"),
     (lambda p: (p / "datastore.json").write_text('{"format": "other"}'), "is not a specjax datastore"),
+    (lambda p: _edit_meta(p, version=True), "has version True"),
+    (lambda p: _edit_meta(p, num_documents=True), "has num_documents True, not an integer"),
+    (lambda p: _edit_meta(p, num_tokens=7.0), "has num_tokens 7.0, not an integer"),
     (lambda p: (p / "tokens.npy").write_bytes(b"\x93NUMPY garbage"), "tokens.npy is corrupt"),
+    (lambda p: _write_npy(p / "tokens.npy", HUGE, bytes(40)), "tokens.npy is corrupt: its header claims 1099511627776"),
+    (lambda p: _write_npy(p / "suffixes.npy", HUGE), "suffixes.npy is corrupt: its header claims 1099511627776"),
+    (lambda p: (p / "suffixes.npy").write_bytes((p / "suffixes.npy").read_bytes()[:-4]),
+     "claims 7 int32 values .* but 24 bytes follow"),
+    (lambda p: _write_npy(p / "suffixes.npy", b"-" * 9000 + b"1\n"), "suffixes.npy is corrupt"),
+    (lambda p: np.save(p / "tokens.npy", np.array([1, None]), allow_pickle=True), "must be a 1-D int32 array, got object"),
     (lambda p: np.save(p / "tokens.npy", np.zeros(3, np.float32)), "must be a 1-D int32 array"),
     (lambda p: np.save(p / "suffixes.npy", np.load(p / "suffixes.npy")[::-1].copy()), "is not sorted"),
     (lambda p: np.save(p / "suffixes.npy", np.load(p / "suffixes.npy")[:-1]), "sizes"),
@@ -211,8 +234,8 @@ def test_cli_builds_a_datastore_from_files_and_folders(tmp_path, capsys):
     expected = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (corpus[0], corpus[1], "the cat")]
     np.testing.assert_array_equal(ds.tokens, specjax.Datastore.build(expected).tokens)
     assert json.loads((tmp_path / "ds" / "datastore.json").read_text())["num_documents"] == 3
-    with pytest.raises(SystemExit, match="no file or folder"):
+    with pytest.raises(ValueError, match="no file or folder"):
         cli.main(["datastore", "build", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "x"),
                   str(tmp_path / "missing")])
-    with pytest.raises(SystemExit, match="give FILES_OR_DIRS or --stdlib-train"):
+    with pytest.raises(ValueError, match="give FILES_OR_DIRS or --stdlib-train"):
         cli.main(["datastore", "build", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "x")])
