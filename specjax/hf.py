@@ -131,10 +131,10 @@ def read_generation_config(folder: Path, hf_config: dict | None = None,
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if index.exists():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no weight_map object")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} has no weight_map object of file names")
         names = set(weight_map.values())
         outside = sorted(str(f) for f in names if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")
                          or "\x00" in f)
@@ -227,17 +227,21 @@ def _read_header(file: Path) -> dict[str, _Stored]:
     def corrupt(why):
         return CheckpointError(f"{file} is corrupt or truncated: {why}")
 
-    with open(file, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise corrupt(f"{size} bytes, too short for a safetensors header")
-        n = int.from_bytes(prefix, "little")
-        if n > min(size - 8, 100 * 2**20):
-            raise corrupt(f"its header claims {n} bytes")
-        try:
+    try:
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise corrupt(f"{size} bytes, too short for a safetensors header")
+            n = int.from_bytes(prefix, "little")
+            if n > min(size - 8, 100 * 2**20):
+                raise corrupt(f"its header claims {n} bytes")
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise corrupt(f"its header is not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise corrupt(f"its header is not valid JSON ({e})") from e
+    except RecursionError:
+        raise corrupt("its header nests its JSON too deeply") from None
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read: {e}") from None
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")
     out = {}
@@ -245,18 +249,30 @@ def _read_header(file: Path) -> dict[str, _Stored]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+            dtype, shape, offsets = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError) as e:
             raise corrupt(f"tensor {name} has a malformed header entry {entry!r} ({e!r})") from e
-        expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+            raise corrupt(f"tensor {name}'s shape {shape!r} and data_offsets {offsets!r} must be lists of integers")
+        begin, end = offsets
+        expected = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
         if min(shape, default=0) < 0 or end - begin != expected or begin < 0:
             raise corrupt(f"tensor {name} ({entry['dtype']} {list(shape)}) spans bytes "
                           f"[{begin}, {end}) of its data, which should be {expected} bytes")
         if 8 + n + end > size:
             raise corrupt(f"tensor {name} ends at byte {8 + n + end} of a {size}-byte file")
-        out[name] = _Stored(file, name, dtype, shape, 8 + n + begin, 8 + n + end)
+        out[name] = _Stored(file, name, dtype, tuple(shape), 8 + n + begin, 8 + n + end)
+    covered = 0  # as the format requires: the tensors tile the data, none overlapping
+    for stored in sorted(out.values(), key=lambda t: (t.start, t.end)):
+        if stored.start != 8 + n + covered:
+            raise corrupt(f"tensor {stored.name} starts at byte {stored.start - 8 - n} of its data, but the tensors "
+                          f"before it end at {covered} (tensors must tile the data, none overlapping)")
+        covered = stored.end - 8 - n
     return out
+
+
+def _ints(values) -> bool:
+    return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def read_sources(folder: Path) -> dict[str, _Stored]:
@@ -293,6 +309,12 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} tensors the config does not "
                               f"explain: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    head, embedding = sources.get("lm_head.weight"), sources.get(
+        "transformer.wte.weight" if config.family == "gpt2" else "model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and embedding is not None and not (
+            head.shape == embedding.shape and np.array_equal(head.array(), embedding.array())):
+        raise CheckpointError("config.json says tie_word_embeddings=true, but the checkpoint's lm_head.weight "
+                              "differs from its embedding (transformers would keep the head untied)")
     for name, shape in expected.items():
         if tuple(sources[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(sources[name].shape)}, "
@@ -369,20 +391,22 @@ def _assemble(view, stored, dtype, path, mesh, rules) -> jax.Array:
         out = _aligned_empty(tuple(len(range(*s.indices(n))) for s, n in
                                    zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)), dtype)
         for part, src_index, dst_index in pieces:
-            _copy(out[dst_index], part[src_index], release)
+            _copy(out[dst_index], part[src_index], release, "/".join(map(str, path)))
         stats["elements_read"] += out.size
         return out
 
     return jax.make_array_from_callback(shape, _placement(shape, path, mesh, rules), block)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray, release):
+def _copy(dst: np.ndarray, src: np.ndarray, release, name: str):
     """dst[...] = src (a view of mapped files), CHUNK_BYTES of the file at a time along its
     axis of largest stride (the file's outermost, so pieces are contiguous bytes), calling
-    release() after each piece to drop the file pages it touched."""
+    release() after each piece to drop the file pages it touched. A NaN or infinite value
+    (in the parameter `name`) is refused: every logit would be NaN."""
     if src.ndim == 0:
         dst[...] = src
         release()
+        _check_finite(dst, name)
         return
     axis = max(range(src.ndim), key=lambda a: src.strides[a] if src.shape[a] > 1 else -1)
     rows = src.shape[axis]
@@ -391,6 +415,13 @@ def _copy(dst: np.ndarray, src: np.ndarray, release):
         cut = (slice(None),) * axis + (slice(lo, lo + step),)
         dst[cut] = src[cut]
         release()
+        _check_finite(dst[cut], name)
+
+
+def _check_finite(values: np.ndarray, name: str):
+    if not np.isfinite(values).all():
+        raise CheckpointError(f"parameter {name} holds NaN or infinite values (as stored, or past the range of "
+                              f"the dtype it is loaded in)")
 
 
 def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:
@@ -399,6 +430,7 @@ def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:
     peaks at this one float parameter on top of what is already loaded."""
     value = np.asarray(view())
     stats["elements_read"] += value.size
+    _check_finite(value, "/".join(map(str, path)))
     q = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
     if mesh is None:
         return jax.tree.map(jnp.asarray, q)
@@ -467,14 +499,20 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     folder = resolve(path)
+    for file in folder.iterdir():  # transformers would read a FIFO forever
+        if not file.is_dir():
+            check_regular(file)
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
+    except Exception as e:  # noqa: BLE001 -- whatever the files make transformers raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise UnsafeCheckpointError(f"the tokenizer in {folder} needs Python code shipped in the folder, which "
+                                        f"specjax never runs: use a checkpoint whose tokenizer transformers ships "
+                                        f"({first})") from None
+        if isinstance(e, OSError):  # no tokenizer files at all: as transformers says it
             raise
-        raise UnsafeCheckpointError(f"the tokenizer in {folder} needs Python code shipped in the folder, which "
-                                    f"specjax never runs: use a checkpoint whose tokenizer transformers ships "
-                                    f"({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"the tokenizer files in {folder} cannot be loaded: {type(e).__name__}: {first}") from None
 
 
 # Text on which two tokenizers must agree: ASCII prose and code, digits, runs of spaces and

@@ -378,3 +378,76 @@ def test_config_files_of_absurd_shape_and_non_float_dtypes_are_refused(hf_folder
     (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match="nests its JSON too deeply"):
         specjax.load_model(folder)
+
+
+def _tensor_bytes(folder):
+    """(header dict, data bytes) of folder's model.safetensors."""
+    raw = (folder / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write_tensors(folder, header, data):
+    text = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def _poison(folder, value):
+    """Every value of the first layer's down projection set to value (NaN, inf)."""
+    header, data = _tensor_bytes(folder)
+    entry = header["model.layers.0.mlp.down_proj.weight"]
+    begin, end = entry["data_offsets"]
+    n = (end - begin) // 4
+    _write_tensors(folder, header, data[:begin] + np.full(n, value, np.float32).tobytes() + data[end:])
+
+
+def _shift_offsets(folder, change):
+    header, data = _tensor_bytes(folder)
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    header[name]["data_offsets"] = change(header[name]["data_offsets"])
+    _write_tensors(folder, header, data)
+
+
+@pytest.mark.parametrize("harm, message", [
+    (lambda f: _poison(f, np.nan), "parameter layers/0/mlp/down_kernel holds NaN or infinite values"),
+    (lambda f: _poison(f, np.inf), "holds NaN or infinite values"),
+    (lambda f: _shift_offsets(f, lambda o: [str(o[0]), str(o[1])]), "must be lists of integers"),
+    (lambda f: _shift_offsets(f, lambda o: [float(o[0]), float(o[1])]), "must be lists of integers"),
+    (lambda f: _shift_offsets(f, lambda o: [o[0] + 4, o[1] + 4]), "tensors must tile the data"),
+    (lambda f: (f / "model.safetensors").write_bytes((100_003).to_bytes(8, "little") + b"[" * 50_000
+                                                     + b"]" * 50_000 + b"   " + bytes(64)), "nests its JSON too deeply"),
+    (lambda f: (f / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": ["a"]}})),
+     "no weight_map object of file names"),
+])
+def test_hostile_weights_are_refused_clearly(llama_copy, harm, message):
+    harm(llama_copy)
+    with pytest.raises(CheckpointError, match=message):
+        specjax.load_model(llama_copy)
+
+
+def test_a_tied_config_with_its_own_head_is_refused(hf_folder, tmp_path):
+    """The tiny Llama's head is its own: a config that says tied would silently drop it."""
+    folder = shutil.copytree(hf_folder("llama")[0], tmp_path / "untied")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from its embedding"):
+        specjax.load_model(folder)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("tokenizer.json", "{"), ("tokenizer.json", "[1, 2]"), ("tokenizer.json", "[" * 100_000),
+    ("tokenizer_config.json", '"a string"'), ("tokenizer_config.json", '{"tokenizer_class": 5}'),
+    ("tokenizer_config.json", '{"bos_token": [1]}'), ("tokenizer.json", None),
+])
+def test_hostile_tokenizer_files_are_refused_clearly(tmp_path, name, content):
+    import os
+    from pathlib import Path
+
+    folder = shutil.copytree(Path(__file__).parent.parent / "checkpoints" / "target", tmp_path / "tok")
+    (folder / name).unlink(missing_ok=True)
+    if content is None:
+        os.mkfifo(folder / name)
+    else:
+        (folder / name).write_text(content)
+    error = _finishes(lambda: specjax.load_tokenizer(folder))
+    assert isinstance(error, CheckpointError) and str(folder) in str(error), error
