@@ -114,6 +114,8 @@ class ModelConfig:
         _check_positive("norm_eps", self.norm_eps)
         if self.family != "gpt2":
             _check_positive("rope_theta", self.rope_theta)
+            if self.rope_theta <= 1:  # frequencies past 1 overflow float32 for small bases
+                raise InvalidConfigError(f"rope_theta must be > 1, got {self.rope_theta!r}")
             if self.local_rope_theta is not None:
                 _check_positive("local_rope_theta", self.local_rope_theta)
             r = self.rope_scaling
@@ -233,8 +235,8 @@ class ModelConfig:
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
             qkv_bias=True, out_bias=True, mlp_bias=True,
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
+            bos_token_id=_first(hf.get("bos_token_id")), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=_first(hf.get("pad_token_id")),
         )
 
     @classmethod
@@ -285,8 +287,8 @@ class ModelConfig:
                 final_softcap=_optional_float(hf.get(
                     "final_logit_softcapping", 30.0 if model_type == "gemma2" else None)),
             ) if gemma else None,
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
+            bos_token_id=_first(hf.get("bos_token_id")), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=_first(hf.get("pad_token_id")),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -449,8 +451,8 @@ def _optional_float(x):
 
 
 def _first(token_id):
-    """The first of a list of EOS ids (GenerationConfig keeps them all: generation stops
-    on any of them)."""
+    """The first of a list of token ids (GenerationConfig keeps all the EOS ids: generation
+    stops on any of them)."""
     if isinstance(token_id, (list, tuple)):
         return token_id[0] if token_id else None
     return token_id
@@ -491,10 +493,14 @@ _ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
                 "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_positive(name: str, value) -> None:
-    """Raises InvalidConfigError unless value is a finite number > 0 (zero, negative,
-    infinite or NaN values load but compute NaN or silently wrong logits)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    """Raises InvalidConfigError unless value is a number in (0, float32's largest] (zero,
+    negative, infinite, NaN or float32-overflowing values load but compute NaN or silently
+    wrong logits)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
         raise InvalidConfigError(f"{name} must be a finite number > 0, got {value!r}")
 
 
@@ -513,6 +519,52 @@ BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_w
 MAX_VOCAB_SIZE = 2**24
 
 
+# The types of the other values config.json may give (None: absent), checked before any
+# is read, so that a wrong one is named by its key.
+NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
+               "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+               "partial_rotary_factor")
+COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
+              "_sliding_window_pattern": 1, "pretraining_tp": 1}  # key -> least value
+MAPPING_KEYS = ("rope_parameters", "rope_scaling")
+TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_types(hf: dict[str, Any]) -> None:
+    def bad(key, what):
+        raise InvalidConfigError(f"config.json: {key}={hf[key]!r} must be {what}")
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for key in NUMBER_KEYS:
+        if hf.get(key) is not None and not number(hf[key]):
+            bad(key, "a number")
+    for key, least in COUNT_KEYS.items():
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**31):
+            bad(key, f"an integer in [{least}, 2**31)")
+    for key in MAPPING_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            bad(key, "an object")
+    for key in TEXT_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], str):
+            bad(key, "a string")
+    for key in MAPPING_KEYS:  # the rope values inside (Gemma 3: one mapping per layer type)
+        rope = hf.get(key) or {}
+        for entry in [rope] + [v for v in rope.values() if isinstance(v, dict)]:
+            for name, v in entry.items():
+                if name in ("rope_type", "type") or v is None or isinstance(v, dict) or number(v) or (
+                        isinstance(v, list) and all(map(number, v))):
+                    continue
+                raise InvalidConfigError(f"config.json: {key} holds {name}={v!r}, which must be a number")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t not in LAYER_TYPES for t in types)
+                              or len(types) != hf.get("num_hidden_layers", len(types))):
+        bad("layer_types", f"a list of {LAYER_TYPES}, one per layer")
+
+
 def check_hf_config(hf: dict[str, Any]) -> None:
     """Refuses config.json values that make no sense, before anything is allocated:
     sizes that are not positive ints, a vocabulary over MAX_VOCAB_SIZE, kv heads that do
@@ -525,6 +577,7 @@ def check_hf_config(hf: dict[str, Any]) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidConfigError(f"config.json: {key}={value!r} must be a positive integer")
+    _check_types(hf)
     for key in BOOL_KEYS:
         if hf.get(key) is not None and not isinstance(hf[key], bool):
             raise InvalidConfigError(f"config.json: {key}={hf[key]!r} must be true or false")

@@ -30,6 +30,7 @@ This module knows nothing of tokenizers or files beyond the datastore's own fold
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -38,7 +39,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import DraftRequest, Proposal, shape_for
-from specjax.hf import CheckpointError, check_regular
+from specjax.hf import CheckpointError, _read_json, check_regular
 from specjax.tree import Tree
 
 SEPARATOR = -1  # ends every document; never equal to a token
@@ -65,6 +66,31 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
             break
         k *= 2
     return order
+
+
+def _read_array(file: Path) -> np.ndarray:
+    """A 1-D int32 .npy file. The header is read first and checked against the file's size,
+    so a header that claims more than the file holds allocates nothing; pickles (object
+    dtypes) are refused unread. A missing file raises FileNotFoundError, a bad one
+    CheckpointError."""
+    with check_regular(file).open("rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"its .npy format version {version} is not 1.0 or 2.0")
+            shape, _, dtype = read_header(f)
+        except (ValueError, OSError, MemoryError, RecursionError) as e:  # parsing the header's literal can overflow
+            problem = " ".join(str(e).split()) or f"its header cannot be parsed ({type(e).__name__})"
+            raise CheckpointError(f"{file} is corrupt: {problem}") from None
+        if dtype != np.int32 or len(shape) != 1:
+            raise CheckpointError(f"{file} must be a 1-D int32 array, got {dtype} {shape}")
+        size = os.fstat(f.fileno()).st_size - f.tell()
+        if size != shape[0] * dtype.itemsize:
+            raise CheckpointError(f"{file} is corrupt: its header claims {shape[0]} int32 values "
+                                  f"({shape[0] * dtype.itemsize} bytes) but {size} bytes follow it")
+        return np.fromfile(f, np.int32, shape[0])
 
 
 @struct.dataclass
@@ -129,43 +155,40 @@ class Datastore:
         if not path.is_dir():
             raise CheckpointError(f"no datastore folder at {path}")
         try:
-            meta = json.loads(check_regular(path / _META).read_text())
+            meta = _read_json(path / _META)
         except FileNotFoundError:
             raise CheckpointError(f"{path} holds no {_META}: not a datastore folder") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path / _META} is corrupt: {e}") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if meta.get("format") != FORMAT:
             raise CheckpointError(f"{path / _META} is not a specjax datastore (format {FORMAT!r} expected)")
-        if meta.get("version") != VERSION:
-            raise CheckpointError(f"{path / _META} has version {meta.get('version')!r}; this specjax reads {VERSION}")
+        version = meta.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
+            raise CheckpointError(f"{path / _META} has version {version!r}; this specjax reads {VERSION}")
+        for key in ("num_tokens", "num_documents", "max_token"):
+            if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int):
+                raise CheckpointError(f"{path / _META} has {key} {meta.get(key)!r}, not an integer")
         arrays = {}
         for name in (_TOKENS, _SUFFIXES):
             try:
-                arrays[name] = np.load(check_regular(path / name), allow_pickle=False)
+                arrays[name] = _read_array(path / name)
             except FileNotFoundError:
                 raise CheckpointError(f"{path} lacks {name}") from None
-            except (ValueError, OSError, EOFError) as e:
-                raise CheckpointError(f"{path / name} is corrupt: {e}") from None
-            if arrays[name].dtype != np.int32 or arrays[name].ndim != 1:
-                raise CheckpointError(f"{path / name} must be a 1-D int32 array, got "
-                                      f"{arrays[name].dtype} {arrays[name].shape}")
         tokens, suffixes = arrays[_TOKENS], arrays[_SUFFIXES]
         M, A = len(tokens), len(suffixes)
         problems = []
-        if A != meta.get("num_tokens") or M - A != meta.get("num_documents"):
+        if A != meta["num_tokens"] or M - A != meta["num_documents"]:
             problems.append(f"sizes ({A} tokens, {M - A} documents) differ from {_META}'s "
-                            f"({meta.get('num_tokens')}, {meta.get('num_documents')})")
+                            f"({meta['num_tokens']}, {meta['num_documents']})")
         elif M == 0 or tokens[-1] != SEPARATOR or tokens.min() < SEPARATOR or np.sum(tokens == SEPARATOR) != M - A:
             problems.append("tokens.npy is not documents each ended by -1")
         elif suffixes.min() < 0 or suffixes.max() >= M or (tokens[suffixes] == SEPARATOR).any():
             problems.append("suffixes.npy points outside the tokens or at separators")
         elif (np.diff(tokens[suffixes]) < 0).any():
             problems.append("suffixes.npy is not sorted")
-        elif int(tokens.max()) != meta.get("max_token"):
-            problems.append(f"the largest token {int(tokens.max())} differs from {_META}'s {meta.get('max_token')}")
+        elif int(tokens.max()) != meta["max_token"]:
+            problems.append(f"the largest token {int(tokens.max())} differs from {_META}'s {meta['max_token']}")
         if problems:
             raise CheckpointError(f"{path} is corrupt: {problems[0]}")
-        return cls(jnp.asarray(tokens), jnp.asarray(suffixes), int(meta["max_token"]))
+        return cls(jnp.asarray(tokens), jnp.asarray(suffixes), meta["max_token"])
 
 
 def _compare(window, pattern, mask):
