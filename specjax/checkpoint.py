@@ -139,17 +139,20 @@ class CheckpointManager:
         latest = self.latest_step() if step is None else step
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        tried = []
+        damaged = {}  # step -> why; warned about only if an older step restores
         for candidate in sorted((s for s in self._manager.all_steps() if s <= latest), reverse=True):
             try:
-                return read(candidate)
+                out = read(candidate)
             except Exception as e:  # noqa: BLE001 -- any failure to read a step back is damage
-                why = " ".join(str(e).split())[:200] or type(e).__name__
-                tried.append(candidate)
-                warnings.warn(f"checkpoint step {candidate} in {self.directory} is damaged ({why}); "
-                              f"trying the previous kept step", stacklevel=3)
+                damaged[candidate] = " ".join(str(e).split())[:200] or type(e).__name__
+                continue
+            for step, why in damaged.items():
+                warnings.warn(f"checkpoint step {step} in {self.directory} is damaged ({why}); restored step "
+                              f"{candidate} instead", stacklevel=3)
+            return out
         raise DamagedCheckpointError(f"no kept checkpoint step in {self.directory} restores intact (tried "
-                                     f"{', '.join(map(str, tried))}); start a new run directory")
+                                     + "; ".join(f"{s}: {why}" for s, why in damaged.items())
+                                     + "); start a new run directory")
 
     def restore_saved(self, step: int | None = None) -> Any:
         """The state as it was saved (nested dicts and lists of arrays), without a target

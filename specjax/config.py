@@ -232,7 +232,7 @@ class ModelConfig:
             num_layers=hf["n_layer"], num_heads=H, num_kv_heads=H, head_dim=E // H,
             intermediate_size=hf.get("n_inner") or 4 * E,
             max_position_embeddings=hf["n_positions"],
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
             qkv_bias=True, out_bias=True, mlp_bias=True,
             bos_token_id=_first(hf.get("bos_token_id")), eos_token_id=_first(hf.get("eos_token_id")),
@@ -270,7 +270,7 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
             # Qwen2 always has q/k/v biases; elsewhere attention_bias covers q, k, v and o.
@@ -514,6 +514,8 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_laye
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
              "use_bidirectional_attention")
+# Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
 # a corrupt or hostile file asking for a giant embedding table.
 MAX_VOCAB_SIZE = 2**24
@@ -529,6 +531,7 @@ COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_patte
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _check_types(hf: dict[str, Any]) -> None:
@@ -538,11 +541,13 @@ def _check_types(hf: dict[str, Any]) -> None:
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    for key in NUMBER_KEYS:
-        if hf.get(key) is not None and not number(hf[key]):
+    for key in NUMBER_KEYS:  # null means "none" only for soft-caps; elsewhere it is no number
+        if key in hf and not number(hf[key]) and not (hf[key] is None and key.endswith("softcapping")):
             bad(key, "a number")
     for key, least in COUNT_KEYS.items():
         v = hf.get(key)
+        if v is None and key in hf and key != "sliding_window":  # a null window: none
+            bad(key, f"an integer in [{least}, 2**31)")
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**31):
             bad(key, f"an integer in [{least}, 2**31)")
     for key in MAPPING_KEYS:
@@ -554,11 +559,9 @@ def _check_types(hf: dict[str, Any]) -> None:
     for key in MAPPING_KEYS:  # the rope values inside (Gemma 3: one mapping per layer type)
         rope = hf.get(key) or {}
         for entry in [rope] + [v for v in rope.values() if isinstance(v, dict)]:
-            for name, v in entry.items():
-                if name in ("rope_type", "type") or v is None or isinstance(v, dict) or number(v) or (
-                        isinstance(v, list) and all(map(number, v))):
-                    continue
-                raise InvalidConfigError(f"config.json: {key} holds {name}={v!r}, which must be a number")
+            for name in ROPE_NUMBERS:
+                if name in entry and not number(entry[name]):
+                    raise InvalidConfigError(f"config.json: {key} holds {name}={entry[name]!r}, which must be a number")
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t not in LAYER_TYPES for t in types)
                               or len(types) != hf.get("num_hidden_layers", len(types))):
@@ -573,6 +576,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
     from the hidden size: the projections map between the two)."""
     for key in SIZE_KEYS:
         value = hf.get(key)
+        if value is None and key in hf and key not in OPTIONAL_SIZE_KEYS:
+            raise InvalidConfigError(f"config.json: {key}=null must be a positive integer")
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

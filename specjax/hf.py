@@ -85,9 +85,10 @@ def resolve(path: str | os.PathLike) -> Path:
     name = str(path)
     if name.count("/") != 1 or name.startswith((".", "/")):
         raise CheckpointError(f"checkpoint folder {name} does not exist")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-    print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
+    if not constants.HF_HUB_OFFLINE:  # offline, the refusal below says it all
+        print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
 
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
@@ -502,8 +503,15 @@ def load_tokenizer(path: str | os.PathLike):
     for file in folder.iterdir():  # transformers would read a FIFO forever
         if not file.is_dir():
             check_regular(file)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            _read_json(folder / name)  # JSON objects, named if not, before transformers reads them
     try:
-        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        if not isinstance(tokenizer.model_max_length, int) or tokenizer.model_max_length < 1:
+            raise ValueError(f"tokenizer_config.json: model_max_length={tokenizer.model_max_length!r} must be "
+                             f"an integer >= 1")
+        return tokenizer
     except Exception as e:  # noqa: BLE001 -- whatever the files make transformers raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
         if isinstance(e, ValueError) and "trust_remote_code" in str(e):

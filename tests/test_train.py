@@ -212,5 +212,5 @@ def test_a_damaged_latest_step_is_never_restored_silently(stream, tmp_path, capf
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(latest.params)))
     damage(20)
-    with pytest.warns(UserWarning), pytest.raises(DamagedCheckpointError, match="tried 40, 20"):
+    with pytest.raises(DamagedCheckpointError, match="tried 40: .*; 20: "):
         restore_model(run)
