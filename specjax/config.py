@@ -108,6 +108,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.family != "gpt2" and self.head_dim % 2:
+            raise InvalidConfigError(f"head_dim={self.head_dim} must be even: rotary embedding rotates halves")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
@@ -562,6 +564,11 @@ def _check_types(hf: dict[str, Any]) -> None:
             for name in ROPE_NUMBERS:
                 if name in entry and not number(entry[name]):
                     raise InvalidConfigError(f"config.json: {key} holds {name}={entry[name]!r}, which must be a number")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = hf.get(key)
+        ids = v if isinstance(v, list) else [] if v is None else [v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            bad(key, "a token id (an integer >= 0), a list of them, or null")
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t not in LAYER_TYPES for t in types)
                               or len(types) != hf.get("num_hidden_layers", len(types))):

@@ -4,7 +4,9 @@ the verification pass and are carried for no one else; save/load with clear refu
 training raises their acceptance; a training run killed with SIGKILL resumes bit for bit."""
 
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -100,7 +103,7 @@ def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
     with pytest.raises(CheckpointError, match="not a saved drafter"):
         specjax.load_drafter(tmp_path / "nothing")
     (tmp_path / "medusa_dynamic" / "drafter.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not a drafter record"):
+    with pytest.raises(CheckpointError, match="not valid JSON"):
         specjax.load_drafter(tmp_path / "medusa_dynamic")
     (tmp_path / "eagle_chain" / "drafter.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="cannot be read"):
@@ -135,8 +138,90 @@ def test_an_eagle_saved_before_the_fused_layout_loads_converted(pair, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, eagle.params)
     del tensors["layer.attn.v_kernel"]
     save_file(tensors, str(tmp_path / "old" / "drafter.safetensors"))
-    with pytest.raises(CheckpointError, match="format 1 lack or misshape"):
+    with pytest.raises(CheckpointError, match="do not match its layer's format 1 shapes"):
         specjax.load_drafter(tmp_path / "old")
+
+
+SHIPPED = Path(__file__).parent.parent / "checkpoints"  # medusa (format 1), eagle (format 2)
+DELETE = object()
+
+
+def _record(folder, **changes):
+    """Rewrites folder's drafter.json with changes (DELETE: the key removed)."""
+    record = json.loads((folder / "drafter.json").read_text())
+    record.update(changes)
+    (folder / "drafter.json").write_text(json.dumps({k: v for k, v in record.items() if v is not DELETE}))
+
+
+def _layer(folder, **changes):
+    """Rewrites the layer config in folder's drafter.json with changes."""
+    _record(folder, layer={**json.loads((folder / "drafter.json").read_text())["layer"], **changes})
+
+
+def _tensors(folder, change):
+    """Rewrites folder's drafter.safetensors with change(tensors)."""
+    from safetensors.numpy import load_file, save_file
+
+    file = str(folder / "drafter.safetensors")
+    save_file(change(load_file(file)), file)
+
+
+def _poisoned(name, value):
+    def change(tensors):
+        w = tensors[name].copy()
+        w.flat[7] = value
+        return {**tensors, name: w}
+    return change
+
+
+# case: (shipped folder, its edit, the file the refusal names, a fragment of the refusal)
+HOSTILE = {
+    "kind a list": ("medusa", lambda f: _record(f, kind=["medusa"]), "json", "unknown drafter kind"),
+    "eagle kind on medusa": ("medusa", lambda f: _record(f, kind="eagle"), "json", '"layer"'),
+    "no layer": ("eagle", lambda f: _record(f, layer=DELETE), "json", '"layer"'),
+    "layer a list": ("eagle", lambda f: _record(f, layer=[]), "json", '"layer"'),
+    "layer a string": ("eagle", lambda f: _record(f, layer="llama"), "json", '"layer"'),
+    "invalid utf-8": ("medusa", lambda f: (f / "drafter.json").write_bytes(b'{"kind": "\xff"}'), "json",
+                      "not valid JSON"),
+    "nested 100000 deep": ("medusa", lambda f: (f / "drafter.json").write_text("[" * 100000 + "]" * 100000),
+                           "json", "too deeply"),
+    "format 1.0": ("eagle", lambda f: _record(f, format=1.0), "json", "format 1.0"),
+    "format true": ("medusa", lambda f: _record(f, format=True), "json", "format True"),
+    "num_heads 4.0": ("medusa", lambda f: _record(f, num_heads=4.0), "json", "num_heads 4.0"),
+    "target size text": ("medusa", lambda f: _record(f, target={"model_type": "llama", "hidden_size": "384",
+                                                                "vocab_size": 4096}), "json", '"target"'),
+    "2**63 layers": ("eagle", lambda f: _layer(f, num_hidden_layers=2**63), "json", "one layer"),
+    "head_dim 2**40": ("eagle", lambda f: _layer(f, head_dim=2**40), "json", "larger than any tensor"),
+    "odd head_dim": ("eagle", lambda f: _layer(f, head_dim=1), "json", '"layer"'),
+    "pad_token_id an object": ("eagle", lambda f: _layer(f, pad_token_id={}), "json", '"layer"'),
+    "tensor under a tensor": ("medusa", lambda f: _tensors(f, lambda t: {**t, "kernel.x": t["bias"]}),
+                              "safetensors", "kernel.x is named as if inside tensor kernel"),
+    "tensor over tensors": ("eagle", lambda f: _tensors(f, lambda t: {**t, "layer": t["fc.bias"]}),
+                            "safetensors", "inside tensor layer"),
+    "int64 kernel": ("medusa", lambda f: _tensors(f, lambda t: {**t, "kernel": t["kernel"].astype(np.int64)}),
+                     "safetensors", "kernel is I64"),
+    "float8 kernel": ("eagle", lambda f: _tensors(f, lambda t: {**t, "fc.kernel": t["fc.kernel"].astype(
+        ml_dtypes.float8_e4m3fn)}), "safetensors", "fc.kernel is F8_E4M3"),
+    "NaN": ("medusa", lambda f: _tensors(f, _poisoned("bias", np.nan)), "safetensors", "bias holds NaN"),
+    "inf": ("eagle", lambda f: _tensors(f, _poisoned("layer.mlp.down_kernel", -np.inf)), "safetensors",
+            "layer.mlp.down_kernel holds NaN or infinite"),
+    "weights a FIFO": ("medusa", lambda f: ((f / "drafter.safetensors").unlink(),
+                                            os.mkfifo(f / "drafter.safetensors")), "safetensors",
+                       "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_drafter_files_are_refused_clearly(tmp_path, case):
+    """Each bad file of a copy of a shipped drafter is refused with a CheckpointError whose
+    one line names the file and the problem (no error from inside, no nonsense accepted)."""
+    kind, edit, ext, fragment = HOSTILE[case]
+    folder = Path(shutil.copytree(SHIPPED / kind, tmp_path / kind))
+    edit(folder)
+    with pytest.raises(CheckpointError) as refusal:
+        specjax.load_drafter(folder)
+    message = str(refusal.value)
+    assert f"{folder}/drafter.{ext}" in message and fragment in message and "\n" not in message, message
 
 
 def test_shapes_are_refused_clearly(pair):

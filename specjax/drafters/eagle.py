@@ -127,18 +127,41 @@ class Eagle:
                             {"layer": self.config.to_hf_config()})
 
     @classmethod
-    def from_record(cls, params, record, signature, tree):
+    def from_record(cls, params, record, signature, tree, folder):
         from specjax.hf import CheckpointError
 
-        config = layer_config(ModelConfig.from_hf_config(record["layer"]))
-        if record.get("format") == 1:  # saved before the fused layout: q/k/v and gate/up apart
-            try:
-                params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
-            except (KeyError, ValueError) as e:
-                raise CheckpointError(f"EAGLE weights of format 1 lack or misshape a layer tensor ({e!r})") from None
+        record_file, weights_file = folder / trained.RECORD, folder / trained.WEIGHTS
+        layer = record.get("layer")
+        if not isinstance(layer, dict):
+            raise CheckpointError(f"{record_file}: an EAGLE record keeps its layer's config (an object) under "
+                                  f"\"layer\"; it has {'none' if layer is None else type(layer).__name__}")
+        try:
+            config = ModelConfig.from_hf_config(layer)
+        except ValueError as e:
+            raise CheckpointError(f"{record_file}: its \"layer\" is refused: {e}") from None
+        mine = (config.num_layers, config.model_type, config.hidden_size, config.vocab_size)
+        if mine != (1, signature.model_type, signature.hidden_size, signature.vocab_size):
+            raise CheckpointError(f"{record_file}: its \"layer\" must be one layer of its target's model_type, "
+                                  f"hidden_size and vocab_size; it has (layers, model_type, hidden_size, "
+                                  f"vocab_size) {mine}")
+        # Sizes no tensor holds are refused before the layer's shapes are worked out from them.
+        sizes = {n: getattr(config, n) for n in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                                 "intermediate_size")}
+        if max(sizes.values()) > max((w.size for w in jax.tree.leaves(params)), default=0):
+            raise CheckpointError(f"{record_file}: its \"layer\" has sizes {sizes}, one larger than any tensor in "
+                                  f"{trained.WEIGHTS}")
+        config = layer_config(config)
+        legacy = record["format"] == 1  # saved before the fused layout: q/k/v and gate/up apart
+        try:
+            want = _legacy_shapes(config) if legacy else _shapes(config)
+        except (TypeError, ValueError, OverflowError) as e:  # values ModelConfig lets through, no layer has
+            raise CheckpointError(f"{record_file}: its \"layer\" is no layer specjax can build ({e})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
-        if got != _shapes(config):
-            raise CheckpointError(f"EAGLE weights {got} do not match its layer's shapes {_shapes(config)}")
+        if got != want:
+            raise CheckpointError(f"{weights_file}: EAGLE weights {got} do not match its layer's format "
+                                  f"{record['format']} shapes {want}")
+        if legacy:
+            params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
         return cls(params, config, signature, tree)
 
 
@@ -148,3 +171,19 @@ def _shapes(config: ModelConfig) -> dict:
     E = config.hidden_size
     layer = jax.eval_shape(lambda: init_layer(config, jax.random.key(0)))
     return {"fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
+
+
+def _legacy_shapes(config: ModelConfig) -> dict:
+    """The shapes of an Eagle's params in format 1: q/k/v and gate/up kernels and biases
+    apart ([E, H|G, D], [E, F]), as `fuse_legacy_layer` reads them."""
+    shapes = _shapes(config)
+    attn, mlp = dict(shapes["layer"]["attn"]), dict(shapes["layer"]["mlp"])
+    for kind in ("kernel", "bias"):
+        if f"qkv_{kind}" in attn:
+            *lead, G, _, D = attn.pop(f"qkv_{kind}")
+            attn.update({f"q_{kind}": (*lead, config.num_heads, D), f"k_{kind}": (*lead, G, D),
+                         f"v_{kind}": (*lead, G, D)})
+        if f"gate_up_{kind}" in mlp:
+            *lead, _, F = mlp.pop(f"gate_up_{kind}")
+            mlp.update({f"gate_{kind}": (*lead, F), f"up_{kind}": (*lead, F)})
+    return {**shapes, "layer": {**shapes["layer"], "attn": attn, "mlp": mlp}}

@@ -99,12 +99,16 @@ class Medusa:
                             {"num_heads": self.num_heads, "num_layers": self.params["kernel"].shape[1]})
 
     @classmethod
-    def from_record(cls, params, record, signature, tree):
+    def from_record(cls, params, record, signature, tree, folder):
         from specjax.hf import CheckpointError
 
         H, R, E = record.get("num_heads"), record.get("num_layers"), signature.hidden_size
+        if not (trained.positive_int(H) and trained.positive_int(R)):
+            raise CheckpointError(f"{folder / trained.RECORD}: num_heads {H!r} and num_layers {R!r} must be "
+                                  f"positive integers")
         want = {"kernel": (H, R, E, E), "bias": (H, R, E)}
         got = {k: getattr(params.get(k), "shape", None) for k in want}
         if set(params) != set(want) or got != want:
-            raise CheckpointError(f"Medusa weights {got} do not match the record's shape {want}")
+            raise CheckpointError(f"{folder / trained.WEIGHTS}: Medusa weights {got} do not match the record's "
+                                  f"shape {want}")
         return cls(params, signature, tree)

@@ -24,6 +24,7 @@ from specjax.models import Model
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 WEIGHTS, RECORD = "drafter.safetensors", "drafter.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a drafter's tensors may have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,11 @@ def flatten(params, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def unflatten(tensors: dict[str, np.ndarray]) -> dict:
+    """flatten's inverse; a tensor named as if inside another ("a" and "a.b") raises ValueError."""
+    for name in tensors:
+        outer = [o for o in (name.rsplit(".", n)[0] for n in range(1, name.count(".") + 1)) if o in tensors]
+        if outer:
+            raise ValueError(f"tensor {name} is named as if inside tensor {outer[0]}")
     out: dict = {}
     for name, value in tensors.items():
         *path, last = name.split(".")
@@ -87,37 +93,76 @@ def save(path, kind: str, params: dict, signature: TargetSignature, extra: dict)
     return folder
 
 
+def positive_int(value) -> bool:
+    """Whether value (read from a file) is an int >= 1; bools and floats are not."""
+    return type(value) is int and value >= 1
+
+
 def load_drafter(path, tree=None):
     """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa` or a
     `specjax.Eagle`, drafting `tree` (None: a chain). Its weights are float32 on the default
-    device; they take the target's dtype when used."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+    device; they take the target's dtype when used. Bad files raise CheckpointError."""
     from specjax.drafters.eagle import Eagle
     from specjax.drafters.medusa import Medusa
-    from specjax.hf import CheckpointError
+    from specjax.hf import CheckpointError, _read_json, check_regular
 
     folder = Path(path)
-    missing = [n for n in (RECORD, WEIGHTS) if not (folder / n).is_file()]
+    record_file, weights_file = folder / RECORD, folder / WEIGHTS
+    for file in (record_file, weights_file) if folder.is_dir() else ():
+        check_regular(file)  # a FIFO or a dangling link is refused as such, not read or called missing
+    missing = [f.name for f in (record_file, weights_file) if not f.is_file()]
     if missing:
         raise CheckpointError(f"{folder} is not a saved drafter: {', '.join(missing)} missing")
-    try:
-        record = json.loads((folder / RECORD).read_text())
-        signature = TargetSignature(**record["target"])
-        kind = record["kind"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{folder / RECORD} is not a drafter record ({e})") from None
-    if record.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{folder / RECORD}: format {record.get('format')!r}, expected one of "
-                              f"{READABLE_FORMATS}")
-    try:
-        params = unflatten(load_file(str(folder / WEIGHTS)))
-        # On the device once, not copied from the host by every generate call.
-        params = jax.tree.map(jax.device_put, params)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{folder / WEIGHTS} cannot be read: {e}") from None
+    record = _read_json(record_file)
+    version, kind = record.get("format"), record.get("kind")
+    if type(version) is not int or version not in READABLE_FORMATS:
+        raise CheckpointError(f"{record_file}: format {version!r}, expected one of {READABLE_FORMATS}")
     kinds = {"medusa": Medusa, "eagle": Eagle}
-    if kind not in kinds:
-        raise CheckpointError(f"{folder / RECORD}: unknown drafter kind {kind!r}; specjax has {sorted(kinds)}")
-    return kinds[kind].from_record(params, record, signature, tree)
+    if not isinstance(kind, str) or kind not in kinds:
+        raise CheckpointError(f"{record_file}: unknown drafter kind {kind!r}; specjax has {sorted(kinds)}")
+    signature = _signature(record.get("target"), record_file)
+    # On the device once, not copied from the host by every generate call.
+    params = jax.tree.map(jax.device_put, _read_params(weights_file))
+    return kinds[kind].from_record(params, record, signature, tree, folder)
+
+
+def _signature(target, record_file: Path) -> TargetSignature:
+    """The record's "target", refused unless it holds a model_type, a hidden_size, a
+    vocab_size and (optionally) a name of the right types."""
+    from specjax.hf import CheckpointError
+
+    try:
+        signature = TargetSignature(**target)
+    except TypeError as e:  # not an object, or a key missing or unknown
+        raise CheckpointError(f"{record_file}: \"target\" is not a target's record ({e})") from None
+    if not (isinstance(signature.model_type, str) and isinstance(signature.name, str)
+            and positive_int(signature.hidden_size) and positive_int(signature.vocab_size)):
+        raise CheckpointError(f"{record_file}: \"target\" needs text model_type and name and positive integer "
+                              f"hidden_size and vocab_size, got {target!r}")
+    return signature
+
+
+def _read_params(weights_file: Path) -> dict:
+    """drafter.safetensors' tensors as nested params, refused unless each is floating point
+    and finite and their names nest."""
+    from safetensors import SafetensorError, safe_open
+
+    from specjax.hf import CheckpointError
+
+    tensors = {}
+    try:
+        with safe_open(str(weights_file), "np") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{weights_file}: tensor {name} is {dtype}, not a floating-point "
+                                          f"type ({', '.join(FLOAT_DTYPES)})")
+                tensors[name] = f.get_tensor(name)
+                if not np.isfinite(tensors[name]).all():
+                    raise CheckpointError(f"{weights_file}: tensor {name} holds NaN or infinite values")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights_file} cannot be read: {e}") from None
+    try:
+        return unflatten(tensors)
+    except ValueError as e:
+        raise CheckpointError(f"{weights_file}: {e}") from None
