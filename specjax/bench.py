@@ -21,6 +21,7 @@ the loop costs beyond the models' own work.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -346,27 +347,36 @@ def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", o
     pass over K+1 tokens may round differently from a one-token pass (other matmul shapes,
     other reduction orders), so where two tokens' logits are within rounding of each other
     the argmax can flip, and the rows go separate ways from there. Each row is still the
-    target's own greedy choice at every position, given its rounding."""
+    target's own greedy choice at every position, given its rounding. Both with and without
+    generate's deterministic=True (which closes this), for the draft model and for the
+    target drafting for itself."""
     from specjax.hf import load_model, load_tokenizer
 
     target, draft = load_model(target_path, dtype=dtype), load_model(draft_path, dtype=dtype)
+    itself = load_model(target_path, dtype=dtype)  # the sharpest probe: every rejection is arithmetic
     prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens)
     log(f"{jax.default_backend()} {dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each, greedy; speculative rows compared with autoregressive rows "
-        f"of the same batch size")
-    log(f"{'batch':>5} {'K':>2} {'tok/s':>8} {'vs auto':>7} {'diverging rows':>14}  first divergence (positions)")
+        f"of the same batch size and the same deterministic flag")
+    log(f"{'flag':>4} {'drafter':>7} {'batch':>5} {'K':>2} {'tok/s':>8} {'vs auto':>7} {'diverging rows':>14}  "
+        f"first divergence (positions)")
     results = []
-    for batch in batches:
-        auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens)
-        for K in ks:
-            run, rows = time_generate(target, prompts, batch, repeats, draft, K, "draft", 0.0, max_new_tokens)
-            first = [first_divergence(r, a) for r, a in zip(rows, auto_rows)]
-            where = sorted(f for f in first if f is not None)
-            results.append({"batch": batch, "K": K, "rows": len(rows), "diverging": len(where),
-                            "first_divergence": first, "tokens_per_s": run.tokens_per_s,
-                            "auto_tokens_per_s": auto.tokens_per_s, "acceptance": run.acceptance})
-            log(f"{batch:>5} {K:>2} {run.tokens_per_s:>8.1f} {run.tokens_per_s / auto.tokens_per_s:>7.2f} "
-                f"{len(where):>6} of {len(rows):<5}  {' '.join(map(str, where)) or '-'}")
+    for deterministic in (False, True):
+        for batch in batches:
+            auto, auto_rows = time_generate(target, prompts, batch, repeats, max_new_tokens=max_new_tokens,
+                                            deterministic=deterministic)
+            for (name, drafter), K in itertools.product((("draft", draft), ("itself", itself)), ks):
+                run, rows = time_generate(target, prompts, batch, repeats, drafter, K, name, 0.0, max_new_tokens,
+                                          deterministic=deterministic)
+                first = [first_divergence(r, a) for r, a in zip(rows, auto_rows)]
+                where = sorted(f for f in first if f is not None)
+                results.append({"deterministic": deterministic, "drafter": name, "batch": batch, "K": K,
+                                "rows": len(rows), "diverging": len(where), "first_divergence": first,
+                                "tokens_per_s": run.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
+                                "acceptance": run.acceptance})
+                log(f"{'on' if deterministic else 'off':>4} {name:>7} {batch:>5} {K:>2} {run.tokens_per_s:>8.1f} "
+                    f"{run.tokens_per_s / auto.tokens_per_s:>7.2f} {len(where):>6} of {len(rows):<5}  "
+                    f"{' '.join(map(str, where)) or '-'}")
     total = sum(r["diverging"] for r in results)
     log(f"{total} of {sum(r['rows'] for r in results)} rows diverge from autoregressive output")
     report = {"dtype": dtype, "backend": jax.default_backend(), "max_new_tokens": max_new_tokens, "runs": results}

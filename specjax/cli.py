@@ -137,7 +137,8 @@ def _generate(args):
     run = specjax.compile_generate(target, padded, lengths, draft=draft, key=jax.random.key(args.seed),
                                    max_new_tokens=args.max_new_tokens,
                                    num_draft_tokens=num_draft_tokens, eos_token_id=stop,
-                                   adaptive_k=args.adaptive_k, stream=printer, **sampling)
+                                   adaptive_k=args.adaptive_k, stream=printer, deterministic=args.deterministic,
+                                   **sampling)
     compile_seconds = time.perf_counter() - start
     if streaming:
         print(prompts[0], end="", flush=True)
@@ -495,6 +496,9 @@ def main(argv=None):
     stops.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--no-stream", action="store_true", help="print a single prompt's text only at the end")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--deterministic", action="store_true",
+                   help="compute every token of the target by fixed-shape passes: greedy output equals plain "
+                        "greedy output bit for bit in any dtype, whatever the drafter and batch (slower; CPU)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weight-only quantisation of the target and the draft, each on its own")
     p.set_defaults(run=_generate)
