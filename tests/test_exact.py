@@ -68,3 +68,21 @@ def test_the_flag_is_refused_where_it_is_not_verified(target, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ValueError, match="deterministic=True is verified on .*'cpu'.* only"):
         specjax.generate(target, padded, lengths, deterministic=True)
+
+
+def test_sampling_stays_exact_in_distribution_with_the_flag():
+    """The flag changes how the target's bits are computed, not the acceptance rule: the
+    joint distribution of two sampled tokens is still the target's (chi-square, as in
+    test_sampling)."""
+    from tests.test_sampling import PROMPT, V, _chi_square_p, _exact_joint, _tiny
+
+    target = _tiny(0, 0.6)
+    draft = _tiny(1, 0.15, base=target)
+    rows = 3000
+    prompts = np.tile(np.array(PROMPT, np.int32), (rows, 1))
+    out = specjax.generate(target, prompts, np.full(rows, len(PROMPT), np.int32), draft=draft,
+                           key=jax.random.key(3), max_new_tokens=2, num_draft_tokens=2, temperature=1.0,
+                           deterministic=True)
+    t = np.asarray(out.tokens)
+    observed = np.bincount(t[:, 0] * V + t[:, 1], minlength=V * V).reshape(V, V)
+    assert _chi_square_p(observed, _exact_joint(target, 1.0, 0, 1.0)) > 1e-3
