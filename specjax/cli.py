@@ -425,6 +425,8 @@ def _add_train_args(p, steps, lr):
 def _bench(args):
     """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
     if not args.synthetic:
+        from specjax import bench
+
         return bench.run_from_args(args)
     if args.dtype != "float32":
         raise ValueError("--synthetic runs in the backend's default dtype; leave out --dtype")

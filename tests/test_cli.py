@@ -215,3 +215,14 @@ def test_no_flag_swallows_the_prompt(capsys):
     """--eos-token-id takes one word (ids joined by commas): a prompt after it stays the prompt."""
     result = _run_json(capsys, "--eos-token-id", "5,9", "17")
     assert result["outputs"][0]["prompt"] == "17" and result["stats"]["eos_token_id"] == [5, 9]
+
+
+def test_bench_dispatches_to_its_sections(monkeypatch):
+    """`specjax bench` without --synthetic runs bench.run_from_args (the command's own path,
+    which the bench tests, calling bench directly, do not take)."""
+    from specjax import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run_from_args", lambda args: seen.append(args.dtype))
+    main(["bench", "--dtype", "bfloat16"])
+    assert seen == ["bfloat16"]
