@@ -419,10 +419,16 @@ def _copy(dst: np.ndarray, src: np.ndarray, release, name: str):
         _check_finite(dst[cut], name)
 
 
+# No trained weight comes near this magnitude; past it, a matmul of a few thousand terms
+# overflows float32 and bfloat16 (3.4e38), and every logit is NaN or infinite.
+MAX_WEIGHT = 1e15
+
+
 def _check_finite(values: np.ndarray, name: str):
-    if not np.isfinite(values).all():
-        raise CheckpointError(f"parameter {name} holds NaN or infinite values (as stored, or past the range of "
-                              f"the dtype it is loaded in)")
+    if values.size and not np.abs(values).max() <= MAX_WEIGHT:  # NaN compares false
+        raise CheckpointError(f"parameter {name} holds NaN, infinite or absurd values (magnitude "
+                              f"{np.abs(values.astype(np.float32)).max():.3g}, past {MAX_WEIGHT:.0e}): every "
+                              f"logit would overflow")
 
 
 def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:

@@ -409,8 +409,9 @@ def _shift_offsets(folder, change):
 
 
 @pytest.mark.parametrize("harm, message", [
-    (lambda f: _poison(f, np.nan), "parameter layers/0/mlp/down_kernel holds NaN or infinite values"),
-    (lambda f: _poison(f, np.inf), "holds NaN or infinite values"),
+    (lambda f: _poison(f, np.nan), "parameter layers/0/mlp/down_kernel holds NaN, infinite or absurd values"),
+    (lambda f: _poison(f, np.inf), "holds NaN, infinite or absurd values"),
+    (lambda f: _poison(f, 1e38), r"magnitude 1e\+38, past 1e\+15"),
     (lambda f: _shift_offsets(f, lambda o: [str(o[0]), str(o[1])]), "must be lists of integers"),
     (lambda f: _shift_offsets(f, lambda o: [float(o[0]), float(o[1])]), "must be lists of integers"),
     (lambda f: _shift_offsets(f, lambda o: [o[0] + 4, o[1] + 4]), "tensors must tile the data"),
