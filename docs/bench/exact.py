@@ -6,6 +6,8 @@
    without and with the flag: held-out prompts (48 tokens), 96 new tokens, batch 1 and 4;
    the draft model (K=4), the target drafting for itself (K=4) and EAGLE as a tree.
 3. Whether a row decoded alone equals the same row decoded in a batch of 4.
+4. The width of the fixed-shape bodies (specjax.models.exact.ROWS): plain and draft-model
+   (K=4) tokens/s with the flag, batch 1 and 4.
 
     python docs/bench/exact.py > docs/bench/exact.txt
 """
@@ -79,6 +81,33 @@ def main():
     print("\n3. the first prompt's row at batch 1 against its row at batch 4")
     for (name, deterministic), (alone, in_batch) in first_rows.items():
         print(f"   {name:<20} flag {'on ' if deterministic else 'off'}: {'equal' if alone == in_batch else 'different'}")
+    chunk_widths(target, draft, prompts)
+
+
+def chunk_widths(target, draft, prompts):
+    from specjax.models import exact
+
+    shipped = exact.ROWS
+    print(f"\n4. body width (ROWS; shipped: {shipped}): tokens/s with the flag, median of 3")
+    print(f"{'ROWS':>4} {'batch':>5} {'plain':>7} {'K=4':>7} {'ratio':>6}")
+    for rows in (8, 16, 32):
+        exact.ROWS = rows
+        jax.clear_caches()  # the loop is traced again with this width
+        for batch in (1, 4):
+            padded, lengths = specjax.pad_prompts(prompts[:batch])
+            rate = {}
+            for name, d, K in (("plain", None, None), ("draft", draft, 4)):
+                run = specjax.compile_generate(target, padded, lengths, draft=d, num_draft_tokens=K,
+                                               max_new_tokens=96, deterministic=True)
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    out = jax.block_until_ready(run())
+                    times.append(time.perf_counter() - start)
+                rate[name] = int(np.asarray(out.num_tokens).sum()) / np.median(times)
+            print(f"{rows:>4} {batch:>5} {rate['plain']:>7.1f} {rate['draft']:>7.1f} "
+                  f"{rate['draft'] / rate['plain']:>6.2f}", flush=True)
+    exact.ROWS = shipped
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import MLP, Attention, Norm, rotary, rotary_angles, softcap
 from specjax.models.transformer import embed_tokens, read_out
 
-ROWS = 8  # tokens per fixed-shape body (a pass of fewer is padded to it)
+ROWS = 16  # tokens per fixed-shape body (a pass of fewer is padded to it): docs/bench/exact.txt
 BLOCK = 128  # key slots per attention block
 
 
