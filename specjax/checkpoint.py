@@ -72,6 +72,7 @@ class CheckpointManager:
                                              f"refusing to read the run")
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self._intact: set[int] = set()  # steps whose files matched their manifest
 
     @property
     def _manifests(self) -> Path:
@@ -90,7 +91,10 @@ class CheckpointManager:
                 manifest.unlink()
 
     def _check_files(self, step: int):
-        """Raises ValueError naming the first file of `step` that differs from its manifest."""
+        """Raises ValueError naming the first file of `step` that differs from its manifest
+        (each step is hashed once per manager: a record read and a restore share it)."""
+        if step in self._intact:
+            return
         manifest = self._manifests / f"{step}.json"
         if not manifest.exists():
             return  # written before manifests existed
@@ -103,6 +107,7 @@ class CheckpointManager:
                 what = "is missing" if name not in found else "is not one it saved" if name not in expected \
                     else "has changed"
                 raise ValueError(f"its file {name} {what}")
+        self._intact.add(step)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -159,7 +164,6 @@ class CheckpointManager:
         structure: for checkpoints whose structure is not today's."""
         step = self.latest_step() if step is None else step
         return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-
 
     def close(self):
         self._manager.close()

@@ -45,7 +45,7 @@ from jax.experimental import io_callback
 from specjax import acceptance, memory, sharding, theory
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters import DraftModel, DraftRequest, Lookahead, Proposal
-from specjax.drafters.base import Features
+from specjax.drafters.base import Features, verify_room
 from specjax.drafters.model import check_vocabularies
 from specjax.models import Model, apply, check_token_ids, layers, prefill
 from specjax.sampling import Sampling, validate, warp
@@ -378,7 +378,7 @@ def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_
         drafter = drafter.resolve(None if num_draft_tokens is None else int(num_draft_tokens))
         if hasattr(drafter, "bind"):
             drafter = drafter.bind(target)
-        width = 1 + max(drafter.tree.nodes, drafter.target_room)  # T: tokens one verification pass scores
+        width = 1 + verify_room(drafter)  # T: tokens one verification pass scores
         if width > c.max_position_embeddings:
             raise ValueError(f"a step would verify {width} tokens (the drafter's tree of {drafter.tree.nodes} "
                              f"nodes, depth {drafter.tree.depth}), more than the target's "
@@ -417,7 +417,7 @@ def _loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos
     B, P = prompts.shape
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     # Room for the furthest tree node (or drafter write) of an unfinished row.
-    S = cache_length(P, max_new_tokens, max(N, 0 if drafter is None else drafter.target_room))
+    S = cache_length(P, max_new_tokens, verify_room(drafter))
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
 

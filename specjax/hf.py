@@ -392,7 +392,7 @@ def _assemble(view, stored, dtype, path, mesh, rules) -> jax.Array:
         out = _aligned_empty(tuple(len(range(*s.indices(n))) for s, n in
                                    zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)), dtype)
         for part, src_index, dst_index in pieces:
-            _copy(out[dst_index], part[src_index], release, "/".join(map(str, path)))
+            _copy(out[dst_index], part[src_index], release, "parameter " + "/".join(map(str, path)))
         stats["elements_read"] += out.size
         return out
 
@@ -402,12 +402,12 @@ def _assemble(view, stored, dtype, path, mesh, rules) -> jax.Array:
 def _copy(dst: np.ndarray, src: np.ndarray, release, name: str):
     """dst[...] = src (a view of mapped files), CHUNK_BYTES of the file at a time along its
     axis of largest stride (the file's outermost, so pieces are contiguous bytes), calling
-    release() after each piece to drop the file pages it touched. A NaN or infinite value
-    (in the parameter `name`) is refused: every logit would be NaN."""
+    release() after each piece to drop the file pages it touched. Values `check_finite`
+    refuses (in the parameter `name`) are refused piece by piece."""
     if src.ndim == 0:
         dst[...] = src
         release()
-        _check_finite(dst, name)
+        check_finite(dst, name)
         return
     axis = max(range(src.ndim), key=lambda a: src.strides[a] if src.shape[a] > 1 else -1)
     rows = src.shape[axis]
@@ -416,7 +416,7 @@ def _copy(dst: np.ndarray, src: np.ndarray, release, name: str):
         cut = (slice(None),) * axis + (slice(lo, lo + step),)
         dst[cut] = src[cut]
         release()
-        _check_finite(dst[cut], name)
+        check_finite(dst[cut], name)
 
 
 # No trained weight comes near this magnitude; past it, a matmul of a few thousand terms
@@ -424,9 +424,11 @@ def _copy(dst: np.ndarray, src: np.ndarray, release, name: str):
 MAX_WEIGHT = 1e15
 
 
-def _check_finite(values: np.ndarray, name: str):
+def check_finite(values: np.ndarray, name: str):
+    """Raises CheckpointError if weights `name` hold NaN, infinite or absurd (past
+    MAX_WEIGHT) values: every logit would be NaN or overflow."""
     if values.size and not np.abs(values).max() <= MAX_WEIGHT:  # NaN compares false
-        raise CheckpointError(f"parameter {name} holds NaN, infinite or absurd values (magnitude "
+        raise CheckpointError(f"{name} holds NaN, infinite or absurd values (magnitude "
                               f"{np.abs(values.astype(np.float32)).max():.3g}, past {MAX_WEIGHT:.0e}): every "
                               f"logit would overflow")
 
@@ -437,7 +439,7 @@ def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:
     peaks at this one float parameter on top of what is already loaded."""
     value = np.asarray(view())
     stats["elements_read"] += value.size
-    _check_finite(value, "/".join(map(str, path)))
+    check_finite(value, "parameter " + "/".join(map(str, path)))
     q = quant.quantize_array(value, quant.CONTRACTED[path[-1]], jnp.dtype(dtype))
     if mesh is None:
         return jax.tree.map(jnp.asarray, q)

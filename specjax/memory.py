@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.base import verify_room
+
 MB = 2 ** 20
 GB = 2 ** 30
 
@@ -83,8 +85,7 @@ def _cache_bytes(args, static) -> int:
 
     target, drafter, prompts, lengths = args[:4]
     B, P = prompts.shape
-    S = cache_length(P, static["max_new_tokens"],
-                     0 if drafter is None else max(drafter.tree.nodes, drafter.target_room))
+    S = cache_length(P, static["max_new_tokens"], verify_room(drafter))
     total = _nbytes(jax.eval_shape(lambda: KVCache.init(target.config, B, S, target.dtype)))
     if drafter is not None:
         def start():
@@ -174,7 +175,7 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
     from specjax.drafters.model import DraftModel
     from specjax.generate import cache_length
 
-    room = 0 if drafter is None else max(drafter.tree.nodes, drafter.target_room)
+    room = verify_room(drafter)
     S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
     caches = _kv_bytes(target, batch, S)
     if isinstance(drafter, DraftModel):

@@ -204,7 +204,7 @@ HOSTILE = {
         ml_dtypes.float8_e4m3fn)}), "safetensors", "fc.kernel is F8_E4M3"),
     "NaN": ("medusa", lambda f: _tensors(f, _poisoned("bias", np.nan)), "safetensors", "bias holds NaN"),
     "inf": ("eagle", lambda f: _tensors(f, _poisoned("layer.mlp.down_kernel", -np.inf)), "safetensors",
-            "layer.mlp.down_kernel holds NaN or infinite"),
+            "layer.mlp.down_kernel holds NaN, infinite or absurd"),
     "weights a FIFO": ("medusa", lambda f: ((f / "drafter.safetensors").unlink(),
                                             os.mkfifo(f / "drafter.safetensors")), "safetensors",
                        "not a regular file"),

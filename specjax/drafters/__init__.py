@@ -29,7 +29,7 @@ from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.retrieval import Datastore, Retrieval
-from specjax.drafters.trained import load_drafter
+from specjax.drafters.load import load_drafter
 
 __all__ = ["Branch", "Datastore", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Lookahead",
            "Medusa", "PromptLookup", "Proposal", "Retrieval", "load_drafter"]

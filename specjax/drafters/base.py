@@ -198,6 +198,13 @@ def _select(tree: Tree, tokens, score, valid, parent, q) -> Proposal:
                     valid=valid_chosen, q=q_chosen)
 
 
+def verify_room(drafter) -> int:
+    """Slots past the root one step writes in the target's cache (0 without a drafter): the
+    tree's nodes, or the drafter's own writes where more (lookahead's window). One
+    verification pass scores 1 + this many tokens."""
+    return 0 if drafter is None else max(drafter.tree.nodes, drafter.target_room)
+
+
 def shape_for(tree: Tree | None, K: int | None, siblings: str) -> Tree:
     """The tree a drafter proposes: its own, or a chain of K (`generate`'s num_draft_tokens).
     With a tree the tree fixes the shape, so a different K is an error."""

@@ -1,7 +1,8 @@
 """What trained drafters (Medusa heads, EAGLE) share: the record of the target they were
 trained for, and their files — `drafter.save(path)` writes `drafter.safetensors` (the
 weights, float32) and `drafter.json` (what kind of drafter, its shape, its target), and
-`load_drafter(path)` reads them back.
+`drafters/load.py`'s `load_drafter(path)` reads them back (through `read_signature` and
+`read_params` here).
 
 Trained drafters read the target's own weights (its embedding, its head) and hidden
 states, so using one with a target of another shape is refused before anything is traced.
@@ -98,35 +99,7 @@ def positive_int(value) -> bool:
     return type(value) is int and value >= 1
 
 
-def load_drafter(path, tree=None):
-    """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa` or a
-    `specjax.Eagle`, drafting `tree` (None: a chain). Its weights are float32 on the default
-    device; they take the target's dtype when used. Bad files raise CheckpointError."""
-    from specjax.drafters.eagle import Eagle
-    from specjax.drafters.medusa import Medusa
-    from specjax.hf import CheckpointError, _read_json, check_regular
-
-    folder = Path(path)
-    record_file, weights_file = folder / RECORD, folder / WEIGHTS
-    for file in (record_file, weights_file) if folder.is_dir() else ():
-        check_regular(file)  # a FIFO or a dangling link is refused as such, not read or called missing
-    missing = [f.name for f in (record_file, weights_file) if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{folder} is not a saved drafter: {', '.join(missing)} missing")
-    record = _read_json(record_file)
-    version, kind = record.get("format"), record.get("kind")
-    if type(version) is not int or version not in READABLE_FORMATS:
-        raise CheckpointError(f"{record_file}: format {version!r}, expected one of {READABLE_FORMATS}")
-    kinds = {"medusa": Medusa, "eagle": Eagle}
-    if not isinstance(kind, str) or kind not in kinds:
-        raise CheckpointError(f"{record_file}: unknown drafter kind {kind!r}; specjax has {sorted(kinds)}")
-    signature = _signature(record.get("target"), record_file)
-    # On the device once, not copied from the host by every generate call.
-    params = jax.tree.map(jax.device_put, _read_params(weights_file))
-    return kinds[kind].from_record(params, record, signature, tree, folder)
-
-
-def _signature(target, record_file: Path) -> TargetSignature:
+def read_signature(target, record_file: Path) -> TargetSignature:
     """The record's "target", refused unless it holds a model_type, a hidden_size, a
     vocab_size and (optionally) a name of the right types."""
     from specjax.hf import CheckpointError
@@ -142,12 +115,12 @@ def _signature(target, record_file: Path) -> TargetSignature:
     return signature
 
 
-def _read_params(weights_file: Path) -> dict:
+def read_params(weights_file: Path) -> dict:
     """drafter.safetensors' tensors as nested params, refused unless each is floating point
     and finite and their names nest."""
     from safetensors import SafetensorError, safe_open
 
-    from specjax.hf import CheckpointError
+    from specjax.hf import CheckpointError, check_finite
 
     tensors = {}
     try:
@@ -158,8 +131,7 @@ def _read_params(weights_file: Path) -> dict:
                     raise CheckpointError(f"{weights_file}: tensor {name} is {dtype}, not a floating-point "
                                           f"type ({', '.join(FLOAT_DTYPES)})")
                 tensors[name] = f.get_tensor(name)
-                if not np.isfinite(tensors[name]).all():
-                    raise CheckpointError(f"{weights_file}: tensor {name} holds NaN or infinite values")
+                check_finite(tensors[name], f"{weights_file}: tensor {name}")
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{weights_file} cannot be read: {e}") from None
     try:

@@ -138,18 +138,26 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     windows = c.layer_windows()
     attn = Attention(c)
 
+    def angles(pos, local):  # [ROWS] -> this pass's rotary (cos, sin), each [ROWS, 1, D]
+        cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32))
+        return cos[0], sin[0]
+
+    # Once per pass, by fenced bodies like the rest (None for GPT-2): {sliding: (cos, sin)}
+    rotations = {} if c.family == "gpt2" else {
+        sliding: rowwise(lambda pos, sliding=sliding: angles(pos, sliding), flat_positions)
+        for sliding in {local and w is not None for w in windows}}
+
     for i in range(c.num_layers if num_layers is None else num_layers):
         p = params["layers"][i]
         sliding = local and windows[i] is not None
 
-        def project(x, pos, p=p, sliding=sliding):  # [ROWS, E] -> q [ROWS, H, D], k, v [ROWS, G, D]
+        def project(x, *cos_sin, p=p):  # [ROWS, E] -> q [ROWS, H, D], k, v [ROWS, G, D]
             h = Norm(c).apply({"params": p["attn_norm"]}, x[None])
-            cos_sin = None if c.family == "gpt2" else rotary_angles(
-                pos[None], jnp.asarray(rope_inv_freq(c, local=sliding), jnp.float32))
-            q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, method=Attention.project_qkv)
+            rotation = tuple(a[None] for a in cos_sin) or None
+            q, k, v = attn.apply({"params": p["attn"]}, h, rotation, method=Attention.project_qkv)
             return q[0], k[0], v[0]
 
-        q, k, v = rowwise(project, x, flat_positions)
+        q, k, v = rowwise(project, x, *rotations.get(sliding, ()))
         k_all[i] = write(k_all[i], k.reshape(B, T, *k.shape[1:]), slots)
         v_all[i] = write(v_all[i], v.reshape(B, T, *v.shape[1:]), slots)
         heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
