@@ -9,6 +9,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from specjax.shipped import default_checkpoint
+from specjax.text import TextStream, encode_prompts, stop_ids
+
 
 def _info(args):
     import specjax
@@ -18,37 +21,6 @@ def _info(args):
     print(json.dumps({"model_type": c.model_type, "params": c.num_params(), "dtype": str(model.dtype),
                       "layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads,
                       "kv_heads": c.num_kv_heads, "vocab": c.vocab_size}, indent=2))
-
-
-def default_checkpoint(name: str) -> str:
-    """checkpoints/NAME in the working directory, else beside the installed package (an
-    editable install from a clone). A model folder (config.json) or a drafter's (drafter.json)."""
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if any((root / "checkpoints" / name / f).exists() for f in ("config.json", "drafter.json")):
-            return str(root / "checkpoints" / name)
-    return str(Path("checkpoints") / name)
-
-
-def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
-    """Token ids as transformers builds them: the tokenizer's special tokens included (BOS
-    where the model expects one); with chat, each prompt is a user turn of the tokenizer's
-    chat template, ready for the assistant's reply."""
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--chat: the target's tokenizer has no chat template "
-                         "(tokenizer_config.json or chat_template.jinja); drop --chat")
-    ids = []
-    for p in prompts:
-        if chat:
-            try:  # the template is the checkpoint's: sandboxed by transformers, and it may fail
-                ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                              add_generation_prompt=True, tokenize=True,
-                                                              return_dict=True)["input_ids"]))
-            except Exception as e:  # noqa: BLE001 -- jinja2's errors, or what the template raises
-                raise ValueError(f"--chat: the tokenizer's chat template fails: {type(e).__name__}: {e}") from None
-        else:
-            ids.append(list(tokenizer(p)["input_ids"]))
-    fallback = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    return [row or [fallback] for row in ids]
 
 
 def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
@@ -63,7 +35,7 @@ def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
     elif args.eos_token_id:
         stop = list(args.eos_token_id)
     else:
-        stop = list(gen.eos_token_id) or (None if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+        stop = stop_ids(model, tokenizer)
     sampling = {"temperature": args.temperature if args.temperature is not None
                 else gen.temperature if gen.do_sample else 0.0,
                 "top_k": gen.top_k if args.top_k is None else args.top_k,
@@ -77,7 +49,6 @@ def _generate(args):
     import jax
 
     import specjax
-    from specjax.notebook import TextStream
 
     prompts = [args.prompt] if args.prompt is not None else []
     if args.batch_file:
@@ -360,12 +331,12 @@ def _train_heads(args):
     import numpy as np
 
     import specjax
-    from specjax import bench
+    from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
     target = specjax.load_model(args.target, dtype=jnp.float32)
     tokenizer, stream, held, held_modules = data.prepare(args.out, tokenizer_folder=args.target)
-    probe = np.array(bench.held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
+    probe = np.array(held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
     common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe)
     if args.kind == "medusa":
         drafter, metrics = heads.train_medusa(target, args.heads, stream, held, _train_config(args), args.out,

@@ -1,15 +1,15 @@
 """What the Colab notebooks (colab/*.ipynb) call beyond the public API: the switch to their
-offline small mode, the devices in words, a streamed-text printer (`specjax generate` prints
-with it too), and drafters measured
-side by side with the speedup theory predicts for each, as a table and a plot.
+offline small mode, the devices in words, and drafters measured side by side with the
+speedup theory predicts for each, as a table and a plot. (Their prompt encoding, stop ids
+and streamed-text printer are specjax.text's, shared with `specjax generate`.)
 
-Measurements are `bench.time_generate` runs over the same prompts (median of `repeats`
+Measurements are `specjax.time_generate` runs over the same prompts (median of `repeats`
 after a compiling run); the prediction is Leviathan et al.'s E[tokens per pass] /
 (1 + n c), n the sequential draft passes per step and c one draft pass's cost over one
 target pass, both timed here inside compiled loops. It assumes the target verifies a
 step's tokens in the time of a one-token pass, as an accelerator nearly does at small
 batch; on a CPU wide verification passes cost more, so measured / predicted falls there.
-It knows nothing about tokenizers beyond decoding for the printer.
+It knows nothing about tokenizers.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import bench, theory
+from specjax import theory
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa
+from specjax.generate import pad_prompts
+from specjax.measure import fmt, median_time, pass_time, time_generate
 from specjax.models import Model
 
 SMALL_ENV = "SPECJAX_SMALL"
@@ -47,36 +49,9 @@ def describe_devices() -> str:
             f"({', '.join(kinds)}), {jax.process_count()} process{'es' * (jax.process_count() != 1)}")
 
 
-def stop_ids(model: Model, tokenizer) -> list[int] | None:
-    """The ids a reply stops at: the model's generation_config.json (or config.json), else
-    the tokenizer's EOS, else none."""
-    gen = model.generation_config
-    if gen is not None and gen.eos_token_id:
-        return list(gen.eos_token_id)
-    return None if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-
-
-class TextStream:
-    """A `generate(stream=...)` function that prints one row's text as the loop produces
-    it (held back while the last bytes are an incomplete character); `.text` is all of it."""
-
-    def __init__(self, tokenizer, row: int = 0, echo: bool = True, skip_special_tokens: bool = True):
-        self.tokenizer, self.row, self.echo, self.skip = tokenizer, row, echo, skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""
-
-    def __call__(self, tokens, counts):
-        self.ids += np.asarray(tokens)[self.row, : int(counts[self.row])].tolist()
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if not text.endswith("\ufffd") and len(text) > len(self.text):
-            if self.echo:
-                print(text[len(self.text):], end="", flush=True)
-            self.text = text
-
-
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One configuration to measure. drafter: None (autoregressive), a `Model` or any
+    """One configuration to  drafter: None (autoregressive), a `Model` or any
     drafter; K: a chain length, "auto" (chosen from a cost profile), or None for a drafter
     whose own `Tree` fixes the shape (or one that chooses it, such as lookahead)."""
 
@@ -104,7 +79,7 @@ class Measured:
 def _seconds_per_iteration(body, args, carry, repeats: int, n: int = 50) -> float:
     """Median seconds of one body(args, carry) -> carry, timed as n calls in a compiled loop."""
     loop = jax.jit(lambda args, carry: jax.lax.fori_loop(0, n, lambda i, c: body(args, c), carry))
-    return bench.median_time(lambda: jax.block_until_ready(loop(args, carry)), repeats) / n
+    return median_time(lambda: jax.block_until_ready(loop(args, carry)), repeats) / n
 
 
 def draft_pass_cost(target: Model, drafter, batch: int, cache_len: int, repeats: int,
@@ -114,13 +89,13 @@ def draft_pass_cost(target: Model, drafter, batch: int, cache_len: int, repeats:
     model, early exit, EAGLE); "once": one per step (Medusa's heads all read one state);
     c None: no model drafts (lookups, retrieval)."""
     if t_target is None:
-        t_target = bench.pass_time(target, batch, 1, cache_len, repeats)
+        t_target = pass_time(target, batch, 1, cache_len, repeats)
     if isinstance(drafter, Model):
         drafter = DraftModel(drafter)
     if isinstance(drafter, DraftModel):
-        return bench.pass_time(drafter.model, batch, 1, cache_len, repeats) / t_target, "sequential"
+        return pass_time(drafter.model, batch, 1, cache_len, repeats) / t_target, "sequential"
     if isinstance(drafter, EarlyExit):
-        return bench.pass_time(target, batch, 1, cache_len, repeats, exit_layer=drafter.num_layers) / t_target, \
+        return pass_time(target, batch, 1, cache_len, repeats, exit_layer=drafter.num_layers) / t_target, \
             "sequential"
     E = target.config.hidden_size
     if isinstance(drafter, Eagle):
@@ -169,7 +144,7 @@ def _shape(drafter, K) -> str:
         return "autoregressive"
     tree = getattr(drafter.resolve(K) if hasattr(drafter, "resolve") else drafter, "tree", None)
     if tree is not None:
-        return bench.describe(tree).replace("chain ", "chain K=")
+        return str(tree).replace("chain ", "chain K=")
     return f"chain K={K}" if K is not None else "its own"
 
 
@@ -194,8 +169,8 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
     if isinstance(temperatures, (int, float)):
         temperatures = (temperatures,)
     options = {} if mesh is None else {"mesh": mesh}
-    cache_len = bench.pad_prompts(prompts[:batch])[0].shape[1] + max_new_tokens + 64
-    t_target = bench.pass_time(target, batch, 1, cache_len, repeats)
+    cache_len = pad_prompts(prompts[:batch])[0].shape[1] + max_new_tokens + 64
+    t_target = pass_time(target, batch, 1, cache_len, repeats)
     costs: dict[int, tuple] = {}  # entry index -> (drafter, K, profile, c, kind, passes per step)
     timed: dict = {}  # _cost_key -> (c, kind)
     for i, entry in enumerate(entries):
@@ -218,13 +193,13 @@ def compare(target: Model, prompts: list[list[int]], entries, max_new_tokens: in
     for temperature in temperatures:
         common = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       seed=seed, **options)
-        auto, auto_rows = bench.time_generate(target, prompts, batch, repeats, name="autoregressive", **common)
+        auto, auto_rows = time_generate(target, prompts, batch, repeats, name="autoregressive", **common)
         rows.append(Measured("autoregressive", "autoregressive", temperature, auto.tokens_per_s, 1.0,
                              auto.tokens_per_pass, None, None, 1.0, True if temperature == 0 else None))
         log(format_row(rows[-1]))
         for i, entry in enumerate(entries):
             drafter, K, profile, c, kind, passes = costs[i]
-            run, out_rows = bench.time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
+            run, out_rows = time_generate(target, prompts, batch, repeats, drafter, K, entry.name, **common)
             if profile is not None:  # the profile's own prediction, made before anything ran
                 predicted = _profile_rate(profile, drafter, K, batch, max_new_tokens) / theory.tokens_per_ms(
                     profile, batch, 0, max_new_tokens)
@@ -249,17 +224,13 @@ def _profile_rate(profile, drafter, K, batch, max_new_tokens) -> float:
     return theory.tokens_per_ms(profile, batch, K or 0, max_new_tokens)
 
 
-def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
-
-
 HEADER = (f"{'drafter':<22} {'shape':<22} {'tok/s':>8} {'speedup':>7} {'theory':>6} {'tok/pass':>8} "
           f"{'accept':>6} {'c':>5} exact")
 
 
 def format_row(r: Measured) -> str:
-    return (f"{r.name:<22} {r.shape:<22} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} {_fmt(r.predicted):>6} "
-            f"{r.tokens_per_pass:>8.2f} {_fmt(r.acceptance):>6} {_fmt(r.c):>5} {_fmt(r.exact, '')}")
+    return (f"{r.name:<22} {r.shape:<22} {r.tokens_per_s:>8.1f} {r.speedup:>7.2f} {fmt(r.predicted):>6} "
+            f"{r.tokens_per_pass:>8.2f} {fmt(r.acceptance):>6} {fmt(r.c):>5} {fmt(r.exact, '')}")
 
 
 def table(rows: list[Measured]) -> str:

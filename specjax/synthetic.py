@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.bench import Run, _print_runs, median_time, pass_time, predict, run_transformers, time_generate
 from specjax.config import ModelConfig
+from specjax.measure import Run, median_time, pass_time, predict, print_runs, run_transformers, time_generate
 from specjax.models import Model
 from specjax.models.transformer import init_params
 from specjax.quant import path_names
@@ -183,7 +183,7 @@ def run_synthetic(size="gpt2-small", draft_layers=2, ks=(1, 2, 4, 6), batches=(1
         if batch == 1:
             log(f"batch 1 plain decoding: {auto.tokens_per_s:.1f} tok/s = {auto.tokens_per_s * roofline * 100:.0f}% "
                 f"of the roofline's {1 / roofline:.0f} tok/s")
-    _print_runs(runs, log)
+    print_runs(runs, log)
     if hf:
         _transformers_on_the_same_weights(target, small, runs, max_new_tokens, repeats, prompt_len, seed, log)
     return runs

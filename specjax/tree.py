@@ -94,6 +94,13 @@ class Tree:
             raise ValueError(f"a chain needs K >= 1 drafts, got {K!r}")
         return cls.from_paths([(0,) * d for d in range(1, K + 1)], siblings)
 
+    def __str__(self) -> str:
+        """In words, as the bench and the notebooks print a shape: 'chain 4', 'tree d8 k2 n24'
+        (dynamic), 'static d5 k2 n9'."""
+        if self.is_chain:
+            return f"chain {self.depth}"
+        return f"{'static' if self.is_static else 'tree'} d{self.depth} k{self.top_k} n{self.nodes}"
+
     @property
     def is_static(self) -> bool:
         return self.paths is not None

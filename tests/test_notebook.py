@@ -1,5 +1,5 @@
-"""specjax.notebook: the small-mode switch, the streamed-text printer, stop ids, and the
-side-by-side measurement the notebooks plot (on the tiny test pair)."""
+"""specjax.notebook: the small-mode switch and the side-by-side measurement the notebooks
+plot (on the tiny test pair)."""
 
 import dataclasses
 
@@ -20,27 +20,6 @@ def test_small_mode_reads_the_environment(monkeypatch):
     monkeypatch.setenv("SPECJAX_SMALL", "yes")
     with pytest.raises(ValueError, match="SPECJAX_SMALL must be 1"):
         notebook.small_mode()
-
-
-class _Tokenizer:
-    eos_token_id = 7
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-def test_text_stream_prints_one_row_as_it_grows(capsys):
-    stream = notebook.TextStream(_Tokenizer(), row=1)
-    stream(np.array([[0, 0, 0], [1, 2, 0]]), np.array([3, 2]))
-    stream(np.array([[0, 0, 0], [3, 0, 0]]), np.array([1, 1]))
-    assert stream.text == "bcd" and capsys.readouterr().out == "bcd"
-
-
-def test_stop_ids_prefer_the_generation_config(pair):
-    target = pair[0]
-    with_config = target.replace(generation_config=specjax.GenerationConfig(eos_token_id=(3, 4)))
-    assert notebook.stop_ids(with_config, _Tokenizer()) == [3, 4]
-    assert notebook.stop_ids(target.replace(generation_config=None), _Tokenizer()) == [7]
 
 
 def test_compare_measures_every_entry_beside_theory(pair):

@@ -56,6 +56,14 @@ def test_static_tree_tables():
     np.testing.assert_array_equal(ancestors(jnp.asarray(tree.parents)[None])[0], ancestors(tree.parents))
 
 
+def test_a_tree_in_words():
+    """str(tree) names a shape as the bench and the notebooks print it; repr stays the dataclass's."""
+    assert str(Tree.chain(4)) == "chain 4"
+    assert str(Tree(8, 2, 24)) == "tree d8 k2 n24"
+    assert str(Tree.from_paths([(0,), (1,), (0, 0)])) == "static d2 k2 n3"
+    assert repr(Tree(2, 2, 2)).startswith("Tree(depth=2, top_k=2, nodes=2")
+
+
 def test_tree_and_num_draft_tokens_conflict(pair):
     target, drafts, _ = pair
     padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax import measure  # noqa: E402
 from specjax.cache import KVCache, write  # noqa: E402
 from specjax.models.layers import MLP, Attention, Norm  # noqa: E402
 from specjax.models.transformer import embed_tokens, read_out, rotary_tables, slots_and_masks  # noqa: E402
@@ -105,7 +105,7 @@ def main():
     reference = specjax.load_model(f"{ROOT}/target", dtype=jnp.float32)
     _config = model.config
     tokenizer = specjax.load_tokenizer(f"{ROOT}/target")
-    sequences = jnp.asarray(bench.held_out_prompts(tokenizer, 128, PROMPT + NEW, seed=3), jnp.int32)
+    sequences = jnp.asarray(measure.held_out_prompts(tokenizer, 128, PROMPT + NEW, seed=3), jnp.int32)
     truth = score(variants(reference)["bfloat16 as shipped"], sequences, 1).argmax(-1)
     print(f"cpu; shipped target, 128 held-out sequences, {NEW} teacher-forced positions each after a "
           f"{PROMPT}-token prompt; one-token passes against passes of {K + 1}")

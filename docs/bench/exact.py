@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax import measure  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")
 
@@ -60,7 +60,7 @@ def main():
     itself = specjax.load_model(f"{ROOT}/target", dtype=jnp.bfloat16)
     eagle = specjax.load_drafter(f"{ROOT}/eagle", specjax.Tree(4, 2, 8))
     tokenizer = specjax.load_tokenizer(f"{ROOT}/target")
-    prompts = bench.held_out_prompts(tokenizer, 8, 48, seed=3)
+    prompts = measure.held_out_prompts(tokenizer, 8, 48, seed=3)
     drafters = {"plain": (None, None), "draft model K=4": (draft, 4), "itself K=4": (itself, 4),
                 "EAGLE tree(4,2,8)": (eagle, None)}
     print("\n2. held-out prompts of 48 tokens, 96 new tokens, bfloat16 on CPU; rows differing from plain "

@@ -99,10 +99,10 @@ def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], 
                      max_new_tokens: int = 64) -> Callable[[dict], dict]:
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
     held-out prompts [B, P]: tokens per target pass and, per depth k, the fraction of
-    steps that accepted at least k drafted tokens (`bench.depth_acceptance`). One
+    steps that accepted at least k drafted tokens (`measure.depth_acceptance`). One
     compilation for all calls."""
-    from specjax.bench import depth_acceptance, row_traces
     from specjax.generate import generate
+    from specjax.measure import depth_acceptance, row_traces
 
     lengths = np.full(len(prompts), prompts.shape[1], np.int32)
 

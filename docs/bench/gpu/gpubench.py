@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.bench import median_time
+from specjax.measure import median_time
 from specjax.synthetic import SIZES as SYNTHETIC_SIZES
 from specjax.synthetic import build_synthetic_pair, weights_only_time
 
@@ -95,7 +95,7 @@ def nbytes(model):
 
 
 def synth(args):
-    from specjax.bench import pass_time
+    from specjax.measure import pass_time
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.time()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import gpubench  # noqa: E402
-from specjax.bench import pass_time  # noqa: E402
+from specjax.measure import pass_time  # noqa: E402
 from specjax.models import layers  # noqa: E402
 from specjax.synthetic import weights_only_time  # noqa: E402
 

@@ -1,0 +1,102 @@
+"""The bench's command line: the flags of `specjax bench` (specjax.cli adds them to its
+subcommand) and of `python -m specjax.bench`, and which of specjax.bench.pair's runs they
+call. The default checkpoints come from specjax.shipped; it never imports specjax.cli, and
+`--synthetic` is the cli's to dispatch (to specjax.synthetic), not this module's.
+"""
+
+from __future__ import annotations
+
+from specjax.bench.pair import PROFILE_TREE, PROFILE_TREE_NODES, measure_profile, run_divergence, run_pair
+from specjax.shipped import default_checkpoint
+from specjax.tree import Tree
+
+DESCRIPTION = ("Benchmarks behind `specjax bench`: autoregressive vs speculative `generate`, timed side "
+               "by side in one run, with the speedup theory predicts set beside the measured one.")
+
+
+def main(argv=None):
+    """`python -m specjax.bench`: the bench's own flags, without the specjax command around them."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specjax.bench", description=DESCRIPTION)
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
+
+
+def add_arguments(parser):
+    """The bench's flags, on `specjax bench`'s parser or main's."""
+    parser.add_argument("--target", default=default_checkpoint("target"))
+    parser.add_argument("--draft", default=default_checkpoint("draft"))
+    parser.add_argument("--synthetic", choices=["tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama-8b"],
+                        help="benchmark a random pair instead, in the backend's default dtype (see specjax.synthetic)")
+    parser.add_argument("--draft-layers", type=int, default=2, help="--synthetic: the draft's depth")
+    parser.add_argument("-k", "--ks", type=int, nargs="+", default=None, help="K values (default 1..8)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench", help="folder for bench.json and the plots")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate (needs torch)")
+    parser.add_argument("--trees-only", action="store_true",
+                        help="only the chains-vs-trees comparison (writes trees.json)")
+    parser.add_argument("--heads-only", action="store_true",
+                        help="only the draft model vs trained Medusa/EAGLE heads (writes heads.json)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only measure the cost profile for num_draft_tokens='auto' (writes profile.json; "
+                             "K up to the largest -k)")
+    parser.add_argument("--training-free-only", action="store_true",
+                        help="only lookahead and retrieval against prompt lookup and the draft model "
+                             "(writes training_free.json)")
+    parser.add_argument("--auto-k-only", action="store_true",
+                        help="only num_draft_tokens='auto' against every fixed K per batch size (writes auto_k.json)")
+    parser.add_argument("--profile-tree", default=",".join(map(str, PROFILE_TREE)), metavar="DEPTH,TOP_K",
+                        help="the dynamic tree family --profile measures node budgets of ('none': chains only)")
+    parser.add_argument("--tree-nodes", type=int, nargs="+", default=list(PROFILE_TREE_NODES),
+                        help="the node budgets --profile measures for --profile-tree")
+    parser.add_argument("--datastore", default=default_checkpoint("datastore"), help="a datastore for retrieval")
+    parser.add_argument("--cost-profile", default=None, help="profile.json for 'auto' (default: the shipped one)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: only count rows of greedy speculative output that diverge from "
+                             "autoregressive output, and where (writes divergence_bfloat16.json)")
+    parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
+    parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
+
+
+def _tree_family(text: str) -> tuple[int, int] | None:
+    """--profile-tree DEPTH,TOP_K, or none."""
+    if text == "none":
+        return None
+    try:
+        depth, top_k = (int(x) for x in text.split(","))
+        Tree(depth, top_k, 1)
+    except ValueError as e:
+        raise SystemExit(f"--profile-tree {text!r}: give DEPTH,TOP_K such as 8,2, or none ({e})") from None
+    return depth, top_k
+
+
+def run_from_args(args):
+    """Runs what the parsed flags ask for (--synthetic aside: specjax.cli runs specjax.synthetic)."""
+    if args.dtype != "float32":
+        sections = ("synthetic", "profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
+        if any(getattr(args, name) for name in sections):
+            raise SystemExit("--dtype bfloat16 runs the divergence count alone; leave out "
+                             + ", ".join("--" + name.replace("_", "-") for name in sections))
+        run_divergence(args.target, args.draft, args.dtype, args.out, ks=tuple(args.ks or (1, 2, 4, 6, 8)),
+                       batches=tuple(args.batches), num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+        return
+    if args.profile:
+        measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),
+                        num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                        tree_family=_tree_family(args.profile_tree), tree_nodes=tuple(args.tree_nodes))
+        return
+    run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
+             temperatures=tuple(args.temperatures), batches=tuple(args.batches),
+             num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+             max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf,
+             only=next((name for name in ("trees", "heads", "training_free", "auto_k")
+                        if getattr(args, f"{name}_only")), None),
+             medusa=args.medusa, eagle=args.eagle, datastore=args.datastore, cost_profile=args.cost_profile)
