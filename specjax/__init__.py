@@ -4,12 +4,13 @@ The public API, re-exports only.
 """
 
 from specjax.cache import KVCache
-from specjax.drafters import (Datastore, DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup,
+from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup,
                               Retrieval, load_drafter)
-from specjax.generate import GenerateOutput, Stats, compile_generate, generate, pad_prompts
+from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
-from specjax.memory import InsufficientMemoryError, MemoryEstimate, estimate_memory
+from specjax.budget import MemoryEstimate
+from specjax.memory import InsufficientMemoryError
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.sharding import make_mesh, shard_model
@@ -17,7 +18,7 @@ from specjax.theory import CostProfile
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Eagle", "EarlyExit", "GenerateOutput",
+    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "EarlyExit", "GenerateOutput",
     "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache", "Lookahead", "Medusa",
     "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats", "Tree",
     "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory", "forward",

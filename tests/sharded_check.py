@@ -20,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.generate import _generate, cache_length, stop_ids  # noqa: E402
+from specjax.loop import cache_length, generate_loop  # noqa: E402
+from specjax.request import stop_ids  # noqa: E402
 from specjax.sampling import Sampling  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
@@ -106,7 +107,7 @@ def main():
             for shard in leaf.addressable_shards:
                 per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
         # The compiled loop: which all-gathers does it contain, and of what shapes?
-        hlo = _generate.lower(
+        hlo = generate_loop.lower(
             sharded_target, specjax.DraftModel(sharded_draft).resolve(K), jnp.asarray(prompts),
             jnp.asarray(lengths), jax.random.key(0), Sampling.make(), stop_ids(None), jnp.float32(0),
             max_new_tokens=MAX_NEW, return_trace=False, adaptive_k=False, mesh=mesh,
@@ -158,8 +159,7 @@ def kv_head_findings(prompts, lengths) -> dict:
     scores [B, G, R, T, S] or keys/values [B, S, G, D]); the same program with head_dim split
     instead (duplicate_kv_heads=False, the old behaviour) has such collectives; the draft's
     cache is whole on each device of a row group, the target's split by heads."""
-    from specjax.generate import _run
-    from specjax.memory import _prepared
+    from specjax.generate import _prepared, _run
 
     mesh = specjax.make_mesh(data=2, model=4)
     target = random_model(0, config=KV_CONFIG)
@@ -175,7 +175,7 @@ def kv_head_findings(prompts, lengths) -> dict:
     for duplicate in (True, False):
         sharded = specjax.shard_model(target, mesh, duplicate_kv_heads=duplicate)
         args, static, _ = _prepared(sharded, prompts, lengths, dict(draft=replicated_draft, mesh=mesh, **kwargs))
-        executable = _generate.lower(*args, **static, stream=None).compile()
+        executable = generate_loop.lower(*args, **static, stream=None).compile()
         hlo = executable.as_text()
         name = "duplicated" if duplicate else "head_dim_split"
         out[name] = {

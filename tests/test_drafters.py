@@ -116,7 +116,7 @@ def test_early_exit_holds_no_copy_of_the_weights():
     import jax
     import jax.numpy as jnp
 
-    from specjax.generate import _generate
+    from specjax.loop import generate_loop
     from specjax.models import init
     from specjax.sampling import Sampling
 
@@ -127,7 +127,7 @@ def test_early_exit_holds_no_copy_of_the_weights():
     two_layers = sum(x.nbytes for x in jax.tree.leaves(target.params["layers"][:2]))
 
     def scratch(drafter):
-        return _generate.lower(target, drafter, jnp.ones((1, 16), jnp.int32), jnp.array([8], jnp.int32),
+        return generate_loop.lower(target, drafter, jnp.ones((1, 16), jnp.int32), jnp.array([8], jnp.int32),
                                jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
                                max_new_tokens=16, return_trace=False, adaptive_k=False, mesh=None,
                                rules=None).compile().memory_analysis().temp_size_in_bytes

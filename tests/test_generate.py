@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.generate import _generate
+from specjax.loop import generate_loop
 from tests import tiny
 
 MAX_NEW = 12
@@ -97,10 +97,10 @@ def test_stream_receives_exactly_the_output(pair):
     assert len(calls) == int(out.stats.steps.max())  # one call per step of the loop
     assert out.num_tokens[1] < MAX_NEW  # a row stopped early: counts 0 after it is done
     assert calls[-1][1] == 0 or out.stats.steps[1] == len(calls)
-    before = _generate._cache_size()
+    before = generate_loop._cache_size()
     out2, got2, _ = collect(eos_token_id=[5, 6, 7], temperature=0.9, key=jax.random.key(3))
     assert got2 == _rows(out2)
-    assert _generate._cache_size() == before, "another stream function or stop list recompiled"
+    assert generate_loop._cache_size() == before, "another stream function or stop list recompiled"
 
 
 def test_compile_generate_runs_what_generate_runs(pair):
@@ -190,13 +190,13 @@ def test_compiles_once(pair):
         calls += 1
 
     run(0)
-    before = _generate._cache_size()
+    before = generate_loop._cache_size()
     run(1, temperature=0.8)
     run(2, temperature=1.3, top_k=5)
     run(3, temperature=0.5, top_p=0.9, eos_token_id=3)
     run(4, eos_token_id=[3, 5, 7])  # up to 4 stop ids share one shape
     run(5)
-    assert _generate._cache_size() == before, "a call of the same shapes recompiled generate"
+    assert generate_loop._cache_size() == before, "a call of the same shapes recompiled generate"
 
 
 def test_vocabulary_padding_is_accepted(pair):
@@ -244,6 +244,13 @@ def test_bad_requests(pair, kwargs, message):
         specjax.generate(target, padded, lengths, draft=drafts["near"], **kwargs)
 
 
+def test_a_draft_that_is_no_drafter_is_named(pair):
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)
+    with pytest.raises(TypeError, match=r"a drafter \(a specjax.drafters.Drafter\), got dict"):
+        specjax.generate(target, padded, lengths, draft={"model": drafts["near"]})
+
+
 def test_bad_prompts(pair):
     target, _, _ = pair
     with pytest.raises(ValueError, match="is empty"):
@@ -273,11 +280,11 @@ def test_absurd_shapes_are_refused_before_anything_is_traced(pair, monkeypatch):
 
     from specjax.memory import InsufficientMemoryError
 
-    generate_module = importlib.import_module("specjax.generate")
+    loop_module = importlib.import_module("specjax.loop")
 
     target, drafts, _ = pair
     padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)
-    monkeypatch.setattr(generate_module, "_generate", None)  # tracing it would fail with a TypeError
+    monkeypatch.setattr(loop_module, "generate_loop", None)  # tracing it would fail with a TypeError
     with pytest.raises(ValueError, match="num_draft_tokens=100000: a step would verify more tokens than the "
                                          "target's max_position_embeddings"):
         specjax.generate(target, padded, lengths, draft=drafts["near"], num_draft_tokens=100_000)
@@ -296,12 +303,12 @@ def test_absurd_shapes_are_refused_before_anything_is_traced(pair, monkeypatch):
 
 
 def test_the_shape_bound_is_a_lower_bound_of_xlas_accounting(pair):
-    from specjax import memory
+    from specjax import budget
 
     target, drafts, _ = pair
     tree = specjax.Tree(depth=3, top_k=2, nodes=6)
     draft = specjax.DraftModel(drafts["near"], tree)
-    bound = memory.shape_bound(target, draft, 2, 16, 32)
+    bound = budget.shape_bound(target, draft, 2, 16, 32)
     c = target.config
     estimate = specjax.estimate_memory(target, draft, batch=2, prompt_len=16, max_new_tokens=32)
     assert sum(bound.values()) <= estimate.total

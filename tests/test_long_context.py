@@ -150,7 +150,7 @@ LONG = specjax.ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, 
 
 
 def _temporaries(target, draft, P):
-    from specjax.memory import compiled_memory
+    from specjax.generate import compiled_memory
 
     prompts, lengths = jnp.ones((1, P), jnp.int32), jnp.array([P], jnp.int32)
     return compiled_memory(target, prompts, lengths, draft=draft, max_new_tokens=64).temp_size_in_bytes
@@ -176,7 +176,7 @@ def test_estimate_memory_agrees_with_the_compiled_program(batch, prompt_len, use
     draft = draft if use_draft else None
     est = specjax.estimate_memory(target, draft, batch=batch, prompt_len=prompt_len, max_new_tokens=32,
                                   num_draft_tokens=3 if use_draft else None)
-    from specjax.memory import compiled_memory
+    from specjax.generate import compiled_memory
 
     m = compiled_memory(target, np.ones((batch, prompt_len), np.int32), np.full(batch, prompt_len, np.int32),
                         draft=draft, max_new_tokens=32, num_draft_tokens=3 if use_draft else None)
@@ -191,12 +191,12 @@ def test_estimate_memory_agrees_with_the_compiled_program(batch, prompt_len, use
 
 
 def test_oversized_request_is_refused_with_the_numbers(pair, monkeypatch):
-    from specjax import memory
+    from specjax import budget, memory
 
     target = pair[0]
     prompts, lengths = specjax.pad_prompts([[3, 4, 5]])
     monkeypatch.setattr(memory, "device_free_bytes", lambda mesh=None: 2 ** 10)  # a 1 kB device
-    monkeypatch.setattr(memory, "_verdicts", {})
+    monkeypatch.setattr(budget, "_verdicts", {})
     with pytest.raises(specjax.InsufficientMemoryError, match=r"needs [0-9.]+ MB .* 0\.0 MB free"):
         specjax.generate(target, prompts, lengths, max_new_tokens=8)
     monkeypatch.setattr(memory, "device_free_bytes", lambda mesh=None: 2 ** 40)
@@ -207,7 +207,7 @@ def test_oversized_request_is_refused_with_the_numbers(pair, monkeypatch):
 
 
 def test_prompts_pad_to_powers_of_two_and_caches_to_multiples_of_128():
-    from specjax.generate import cache_length
+    from specjax.loop import cache_length
 
     for longest, P in [(1, 64), (64, 64), (65, 128), (1000, 1024), (8192, 8192), (8193, 16384)]:
         assert specjax.pad_prompts([[1] * longest, [2]])[0].shape == (2, P)
@@ -219,7 +219,7 @@ def test_prompts_pad_to_powers_of_two_and_caches_to_multiples_of_128():
 
 
 def test_a_mixed_workload_compiles_one_program_per_bucket(pair):
-    from specjax.generate import _generate
+    from specjax.loop import generate_loop
 
     target = pair[0]
     jax.clear_caches()
@@ -227,4 +227,4 @@ def test_a_mixed_workload_compiles_one_program_per_bucket(pair):
     for n in [3, 40, 64, 65, 100, 110, 5, 120]:  # buckets 64 and 128
         padded, lengths = specjax.pad_prompts([list(rng.randint(2, tiny.VOCAB, n))])
         specjax.generate(target, padded, lengths, max_new_tokens=4)
-    assert _generate._cache_size() == 2
+    assert generate_loop._cache_size() == 2

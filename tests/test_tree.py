@@ -12,7 +12,7 @@ import specjax
 from specjax import acceptance
 from specjax.cache import KVCache, tree_placement
 from specjax.drafters.base import DraftRequest, grow
-from specjax.generate import _generate
+from specjax.loop import generate_loop
 from specjax.models import apply
 from specjax.sampling import Sampling
 from specjax.tree import Tree, ancestors, depths
@@ -212,11 +212,11 @@ def test_compiles_once_with_a_tree(pair):
                          max_new_tokens=MAX_NEW, **kw)
 
     run(0)
-    before = _generate._cache_size()
+    before = generate_loop._cache_size()
     run(1, temperature=0.8)
     run(2, temperature=1.3, top_k=5, top_p=0.9)
     run(3, eos_token_id=3)
-    assert _generate._cache_size() == before, "a call of the same shapes recompiled generate"
+    assert generate_loop._cache_size() == before, "a call of the same shapes recompiled generate"
 
 
 # ---- sampling: the joint distribution of the first three tokens ------------------------

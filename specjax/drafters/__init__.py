@@ -1,13 +1,18 @@
-"""What proposes tokens. The decoding loop knows drafters only through this interface:
+"""What proposes tokens. The decoding loop knows drafters only through `Drafter`
+(base.py), which every drafter subclasses; its defaults are what a drafter needing nothing
+more gets:
 
     drafter = drafter.resolve(K)      # its shape: its own tree, or a chain of K (static)
     drafter.tree, drafter.target_room # N nodes, depth; slots it writes past the target's root
-    drafter = drafter.bind(target)    # optional: trained drafters check (and adapt to) the target
-    state = drafter.start(target, prompts, lengths, max_len)    # once, before the loop
+    drafter = drafter.bind(target)    # checks (and adapts to) the target: vocabulary, sizes
+    drafter.check_lengths(longest, max_new_tokens)  # its own model's position limit
+    state = drafter.start(target, prompts, lengths, max_len, hidden=None)  # once, before the loop
         # (drafters with wants_features = True get hidden=: the prefill's states [B, P, E],
         #  and each request carries `Features`: the verification pass's states of what it kept)
     state, target_cache, proposal = drafter.propose(state, request)
     state = drafter.observe(state, logits, active)  # only if the proposal carried a `Branch`
+    drafter.state_rules(rules)        # how its state lies on a mesh
+    drafter.fixed_shape               # True: num_draft_tokens="auto" may not choose its shape
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final
 tokens — everything a drafter needs to know about what was accepted last step — plus
@@ -21,7 +26,7 @@ drafter's own mask, whose logits the drafter then observes (lookahead's Jacobi w
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
 """
 
-from specjax.drafters.base import Branch, DraftRequest, Features, Proposal
+from specjax.drafters.base import Branch, Drafter, DraftRequest, Features, Proposal
 from specjax.drafters.eagle import Eagle
 from specjax.drafters.early_exit import EarlyExit
 from specjax.drafters.lookahead import Lookahead
@@ -31,5 +36,5 @@ from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.retrieval import Datastore, Retrieval
 from specjax.drafters.load import load_drafter
 
-__all__ = ["Branch", "Datastore", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Lookahead",
+__all__ = ["Branch", "Datastore", "Drafter", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Lookahead",
            "Medusa", "PromptLookup", "Proposal", "Retrieval", "load_drafter"]

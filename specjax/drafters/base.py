@@ -12,6 +12,7 @@ from flax import struct
 
 from specjax.cache import KVCache, tree_placement
 from specjax.sampling import Sampling, sample, warp
+from specjax.sharding import replicated_rules
 from specjax.tree import Tree
 
 
@@ -67,6 +68,47 @@ class Proposal:
     # target's), or None when every node is deterministic (its q is one-hot).
     q: jax.Array | None
     branch: Branch | None = None  # extra tokens to score in the same pass, if the drafter asks
+
+
+class Drafter:
+    """The interface the decoding loop knows drafters by (see `specjax.drafters`); every
+    drafter subclasses it (as a flax struct dataclass) and overrides resolve, start and
+    propose. The defaults here are what a drafter that needs nothing more gets."""
+
+    tree: Tree  # its shape once resolved: N nodes, depth
+    target_room = 0  # slots past the root it writes in the target's cache (beyond its nodes)
+    wants_features = False  # True: start gets hidden= and requests carry `Features`
+    fixed_shape = False  # True: num_draft_tokens="auto" may not choose its shape
+
+    def resolve(self, K: int | None) -> "Drafter":
+        """The drafter with its shape set: its own tree, or a chain of K (static)."""
+        raise NotImplementedError(f"{type(self).__name__} does not resolve its shape")
+
+    def bind(self, target) -> "Drafter":
+        """Checks the drafter against the target (and adapts to it); called once per request."""
+        return self
+
+    def check_lengths(self, longest: int, max_new_tokens: int):
+        """Raises where prompts of `longest` tokens plus max_new_tokens exceed what the
+        drafter's own model can position."""
+
+    def start(self, target, prompts, lengths, max_len: int, hidden=None):
+        """Its state before the loop (prompts [B, P], lengths [B]; hidden [B, P, E] when it
+        wants features)."""
+        raise NotImplementedError(f"{type(self).__name__} does not start")
+
+    def propose(self, state, request: DraftRequest):
+        """-> (state, the target's cache, a `Proposal`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not propose")
+
+    def observe(self, state, logits: jax.Array, active: jax.Array):
+        """Reads the target's logits [B, X, V] for the `Branch` it proposed."""
+        raise NotImplementedError(f"{type(self).__name__} proposed a Branch but does not observe its logits")
+
+    def state_rules(self, rules: tuple) -> tuple:
+        """Logical-axis rules for its state on a mesh whose target runs by `rules`: rows over
+        data, the rest replicated (a drafter with a sharded model of its own overrides)."""
+        return replicated_rules(rules)
 
 
 # forward(cache, tokens [B, W], positions [B, W], placement, features [B, W, F] | None)

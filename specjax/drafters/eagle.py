@@ -27,7 +27,7 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
 from specjax.layouts import fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import init as normal_init
@@ -59,14 +59,13 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
 
 
 @struct.dataclass
-class Eagle:
+class Eagle(Drafter):
     params: dict  # fc {kernel [2E, E], bias [E]}, layer (one decoder layer's weights)
     config: ModelConfig = struct.field(pytree_node=False)  # the one layer's
     signature: trained.TargetSignature = struct.field(pytree_node=False)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
 
     wants_features = True
-    target_room = 0  # it never writes the target's cache
 
     @classmethod
     def init(cls, target: Model, key: jax.Array, tree: Tree | None = None) -> "Eagle":
@@ -165,7 +164,7 @@ class Eagle:
         return cls(params, config, signature, tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _shapes(config: ModelConfig) -> dict:
     """The shapes of an Eagle's params for a layer config."""
     E = config.hidden_size

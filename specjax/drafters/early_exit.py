@@ -14,13 +14,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
 from specjax.models import Model, apply
 from specjax.tree import Tree
 
 
 @struct.dataclass
-class EarlyExit:
+class EarlyExit(Drafter):
     num_layers: int = struct.field(pytree_node=False)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
 
@@ -32,7 +32,7 @@ class EarlyExit:
         """Slots past the root it writes in the target's cache: the tree's region."""
         return self.tree.region
 
-    def start(self, target: Model, prompts, lengths, max_len):
+    def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         if not 1 <= self.num_layers < target.config.num_layers:
             raise ValueError(f"EarlyExit({self.num_layers}) needs 1 <= num_layers < the target's "
                              f"{target.config.num_layers} layers")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Branch, DraftRequest, Proposal
+from specjax.drafters.base import Branch, DraftRequest, Drafter, Proposal
 from specjax.tree import Tree
 
 
@@ -43,7 +43,7 @@ class LookaheadState:
 
 
 @struct.dataclass
-class Lookahead:
+class Lookahead(Drafter):
     """Self-drafting by Jacobi iteration (see the module's docstring). window: W columns;
     ngram: n-gram size (the drafts' depth is ngram - 1); guesses: n-grams verified per step;
     pool_size: n-grams kept per row."""
@@ -53,6 +53,7 @@ class Lookahead:
     guesses: int = struct.field(pytree_node=False, default=5)
     pool_size: int = struct.field(pytree_node=False, default=512)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # set by resolve
+    fixed_shape = True  # window, ngram and guesses set it
 
     def resolve(self, K: int | None) -> "Lookahead":
         for name, low in (("window", 1), ("ngram", 2), ("guesses", 1), ("pool_size", 1)):
@@ -77,7 +78,7 @@ class Lookahead:
         """Slots past the root the verification pass writes: the trie's, then the window's."""
         return self.tree.nodes + self.levels * self.window
 
-    def start(self, target, prompts, lengths, max_len):
+    def start(self, target, prompts, lengths, max_len, hidden=None):
         """The window filled with prompt tokens (pseudo-random positions, as the reference
         does), the pool with the prompt's most recent n-grams."""
         B, P = prompts.shape

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.drafters import trained
-from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
 from specjax.models import Model, head_logits
 from specjax.tree import Tree
 
@@ -40,13 +40,12 @@ def heads_logits(params: dict, target: Model, h: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
-class Medusa:
+class Medusa(Drafter):
     params: dict  # kernel float [H, R, E, E], bias [H, R, E]
     signature: trained.TargetSignature = struct.field(pytree_node=False)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain
 
     wants_features = True
-    target_room = 0
 
     @classmethod
     def init(cls, target: Model, num_heads: int, key: jax.Array, tree: Tree | None = None,

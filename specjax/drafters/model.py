@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.drafters.base import DraftRequest, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
 from specjax.models import Model, apply, prefill
 from specjax.tree import Tree
 
@@ -35,16 +35,28 @@ def check_vocabularies(target_vocab: int, draft: Model):
 
 
 @struct.dataclass
-class DraftModel:
+class DraftModel(Drafter):
     model: Model
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
 
     def resolve(self, K: int | None) -> "DraftModel":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
 
-    target_room = 0  # it never writes the target's cache
+    def bind(self, target: Model) -> "DraftModel":
+        check_vocabularies(target.config.vocab_size, self.model)
+        return self
 
-    def start(self, target: Model, prompts, lengths, max_len):
+    def check_lengths(self, longest: int, max_new_tokens: int):
+        c = self.model.config
+        if longest + max_new_tokens > c.max_position_embeddings:
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the draft "
+                             f"{c.model_type} model's max_position_embeddings ({c.max_position_embeddings})")
+
+    def state_rules(self, rules: tuple) -> tuple:
+        """A sharded draft's cache follows the draft's own rules; a replicated draft's, replicated."""
+        return self.model.rules or super().state_rules(rules)
+
+    def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         """Prefills the draft's cache with the prompts. prompts [B, P], lengths [B]."""
         B, P = prompts.shape
         cache = KVCache.init(self.model.config, B, max_len + self.tree.region + self.tree.depth + 1,

@@ -15,16 +15,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import DraftRequest, Proposal, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, Proposal, shape_for
 from specjax.tree import Tree
 
 
 @struct.dataclass
-class PromptLookup:
+class PromptLookup(Drafter):
     max_ngram: int = struct.field(pytree_node=False, default=3)
     min_ngram: int = struct.field(pytree_node=False, default=1)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # a chain of K, set by generate
-    target_room = 0
 
     def resolve(self, K: int | None) -> "PromptLookup":
         tree = shape_for(self.tree, K, "top_k")
@@ -32,7 +31,7 @@ class PromptLookup:
             raise ValueError("PromptLookup proposes one continuation: a chain, not a tree")
         return self.replace(tree=tree)
 
-    def start(self, target, prompts, lengths, max_len):
+    def start(self, target, prompts, lengths, max_len, hidden=None):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got "
                              f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")

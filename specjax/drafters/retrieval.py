@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import DraftRequest, Proposal, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, Proposal, shape_for
 from specjax.hf import CheckpointError, _read_json, check_regular
 from specjax.tree import Tree
 
@@ -201,7 +201,7 @@ def _compare(window, pattern, mask):
 
 
 @struct.dataclass
-class Retrieval:
+class Retrieval(Drafter):
     """Drafts from a `Datastore` (see the module's docstring). tree: a dynamic
     `Tree(depth, top_k, nodes)` (top_k: children kept per node), or None for a chain of
     num_draft_tokens. Static rank-path trees are refused: the trie is each row's own."""
@@ -211,7 +211,6 @@ class Retrieval:
     min_span: int = struct.field(pytree_node=False, default=1)  # shortest match that drafts
     max_matches: int = struct.field(pytree_node=False, default=64)  # occurrences read per row
     tree: Tree | None = struct.field(pytree_node=False, default=None)
-    target_room = 0
 
     def resolve(self, K: int | None) -> "Retrieval":
         if not isinstance(self.datastore, Datastore):
@@ -239,7 +238,7 @@ class Retrieval:
                              f"vocabulary [0, {vocab}): it was built with another tokenizer")
         return self
 
-    def start(self, target, prompts, lengths, max_len):
+    def start(self, target, prompts, lengths, max_len, hidden=None):
         return None
 
     def propose(self, state, request: DraftRequest):

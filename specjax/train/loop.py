@@ -11,6 +11,7 @@ It knows models and token streams; tokenizers and corpora live in data.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Callable
@@ -104,9 +105,10 @@ def model_objective(model: Model, cfg: TrainConfig, teacher: Model | None):
 
 
 def make_step(loss_fn, optimizer: optax.GradientTransformation):
-    """One jitted update: (state, batch) -> (state, loss)."""
+    """One jitted update: (state, batch) -> (state, loss). The state given is donated (its
+    buffers become the new state's): pass one nobody else holds."""
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def step(state: TrainState, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -162,6 +164,7 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
     record = {"train": dataclasses.asdict(cfg), "layout": PARAMS_LAYOUT, **record}
 
+    params = jax.tree.map(jnp.copy, params)  # the step donates the state: not the caller's arrays
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
     if manager.latest_step() is not None:
         if manager.record().get("layout") != PARAMS_LAYOUT:

@@ -1,0 +1,258 @@
+"""The decoding loop: autoregressive and speculative, one machinery, one `lax.while_loop`.
+
+Invariant at the top of every step: row b holds `length[b]` final tokens in `tokens`; the
+target's cache holds correct entries for positions < length[b] - 1 (the last token is in
+no cache yet); entries at or beyond that are stale and masked by position, never cleared.
+
+One step, all shapes fixed:
+  1. the drafter proposes a token tree per row (a chain of K drafts is the tree where each
+     node has one child): N tokens, their parents, which were proposed, and the
+     distributions q they were drawn from (None when deterministic);
+  2. the target scores [last token, the N nodes] in one pass, node i at position
+     length-1+depth(i), written at slot length-1+i and seeing the prefix, its ancestors
+     and itself; p is its warped distribution at all N+1 of them. A drafter may add a
+     `Branch` of tokens to the same pass (after the nodes, under its own mask, unseen by
+     them); it gets the target's logits for those back through `observe`;
+  3. `acceptance.accept` walks each row's tree: it keeps the longest path the target
+     agrees with (n nodes) and draws one token of the target's own;
+  4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
+     and at max_new_tokens); the accepted path's keys/values move to the slots of their
+     positions (nothing moves for a chain: its nodes are already there). Rolling back the
+     rest of the tree is only this: its entries are now beyond length-1, stale and masked;
+  5. a row that emitted EOS or reached max_new_tokens is done: its state is frozen under
+     masks while the other rows go on, and drafters are told. The loop ends when every
+     row is done.
+Autoregressive decoding is the same step with an empty tree and no drafter.
+
+The loop knows drafters only through their interface (`specjax.drafters.Drafter`), and
+nothing of tokenizers, files, request checks or memory: `generate` (generate.py) checks and
+prepares a call (request.py) before it reaches `generate_loop`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import io_callback
+
+from specjax import acceptance, sharding, streams
+from specjax.cache import KVCache, move, tree_placement
+from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
+from specjax.models import Model, apply, layers, prefill
+from specjax.sampling import Sampling, warp
+from specjax.tree import ancestors, depths, with_branch
+
+
+@struct.dataclass
+class Stats:
+    steps: jax.Array  # int32 [B]: target verification passes the row took part in
+    drafted: jax.Array  # int32 [B]: draft tokens proposed to the row
+    accepted: jax.Array  # int32 [B]: draft tokens accepted and emitted in the row
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # int32 [B, max_new_tokens]: new tokens only; 0 after num_tokens[b]
+    num_tokens: jax.Array  # int32 [B]: tokens generated, an emitted EOS included
+    stats: Stats
+    # int32 [B, max_new_tokens]: tokens each step emitted per row (0 once the row is done);
+    # None unless generate(..., return_trace=True).
+    trace: jax.Array | None = None
+
+
+@struct.dataclass
+class LoopState:
+    tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
+    length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
+    target_cache: KVCache  # L x [B, S, G, D]; valid below length - 1
+    draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
+    k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
+    done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
+    key: jax.Array  # PRNG key, split once per step
+    stats: Stats
+    step: jax.Array  # int32 []: steps taken
+    trace: jax.Array | None  # int32 [B, max_new_tokens] tokens emitted per step, if asked for
+    features: Features | None = None  # the target's hidden states, for drafters that want them
+
+
+CACHE_MULTIPLE = 128  # caches of at least this many slots are rounded up to a multiple of it
+SHORT_CACHE_MULTIPLE = 16  # shorter ones (tiny tests, short prompts) to a multiple of this
+
+
+def cache_length(P: int, max_new_tokens: int, room: int) -> int:
+    """The loop's cache length S for prompts [B, P]: P + max_new_tokens + room (a drafter's
+    furthest write), rounded up to a multiple of CACHE_MULTIPLE (SHORT_CACHE_MULTIPLE below
+    it) so that key blocks and hardware tiles divide it."""
+    S = P + max_new_tokens + room
+    m = CACHE_MULTIPLE if S >= CACHE_MULTIPLE else SHORT_CACHE_MULTIPLE
+    return -(-S // m) * m
+
+
+def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
+    """bool [...]: which of tokens int32 [...] are among the stop ids int32 [N]."""
+    return (tokens[..., None] == stop).any(axis=-1)
+
+
+def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,
+                  return_trace: bool) -> LoopState:
+    """The carry before the first step: the prompts prefilled into the target's cache (and
+    the drafter started), which holds them; traced inside `generate_loop` (and by
+    `jax.eval_shape` where only its shapes are wanted: budget.py)."""
+    B, P = prompts.shape
+    D = 0 if drafter is None else drafter.tree.depth
+    # Room for the furthest tree node (or drafter write) of an unfinished row.
+    S = cache_length(P, max_new_tokens, verify_room(drafter))
+    # The padded prompt block is written whole: slots past a row's length are stale and
+    # will be overwritten before any query can see them. Long prompts go in chunks
+    # (models.prefill); hidden [B, P, E] only for drafters that read it.
+    wants_features = drafter is not None and drafter.wants_features
+    cache = KVCache.init(target.config, B, S, target.dtype)
+    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features)
+    features, draft_state = None, None
+    if wants_features:
+        # The prompt's states up to position length-2, the last one a drafter may read now.
+        first = lengths - 2
+        at = jnp.clip(first[:, None] + jnp.arange(D + 1)[None, :], 0, P - 1)  # [B, D+1]
+        features = Features(jnp.take_along_axis(hidden, at[..., None], axis=1), first)
+    if drafter is not None:
+        draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return LoopState(
+        tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
+        target_cache=cache.replace(lengths=lengths - 1), draft_state=draft_state, features=features,
+        k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), key=key,
+        stats=Stats(zeros, zeros, zeros), step=jnp.zeros((), jnp.int32),
+        trace=jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k",
+                                             "mesh", "rules"))
+def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
+                  *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
+                  mesh, rules, stream=None) -> GenerateOutput:
+    """The whole generation, compiled. drafter: None or a resolved, bound `Drafter`; eos:
+    int32 [N] stop ids padded with -1; stream: None, or int32 [] (a handle of
+    `streams`; being None or not is part of the jit key, so None costs nothing). A sharded
+    program's attention takes the portable path (layers.portable_attention)."""
+    with layers.portable_attention(mesh is not None):
+        return _trace(target, drafter, prompts, lengths, key, sampling, eos, threshold,
+                      max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
+                      mesh=mesh, rules=rules, stream=stream)
+
+
+def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
+           *, max_new_tokens: int, return_trace: bool, adaptive_k: bool, mesh, rules, stream) -> GenerateOutput:
+    """generate_loop's body, traced inside it."""
+    B, P = prompts.shape
+    N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
+    S = cache_length(P, max_new_tokens, verify_room(drafter))
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
+    # The drafter's state follows its own rules (a replicated draft: a replicated cache).
+    draft_rules = None if rules is None or drafter is None else drafter.state_rules(rules)
+
+    def place(state: LoopState) -> LoopState:
+        """Pins the carry's layout on a mesh: rows over data; the target cache's heads over
+        model by `rules`, the drafter's caches by its own rules."""
+        if mesh is None:
+            return state
+
+        def constrain(x, cache_rules):
+            if isinstance(x, KVCache):
+                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, cache_rules))
+            if getattr(x, "ndim", 0) >= 1 and x.shape[0] == B:
+                return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(x.shape, mesh, rules))
+            return x
+
+        is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+        return state.replace(**{
+            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else rules),
+                               getattr(state, name), is_leaf=is_cache)
+            for name in state.__dataclass_fields__})
+
+    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, return_trace)
+
+    def step(state: LoopState) -> LoopState:
+        key, draft_key, accept_key = jax.random.split(state.key, 3)
+        length, active = state.length, ~state.done
+        if drafter is None:
+            draft_state, cache = None, state.target_cache
+            proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32),
+                                jnp.zeros((B, 0), bool), None)
+        else:
+            draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
+                target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
+                done=state.done, key=draft_key, sampling=sampling, k_limit=state.k_limit,
+                threshold=threshold, features=state.features))
+        valid = proposal.valid & active[:, None]  # [B, N]
+
+        # Verify: one target pass over [last token, the N nodes], node i at slot
+        # length-1+i and position length-1+depth(i). A fixed tree's masks are constants;
+        # a chain needs none beyond the causal one.
+        parents, branch = proposal.parents, proposal.branch
+        ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
+        depth = depths(ancestor)  # [N+1] or [B, N+1]
+        chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N)) and branch is None
+        last = state.tokens[rows[:, 0], length - 1]
+        verify = jnp.concatenate([last[:, None], proposal.tokens]
+                                 + ([] if branch is None else [branch.tokens]), axis=1)  # [B, T]
+        T = verify.shape[1]  # N+1, then the branch's X tokens if a drafter asked for them
+        offsets_all, sees = (depth, ancestor) if branch is None else with_branch(depth, ancestor, branch)
+        start = length - 1  # the root's slot
+        slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
+        placement = None if chain else tree_placement(
+            start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
+        logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement)
+        if branch is not None:  # the drafter reads the target's logits for its branch
+            draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
+            logits = logits[:, : N + 1]
+        p = warp(logits, sampling)  # [B, N+1, V]
+        n, path, extra = acceptance.accept(accept_key, proposal.tokens, parents, valid, proposal.q, p, D)
+        if not chain:  # the path's node at depth j+1 moves to slot length+j
+            cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
+                                                                 length[:, None] + offsets[:, :D], S))
+
+        # The row's new tokens: the path's then the target's own; cut after EOS and at the
+        # max_new_tokens budget; nothing for rows already done.
+        path_tokens = jnp.take_along_axis(verify, path, axis=1)  # [B, D]
+        new = jnp.where(offsets < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), extra[:, None])
+        count = n + 1
+        eos_at = is_stop(new, eos) & (offsets < count[:, None])
+        count = jnp.where(eos_at.any(axis=1), jnp.argmax(eos_at, axis=1) + 1, count)
+        count = jnp.minimum(count, max_new_tokens - (length - lengths))
+        count = jnp.where(active, count, 0)
+        keep = offsets < count[:, None]
+        tokens = state.tokens.at[rows, jnp.where(keep, length[:, None] + offsets, S)].set(new, mode="drop")
+        new_length = length + count
+        done = state.done | (eos_at & keep).any(axis=1) | (new_length - lengths >= max_new_tokens)
+
+        a = active.astype(jnp.int32)
+        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + valid.sum(axis=1),
+                      accepted=state.stats.accepted + jnp.minimum(n, count))
+        k_limit = state.k_limit
+        if adaptive_k:  # transformers' heuristic: +2 after a clean sweep, -1 after a rejection
+            reach = jnp.max(jnp.where(valid, depth[..., 1:], 0), axis=1, initial=0)  # deepest proposed
+            grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
+            k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
+        trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
+        features = None if state.features is None else Features(  # the root's state, then the path's
+            jnp.take_along_axis(hidden, jnp.pad(path, ((0, 0), (1, 0)))[..., None], axis=1), start)
+        if stream is not None:  # the host receives the step's kept tokens, steps in order
+            io_callback(streams.to_host, None, stream, jnp.where(keep, new, 0), count, ordered=True)
+        return LoopState(tokens=tokens, length=new_length,
+                         target_cache=cache.replace(lengths=new_length - 1),
+                         draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,
+                         step=state.step + 1, trace=trace, features=features)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: place(step(s)), place(state))
+
+    num_tokens = state.length - lengths
+    cols = jnp.arange(max_new_tokens)[None, :]
+    out = state.tokens[rows, lengths[:, None] + cols]
+    out = jnp.where(cols < num_tokens[:, None], out, 0)
+    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=state.trace)
