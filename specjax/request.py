@@ -103,7 +103,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
 
     key = jax.random.key(0) if key is None else key
-    eos = stop_ids(eos_token_id)
+    eos = padded_stop_ids(eos_token_id)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
@@ -132,7 +132,7 @@ def _deterministic(target: Model, mesh) -> Model:
 STOP_IDS_BUCKET = 4  # stop-id lists are padded to a multiple of this (with -1, never a token)
 
 
-def stop_ids(eos_token_id) -> jax.Array:
+def padded_stop_ids(eos_token_id) -> jax.Array:
     """None, one id or several -> int32 [N], padded with -1 to a multiple of STOP_IDS_BUCKET."""
     ids = jnp.asarray([] if eos_token_id is None else eos_token_id, jnp.int32).reshape(-1)
     n = max(STOP_IDS_BUCKET, -(-ids.shape[0] // STOP_IDS_BUCKET) * STOP_IDS_BUCKET)

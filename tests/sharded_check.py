@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax.loop import cache_length, generate_loop  # noqa: E402
-from specjax.request import stop_ids  # noqa: E402
+from specjax.request import padded_stop_ids  # noqa: E402
 from specjax.sampling import Sampling  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
@@ -109,7 +109,7 @@ def main():
         # The compiled loop: which all-gathers does it contain, and of what shapes?
         hlo = generate_loop.lower(
             sharded_target, specjax.DraftModel(sharded_draft).resolve(K), jnp.asarray(prompts),
-            jnp.asarray(lengths), jax.random.key(0), Sampling.make(), stop_ids(None), jnp.float32(0),
+            jnp.asarray(lengths), jax.random.key(0), Sampling.make(), padded_stop_ids(None), jnp.float32(0),
             max_new_tokens=MAX_NEW, return_trace=False, adaptive_k=False, mesh=mesh,
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
