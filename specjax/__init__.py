@@ -4,8 +4,8 @@ The public API, re-exports only.
 """
 
 from specjax.cache import KVCache
-from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup,
-                              Retrieval, load_drafter)
+from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
+                              PromptLookup, Retrieval, load_drafter)
 from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
@@ -18,10 +18,10 @@ from specjax.theory import CostProfile
 from specjax.tree import Tree
 
 __all__ = [
-    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "EarlyExit", "GenerateOutput",
-    "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache", "Lookahead", "Medusa",
-    "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats", "Tree",
-    "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory", "forward",
-    "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts", "quantize",
-    "save_model", "shard_model",
+    "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit",
+    "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
+    "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats",
+    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory",
+    "forward", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts",
+    "quantize", "save_model", "shard_model",
 ]

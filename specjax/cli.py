@@ -341,6 +341,9 @@ def _train_heads(args):
     if args.kind == "medusa":
         drafter, metrics = heads.train_medusa(target, args.heads, stream, held, _train_config(args), args.out,
                                               num_layers=args.head_layers, **common)
+    elif args.eagle3:
+        drafter, metrics = heads.train_eagle3(target, stream, held, _train_config(args), args.out,
+                                              steps=args.ttt_steps, feature_layers=args.feature_layers, **common)
     else:
         drafter, metrics = heads.train_eagle(target, stream, held, _train_config(args), args.out, **common)
     out = drafter.replace(signature=dataclasses.replace(drafter.signature, name=str(args.target))).save(
@@ -519,6 +522,13 @@ def main(argv=None):
         if kind == "medusa":
             p.add_argument("--heads", type=int, default=4, help="number of heads (the deepest draft)")
             p.add_argument("--head-layers", type=int, default=1, help="residual blocks per head")
+        else:
+            p.add_argument("--eagle3", action="store_true",
+                           help="EAGLE-3: features of three target layers, trained over unrolled drafting steps")
+            p.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3: drafting steps unrolled in training")
+            p.add_argument("--feature-layers", type=_ints(None, "--feature-layers", "1,3,5"), default=None,
+                           metavar="I,J,K", help="EAGLE-3: the target layers (1..L) whose outputs it reads "
+                                                 "(default: low, middle, high)")
         p.set_defaults(run=_train_heads, kind=kind)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")

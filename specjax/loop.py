@@ -112,7 +112,8 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
     # (models.prefill); hidden [B, P, E] only for drafters that read it.
     wants_features = drafter is not None and drafter.wants_features
     cache = KVCache.init(target.config, B, S, target.dtype)
-    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features)
+    taps = drafter.feature_layers if wants_features else None
+    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features, taps=taps)
     features, draft_state = None, None
     if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
@@ -207,7 +208,8 @@ def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eo
         slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
         placement = None if chain else tree_placement(
             start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
-        logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement)
+        logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
+                                      taps=None if drafter is None else drafter.feature_layers)
         if branch is not None:  # the drafter reads the target's logits for its branch
             draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
             logits = logits[:, : N + 1]

@@ -1,4 +1,4 @@
-"""Trained draft heads (Medusa, EAGLE): exact under greedy (against transformers) and under
+"""Trained draft heads (Medusa, EAGLE, EAGLE-3): exact under greedy (against transformers) and under
 sampling (three-token chi-square), chains and trees; the target's states reach them from
 the verification pass and are carried for no one else; save/load with clear refusals;
 training raises their acceptance; a training run killed with SIGKILL resumes bit for bit."""
@@ -34,6 +34,8 @@ DRAFTERS = {
     "eagle_chain": lambda t: specjax.Eagle.init(t, KEY),
     "eagle_dynamic": lambda t: specjax.Eagle.init(t, KEY, Tree(depth=4, top_k=3, nodes=10)),
     "eagle_static": lambda t: specjax.Eagle.init(t, KEY, Tree.from_paths(STATIC, "sampled")),
+    "eagle3_chain": lambda t: specjax.Eagle3.init(t, KEY),
+    "eagle3_dynamic": lambda t: specjax.Eagle3.init(t, KEY, Tree(depth=4, top_k=3, nodes=10)),
 }
 
 
@@ -51,7 +53,8 @@ def test_greedy_equals_transformers(pair, name):
     assert out.num_tokens[0] < MAX_NEW
 
 
-@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_chain", "eagle_dynamic"])
+@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_chain", "eagle_dynamic",
+                                  "eagle3_dynamic"])
 def test_sampling_is_exact(tiny_pair, exact_joint, name):  # noqa: F811
     target, _ = tiny_pair
     observed = _sampled_joint(target, DRAFTERS[name](target))
@@ -88,7 +91,7 @@ def test_states_are_carried_only_for_drafters_that_want_them(pair):
 def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
     target, _, _ = pair
     padded, lengths = specjax.pad_prompts(_prompts(4, seed=5), bucket=16)  # the greedy cases' shapes
-    for name in ("medusa_dynamic", "eagle_chain"):
+    for name in ("medusa_dynamic", "eagle_chain", "eagle3_dynamic"):
         drafter = DRAFTERS[name](target)
         drafter.save(tmp_path / name)
         loaded = specjax.load_drafter(tmp_path / name, tree=drafter.tree)
@@ -179,6 +182,9 @@ HOSTILE = {
     "kind a list": ("medusa", lambda f: _record(f, kind=["medusa"]), "json", "unknown drafter kind"),
     "eagle kind on medusa": ("medusa", lambda f: _record(f, kind="eagle"), "json", '"layer"'),
     "no layer": ("eagle", lambda f: _record(f, layer=DELETE), "json", '"layer"'),
+    "eagle3 kind on eagle": ("eagle", lambda f: _record(f, kind="eagle3"), "json", '"feature_layers"'),
+    "feature layer 0": ("eagle", lambda f: _record(f, kind="eagle3", feature_layers=[0, 1, 2]), "json",
+                        "feature layers must be layer numbers"),
     "layer a list": ("eagle", lambda f: _record(f, layer=[]), "json", '"layer"'),
     "layer a string": ("eagle", lambda f: _record(f, layer="llama"), "json", '"layer"'),
     "invalid utf-8": ("medusa", lambda f: (f / "drafter.json").write_bytes(b'{"kind": "\xff"}'), "json",
@@ -224,6 +230,36 @@ def test_hostile_drafter_files_are_refused_clearly(tmp_path, case):
     assert f"{folder}/drafter.{ext}" in message and fragment in message and "\n" not in message, message
 
 
+def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
+    """`unrolled` step j at position t (what training fits) gives the logits that drafting
+    j+1 deep from the root t-j gives: the root's pair with the target's features over a
+    cache of the earlier pairs, then the drafter's own outputs."""
+    from specjax.cache import KVCache
+    from specjax.drafters.eagle3 import eagle3_step, unrolled
+    from specjax.models import apply
+
+    target = pair[0]
+    drafter = specjax.Eagle3.init(target, KEY)
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, tiny.VOCAB)
+    positions = jax.numpy.broadcast_to(jax.numpy.arange(11), (2, 11))
+    _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
+    assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
+    steps = unrolled(drafter.config, drafter.params, target, tokens[:, 1:], taps, 3)
+    c, params = drafter.config, drafter.params
+    root = 5
+    cache = KVCache.init(c, 2, 32, jax.numpy.float32)
+    _, _, cache = eagle3_step(c, params, target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
+    logits, g, cache = eagle3_step(c, params, target, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
+                                   positions[:, root:root + 1], cache)
+    np.testing.assert_allclose(steps[0][:, root], logits[:, 0], atol=1e-5)
+    for j in (1, 2):
+        t = root + j
+        logits, g, cache = eagle3_step(c, params, target, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
+        np.testing.assert_allclose(steps[j][:, t], logits[:, 0], atol=1e-5, err_msg=f"step {j}")
+    with pytest.raises(ValueError, match="feature layers must be layer numbers in 1..2"):
+        specjax.Eagle3.init(target, KEY, feature_layers=(1, 3))
+
+
 def test_shapes_are_refused_clearly(pair):
     target, _, _ = pair
     with pytest.raises(ValueError, match="at most 3 deep"):
@@ -247,7 +283,7 @@ def own_text(pair):
     return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):
     from specjax.train import TrainConfig, heads
 
@@ -263,11 +299,13 @@ def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, ki
                                        tmp_path / "a", **quiet)[1]
         drafter, trained = heads.train_medusa(target, 3, stream, held, cfg, tmp_path / "b", **quiet)
     else:
-        untrained = heads.train_eagle(target, stream, held, one_step,
-                                      tmp_path / "a", **quiet)[1]
-        drafter, trained = heads.train_eagle(target, stream, held, cfg, tmp_path / "b", **quiet)
+        train = heads.train_eagle if kind == "eagle" else heads.train_eagle3
+        untrained = train(target, stream, held, one_step, tmp_path / "a", **quiet)[1]
+        drafter, trained = train(target, stream, held, cfg, tmp_path / "b", **quiet)
     assert trained["loss"] < 0.9 * untrained["loss"], (untrained, trained)
-    if kind == "eagle":  # it sees token t+1: on greedy text it learns to guess t+2 well
+    if kind == "eagle3":  # trained over unrolled steps: deeper guesses improve too
+        assert trained["depth_2"] > untrained["depth_2"] + 0.1, (untrained, trained)
+    if kind != "medusa":  # it sees token t+1: on greedy text it learns to guess t+2 well
         assert trained["depth_1"] > untrained["depth_1"] + 0.2, (untrained, trained)
         assert trained["tokens_per_pass"] > untrained["tokens_per_pass"] + 0.4, (untrained, trained)
     else:  # from h_t alone, on a random tiny target, there is less to learn

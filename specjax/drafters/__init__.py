@@ -28,6 +28,7 @@ Drafters are pytrees (flax struct dataclasses), so they pass through jit with wh
 
 from specjax.drafters.base import Branch, Drafter, DraftRequest, Features, Proposal
 from specjax.drafters.eagle import Eagle
+from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.early_exit import EarlyExit
 from specjax.drafters.lookahead import Lookahead
 from specjax.drafters.medusa import Medusa
@@ -36,5 +37,5 @@ from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.retrieval import Datastore, Retrieval
 from specjax.drafters.load import load_drafter
 
-__all__ = ["Branch", "Datastore", "Drafter", "DraftModel", "DraftRequest", "Eagle", "EarlyExit", "Features", "Lookahead",
-           "Medusa", "PromptLookup", "Proposal", "Retrieval", "load_drafter"]
+__all__ = ["Branch", "Datastore", "Drafter", "DraftModel", "DraftRequest", "Eagle", "Eagle3", "EarlyExit",
+           "Features", "Lookahead", "Medusa", "PromptLookup", "Proposal", "Retrieval", "load_drafter"]

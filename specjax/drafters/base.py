@@ -23,7 +23,7 @@ class Features:
     start + j, known for positions <= length - 2 (the last final token's is not computed
     until the next pass). Taken from the verification pass itself; nothing else is carried."""
 
-    hidden: jax.Array  # [B, D+1, E]: the root's, then the accepted path's
+    hidden: jax.Array  # [B, D+1, F]: the root's, then the accepted path's (F: E, or E per feature layer)
     start: jax.Array  # int32 [B]: the position of hidden[:, 0]
 
 
@@ -78,6 +78,8 @@ class Drafter:
     tree: Tree  # its shape once resolved: N nodes, depth
     target_room = 0  # slots past the root it writes in the target's cache (beyond its nodes)
     wants_features = False  # True: start gets hidden= and requests carry `Features`
+    feature_layers = None  # None: features are the target's final-normed states; else the
+    # outputs of these layers (1..L), concatenated (EAGLE-3)
     fixed_shape = False  # True: num_draft_tokens="auto" may not choose its shape
 
     def resolve(self, K: int | None) -> "Drafter":

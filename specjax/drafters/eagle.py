@@ -77,6 +77,10 @@ class Eagle(Drafter):
         return cls({"fc": fc, "layer": init_layer(config, layer_key)}, config,
                    trained.TargetSignature.of(target), tree)
 
+    def step(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        """`eagle_step` with this drafter's layer: (logits, features passed on, cache)."""
+        return eagle_step(self.config, self.params, target, tokens, features, positions, cache, placement)
+
     def resolve(self, K: int | None) -> "Eagle":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
 
@@ -96,7 +100,7 @@ class Eagle(Drafter):
         cache = KVCache.init(self.config, B, max_len + self.tree.region + self.tree.depth + 1, hidden.dtype)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
-        _, _, cache = eagle_step(self.config, self.params, target, next_tokens, hidden, positions, cache)
+        _, _, cache = self.step(target, next_tokens, hidden, positions, cache)
         return cache
 
     def propose(self, cache, request: DraftRequest):
@@ -105,8 +109,7 @@ class Eagle(Drafter):
         S = request.tokens.shape[1]
 
         def forward(cache, tokens, positions, placement=None, features=None):
-            logits, features, cache = eagle_step(self.config, self.params, target, tokens, features,
-                                                 positions, cache, placement)
+            logits, features, cache = self.step(target, tokens, features, positions, cache, placement)
             return cache, logits, features
 
         # Re-feed the kept tokens' pairs with the target's own features; slots from
@@ -130,26 +133,7 @@ class Eagle(Drafter):
         from specjax.hf import CheckpointError
 
         record_file, weights_file = folder / trained.RECORD, folder / trained.WEIGHTS
-        layer = record.get("layer")
-        if not isinstance(layer, dict):
-            raise CheckpointError(f"{record_file}: an EAGLE record keeps its layer's config (an object) under "
-                                  f"\"layer\"; it has {'none' if layer is None else type(layer).__name__}")
-        try:
-            config = ModelConfig.from_hf_config(layer)
-        except ValueError as e:
-            raise CheckpointError(f"{record_file}: its \"layer\" is refused: {e}") from None
-        mine = (config.num_layers, config.model_type, config.hidden_size, config.vocab_size)
-        if mine != (1, signature.model_type, signature.hidden_size, signature.vocab_size):
-            raise CheckpointError(f"{record_file}: its \"layer\" must be one layer of its target's model_type, "
-                                  f"hidden_size and vocab_size; it has (layers, model_type, hidden_size, "
-                                  f"vocab_size) {mine}")
-        # Sizes no tensor holds are refused before the layer's shapes are worked out from them.
-        sizes = {n: getattr(config, n) for n in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                                                 "intermediate_size")}
-        if max(sizes.values()) > max((w.size for w in jax.tree.leaves(params)), default=0):
-            raise CheckpointError(f"{record_file}: its \"layer\" has sizes {sizes}, one larger than any tensor in "
-                                  f"{trained.WEIGHTS}")
-        config = layer_config(config)
+        config = layer_from_record(params, record, signature, folder)
         legacy = record["format"] == 1  # saved before the fused layout: q/k/v and gate/up apart
         try:
             want = _legacy_shapes(config) if legacy else _shapes(config)
@@ -162,6 +146,34 @@ class Eagle(Drafter):
         if legacy:
             params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
         return cls(params, config, signature, tree)
+
+
+def layer_from_record(params, record, signature, folder) -> ModelConfig:
+    """The one layer's config from a drafter record's "layer", checked against its target's
+    signature and its weights' sizes (CheckpointError names what is wrong)."""
+    from specjax.hf import CheckpointError
+
+    record_file = folder / trained.RECORD
+    layer = record.get("layer")
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{record_file}: a record keeps its layer's config (an object) under "
+                              f"\"layer\"; it has {'none' if layer is None else type(layer).__name__}")
+    try:
+        config = ModelConfig.from_hf_config(layer)
+    except ValueError as e:
+        raise CheckpointError(f"{record_file}: its \"layer\" is refused: {e}") from None
+    mine = (config.num_layers, config.model_type, config.hidden_size, config.vocab_size)
+    if mine != (1, signature.model_type, signature.hidden_size, signature.vocab_size):
+        raise CheckpointError(f"{record_file}: its \"layer\" must be one layer of its target's model_type, "
+                              f"hidden_size and vocab_size; it has (layers, model_type, hidden_size, "
+                              f"vocab_size) {mine}")
+    # Sizes no tensor holds are refused before the layer's shapes are worked out from them.
+    sizes = {n: getattr(config, n) for n in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                             "intermediate_size")}
+    if max(sizes.values()) > max((w.size for w in jax.tree.leaves(params)), default=0):
+        raise CheckpointError(f"{record_file}: its \"layer\" has sizes {sizes}, one larger than any tensor in "
+                              f"{trained.WEIGHTS}")
+    return layer_config(config)
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,14 +9,15 @@ from pathlib import Path
 import jax
 
 from specjax.drafters.eagle import Eagle
+from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.trained import READABLE_FORMATS, RECORD, WEIGHTS, read_params, read_signature
 from specjax.hf import CheckpointError, _read_json, check_regular
 
 
 def load_drafter(path, tree=None):
-    """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa` or a
-    `specjax.Eagle`, drafting `tree` (None: a chain). Its weights are float32 on the default
+    """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa`, `specjax.Eagle`
+    or `specjax.Eagle3`, drafting `tree` (None: a chain). Its weights are float32 on the default
     device; they take the target's dtype when used. Bad files raise CheckpointError."""
     folder = Path(path)
     record_file, weights_file = folder / RECORD, folder / WEIGHTS
@@ -29,7 +30,7 @@ def load_drafter(path, tree=None):
     version, kind = record.get("format"), record.get("kind")
     if type(version) is not int or version not in READABLE_FORMATS:
         raise CheckpointError(f"{record_file}: format {version!r}, expected one of {READABLE_FORMATS}")
-    kinds = {"medusa": Medusa, "eagle": Eagle}
+    kinds = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3}
     if not isinstance(kind, str) or kind not in kinds:
         raise CheckpointError(f"{record_file}: unknown drafter kind {kind!r}; specjax has {sorted(kinds)}")
     signature = read_signature(record.get("target"), record_file)

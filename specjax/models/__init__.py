@@ -58,14 +58,16 @@ def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
 
 
 def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-          exit_layer: int | None = None, placement: Placement | None = None):
+          exit_layer: int | None = None, placement: Placement | None = None, taps: tuple | None = None):
     """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache).
 
     exit_layer: run only the first exit_layer layers, then the final norm and head.
     placement: where the tokens go in the cache and what they see, when not "slot =
-    position, causal" (a token tree; see cache.Placement)."""
+    position, causal" (a token tree; see cache.Placement).
+    taps: None, or layer numbers (1..L) whose output states make `hidden` instead,
+    concatenated: [B, T, len(taps) E] (EAGLE-3's features)."""
     run = exact.decode if model.exact else decode
-    return run(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer)
+    return run(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps)
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,
@@ -75,11 +77,11 @@ PREFILL_CHUNK = 512
 
 
 def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool = True,
-            chunk: int | None = None):
+            chunk: int | None = None, taps: tuple | None = None):
     """Writes tokens int32 [B, P] at positions 0..P-1 of every row into the cache: one pass
     when P <= chunk (default PREFILL_CHUNK), else ceil(P / chunk) passes of `chunk` tokens
     in a `lax.scan`, each attending over the cache written so far. Returns (hidden [B, P, E]
-    (the final-normed states, as `apply` gives them) or None, cache).
+    (the final-normed states, or the `taps`' states, as `apply` gives them) or None, cache).
 
     The last chunk is right-padded with token 0 at positions P and on: their entries land
     at slots the caller treats as stale (or beyond the buffer, dropped), like the padding of
@@ -90,7 +92,7 @@ def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool
         raise ValueError(f"prefill chunk must be >= 1, got {C}")
     if P <= C:
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        _, hidden, cache = apply(model, tokens, positions, cache)
+        _, hidden, cache = apply(model, tokens, positions, cache, taps=taps)
         return (hidden if return_hidden else None), cache
     n = -(-P // C)
     chunks = jnp.pad(tokens, ((0, 0), (0, n * C - P))).reshape(B, n, C).transpose(1, 0, 2)  # [n, B, C]
@@ -98,7 +100,7 @@ def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool
     def one(cache, xs):
         i, chunk_tokens = xs
         positions = jnp.broadcast_to(i * C + jnp.arange(C, dtype=jnp.int32), (B, C))
-        _, hidden, cache = apply(model, chunk_tokens, positions, cache)
+        _, hidden, cache = apply(model, chunk_tokens, positions, cache, taps=taps)
         return cache, (hidden if return_hidden else None)
 
     cache, hidden = jax.lax.scan(one, cache, (jnp.arange(n, dtype=jnp.int32), chunks))

@@ -112,7 +112,7 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window):
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
-           placement: Placement | None = None, num_layers: int | None = None):
+           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None):
     """transformer.decode, computed deterministically (see the module docstring): the same
     arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache)."""
     B, T = tokens.shape
@@ -147,6 +147,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         sliding: rowwise(lambda pos, sliding=sliding: angles(pos, sliding), flat_positions)
         for sliding in {local and w is not None for w in windows}}
 
+    tapped = {}  # layer number -> the residual stream after it, for `taps`
     for i in range(c.num_layers if num_layers is None else num_layers):
         p = params["layers"][i]
         sliding = local and windows[i] is not None
@@ -169,6 +170,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             return x + MLP(c).apply({"params": p["mlp"]}, h[None])[0]
 
         x = rowwise(finish, x, heads)
+        if taps and i + 1 in taps:
+            tapped[i + 1] = x
 
     tied = c.tie_word_embeddings
 
@@ -177,6 +180,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         return read_out(c, params["embedding" if tied else "lm_head"], hidden, transposed=tied), hidden
 
     logits, hidden = rowwise(head, x)
+    if taps:
+        hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k_all), v=tuple(v_all))
     return logits.reshape(B, T, -1), hidden.reshape(B, T, -1), cache

@@ -56,17 +56,20 @@ class Block(nn.Module):
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
-           placement: Placement | None = None, num_layers: int | None = None):
+           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None):
     """Activations take the parameters' dtype; logits are always float32.
 
     num_layers: run only the first num_layers layers, then the final norm and head (early
-    exit; the cache's other layers are returned untouched)."""
+    exit; the cache's other layers are returned untouched).
+    taps: None, or layer numbers i (1..L): `hidden` is then the residual stream after each
+    of those layers, concatenated ([B, T, len(taps) E]), instead of the final-normed states."""
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
     slots, masks, kv_limit = slots_and_masks(c, positions, cache, placement)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
+    tapped = {}  # layer number -> the residual stream after it, for `taps`
     for i in range(c.num_layers if num_layers is None else num_layers):
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
@@ -74,9 +77,13 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
                                kv_limit, kv)
         if cache is not None:
             k[i], v[i] = kv
+        if taps and i + 1 in taps:
+            tapped[i + 1] = x
     hidden = Norm(c).apply({"params": params["final_norm"]}, x)
     tied = c.tie_word_embeddings
     logits = read_out(c, params["embedding" if tied else "lm_head"], hidden, transposed=tied)
+    if taps:
+        hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k), v=tuple(v))
     return logits, hidden, cache

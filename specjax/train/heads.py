@@ -1,12 +1,14 @@
-"""Training draft heads (Medusa, EAGLE) on a frozen target by self-distillation: each
-head learns the target's own distribution at the position it guesses, on the corpus.
+"""Training draft heads (Medusa, EAGLE, EAGLE-3) on a frozen target by self-distillation:
+each head learns the target's own distribution at the position it guesses, on the corpus.
+EAGLE-3 learns it over several unrolled drafting steps ("training-time test"), each step
+reading the drafter's own outputs of the step before, weighted 0.8^j as its authors do.
 Both run through the shared `fit` loop (optax, orbax checkpoints with exact resume,
 held-out evaluation), so they resume exactly as targets and drafts do.
 
 Held-out evaluation reports the distillation loss and, per depth k, the fraction of
 positions where the drafter's top-1 guesses for depths 1..k all equal the target's argmax
 (Medusa: every depth, as its heads guess all at once; EAGLE: depth 1, as deeper guesses
-read its own predicted features), and, with a probe, what the drafter gets in the real
+read its own predicted features; EAGLE-3: every unrolled depth), and, with a probe, what the drafter gets in the real
 loop on held-out prompts: tokens per target pass and acceptance by depth.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 import optax
 
 from specjax.drafters.eagle import Eagle, eagle_step
+from specjax.drafters.eagle3 import Eagle3, unrolled
 from specjax.drafters.medusa import Medusa, heads_logits
 from specjax.models import Model, apply
 from specjax.train import losses
@@ -28,6 +31,8 @@ from specjax.train.loop import TrainConfig, fit
 from specjax.tree import Tree
 
 FEATURE_WEIGHT = 1.0  # EAGLE: weight of the feature regression (smooth L1) beside the KL
+TTT_STEPS = 4  # EAGLE-3: drafting steps unrolled in training (its authors use 7)
+TTT_DECAY = 0.8  # EAGLE-3: step j's loss weighs TTT_DECAY ** j
 
 
 def _target_pass(target: Model, tokens):
@@ -95,6 +100,33 @@ def eagle_objective(target: Model, config, cfg: TrainConfig):
     return loss_fn, metrics_fn
 
 
+def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: int = TTT_STEPS):
+    """(loss_fn, metrics_fn) over EAGLE-3 params and batches [B, T+1]. Unrolled step j at
+    position t drafts depth j+1 from the root t-j and learns the target's distribution at
+    t+1; positions t < j have no root and are left out."""
+    def run(params, batch):
+        positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
+        p, taps, _ = apply(target, batch, positions, taps=drafter.feature_layers)
+        p, taps = jax.lax.stop_gradient(p), jax.lax.stop_gradient(taps)
+        q = unrolled(drafter.config, params, target, batch[:, 1:], taps[:, :-1], steps)  # [steps, B, T, V]
+        return q, p[:, 1:]
+
+    def loss_fn(params, batch):
+        q, p = run(params, batch)
+        weights = [TTT_DECAY ** j for j in range(steps)]
+        return sum(w * losses.distill_loss(q[j, :, j:], p[:, j:], None, cfg.loss, cfg.temperature)
+                   for j, w in enumerate(weights)) / sum(weights)
+
+    def metrics_fn(params, batch):
+        q, p = run(params, batch)
+        roots = p.shape[1] - steps + 1  # roots whose whole unrolled chain lies in the window
+        target_top = jnp.argmax(p, -1)
+        matches = [jnp.argmax(q[j, :, j:j + roots], -1) == target_top[:, j:j + roots] for j in range(steps)]
+        return {"loss": losses.distill_loss(q[0], p, None, "kl"), **_chain_acceptance(matches)}
+
+    return loss_fn, metrics_fn
+
+
 def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], object],
                      max_new_tokens: int = 64) -> Callable[[dict], dict]:
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
@@ -150,6 +182,28 @@ def train_eagle(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: Tr
     loss_fn, metrics_fn = eagle_objective(target, drafter.config, cfg)
     record = {"model": {"eagle": drafter.config.to_hf_config(), "target": target.config.to_hf_config()},
               "kind": "eagle", **(record or {})}
+    probe = None if probe_prompts is None else acceptance_probe(
+        target, probe_prompts, lambda params: drafter.replace(params=params, tree=Tree.chain(6, "sampled")))
+    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
+                          log, progress, probe)
+    return drafter.replace(params=params), metrics
+
+
+def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
+                 run_dir: str | Path, key=None, record: dict | None = None,
+                 log: Callable[[str], None] = print, progress: bool = True,
+                 probe_prompts: np.ndarray | None = None, steps: int = TTT_STEPS,
+                 feature_layers: tuple | None = None) -> tuple[Eagle3, dict]:
+    """Trains an EAGLE-3 drafter on the frozen target with `steps` unrolled drafting steps;
+    resumes from run_dir's latest checkpoint. probe_prompts [B, P]: held-out prompts on
+    which each evaluation runs the real loop (a chain of 6)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"EAGLE-3 trains over >= 1 unrolled steps, got {steps!r}")
+    drafter = Eagle3.init(target, jax.random.key(0) if key is None else key, feature_layers=feature_layers)
+    loss_fn, metrics_fn = eagle3_objective(target, drafter, cfg, steps)
+    record = {"model": {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
+                        "ttt_steps": steps, "target": target.config.to_hf_config()},
+              "kind": "eagle3", **(record or {})}
     probe = None if probe_prompts is None else acceptance_probe(
         target, probe_prompts, lambda params: drafter.replace(params=params, tree=Tree.chain(6, "sampled")))
     params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,

@@ -1,0 +1,208 @@
+"""EAGLE-3 (Li et al., 2025): EAGLE's one-layer drafter over features of three of the
+target's layers, predicting tokens rather than features.
+
+At position t it reads token t+1 and a feature g_t. At the root g_t is the target's own:
+the residual stream after a low, a middle and a high layer (`feature_layers`), taken from
+the verification pass itself (the loop asks the target for those states instead of its
+final ones: `Drafter.feature_layers`), concatenated and fused by a learned projection
+(fuse: [3E] -> [E]). Deeper, g is the drafter's own output at the previous position. Token
+embedding and g are normed apart, concatenated and projected (fc: [2E] -> [E]); one
+decoder layer of the target's family and shape follows; its output, normed by the
+drafter's own norm, is read out by the target's frozen head as logits for token t+2, and
+is the g of the node's children. Nothing asks the output to resemble a target feature:
+training (train/heads.py) fits only the tokens, over several unrolled drafting steps
+("training-time test": `unrolled`), so that a step learns from inputs like those it gets
+when drafting deep.
+
+Drafting is EAGLE's (eagle.py): the same cache, re-feeding of the kept tokens' pairs with
+the target's features, and chains or trees grown by `base.grow`. EAGLE-3's reduced draft
+vocabulary is not implemented: the drafter speaks the target's whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.drafters import trained
+from specjax.drafters.eagle import Eagle, layer_config, layer_from_record
+from specjax.models import Model, head_logits
+from specjax.models.layers import MLP, Attention, Norm, softcap
+from specjax.models.layers import init as normal_init
+from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_tables, slots_and_masks
+from specjax.tree import Tree
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high: layers 2, L/2 and L-3 as EAGLE-3 takes them (1, L/2 and L-1 for
+    targets of fewer than 12 layers, where L-3 would sit in the middle)."""
+    if num_layers >= 12:
+        return 2, num_layers // 2, num_layers - 3
+    return 1, max(1, num_layers // 2), max(1, num_layers - 1)
+
+
+def _norm(config: ModelConfig, params, x):
+    return Norm(config).apply({"params": params}, x)
+
+
+def fused_input(config: ModelConfig, params: dict, target: Model, tokens, features):
+    """The layer's input [B, T, E] from tokens [B, T] and features [B, T, F]: the target's
+    concatenated layer states (F = n E, fused first) or the drafter's own outputs (F = E)."""
+    dtype = features.dtype
+    E = config.hidden_size
+    if features.shape[-1] != E:
+        features = features @ params["fuse"]["kernel"].astype(dtype)
+    emb = embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype)
+    norms = jax.tree.map(lambda w: w.astype(dtype), params["norms"])
+    x = jnp.concatenate([_norm(config, norms["token"], emb), _norm(config, norms["feature"], features)], axis=-1)
+    return x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
+
+
+def read_out(config: ModelConfig, params: dict, target: Model, x):
+    """float32 logits [B, T, V] of the layer's outputs x [B, T, E]: its own norm, the target's head."""
+    return head_logits(target, _norm(config, jax.tree.map(lambda w: w.astype(x.dtype), params["norms"]["out"]), x))
+
+
+def eagle3_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
+                cache: KVCache | None = None, placement=None):
+    """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
+    -> (logits float32 [B, T, V] for token t+2, the layer's outputs [B, T, E], cache)."""
+    x = fused_input(config, params, target, tokens, features)
+    slots, masks, kv_limit = slots_and_masks(config, positions, cache, placement)
+    layer_params = jax.tree.map(lambda w: w.astype(x.dtype), params["layer"])
+    kv = None if cache is None else (cache.k[0], cache.v[0])
+    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], slots,
+                                masks[False], kv_limit, kv)
+    if cache is not None:
+        cache = cache.replace(k=(kv[0],), v=(kv[1],))
+    return read_out(config, params, target, x), x, cache
+
+
+def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features, steps: int):
+    """Training-time test: `steps` drafting steps over a whole sequence at once, as drafting
+    would take them. tokens int32 [B, T] (token t+1 at t), features [B, T, nE] (the target's,
+    at t). Step 0 reads the target's features; step j reads at t the drafter's step j-1
+    output at t-1, and its query at t sees what it would see drafting j deep from the root
+    t-j: the keys step 0 computed at positions <= t-j (the target's features) and the keys
+    step i computed at t-j+i, i = 1..j (its own chain). -> logits float32 [steps, B, T, V];
+    at step j positions t < j have no root and are junk."""
+    B, T = tokens.shape
+    c = config
+    p = params["layer"]
+    attn = Attention(c)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos_sin = rotary_tables(c, positions)[False]
+    t = jnp.arange(T)
+    G, H, D = c.num_kv_heads, c.num_heads, c.head_dim
+    R = H // G
+    keys, values, outputs = [], [], []
+    g = features
+    for j in range(steps):
+        x = fused_input(c, params, target, tokens, g)  # [B, T, E]
+        h = _norm(c, p["attn_norm"], x)
+        q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, method=Attention.project_qkv)
+        keys.append(k)
+        values.append(v)
+        qg = q.reshape(B, T, G, R, D)
+        # Step 0's keys at positions s <= t - j.
+        s0 = jnp.einsum("btgrd,bsgd->bgrts", qg, keys[0], preferred_element_type=jnp.float32) * attn.scale
+        s0 = jnp.where((t[None, :] <= t[:, None] - j), s0, -jnp.inf)
+        # Step i's key at t - j + i (i = 1..j): one score per query, [B, G, R, T] each.
+        index = [jnp.clip(t - j + i, 0, T - 1) for i in range(1, j + 1)]
+        diag = [jnp.einsum("btgrd,btgd->bgrt", qg, keys[i][:, idx], preferred_element_type=jnp.float32) * attn.scale
+                for i, idx in zip(range(1, j + 1), index)]
+        scores = jnp.concatenate([s0] + [d[..., None] for d in diag], axis=-1)  # [B, G, R, T, T+j]
+        if attn.cap is not None:
+            scores = softcap(scores, attn.cap)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bgrts,bsgd->btgrd", probs[..., :T].astype(v.dtype), values[0])
+        for n, (i, idx) in enumerate(zip(range(1, j + 1), index)):
+            out = out + jnp.einsum("bgrt,btgd->btgrd", probs[..., T + n].astype(v.dtype), values[i][:, idx])
+        x = x + attn.apply({"params": p["attn"]}, out.reshape(B, T, H, D), method=Attention.project_out)
+        x = x + MLP(c).apply({"params": p["mlp"]}, _norm(c, p["mlp_norm"], x))
+        outputs.append(read_out(c, params, target, x))
+        g = jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next step reads at t the output at t-1
+    return jnp.stack(outputs)
+
+
+@struct.dataclass
+class Eagle3(Eagle):
+    """EAGLE-3: Eagle's drafting over the target's `feature_layers` (see the module docstring)."""
+
+    feature_layers: tuple = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def init(cls, target: Model, key: jax.Array, tree: Tree | None = None,
+             feature_layers: tuple | None = None) -> "Eagle3":
+        """Random weights (normal(0.02), unit norms, zero biases), float32."""
+        layers = tuple(feature_layers or default_feature_layers(target.config.num_layers))
+        _check_layers(layers, target.config.num_layers)
+        config = layer_config(target.config)
+        E = config.hidden_size
+        fuse_key, fc_key, layer_key = jax.random.split(key, 3)
+        norm = Norm(config).init(key, jnp.zeros((1, 1, E)))["params"]
+        params = {"fuse": {"kernel": normal_init(fuse_key, (len(layers) * E, E), jnp.float32)},
+                  "norms": {"token": norm, "feature": norm, "out": norm},
+                  "fc": {"kernel": normal_init(fc_key, (2 * E, E), jnp.float32), "bias": jnp.zeros((E,), jnp.float32)},
+                  "layer": init_layer(config, layer_key)}
+        return cls(params, config, trained.TargetSignature.of(target), tree, layers)
+
+    def step(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        return eagle3_step(self.config, self.params, target, tokens, features, positions, cache, placement)
+
+    def bind(self, target: Model) -> "Eagle3":
+        self.signature.check(target, "EAGLE-3")
+        _check_layers(self.feature_layers, target.config.num_layers)
+        config = layer_config(target.config)
+        if _shapes(config, len(self.feature_layers)) != jax.tree.map(lambda w: tuple(w.shape), self.params):
+            raise ValueError("this EAGLE-3 drafter's weights do not match the target's sizes (heads, head_dim, "
+                             "MLP width, biases, norms): it was made for another target")
+        return self.replace(config=config)
+
+    def save(self, path):
+        """Writes drafter.safetensors and drafter.json into the folder path."""
+        return trained.save(path, "eagle3", self.params, self.signature,
+                            {"layer": self.config.to_hf_config(), "feature_layers": list(self.feature_layers)})
+
+    @classmethod
+    def from_record(cls, params, record, signature, tree, folder):
+        from specjax.hf import CheckpointError
+
+        record_file = folder / trained.RECORD
+        layers = record.get("feature_layers")
+        if not (isinstance(layers, list) and 1 <= len(layers) <= 16 and all(type(i) is int for i in layers)):
+            raise CheckpointError(f"{record_file}: an EAGLE-3 record lists its target's feature layers (1 to 16 "
+                                  f"ints) under \"feature_layers\"; it has {layers!r}")
+        config = layer_from_record(params, record, signature, folder)
+        try:
+            _check_layers(tuple(layers), 10**6)
+            want = _shapes(config, len(layers))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CheckpointError(f"{record_file}: no EAGLE-3 drafter specjax can build ({e})") from None
+        got = jax.tree.map(lambda w: tuple(w.shape), params)
+        if got != want:
+            raise CheckpointError(f"{folder / trained.WEIGHTS}: EAGLE-3 weights {got} do not match its record's "
+                                  f"shapes {want}")
+        return cls(params, config, signature, tree, tuple(layers))
+
+
+def _check_layers(layers: tuple, num_layers: int):
+    if not layers or not all(isinstance(i, int) and 1 <= i <= num_layers for i in layers):
+        raise ValueError(f"EAGLE-3 feature layers must be layer numbers in 1..{num_layers} (the target's), "
+                         f"got {layers!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(config: ModelConfig, num_features: int) -> dict:
+    """The shapes of an Eagle3's params for a layer config and number of feature layers."""
+    E = config.hidden_size
+    layer = jax.eval_shape(lambda: init_layer(config, jax.random.key(0)))
+    norm = jax.eval_shape(lambda: Norm(config).init(jax.random.key(0), jnp.zeros((1, 1, E)))["params"])
+    norm = jax.tree.map(lambda w: tuple(w.shape), norm)
+    return {"fuse": {"kernel": (num_features * E, E)}, "norms": {"token": norm, "feature": norm, "out": norm},
+            "fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
