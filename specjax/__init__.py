@@ -13,7 +13,7 @@ from specjax.budget import MemoryEstimate
 from specjax.memory import InsufficientMemoryError
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
-from specjax.sharding import make_mesh, shard_model
+from specjax.sharding import gather, make_mesh, shard_model
 from specjax.theory import CostProfile
 from specjax.tree import Tree
 
@@ -22,6 +22,6 @@ __all__ = [
     "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
     "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats",
     "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory",
-    "forward", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh", "pad_prompts",
-    "quantize", "save_model", "shard_model",
+    "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
+    "pad_prompts", "quantize", "save_model", "shard_model",
 ]

@@ -77,7 +77,7 @@ def _generate(args):
         draft = specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree)
         drafter_name = f"retrieval from {args.retrieval}"
     elif args.drafter:
-        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle") else args.drafter
+        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle", "eagle3") else args.drafter
         draft = specjax.load_drafter(path, tree)
         drafter_name = f"{type(draft).__name__} heads {path}"
     else:
@@ -116,7 +116,7 @@ def _generate(args):
     start = time.perf_counter()
     out = jax.block_until_ready(run())
     seconds = time.perf_counter() - start
-    out = jax.tree.map(_to_host, out)
+    out = specjax.gather(out)
 
     generated = int(out.num_tokens.sum())
     steps, drafted, accepted = (int(x.sum()) for x in (out.stats.steps, out.stats.drafted, out.stats.accepted))
@@ -257,18 +257,6 @@ def _parse_tree(text):
     except (ValueError, TypeError) as e:
         raise ValueError(f"--tree {text!r}: {e} (give DEPTH,TOP_K,NODES such as 8,2,24, "
                          f"or rank paths such as '[[0], [1], [0, 0]]')")
-
-
-def _to_host(x):
-    """A global array as numpy on every process (multi-host arrays are not fully addressable)."""
-    import jax
-    import numpy as np
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def _model_config(args, vocab_size, tokenizer):
@@ -436,8 +424,8 @@ def main(argv=None):
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     drafters.add_argument("--drafter", metavar="PATH|medusa|eagle",
-                          help="trained draft heads saved by train-medusa/train-eagle (medusa, eagle: "
-                               "the shipped checkpoints/medusa, checkpoints/eagle)")
+                          help="trained draft heads saved by train-medusa/train-eagle (medusa, eagle, eagle3: "
+                               "the shipped checkpoints/medusa, checkpoints/eagle, checkpoints/eagle3)")
     drafters.add_argument("--early-exit", type=int, metavar="N",
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",

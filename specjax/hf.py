@@ -457,8 +457,8 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 
 
 def _placement(shape, path, mesh, rules):
-    if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if mesh is None:  # this process's first device (in a job of several processes, devices()[0] is process 0's)
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     from jax.sharding import NamedSharding
 
     axes = sharding.logical_axes(path, len(shape))

@@ -189,6 +189,20 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
+def gather(tree):
+    """The arrays of a pytree (e.g. a `GenerateOutput`) as NumPy arrays, whole, in every
+    process: a global array of a multi-host mesh is not fully addressable in any one
+    process, so its shards are gathered across processes (a collective: every process
+    must call it); a fully addressable one is just copied to the host."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+    return jax.tree.map(one, tree)
+
+
 def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     """A batch-major array with rows over `data`. From host data (identical in every
     process), each process builds only its own devices' shards, so it works multi-host."""
@@ -266,9 +280,20 @@ def shard_model(model, mesh: Mesh, rules=None, duplicate_kv_heads: bool = True):
     rules (`Model.rules`: its caches in `generate` follow them). With fewer kv heads than
     the axis they go on, each kv head is first repeated (see `kv_repeat`) unless
     duplicate_kv_heads=False (then k/v split on head_dim, and attention scores are summed
-    over devices). Pass rules=(("batch", "data"),) to replicate a small draft."""
+    over devices). Pass rules=(("batch", "data"),) to replicate a small draft.
+
+    On a mesh over several processes, each process must hold the same model: it places
+    the shards of its own devices from its copy (no transfer between hosts)."""
     rules = tuple(rules or DEFAULT_RULES)
     if duplicate_kv_heads:
         model = repeat_kv_heads(model, kv_repeat(model.config, mesh, rules))
     shardings = param_shardings(model.params, mesh, rules)
-    return model.replace(params=jax.device_put(model.params, shardings), rules=rules)
+    return model.replace(params=jax.tree.map(_place, model.params, shardings), rules=rules)
+
+
+def _place(x, placement):
+    """x placed by `placement`; on a mesh of several processes, from this process's copy."""
+    if isinstance(placement, NamedSharding) and placement.mesh.devices.size > len(placement.addressable_devices):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, placement, lambda index: host[index])
+    return jax.device_put(x, placement)

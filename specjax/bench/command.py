@@ -62,6 +62,7 @@ def add_arguments(parser):
                              "autoregressive output, and where (writes divergence_bfloat16.json)")
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
+    parser.add_argument("--eagle3", default=default_checkpoint("eagle3"), help="a saved EAGLE-3 drafter")
 
 
 def _tree_family(text: str) -> tuple[int, int] | None:
@@ -99,4 +100,5 @@ def run_from_args(args):
              max_new_tokens=args.max_new_tokens, repeats=args.repeats, hf=args.hf,
              only=next((name for name in ("trees", "heads", "training_free", "auto_k")
                         if getattr(args, f"{name}_only")), None),
-             medusa=args.medusa, eagle=args.eagle, datastore=args.datastore, cost_profile=args.cost_profile)
+             medusa=args.medusa, eagle=args.eagle, eagle3=args.eagle3, datastore=args.datastore,
+             cost_profile=args.cost_profile)

@@ -31,8 +31,8 @@ from specjax.tree import Tree
 def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
              max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, only: str | None = None,
-             medusa: str | None = None, eagle: str | None = None, datastore: str | None = None,
-             cost_profile: str | None = None, log=print) -> dict:
+             medusa: str | None = None, eagle: str | None = None, eagle3: str | None = None,
+             datastore: str | None = None, cost_profile: str | None = None, log=print) -> dict:
     """The whole bench, or one section of it: only = "trees", "heads", "training_free" or "auto_k"."""
     from specjax.hf import load_model, load_tokenizer
 
@@ -51,7 +51,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each; median of {repeats}")
     log(f"one target pass {t_target * 1e3:.2f} ms, one draft step {t_draft * 1e3:.2f} ms: c = {c:.3f}")
-    trained = trained_heads(medusa, eagle, log)
+    trained = trained_heads(medusa, eagle, log, eagle3)
     datastore = Datastore.load(datastore) if datastore and Path(datastore).exists() else None
     if datastore is None:
         log("note: no datastore; retrieval runs only on the target's own outputs")

@@ -70,10 +70,10 @@ def run_trees(target, draft, prompts, auto: Run, auto_rows, max_new_tokens, repe
 HEAD_SHAPES = {"chain": None, "tree": Tree(depth=6, top_k=2, nodes=20)}
 
 
-def trained_heads(medusa, eagle, log) -> dict:
+def trained_heads(medusa, eagle, log, eagle3=None) -> dict:
     """name -> loaded drafter, for the trained heads whose folders exist."""
     out = {}
-    for name, path in (("Medusa", medusa), ("EAGLE", eagle)):
+    for name, path in (("Medusa", medusa), ("EAGLE", eagle), ("EAGLE-3", eagle3)):
         if path and (Path(path) / "drafter.json").exists():
             out[name] = load_drafter(path)
         elif path:
@@ -83,7 +83,7 @@ def trained_heads(medusa, eagle, log) -> dict:
 
 def run_heads(target, draft, trained: dict, prompts, auto: Run, auto_rows, max_new_tokens, repeats,
               log=print) -> dict:
-    """The draft model against trained heads (trained: name -> Medusa/Eagle), each as a
+    """The draft model against trained heads (trained: name -> Medusa/Eagle/Eagle3), each as a
     chain and as a tree (greedy, batch 1): tokens per target pass, acceptance by depth
     (the fraction of steps that kept at least k drafted tokens), tok/s and the ratio to
     autoregressive, and whether the output equals it."""
