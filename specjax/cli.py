@@ -58,9 +58,14 @@ def _generate(args):
                     for line in check_regular(Path(args.batch_file)).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give a PROMPT or --batch-file")
-    target = specjax.load_model(args.target, quantize=args.quantize)
+    mesh = _mesh(args)
+    target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh)
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
+    if mesh is not None and (args.early_exit is not None or args.prompt_lookup or args.lookahead or args.retrieval
+                             or args.drafter):
+        raise ValueError("--mesh shards the target and the draft model; other drafters run on one device: drop "
+                         "--mesh, or draft with a draft model (--draft) or none (--no-draft)")
     if tree is not None and (args.no_draft or args.prompt_lookup or args.lookahead):
         raise ValueError("--tree needs a draft model, heads, --early-exit or --retrieval")
     if args.no_draft:
@@ -82,6 +87,8 @@ def _generate(args):
         drafter_name = f"{type(draft).__name__} heads {path}"
     else:
         draft = specjax.load_model(args.draft, quantize=args.quantize)
+        if mesh is not None:  # small: a copy on every device, rows still over data
+            draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))
         draft, drafter_name = specjax.DraftModel(draft, tree), f"draft model {args.draft}"
         try:
             draft_tokenizer = specjax.load_tokenizer(args.draft)
@@ -150,6 +157,42 @@ def _generate(args):
           f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
           f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
           f"(not included)")
+
+
+def _mesh(args):
+    """The (data, model) mesh of --mesh over every process's devices, or None."""
+    if args.mesh is None:
+        return None
+    import specjax
+
+    data, model = args.mesh
+    return specjax.make_mesh(data=data, model=model)
+
+
+def _add_distributed_args(p):
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="join a jax.distributed job of several processes (one per host) at this coordinator; "
+                        "with --num-processes and --process-id (on TPU pods and SLURM, --distributed finds all three)")
+    p.add_argument("--num-processes", type=int, metavar="N")
+    p.add_argument("--process-id", type=int, metavar="I")
+    p.add_argument("--distributed", action="store_true",
+                   help="jax.distributed.initialize() with JAX's own detection of the job (TPU pods, SLURM)")
+
+
+def _start_distributed(args) -> bool:
+    """Joins the jax.distributed job the flags name (if any); True when this process must
+    stay silent (every process but process 0 runs the same program and prints nothing)."""
+    given = [getattr(args, name, None) is not None for name in ("coordinator", "num_processes", "process_id")]
+    if not (any(given) or getattr(args, "distributed", False)):
+        return False
+    if any(given) and not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together (or use --distributed)")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; other backends ignore it
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+    return jax.process_index() != 0
 
 
 def _text_files(paths):
@@ -437,6 +480,10 @@ def main(argv=None):
                           help="draft by retrieval from a datastore folder (specjax datastore build)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
+    p.add_argument("--mesh", type=_ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
+                   help="shard the target over a (data, model) mesh of every process's devices (rows over data, "
+                        "heads over model); the draft model is replicated")
+    _add_distributed_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--num-draft-tokens", type=_draft_tokens, default=None,
                    help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
@@ -526,6 +573,12 @@ def main(argv=None):
     p.set_defaults(run=_export_run)
 
     args = parser.parse_args(argv)
+    if _start_distributed(args):
+        import contextlib
+        import os
+
+        with open(os.devnull, "w") as silent, contextlib.redirect_stdout(silent):
+            return args.run(args)
     return args.run(args)
 
 

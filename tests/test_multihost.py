@@ -51,3 +51,32 @@ def test_speculative_generate_on_two_processes_equals_one_device(tmp_path):
     for shape in ("chain", "tree"):
         assert results[0][shape]["stream_calls"] > 0 and results[0][shape]["streamed"] == 48
         assert results[1][shape]["stream_calls"] == 0
+
+
+@pytest.mark.slow
+def test_the_command_runs_on_two_processes_and_prints_once(tmp_path):
+    """`specjax generate --mesh 2,4 --coordinator ...` in two processes: process 0 prints
+    the result, process 1 nothing; both end cleanly."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(CHILD.parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", "generate", "def read(path):", "--mesh", "2,4",
+                               "--batch-file", str(_two_prompts(tmp_path)), "--max-new-tokens", "8", "--json",
+                               "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=540) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    # gloo's own C++ prints its connections on stdout ("[Gloo] Rank ..."): not specjax's to silence
+    printed, silent = ("".join(line for line in out.splitlines(keepends=True) if not line.startswith("[Gloo]"))
+                       for out, _ in outs)
+    printed = json.loads(printed)
+    assert printed["stats"]["batch"] == 2 and all(row["num_tokens"] == 8 for row in printed["outputs"])
+    assert not silent.strip()
+
+
+def _two_prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text("class Stack:\n")
+    return path
