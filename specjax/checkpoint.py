@@ -13,6 +13,10 @@ damaged (removing both checksums does not make an edit pass). Something other th
 or folder where orbax first reads a step (its metadata) is refused outright: orbax would
 block reading a FIFO before any check could run.
 
+In a job of several processes (jax.distributed) every process saves and restores its own
+shards of the state's global arrays; nothing is gathered to one host. The run directory
+must then be one that every process sees (a shared file system).
+
 It knows nothing about what is being trained; Hugging Face export lives in hf.py.
 """
 
@@ -36,12 +40,35 @@ class DamagedCheckpointError(ValueError):
 def state_digest(state: Any) -> str:
     """SHA-256 over a state pytree's arrays (each one's dtype, shape and bytes), independent
     of the tree's container types and order, so that a state restored into plain dicts hashes
-    as the dataclasses it was saved from."""
+    as the dataclasses it was saved from. An array spread over several processes is hashed
+    where it lies (`_sharded_digest`: a collective, which every process calls), never
+    gathered to one host."""
     leaves = []
-    for leaf in jax.tree.leaves(jax.device_get(state)):
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaves.append(_sharded_digest(leaf))
+            continue
         a = np.ascontiguousarray(np.asarray(leaf))
         leaves.append(hashlib.sha256(f"{a.dtype.str}{a.shape}".encode() + a.tobytes()).hexdigest())
     return hashlib.sha256("".join(sorted(leaves)).encode()).hexdigest()
+
+
+def _sharded_digest(x: jax.Array) -> str:
+    """A digest of a global array from its shards: the XOR of SHA-256(index, dtype, shape,
+    bytes) over each distinct shard (replica 0 of each), combined across processes. The same
+    in every process; it depends on how the array is split, so a run resumes on the mesh it
+    was saved from."""
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(32, np.uint8)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            a = np.ascontiguousarray(np.asarray(shard.data))
+            where = repr([(s.start, s.stop) for s in shard.index])
+            h = hashlib.sha256(f"{a.dtype.str}{x.shape}{where}".encode() + a.tobytes()).digest()
+            mine ^= np.frombuffer(h, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 32)
+    return "sharded:" + np.bitwise_xor.reduce(every, axis=0).tobytes().hex()
 
 
 def file_digests(folder: Path) -> dict[str, str]:
@@ -59,6 +86,14 @@ def file_digests(folder: Path) -> dict[str, str]:
                     h.update(block)
             digests[name] = h.hexdigest()
     return digests
+
+
+def _barrier(name: str):
+    """Waits for every process of a jax.distributed job (nothing to wait for alone)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 class CheckpointManager:
@@ -79,16 +114,22 @@ class CheckpointManager:
         return self.directory.with_name(self.directory.name + ".sha256")
 
     def save(self, step: int, state: Any, record: dict) -> None:
+        """Saves the state (host or device arrays; each process writes the shards of a global
+        array it holds) and the record. In a job of several processes every process calls
+        it; process 0 writes the manifest once all have written."""
         record = {**record, "sha256": state_digest(state)}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
         self._manager.wait_until_finished()
-        self._manifests.mkdir(exist_ok=True)
-        (self._manifests / f"{step}.json").write_text(json.dumps(file_digests(self.directory / str(step))))
-        kept = {f"{s}.json" for s in self._manager.all_steps()}
-        for manifest in self._manifests.iterdir():  # orbax deleted those steps
-            if manifest.name not in kept:
-                manifest.unlink()
+        _barrier(f"specjax checkpoint {step} written")
+        if jax.process_index() == 0:
+            self._manifests.mkdir(exist_ok=True)
+            (self._manifests / f"{step}.json").write_text(json.dumps(file_digests(self.directory / str(step))))
+            kept = {f"{s}.json" for s in self._manager.all_steps()}
+            for manifest in self._manifests.iterdir():  # orbax deleted those steps
+                if manifest.name not in kept:
+                    manifest.unlink()
+        _barrier(f"specjax checkpoint {step} listed")
 
     def _check_files(self, step: int):
         """Raises ValueError naming the first file of `step` that differs from its manifest

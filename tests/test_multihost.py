@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ CHILD = Path(__file__).with_name("multihost_child.py")
 
 
 def _run_job(job: str, out_dir: Path, timeout: float = 540, env: dict | None = None) -> list[str]:
-    """Runs JOB in two processes; returns their outputs. Skips where gloo is unavailable."""
+    """Runs JOB in two processes to the end; returns their outputs. Skips where gloo is
+    unavailable."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -80,3 +83,39 @@ def _two_prompts(tmp_path) -> Path:
     path = tmp_path / "prompts.txt"
     path.write_text("class Stack:\n")
     return path
+
+
+def _start(job: str, out_dir: Path, port: int) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    return [subprocess.Popen([sys.executable, str(CHILD), job, str(i), "2", str(port), str(out_dir)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+
+
+@pytest.mark.slow
+def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
+    """A tiny model trained on the (2, 4) mesh by two processes, each checkpointing its own
+    shards: killed (both processes) once a checkpoint is written and restarted, it ends with
+    the params an unbroken two-process run ends with, in both processes."""
+    import numpy as np
+
+    _run_job("train", tmp_path / "straight")
+    broken = tmp_path / "broken"
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = _start("train", broken, port)
+    manifests = broken / "run" / "checkpoints.sha256"
+    try:
+        while not (manifests.exists() and any(manifests.iterdir())):
+            assert all(p.poll() is None for p in procs), "the run ended before its first checkpoint"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    _run_job("train", broken)
+    for i in range(2):
+        a, b = np.load(tmp_path / "straight" / f"params_{i}.npz"), np.load(broken / f"params_{i}.npz")
+        assert sorted(a) == sorted(b)
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"process {i}: {name}")

@@ -28,6 +28,7 @@ from specjax.checkpoint import CheckpointManager, DamagedCheckpointError
 from specjax.config import ModelConfig
 from specjax.layouts import from_legacy
 from specjax.models import Model, apply, init
+from specjax.sharding import place_rows
 from specjax.train import losses
 from specjax.train.data import batch_at, eval_batches
 
@@ -104,11 +105,12 @@ def model_objective(model: Model, cfg: TrainConfig, teacher: Model | None):
     return loss_fn, metrics_fn
 
 
-def make_step(loss_fn, optimizer: optax.GradientTransformation):
+def make_step(loss_fn, optimizer: optax.GradientTransformation, shardings=None):
     """One jitted update: (state, batch) -> (state, loss). The state given is donated (its
-    buffers become the new state's): pass one nobody else holds."""
+    buffers become the new state's): pass one nobody else holds. shardings: the state's,
+    kept by every step (so that a checkpoint of any step lies as the first state does)."""
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=None if shardings is None else (shardings, None))
     def step(state: TrainState, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -134,21 +136,22 @@ def make_eval(metrics_fn):
 
 def train(model: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
           run_dir: str | Path, teacher: Model | None = None, record: dict | None = None,
-          log: Callable[[str], None] = print, progress: bool = True) -> tuple[Model, dict]:
+          log: Callable[[str], None] = print, progress: bool = True, mesh=None) -> tuple[Model, dict]:
     """Trains `model` (from scratch, or distilled from `teacher`) for cfg.steps steps,
-    resuming from the latest checkpoint in run_dir/checkpoints if there is one.
+    resuming from the latest checkpoint in run_dir/checkpoints if there is one. mesh: the
+    mesh a sharded model (`shard_model`) lies on; batches go over its data axis (see `fit`).
     Returns (trained model, last evaluation)."""
     loss_fn, metrics_fn = model_objective(model, cfg, teacher)
     record = {"model": model.config.to_hf_config(), "kind": "lm" if teacher is None else "distill",
               **(record or {})}
     params, metrics = fit(model.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
-                          log, progress)
-    return Model(model.config, params), metrics
+                          log, progress, mesh=mesh)
+    return model.replace(params=params), metrics
 
 
 def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
         run_dir: str | Path, record: dict, log: Callable[[str], None] = print,
-        progress: bool = True, probe: Callable[[dict], dict] | None = None) -> tuple[dict, dict]:
+        progress: bool = True, probe: Callable[[dict], dict] | None = None, mesh=None) -> tuple[dict, dict]:
     """The training loop every specjax run shares (targets, drafts, draft heads): AdamW on
     loss_fn(params, batch [B, T+1]) for cfg.steps steps over batches drawn as a pure
     function of (seed, step), metrics_fn on held-out batches every eval_every steps, and
@@ -156,23 +159,29 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
     checkpoint in run_dir/checkpoints and ends with the params an unbroken run ends with;
     a checkpoint of another run (record's "model", "train", "kind" differ) is refused.
     probe(params) -> dict, if given, adds to each evaluation (e.g. acceptance in the real
-    decoding loop). Returns (params, last evaluation)."""
+    decoding loop). mesh: params lie on it (sharded); each batch's rows go over its data
+    axis, built by each process from the same host data, and each process checkpoints its
+    own shards — so it runs as one process per host under jax.distributed (every process
+    calls fit alike, on a run directory they all see). Returns (params, last evaluation)."""
     optimizer = make_optimizer(cfg)
-    step_fn = make_step(loss_fn, optimizer)
     evaluate = make_eval(metrics_fn)
-    eval_set = eval_batches(held_out, cfg.batch, cfg.seq_len, cfg.eval_batches)
+    place = (lambda batch: jnp.asarray(batch)) if mesh is None else (lambda batch: place_rows(batch, mesh))
+    eval_set = [place(b) for b in eval_batches(held_out, cfg.batch, cfg.seq_len, cfg.eval_batches)]
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
     record = {"train": dataclasses.asdict(cfg), "layout": PARAMS_LAYOUT, **record}
 
     params = jax.tree.map(jnp.copy, params)  # the step donates the state: not the caller's arrays
-    state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    # Built by one program, so that on a mesh every part of the state is a global array.
+    state = jax.jit(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)))(params)
+    step_fn = make_step(loss_fn, optimizer, jax.tree.map(lambda x: x.sharding, state))
     if manager.latest_step() is not None:
         if manager.record().get("layout") != PARAMS_LAYOUT:
             raise ValueError(f"{run_dir} holds a run of an older specjax, whose params stacked the layers "
                              f"([L, ...] arrays); it cannot resume in today's per-layer layout. `specjax export "
                              f"{run_dir} OUT` still exports its latest checkpoint; train on in a new run directory")
-        state, saved = manager.restore(jax.tree.map(np.zeros_like, jax.device_get(state)))
-        state = jax.tree.map(jnp.asarray, state)
+        # each array comes back as it lies now: on this device, or in its shards on the mesh
+        state, saved = manager.restore(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
         for key in ("model", "train", "kind"):
             if saved.get(key) != record.get(key):
                 raise ValueError(f"{run_dir} holds a run with a different {key}: {saved.get(key)} "
@@ -186,7 +195,7 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
                dynamic_ncols=True, mininterval=5.0)
     tick, ticked = time.perf_counter(), 0
     for step in bar:
-        state, loss = step_fn(state, jnp.asarray(batch_at(stream, step, cfg.batch, cfg.seq_len, cfg.seed)))
+        state, loss = step_fn(state, place(batch_at(stream, step, cfg.batch, cfg.seq_len, cfg.seed)))
         ticked += 1
         done = step + 1
         if done % 10 == 0 or done == cfg.steps:
@@ -200,7 +209,7 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
             log(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
                                              if isinstance(v, float)))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            manager.save(done, jax.device_get(state), {**record, "step": done, "metrics": metrics})
+            manager.save(done, state, {**record, "step": done, "metrics": metrics})
     manager.close()
     return state.params, metrics
 
