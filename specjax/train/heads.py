@@ -154,6 +154,19 @@ def smooth_l1(pred, target):
     return optax.huber_loss(pred, target, delta=1.0).mean()
 
 
+def _fit_drafter(drafter, target: Model, objective, kind: str, model_record: dict, stream, held_out, cfg,
+                 run_dir, record, log, progress, probe_prompts, probe_tree: Tree | None):
+    """What every head's training shares: fit the drafter's params to `objective`
+    ((loss_fn, metrics_fn)), recording kind and model_record, probing the real loop with
+    the drafter drafting probe_tree (None: its own shape)."""
+    record = {"model": {**model_record, "target": target.config.to_hf_config()}, "kind": kind, **(record or {})}
+    probe = None if probe_prompts is None else acceptance_probe(
+        target, probe_prompts, lambda params: drafter.replace(params=params, **({} if probe_tree is None else
+                                                                                 {"tree": probe_tree})))
+    params, metrics = fit(drafter.params, *objective, stream, held_out, cfg, run_dir, record, log, progress, probe)
+    return drafter.replace(params=params), metrics
+
+
 def train_medusa(target: Model, num_heads: int, stream: np.ndarray, held_out: np.ndarray,
                  cfg: TrainConfig, run_dir: str | Path, key=None, num_layers: int = 1,
                  record: dict | None = None, log: Callable[[str], None] = print,
@@ -161,14 +174,9 @@ def train_medusa(target: Model, num_heads: int, stream: np.ndarray, held_out: np
     """Trains Medusa heads on the frozen target; resumes from run_dir's latest checkpoint.
     probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop."""
     drafter = Medusa.init(target, num_heads, jax.random.key(0) if key is None else key, num_layers=num_layers)
-    loss_fn, metrics_fn = medusa_objective(target, num_heads, cfg)
-    record = {"model": {"medusa": [num_heads, num_layers], "target": target.config.to_hf_config()},
-              "kind": "medusa", **(record or {})}
-    probe = None if probe_prompts is None else acceptance_probe(
-        target, probe_prompts, lambda params: drafter.replace(params=params))
-    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
-                          log, progress, probe)
-    return drafter.replace(params=params), metrics
+    return _fit_drafter(drafter, target, medusa_objective(target, num_heads, cfg), "medusa",
+                        {"medusa": [num_heads, num_layers]}, stream, held_out, cfg, run_dir, record, log, progress,
+                        probe_prompts, None)
 
 
 def train_eagle(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
@@ -179,14 +187,9 @@ def train_eagle(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: Tr
     probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop (a
     chain of 6)."""
     drafter = Eagle.init(target, jax.random.key(0) if key is None else key)
-    loss_fn, metrics_fn = eagle_objective(target, drafter.config, cfg)
-    record = {"model": {"eagle": drafter.config.to_hf_config(), "target": target.config.to_hf_config()},
-              "kind": "eagle", **(record or {})}
-    probe = None if probe_prompts is None else acceptance_probe(
-        target, probe_prompts, lambda params: drafter.replace(params=params, tree=Tree.chain(6, "sampled")))
-    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
-                          log, progress, probe)
-    return drafter.replace(params=params), metrics
+    return _fit_drafter(drafter, target, eagle_objective(target, drafter.config, cfg), "eagle",
+                        {"eagle": drafter.config.to_hf_config()}, stream, held_out, cfg, run_dir, record, log,
+                        progress, probe_prompts, Tree.chain(6, "sampled"))
 
 
 def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
@@ -200,12 +203,7 @@ def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: T
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"EAGLE-3 trains over >= 1 unrolled steps, got {steps!r}")
     drafter = Eagle3.init(target, jax.random.key(0) if key is None else key, feature_layers=feature_layers)
-    loss_fn, metrics_fn = eagle3_objective(target, drafter, cfg, steps)
-    record = {"model": {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
-                        "ttt_steps": steps, "target": target.config.to_hf_config()},
-              "kind": "eagle3", **(record or {})}
-    probe = None if probe_prompts is None else acceptance_probe(
-        target, probe_prompts, lambda params: drafter.replace(params=params, tree=Tree.chain(6, "sampled")))
-    params, metrics = fit(drafter.params, loss_fn, metrics_fn, stream, held_out, cfg, run_dir, record,
-                          log, progress, probe)
-    return drafter.replace(params=params), metrics
+    return _fit_drafter(drafter, target, eagle3_objective(target, drafter, cfg, steps), "eagle3",
+                        {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
+                         "ttt_steps": steps}, stream, held_out, cfg, run_dir, record, log, progress,
+                        probe_prompts, Tree.chain(6, "sampled"))
