@@ -30,7 +30,7 @@ def main():
     if os.path.exists(f"{ROOT}/eagle3/drafter.json"):
         drafters["EAGLE-3"] = specjax.load_drafter(f"{ROOT}/eagle3")
     shapes = [Tree.chain(4, "sampled"), Tree.chain(5, "sampled"), Tree.chain(6, "sampled"), Tree(6, 2, 20),
-              Tree(8, 2, 32)]
+              Tree(8, 2, 30)]
     plain, plain_rows = time_generate(target, prompts, 1, REPEATS, None, 0, "plain", 0.0, NEW)
     print(f"cpu float32; {PROMPTS} held-out prompts of {PROMPT_TOKENS} tokens (seed 11), {NEW} new tokens, greedy, "
           f"batch 1; plain decoding {plain.tokens_per_s:.1f} tok/s (median of {REPEATS})")
