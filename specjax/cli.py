@@ -169,6 +169,13 @@ def _mesh(args):
     return specjax.make_mesh(data=data, model=model)
 
 
+def _add_mesh_args(p, more: str = ""):
+    p.add_argument("--mesh", type=_ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
+                   help="shard the model over a (data, model) mesh of every process's devices (rows over data, "
+                        "heads over model)" + more)
+    _add_distributed_args(p)
+
+
 def _add_distributed_args(p):
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="join a jax.distributed job of several processes (one per host) at this coordinator; "
@@ -327,13 +334,14 @@ def _train(args):
     from specjax.models import init
     from specjax.train import data, train
 
-    tokenizer, stream, held, held_modules = data.prepare(args.out, vocab_size=args.vocab)
+    mesh = _mesh(args)
+    tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, vocab_size=args.vocab))
     config = _model_config(args, len(tokenizer), tokenizer)
-    model = init(config, jax.random.key(args.init_seed), jnp.float32)
+    model = _placed(init(config, jax.random.key(args.init_seed), jnp.float32), mesh)
     print(f"target: {config.num_params() / 1e6:.2f}M params; {len(stream)} training tokens; "
           f"held out: {', '.join(held_modules)}")
     model, metrics = train(model, stream, held, _train_config(args), args.out,
-                           record={"held_out_modules": held_modules})
+                           record={"held_out_modules": held_modules}, mesh=mesh)
     _export(model, Path(args.out) / "tokenizer", Path(args.out) / "hf", args.dtype)
 
 
@@ -345,15 +353,16 @@ def _distill(args):
     from specjax.models import init
     from specjax.train import data, train
 
-    teacher = specjax.load_model(args.target, dtype=jnp.float32)
-    tokenizer, stream, held, held_modules = data.prepare(args.out, tokenizer_folder=args.target)
+    mesh = _mesh(args)
+    teacher = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
     config = _model_config(args, teacher.config.vocab_size, tokenizer)
-    model = init(config, jax.random.key(args.init_seed), jnp.float32)
+    model = _placed(init(config, jax.random.key(args.init_seed), jnp.float32), mesh)
     print(f"draft: {config.num_params() / 1e6:.2f}M params distilled from "
           f"{teacher.config.num_params() / 1e6:.2f}M ({args.loss}, T={args.temperature}, "
           f"ce_weight={args.ce_weight})")
     model, metrics = train(model, stream, held, _train_config(args), args.out, teacher=teacher,
-                           record={"held_out_modules": held_modules, "target": str(args.target)})
+                           record={"held_out_modules": held_modules, "target": str(args.target)}, mesh=mesh)
     _export(model, args.target, Path(args.out) / "hf", args.dtype)
 
 
@@ -382,11 +391,36 @@ def _train_heads(args):
     print(f"saved to {out}; last evaluation: {json.dumps(metrics)}")
 
 
+def _in_turn(prepare):
+    """prepare() in process 0 first (it writes the run directory's caches), then in the
+    others (they read them); alone, just prepare()."""
+    import jax
+
+    if jax.process_count() == 1:
+        return prepare()
+    from jax.experimental import multihost_utils
+
+    out = prepare() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("specjax data prepared")
+    return out if out is not None else prepare()
+
+
+def _placed(model, mesh):
+    """The model on the mesh (tensor parallel over model, rows over data), or as it is."""
+    import specjax
+
+    return model if mesh is None else specjax.shard_model(model, mesh)
+
+
 def _export(model, tokenizer_folder, out, dtype):
+    import jax
     import jax.numpy as jnp
 
     import specjax
 
+    model = model.replace(params=specjax.gather(model.params))  # whole in every process
+    if jax.process_index() != 0:  # one process writes
+        return
     specjax.save_model(model, out, dtype=None if dtype == "float32" else jnp.dtype(dtype))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (Path(tokenizer_folder) / name).exists():
@@ -480,10 +514,7 @@ def main(argv=None):
                           help="draft by retrieval from a datastore folder (specjax datastore build)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
-    p.add_argument("--mesh", type=_ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
-                   help="shard the target over a (data, model) mesh of every process's devices (rows over data, "
-                        "heads over model); the draft model is replicated")
-    _add_distributed_args(p)
+    _add_mesh_args(p, "; the draft model is replicated")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--num-draft-tokens", type=_draft_tokens, default=None,
                    help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
@@ -532,6 +563,7 @@ def main(argv=None):
 
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
     _add_train_args(p, steps=1000, lr=1.5e-3)
+    _add_mesh_args(p)
     _add_model_args(p, hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024)
     p.add_argument("--vocab", type=int, default=4096, help="byte-level BPE vocabulary size")
     p.set_defaults(run=_train)
@@ -539,6 +571,7 @@ def main(argv=None):
     p = sub.add_parser("distill", help="distill a small draft from a target folder")
     p.add_argument("--target", default="checkpoints/target")
     _add_train_args(p, steps=1000, lr=3e-3)
+    _add_mesh_args(p)
     _add_model_args(p, hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384)
     p.add_argument("--loss", default="kl", choices=["kl", "tv"])
     p.add_argument("--temperature", type=float, default=1.0)

@@ -91,7 +91,6 @@ def _start(job: str, out_dir: Path, port: int) -> list[subprocess.Popen]:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
 
 
-@pytest.mark.slow
 def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
     """A tiny model trained on the (2, 4) mesh by two processes, each checkpointing its own
     shards: killed (both processes) once a checkpoint is written and restarted, it ends with
@@ -119,3 +118,26 @@ def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
         assert sorted(a) == sorted(b)
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"process {i}: {name}")
+
+
+@pytest.mark.slow
+def test_the_train_command_runs_on_two_processes(tmp_path):
+    """`specjax train --mesh 2,4 --coordinator ...` in two processes: one run directory,
+    process 0 prepares the data first and alone exports the model, which loads."""
+    import specjax
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(CHILD.parent.parent)}
+    flags = ["--out", str(tmp_path / "run"), "--steps", "2", "--batch", "4", "--seq-len", "16", "--vocab", "300",
+             "--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "4", "--intermediate", "64",
+             "--eval-every", "2", "--checkpoint-every", "1", "--mesh", "2,4"]
+    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", "train", *flags, "--coordinator",
+                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=540) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "exported to" in outs[0][0] and "exported to" not in outs[1][0]
+    assert specjax.load_model(tmp_path / "run" / "hf").config.hidden_size == 32
