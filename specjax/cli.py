@@ -367,6 +367,7 @@ def _distill(args):
 
 
 def _train_heads(args):
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -374,10 +375,12 @@ def _train_heads(args):
     from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
-    target = specjax.load_model(args.target, dtype=jnp.float32)
-    tokenizer, stream, held, held_modules = data.prepare(args.out, tokenizer_folder=args.target)
+    mesh = _mesh(args)
+    target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
     probe = np.array(held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
-    common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe)
+    common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe,
+                  mesh=mesh)
     if args.kind == "medusa":
         drafter, metrics = heads.train_medusa(target, args.heads, stream, held, _train_config(args), args.out,
                                               num_layers=args.head_layers, **common)
@@ -386,9 +389,11 @@ def _train_heads(args):
                                               steps=args.ttt_steps, feature_layers=args.feature_layers, **common)
     else:
         drafter, metrics = heads.train_eagle(target, stream, held, _train_config(args), args.out, **common)
-    out = drafter.replace(signature=dataclasses.replace(drafter.signature, name=str(args.target))).save(
-        Path(args.out) / "drafter")
-    print(f"saved to {out}; last evaluation: {json.dumps(metrics)}")
+    drafter = drafter.replace(params=specjax.gather(drafter.params))  # whole in every process
+    if jax.process_index() == 0:  # one process writes
+        out = drafter.replace(signature=dataclasses.replace(drafter.signature, name=str(args.target))).save(
+            Path(args.out) / "drafter")
+        print(f"saved to {out}; last evaluation: {json.dumps(metrics)}")
 
 
 def _in_turn(prepare):
@@ -587,6 +592,7 @@ def main(argv=None):
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--probe-prompts", type=int, default=4,
                        help="held-out prompts on which each evaluation runs the real loop")
+        _add_mesh_args(p, "; the heads are replicated")
         if kind == "medusa":
             p.add_argument("--heads", type=int, default=4, help="number of heads (the deepest draft)")
             p.add_argument("--head-layers", type=int, default=1, help="residual blocks per head")

@@ -291,6 +291,13 @@ def shard_model(model, mesh: Mesh, rules=None, duplicate_kv_heads: bool = True):
     return model.replace(params=jax.tree.map(_place, model.params, shardings), rules=rules)
 
 
+def replicate(tree, mesh: Mesh):
+    """A pytree's arrays with a whole copy on every device of the mesh (each process places
+    its own devices' copies from its own)."""
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: _place(x, whole), tree)
+
+
 def _place(x, placement):
     """x placed by `placement`; on a mesh of several processes, from this process's copy."""
     if isinstance(placement, NamedSharding) and placement.mesh.devices.size > len(placement.addressable_devices):

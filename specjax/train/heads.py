@@ -26,6 +26,7 @@ from specjax.drafters.eagle import Eagle, eagle_step
 from specjax.drafters.eagle3 import Eagle3, unrolled
 from specjax.drafters.medusa import Medusa, heads_logits
 from specjax.models import Model, apply
+from specjax.sharding import replicate
 from specjax.train import losses
 from specjax.train.loop import TrainConfig, fit
 from specjax.tree import Tree
@@ -128,20 +129,21 @@ def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: in
 
 
 def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], object],
-                     max_new_tokens: int = 64) -> Callable[[dict], dict]:
+                     max_new_tokens: int = 64, mesh=None) -> Callable[[dict], dict]:
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
-    held-out prompts [B, P]: tokens per target pass and, per depth k, the fraction of
-    steps that accepted at least k drafted tokens (`measure.depth_acceptance`). One
-    compilation for all calls."""
+    held-out prompts [B, P] (on `mesh` if given): tokens per target pass and, per depth k,
+    the fraction of steps that accepted at least k drafted tokens
+    (`measure.depth_acceptance`). One compilation for all calls."""
     from specjax.generate import generate
     from specjax.measure import depth_acceptance, row_traces
+    from specjax.sharding import gather
 
     lengths = np.full(len(prompts), prompts.shape[1], np.int32)
 
     def probe(params) -> dict:
         drafter = make(params)
-        out = jax.device_get(generate(target, prompts, lengths, draft=drafter,
-                                      max_new_tokens=max_new_tokens, return_trace=True))
+        out = gather(generate(target, prompts, lengths, draft=drafter, max_new_tokens=max_new_tokens,
+                              return_trace=True, mesh=mesh))
         rates = depth_acceptance(row_traces(out), drafter.resolve(None).tree.depth)
         return {"tokens_per_pass": float(out.num_tokens.sum() / out.stats.steps.sum()),
                 **{f"accepted_{k}": rate for k, rate in enumerate(rates, 1)}}
@@ -155,48 +157,52 @@ def smooth_l1(pred, target):
 
 
 def _fit_drafter(drafter, target: Model, objective, kind: str, model_record: dict, stream, held_out, cfg,
-                 run_dir, record, log, progress, probe_prompts, probe_tree: Tree | None):
+                 run_dir, record, log, progress, probe_prompts, probe_tree: Tree | None, mesh=None):
     """What every head's training shares: fit the drafter's params to `objective`
     ((loss_fn, metrics_fn)), recording kind and model_record, probing the real loop with
-    the drafter drafting probe_tree (None: its own shape)."""
+    the drafter drafting probe_tree (None: its own shape). mesh: the target lies on it;
+    the drafter's params are replicated over it (a copy on every device)."""
     record = {"model": {**model_record, "target": target.config.to_hf_config()}, "kind": kind, **(record or {})}
     probe = None if probe_prompts is None else acceptance_probe(
         target, probe_prompts, lambda params: drafter.replace(params=params, **({} if probe_tree is None else
-                                                                                 {"tree": probe_tree})))
-    params, metrics = fit(drafter.params, *objective, stream, held_out, cfg, run_dir, record, log, progress, probe)
+                                                                                 {"tree": probe_tree})),
+        mesh=mesh)
+    params = drafter.params if mesh is None else replicate(drafter.params, mesh)
+    params, metrics = fit(params, *objective, stream, held_out, cfg, run_dir, record, log, progress, probe,
+                          mesh=mesh)
     return drafter.replace(params=params), metrics
 
 
 def train_medusa(target: Model, num_heads: int, stream: np.ndarray, held_out: np.ndarray,
                  cfg: TrainConfig, run_dir: str | Path, key=None, num_layers: int = 1,
                  record: dict | None = None, log: Callable[[str], None] = print,
-                 progress: bool = True, probe_prompts: np.ndarray | None = None) -> tuple[Medusa, dict]:
+                 progress: bool = True, probe_prompts: np.ndarray | None = None, mesh=None) -> tuple[Medusa, dict]:
     """Trains Medusa heads on the frozen target; resumes from run_dir's latest checkpoint.
     probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop."""
     drafter = Medusa.init(target, num_heads, jax.random.key(0) if key is None else key, num_layers=num_layers)
     return _fit_drafter(drafter, target, medusa_objective(target, num_heads, cfg), "medusa",
                         {"medusa": [num_heads, num_layers]}, stream, held_out, cfg, run_dir, record, log, progress,
-                        probe_prompts, None)
+                        probe_prompts, None, mesh)
 
 
 def train_eagle(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
                 run_dir: str | Path, key=None, record: dict | None = None,
                 log: Callable[[str], None] = print, progress: bool = True,
-                probe_prompts: np.ndarray | None = None) -> tuple[Eagle, dict]:
+                probe_prompts: np.ndarray | None = None, mesh=None) -> tuple[Eagle, dict]:
     """Trains an EAGLE drafter on the frozen target; resumes from run_dir's latest checkpoint.
     probe_prompts [B, P]: held-out prompts on which each evaluation runs the real loop (a
     chain of 6)."""
     drafter = Eagle.init(target, jax.random.key(0) if key is None else key)
     return _fit_drafter(drafter, target, eagle_objective(target, drafter.config, cfg), "eagle",
                         {"eagle": drafter.config.to_hf_config()}, stream, held_out, cfg, run_dir, record, log,
-                        progress, probe_prompts, Tree.chain(6, "sampled"))
+                        progress, probe_prompts, Tree.chain(6, "sampled"), mesh)
 
 
 def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
                  run_dir: str | Path, key=None, record: dict | None = None,
                  log: Callable[[str], None] = print, progress: bool = True,
                  probe_prompts: np.ndarray | None = None, steps: int = TTT_STEPS,
-                 feature_layers: tuple | None = None) -> tuple[Eagle3, dict]:
+                 feature_layers: tuple | None = None, mesh=None) -> tuple[Eagle3, dict]:
     """Trains an EAGLE-3 drafter on the frozen target with `steps` unrolled drafting steps;
     resumes from run_dir's latest checkpoint. probe_prompts [B, P]: held-out prompts on
     which each evaluation runs the real loop (a chain of 6)."""
@@ -206,4 +212,4 @@ def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: T
     return _fit_drafter(drafter, target, eagle3_objective(target, drafter, cfg, steps), "eagle3",
                         {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
                          "ttt_steps": steps}, stream, held_out, cfg, run_dir, record, log, progress,
-                        probe_prompts, Tree.chain(6, "sampled"))
+                        probe_prompts, Tree.chain(6, "sampled"), mesh)
