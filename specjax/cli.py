@@ -564,6 +564,7 @@ def main(argv=None):
     from specjax import bench
 
     bench.add_arguments(p)
+    _add_distributed_args(p)  # in a job of several processes each benches its own devices; process 0 prints
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
