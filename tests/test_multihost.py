@@ -56,25 +56,31 @@ def test_speculative_generate_on_two_processes_equals_one_device(tmp_path):
         assert results[1][shape]["stream_calls"] == 0
 
 
-@pytest.mark.slow
-def test_the_command_runs_on_two_processes_and_prints_once(tmp_path):
-    """`specjax generate --mesh 2,4 --coordinator ...` in two processes: process 0 prints
-    the result, process 1 nothing; both end cleanly."""
+def _command(args: list[str]) -> list[str]:
+    """`specjax ARGS --coordinator ...` in two processes (4 CPU devices each); both must end
+    cleanly. Returns their stdouts without gloo's own lines (its C++ prints its connections
+    there, "[Gloo] Rank ...", and its threads' lines can interleave: a line with any piece
+    of one is dropped)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(CHILD.parent.parent)}
-    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", "generate", "def read(path):", "--mesh", "2,4",
-                               "--batch-file", str(_two_prompts(tmp_path)), "--max-new-tokens", "8", "--json",
-                               "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=540) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    # gloo's own C++ prints its connections on stdout ("[Gloo] Rank ..."): not specjax's to silence
-    # (its threads' lines can interleave: a line with any piece of one is dropped)
-    printed, silent = ("".join(line for line in out.splitlines(keepends=True)
-                               if "[Gloo]" not in line and "peer ranks" not in line) for out, _ in outs)
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    return ["".join(line for line in out.splitlines(keepends=True) if "[Gloo]" not in line and "peer ranks" not in line)
+            for out, _ in outs]
+
+
+@pytest.mark.slow
+def test_the_command_runs_on_two_processes_and_prints_once(tmp_path):
+    """`specjax generate --mesh 2,4 --coordinator ...` in two processes: process 0 prints
+    the result, process 1 nothing; both end cleanly."""
+    printed, silent = _command(["generate", "def read(path):", "--mesh", "2,4", "--batch-file",
+                                str(_two_prompts(tmp_path)), "--max-new-tokens", "8", "--json"])
     printed = json.loads(printed)
     assert printed["stats"]["batch"] == 2 and all(row["num_tokens"] == 8 for row in printed["outputs"])
     assert not silent.strip()
@@ -127,20 +133,11 @@ def test_the_train_command_runs_on_two_processes(tmp_path):
     process 0 prepares the data first and alone exports the model, which loads."""
     import specjax
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(CHILD.parent.parent)}
     flags = ["--out", str(tmp_path / "run"), "--steps", "2", "--batch", "4", "--seq-len", "16", "--vocab", "300",
              "--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "4", "--intermediate", "64",
              "--eval-every", "2", "--checkpoint-every", "1", "--mesh", "2,4"]
-    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", "train", *flags, "--coordinator",
-                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=540) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    assert "exported to" in outs[0][0] and "exported to" not in outs[1][0]
+    outs = _command(["train", *flags])
+    assert "exported to" in outs[0] and "exported to" not in outs[1]
     assert specjax.load_model(tmp_path / "run" / "hf").config.hidden_size == 32
 
 
@@ -150,18 +147,9 @@ def test_the_heads_command_runs_on_two_processes(tmp_path):
     shipped target sharded, the heads replicated; process 0 alone saves them, and they load."""
     import specjax
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(CHILD.parent.parent)}
     flags = ["--eagle3", "--target", str(CHILD.parent.parent / "checkpoints" / "target"), "--out",
              str(tmp_path / "run"), "--steps", "2", "--batch", "4", "--seq-len", "32", "--eval-every", "2",
              "--probe-prompts", "2", "--mesh", "2,4"]
-    procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", "train-eagle", *flags, "--coordinator",
-                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=540) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    assert "saved to" in outs[0][0] and "saved to" not in outs[1][0]
+    outs = _command(["train-eagle", *flags])
+    assert "saved to" in outs[0] and "saved to" not in outs[1]
     assert isinstance(specjax.load_drafter(tmp_path / "run" / "drafter"), specjax.Eagle3)
