@@ -34,7 +34,8 @@ def _run_job(job: str, out_dir: Path, timeout: float = 540, env: dict | None = N
         for p in procs:
             p.kill()
     if any("gloo" in o.lower() and ("not" in o.lower() and "support" in o.lower()) for o in outputs):
-        pytest.skip("this jaxlib has no gloo CPU collectives: " + next(o for o in outputs if "gloo" in o.lower())[-300:])
+        reason = next(o for o in outputs if "gloo" in o.lower())[-300:]
+        pytest.skip(f"this jaxlib has no gloo CPU collectives: {reason}")
     for p, o in zip(procs, outputs):
         assert p.returncode == 0, o[-3000:]
     return outputs

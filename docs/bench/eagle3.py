@@ -34,7 +34,8 @@ def main():
     plain, plain_rows = time_generate(target, prompts, 1, REPEATS, None, 0, "plain", 0.0, NEW)
     print(f"cpu float32; {PROMPTS} held-out prompts of {PROMPT_TOKENS} tokens (seed 11), {NEW} new tokens, greedy, "
           f"batch 1; plain decoding {plain.tokens_per_s:.1f} tok/s (median of {REPEATS})")
-    print(f"{'drafter':<12} {'shape':<16} {'tok/pass':>8} {'tok/s':>8} {'vs plain':>8} exact  kept >= k drafts, k = 1..")
+    print(f"{'drafter':<12} {'shape':<16} {'tok/pass':>8} {'tok/s':>8} {'vs plain':>8} "
+          f"exact  kept >= k drafts, k = 1..")
     for name, drafter in drafters.items():
         for tree in shapes:
             run, rows = time_generate(target, prompts, 1, REPEATS, drafter.replace(tree=tree), None, name, 0.0, NEW)
