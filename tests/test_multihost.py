@@ -16,16 +16,25 @@ import pytest
 CHILD = Path(__file__).with_name("multihost_child.py")
 
 
-def _run_job(job: str, out_dir: Path, timeout: float = 540, env: dict | None = None) -> list[str]:
-    """Runs JOB in two processes to the end; returns their outputs. Skips where gloo is
-    unavailable."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent), **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(CHILD), job, str(i), "2", str(port), str(out_dir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        return s.getsockname()[1]
+
+
+def _start(job: str, out_dir: Path) -> list[subprocess.Popen]:
+    """JOB started in two processes (tests/multihost_child.py), their output piped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, str(CHILD), job, str(i), "2", str(port), str(out_dir)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def _run_job(job: str, out_dir: Path, timeout: float = 540) -> list[str]:
+    """Runs JOB in two processes to the end; returns their outputs. Skips where gloo is
+    unavailable."""
+    procs = _start(job, out_dir)
     outputs = []
     try:
         for p in procs:
@@ -62,9 +71,7 @@ def _command(args: list[str]) -> list[str]:
     cleanly. Returns their stdouts without gloo's own lines (its C++ prints its connections
     there, "[Gloo] Rank ...", and its threads' lines can interleave: a line with any piece
     of one is dropped)."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(CHILD.parent.parent)}
     procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", *args, "--coordinator", f"localhost:{port}",
@@ -93,24 +100,15 @@ def _two_prompts(tmp_path) -> Path:
     return path
 
 
-def _start(job: str, out_dir: Path, port: int) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
-    return [subprocess.Popen([sys.executable, str(CHILD), job, str(i), "2", str(port), str(out_dir)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
-
-
 def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
     """A tiny model trained on the (2, 4) mesh by two processes, each checkpointing its own
     shards: killed (both processes) once a checkpoint is written and restarted, it ends with
     the params an unbroken two-process run ends with, in both processes."""
     import numpy as np
 
-    _run_job("train", tmp_path / "straight")
+    assert not any("resumed" in o for o in _run_job("train", tmp_path / "straight"))
     broken = tmp_path / "broken"
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = _start("train", broken, port)
+    procs = _start("train", broken)
     manifests = broken / "run" / "checkpoints.sha256"
     try:
         while not (manifests.exists() and any(manifests.iterdir())):
@@ -120,7 +118,8 @@ def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
-    _run_job("train", broken)
+    # both restarted processes resume (not retrain from scratch, which would end alike too)
+    assert all("resumed from step" in o for o in _run_job("train", broken))
     for i in range(2):
         a, b = np.load(tmp_path / "straight" / f"params_{i}.npz"), np.load(broken / f"params_{i}.npz")
         assert sorted(a) == sorted(b)
