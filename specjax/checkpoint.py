@@ -32,6 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from specjax.sharding import barrier
+
 
 class DamagedCheckpointError(ValueError):
     """No kept step of a run directory restores to the bytes that were saved."""
@@ -88,14 +90,6 @@ def file_digests(folder: Path) -> dict[str, str]:
     return digests
 
 
-def _barrier(name: str):
-    """Waits for every process of a jax.distributed job (nothing to wait for alone)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 class CheckpointManager:
     """Thin wrapper over `ocp.CheckpointManager` holding {state pytree, JSON record}."""
 
@@ -121,7 +115,7 @@ class CheckpointManager:
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
         self._manager.wait_until_finished()
-        _barrier(f"specjax checkpoint {step} written")
+        barrier(f"specjax checkpoint {step} written")
         if jax.process_index() == 0:
             self._manifests.mkdir(exist_ok=True)
             (self._manifests / f"{step}.json").write_text(json.dumps(file_digests(self.directory / str(step))))
@@ -129,7 +123,7 @@ class CheckpointManager:
             for manifest in self._manifests.iterdir():  # orbax deleted those steps
                 if manifest.name not in kept:
                     manifest.unlink()
-        _barrier(f"specjax checkpoint {step} listed")
+        barrier(f"specjax checkpoint {step} listed")
 
     def _check_files(self, step: int):
         """Raises ValueError naming the first file of `step` that differs from its manifest

@@ -398,15 +398,13 @@ def _train_heads(args):
 
 def _in_turn(prepare):
     """prepare() in process 0 first (it writes the run directory's caches), then in the
-    others (they read them); alone, just prepare()."""
+    others (they read them)."""
     import jax
 
-    if jax.process_count() == 1:
-        return prepare()
-    from jax.experimental import multihost_utils
+    from specjax.sharding import barrier
 
     out = prepare() if jax.process_index() == 0 else None
-    multihost_utils.sync_global_devices("specjax data prepared")
+    barrier("specjax data prepared")
     return out if out is not None else prepare()
 
 
@@ -505,7 +503,7 @@ def main(argv=None):
     p.add_argument("--draft", default=default_checkpoint("draft"))
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
-    drafters.add_argument("--drafter", metavar="PATH|medusa|eagle",
+    drafters.add_argument("--drafter", metavar="PATH|medusa|eagle|eagle3",
                           help="trained draft heads saved by train-medusa/train-eagle (medusa, eagle, eagle3: "
                                "the shipped checkpoints/medusa, checkpoints/eagle, checkpoints/eagle3)")
     drafters.add_argument("--early-exit", type=int, metavar="N",

@@ -444,8 +444,7 @@ def _quantized(view, stored, dtype, path, mesh, rules) -> quant.Int8:
     if mesh is None:
         return jax.tree.map(jnp.asarray, q)
     placement = sharding.param_sharding(path, q, mesh, rules or sharding.DEFAULT_RULES)
-    return jax.tree.map(lambda v, p: jax.make_array_from_callback(v.shape, p, lambda index: v[index]),
-                        q, placement)
+    return jax.tree.map(sharding.put, q, placement)
 
 
 def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:

@@ -189,6 +189,14 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
+def barrier(name: str):
+    """Waits for every process of a jax.distributed job (nothing to wait for alone)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def gather(tree):
     """The arrays of a pytree (e.g. a `GenerateOutput`) as NumPy arrays, whole, in every
     process: a global array of a multi-host mesh is not fully addressable in any one
@@ -212,11 +220,7 @@ def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     if rows % n:
         raise ValueError(f"a batch of {rows} rows does not divide the mesh's {axis} axis ({n} devices): "
                          f"pad the batch to a multiple of {n} (e.g. repeat a prompt and drop its output)")
-    placement = batch_sharding(np.shape(x), mesh, rules)
-    if isinstance(x, jax.Array):
-        return jax.device_put(x, placement)
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, placement, lambda index: x[index])
+    return put(x, batch_sharding(np.shape(x), mesh, rules))
 
 
 # The weights that hold kv heads, their last three axes [G, R+2, D] (`regroup_kv_heads`).
@@ -288,19 +292,22 @@ def shard_model(model, mesh: Mesh, rules=None, duplicate_kv_heads: bool = True):
     if duplicate_kv_heads:
         model = repeat_kv_heads(model, kv_repeat(model.config, mesh, rules))
     shardings = param_shardings(model.params, mesh, rules)
-    return model.replace(params=jax.tree.map(_place, model.params, shardings), rules=rules)
+    return model.replace(params=jax.tree.map(put, model.params, shardings), rules=rules)
 
 
 def replicate(tree, mesh: Mesh):
     """A pytree's arrays with a whole copy on every device of the mesh (each process places
     its own devices' copies from its own)."""
     whole = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: _place(x, whole), tree)
+    return jax.tree.map(lambda x: put(x, whole), tree)
 
 
-def _place(x, placement):
-    """x placed by `placement`; on a mesh of several processes, from this process's copy."""
-    if isinstance(placement, NamedSharding) and placement.mesh.devices.size > len(placement.addressable_devices):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, placement, lambda index: host[index])
-    return jax.device_put(x, placement)
+def put(x, placement: jax.sharding.Sharding) -> jax.Array:
+    """x (host data or an array) placed by `placement`. Host data, and any x when the
+    placement spans several processes, is cut by each process for its own devices from its
+    own copy (identical in every process: arrays do not move between hosts); an array
+    within one process moves with device_put."""
+    if isinstance(x, jax.Array) and len(placement.device_set) == len(placement.addressable_devices):
+        return jax.device_put(x, placement)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, placement, lambda index: host[index])
