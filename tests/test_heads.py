@@ -260,6 +260,20 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
         specjax.Eagle3.init(target, KEY, feature_layers=(1, 3))
 
 
+@pytest.mark.parametrize("kind", ["Eagle", "Eagle3"])
+def test_a_layer_of_another_size_is_refused(pair, kind):
+    """Same family, width and vocabulary (the signature passes), another MLP width: the
+    drafter's weights cannot run as the target's layer, and binding says so."""
+    target = pair[0]
+    wider = dataclasses.replace(target.config, intermediate_size=2 * target.config.intermediate_size)
+    other = specjax.models.init(wider, jax.random.key(0))
+    drafter = getattr(specjax, kind).init(other, KEY)
+    padded, lengths = specjax.pad_prompts([[3, 4, 5]])
+    name = {"Eagle": "EAGLE", "Eagle3": "EAGLE-3"}[kind]
+    with pytest.raises(ValueError, match=f"this {name} drafter's weights do not match the target's sizes"):
+        specjax.generate(target, padded, lengths, draft=drafter, max_new_tokens=4)
+
+
 def test_shapes_are_refused_clearly(pair):
     target, _, _ = pair
     with pytest.raises(ValueError, match="at most 3 deep"):

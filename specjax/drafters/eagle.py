@@ -48,14 +48,22 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
     x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
                          features], axis=-1)
     x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
+    x, cache = run_layer(config, params["layer"], x, positions, cache, placement)
+    return head_logits(target, x), x, cache
+
+
+def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCache | None = None,
+              placement=None):
+    """The drafter's one decoder layer over x [B, T, E] at positions [B, T], writing its
+    one-layer cache (if given) -> (x [B, T, E], cache). Shared by EAGLE and EAGLE-3."""
     slots, masks, kv_limit = slots_and_masks(config, positions, cache, placement)
-    layer_params = jax.tree.map(lambda w: w.astype(dtype), params["layer"])
+    layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
     x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], slots,
                                 masks[False], kv_limit, kv)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
-    return head_logits(target, x), x, cache
+    return x, cache
 
 
 @struct.dataclass
@@ -66,6 +74,7 @@ class Eagle(Drafter):
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
 
     wants_features = True
+    name = "EAGLE"  # in messages
 
     @classmethod
     def init(cls, target: Model, key: jax.Array, tree: Tree | None = None) -> "Eagle":
@@ -87,12 +96,16 @@ class Eagle(Drafter):
     def bind(self, target: Model) -> "Eagle":
         """This drafter for target: refused unless it was made for its shape; its layer
         computes as the target's family does (the record keeps only what fixes shapes)."""
-        self.signature.check(target, "EAGLE")
+        self.signature.check(target, self.name)
         config = layer_config(target.config)
-        if _shapes(config) != jax.tree.map(lambda w: tuple(w.shape), self.params):
-            raise ValueError("this EAGLE drafter's layer does not match the target's sizes (heads, "
-                             "head_dim, MLP width, biases, norms): it was made for another target")
+        if self.param_shapes(config) != jax.tree.map(lambda w: tuple(w.shape), self.params):
+            raise ValueError(f"this {self.name} drafter's weights do not match the target's sizes (heads, "
+                             f"head_dim, MLP width, biases, norms): it was made for another target")
         return self.replace(config=config)
+
+    def param_shapes(self, config: ModelConfig) -> dict:
+        """The shapes its params must have for the layer config `config`."""
+        return eagle_shapes(config)
 
     def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         """Its cache, filled with the prompt's pairs (hidden [B, P, E]: the prefill's states)."""
@@ -136,7 +149,7 @@ class Eagle(Drafter):
         config = layer_from_record(params, record, signature, folder)
         legacy = record["format"] == 1  # saved before the fused layout: q/k/v and gate/up apart
         try:
-            want = _legacy_shapes(config) if legacy else _shapes(config)
+            want = _legacy_shapes(config) if legacy else eagle_shapes(config)
         except (TypeError, ValueError, OverflowError) as e:  # values ModelConfig lets through, no layer has
             raise CheckpointError(f"{record_file}: its \"layer\" is no layer specjax can build ({e})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
@@ -177,7 +190,7 @@ def layer_from_record(params, record, signature, folder) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _shapes(config: ModelConfig) -> dict:
+def eagle_shapes(config: ModelConfig) -> dict:
     """The shapes of an Eagle's params for a layer config."""
     E = config.hidden_size
     layer = jax.eval_shape(lambda: init_layer(config, jax.random.key(0)))
@@ -187,7 +200,7 @@ def _shapes(config: ModelConfig) -> dict:
 def _legacy_shapes(config: ModelConfig) -> dict:
     """The shapes of an Eagle's params in format 1: q/k/v and gate/up kernels and biases
     apart ([E, H|G, D], [E, F]), as `fuse_legacy_layer` reads them."""
-    shapes = _shapes(config)
+    shapes = eagle_shapes(config)
     attn, mlp = dict(shapes["layer"]["attn"]), dict(shapes["layer"]["mlp"])
     for kind in ("kernel", "bias"):
         if f"qkv_{kind}" in attn:

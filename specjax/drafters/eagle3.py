@@ -30,11 +30,11 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.eagle import Eagle, layer_config, layer_from_record
+from specjax.drafters.eagle import Eagle, eagle_shapes, layer_config, layer_from_record, run_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
 from specjax.models.layers import init as normal_init
-from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_tables, slots_and_masks
+from specjax.models.transformer import embed_tokens, init_layer, rotary_tables
 from specjax.tree import Tree
 
 
@@ -50,16 +50,21 @@ def _norm(config: ModelConfig, params, x):
     return Norm(config).apply({"params": params}, x)
 
 
-def fused_input(config: ModelConfig, params: dict, target: Model, tokens, features):
-    """The layer's input [B, T, E] from tokens [B, T] and features [B, T, F]: the target's
-    concatenated layer states (F = n E, fused first) or the drafter's own outputs (F = E)."""
-    dtype = features.dtype
-    E = config.hidden_size
-    if features.shape[-1] != E:
-        features = features @ params["fuse"]["kernel"].astype(dtype)
+def token_input(config: ModelConfig, params: dict, target: Model, tokens, dtype):
+    """tokens [B, T] -> their embeddings (the target's), normed by the drafter: [B, T, E]."""
     emb = embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype)
-    norms = jax.tree.map(lambda w: w.astype(dtype), params["norms"])
-    x = jnp.concatenate([_norm(config, norms["token"], emb), _norm(config, norms["feature"], features)], axis=-1)
+    return _norm(config, jax.tree.map(lambda w: w.astype(dtype), params["norms"]["token"]), emb)
+
+
+def fused_input(config: ModelConfig, params: dict, token_states, features):
+    """The layer's input [B, T, E] from `token_input` [B, T, E] and features [B, T, F]: the
+    target's concatenated layer states (F = n E, fused first) or the drafter's own outputs
+    (F = E)."""
+    dtype = features.dtype
+    if features.shape[-1] != config.hidden_size:
+        features = features @ params["fuse"]["kernel"].astype(dtype)
+    norm = jax.tree.map(lambda w: w.astype(dtype), params["norms"]["feature"])
+    x = jnp.concatenate([token_states, _norm(config, norm, features)], axis=-1)
     return x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
 
 
@@ -72,14 +77,8 @@ def eagle3_step(config: ModelConfig, params: dict, target: Model, tokens, featur
                 cache: KVCache | None = None, placement=None):
     """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
     -> (logits float32 [B, T, V] for token t+2, the layer's outputs [B, T, E], cache)."""
-    x = fused_input(config, params, target, tokens, features)
-    slots, masks, kv_limit = slots_and_masks(config, positions, cache, placement)
-    layer_params = jax.tree.map(lambda w: w.astype(x.dtype), params["layer"])
-    kv = None if cache is None else (cache.k[0], cache.v[0])
-    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], slots,
-                                masks[False], kv_limit, kv)
-    if cache is not None:
-        cache = cache.replace(k=(kv[0],), v=(kv[1],))
+    x = fused_input(config, params, token_input(config, params, target, tokens, features.dtype), features)
+    x, cache = run_layer(config, params["layer"], x, positions, cache, placement)
     return read_out(config, params, target, x), x, cache
 
 
@@ -102,8 +101,9 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
     R = H // G
     keys, values, outputs = [], [], []
     g = features
+    token_states = token_input(c, params, target, tokens, features.dtype)  # the same at every step
     for j in range(steps):
-        x = fused_input(c, params, target, tokens, g)  # [B, T, E]
+        x = fused_input(c, params, token_states, g)  # [B, T, E]
         h = _norm(c, p["attn_norm"], x)
         q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, method=Attention.project_qkv)
         keys.append(k)
@@ -135,6 +135,7 @@ class Eagle3(Eagle):
     """EAGLE-3: Eagle's drafting over the target's `feature_layers` (see the module docstring)."""
 
     feature_layers: tuple = struct.field(pytree_node=False, default=None)
+    name = "EAGLE-3"  # in messages
 
     @classmethod
     def init(cls, target: Model, key: jax.Array, tree: Tree | None = None,
@@ -156,13 +157,11 @@ class Eagle3(Eagle):
         return eagle3_step(self.config, self.params, target, tokens, features, positions, cache, placement)
 
     def bind(self, target: Model) -> "Eagle3":
-        self.signature.check(target, "EAGLE-3")
         _check_layers(self.feature_layers, target.config.num_layers)
-        config = layer_config(target.config)
-        if _shapes(config, len(self.feature_layers)) != jax.tree.map(lambda w: tuple(w.shape), self.params):
-            raise ValueError("this EAGLE-3 drafter's weights do not match the target's sizes (heads, head_dim, "
-                             "MLP width, biases, norms): it was made for another target")
-        return self.replace(config=config)
+        return super().bind(target)
+
+    def param_shapes(self, config: ModelConfig) -> dict:
+        return _shapes(config, len(self.feature_layers))
 
     def save(self, path):
         """Writes drafter.safetensors and drafter.json into the folder path."""
@@ -201,8 +200,7 @@ def _check_layers(layers: tuple, num_layers: int):
 def _shapes(config: ModelConfig, num_features: int) -> dict:
     """The shapes of an Eagle3's params for a layer config and number of feature layers."""
     E = config.hidden_size
-    layer = jax.eval_shape(lambda: init_layer(config, jax.random.key(0)))
     norm = jax.eval_shape(lambda: Norm(config).init(jax.random.key(0), jnp.zeros((1, 1, E)))["params"])
     norm = jax.tree.map(lambda w: tuple(w.shape), norm)
-    return {"fuse": {"kernel": (num_features * E, E)}, "norms": {"token": norm, "feature": norm, "out": norm},
-            "fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
+    return {**eagle_shapes(config), "fuse": {"kernel": (num_features * E, E)},
+            "norms": {"token": norm, "feature": norm, "out": norm}}
