@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import verify_room
+from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.drafters.model import DraftModel
 from specjax import loop, memory
 from specjax.loop import cache_length, initial_state
@@ -89,7 +89,7 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
     S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
     caches = _kv_bytes(target, batch, S)
     if isinstance(drafter, DraftModel):
-        caches += _kv_bytes(drafter.model, batch, S + drafter.tree.region + drafter.tree.depth + 1)
+        caches += _kv_bytes(drafter.model, batch, grow_cache_length(drafter.tree, S))
     return {"weights": nbytes(target.params) + nbytes(drafter), "caches": caches,
             "logits": batch * T * target.config.vocab_size * jnp.dtype(target.dtype).itemsize,
             "mask": batch * T * S}

@@ -149,9 +149,9 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
 def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
            *, max_new_tokens: int, return_trace: bool, adaptive_k: bool, mesh, rules, stream) -> GenerateOutput:
     """generate_loop's body, traced inside it."""
-    B, P = prompts.shape
+    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, return_trace)
+    B, S = state.tokens.shape  # S: the cache's length (`cache_length`)
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
-    S = cache_length(P, max_new_tokens, verify_room(drafter))
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
     # The drafter's state follows its own rules (a replicated draft: a replicated cache).
@@ -175,8 +175,6 @@ def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eo
             name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else rules),
                                getattr(state, name), is_leaf=is_cache)
             for name in state.__dataclass_fields__})
-
-    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, return_trace)
 
     def step(state: LoopState) -> LoopState:
         key, draft_key, accept_key = jax.random.split(state.key, 3)

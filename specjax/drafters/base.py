@@ -120,6 +120,12 @@ class Drafter:
 Forward = Callable[[Any, jax.Array, jax.Array, Any, Any], tuple[Any, jax.Array, Any]]
 
 
+def grow_cache_length(tree: Tree, max_len: int) -> int:
+    """Slots of a drafter's own cache that `grow`s `tree` beside a loop whose cache holds
+    max_len: those, the region its frontiers are written to past a root, and depth + 1 more."""
+    return max_len + tree.region + tree.depth + 1
+
+
 def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request: DraftRequest,
          tree: Tree, features0: jax.Array | None = None):
     """Grows each row's tree from logits0 [B, V], the draft's logits for the token after the

@@ -27,7 +27,7 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
 from specjax.layouts import fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import init as normal_init
@@ -110,7 +110,7 @@ class Eagle(Drafter):
     def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         """Its cache, filled with the prompt's pairs (hidden [B, P, E]: the prefill's states)."""
         B, P = prompts.shape
-        cache = KVCache.init(self.config, B, max_len + self.tree.region + self.tree.depth + 1, hidden.dtype)
+        cache = KVCache.init(self.config, B, grow_cache_length(self.tree, max_len), hidden.dtype)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
         _, _, cache = self.step(target, next_tokens, hidden, positions, cache)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.drafters.base import DraftRequest, Drafter, grow, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
 from specjax.models import Model, apply, prefill
 from specjax.tree import Tree
 
@@ -59,8 +59,7 @@ class DraftModel(Drafter):
     def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         """Prefills the draft's cache with the prompts. prompts [B, P], lengths [B]."""
         B, P = prompts.shape
-        cache = KVCache.init(self.model.config, B, max_len + self.tree.region + self.tree.depth + 1,
-                             self.model.dtype)
+        cache = KVCache.init(self.model.config, B, grow_cache_length(self.tree, max_len), self.model.dtype)
         _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
         return cache.replace(lengths=lengths - 1)
 
