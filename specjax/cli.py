@@ -375,6 +375,8 @@ def _train_heads(args):
     from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
+    if getattr(args, "draft_vocab", None) is not None and not args.eagle3:
+        raise SystemExit("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
     mesh = _mesh(args)
     target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
@@ -386,7 +388,8 @@ def _train_heads(args):
                                               num_layers=args.head_layers, **common)
     elif args.eagle3:
         drafter, metrics = heads.train_eagle3(target, stream, held, _train_config(args), args.out,
-                                              steps=args.ttt_steps, feature_layers=args.feature_layers, **common)
+                                              steps=args.ttt_steps, feature_layers=args.feature_layers,
+                                              draft_vocab=args.draft_vocab, **common)
     else:
         drafter, metrics = heads.train_eagle(target, stream, held, _train_config(args), args.out, **common)
     drafter = drafter.replace(params=specjax.gather(drafter.params))  # whole in every process
@@ -602,6 +605,9 @@ def main(argv=None):
             p.add_argument("--feature-layers", type=_ints(None, "--feature-layers", "1,3,5"), default=None,
                            metavar="I,J,K", help="EAGLE-3: the target layers (1..L) whose outputs it reads "
                                                  "(default: low, middle, high)")
+            p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                           help="EAGLE-3: draft only the corpus' N most frequent tokens, through a head of its "
+                                "own (default: the target's whole vocabulary)")
         p.set_defaults(run=_train_heads, kind=kind)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")

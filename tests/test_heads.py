@@ -4,6 +4,7 @@ the verification pass and are carried for no one else; save/load with clear refu
 training raises their acceptance; a training run killed with SIGKILL resumes bit for bit."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -36,6 +37,9 @@ DRAFTERS = {
     "eagle_static": lambda t: specjax.Eagle.init(t, KEY, Tree.from_paths(STATIC, "sampled")),
     "eagle3_chain": lambda t: specjax.Eagle3.init(t, KEY),
     "eagle3_dynamic": lambda t: specjax.Eagle3.init(t, KEY, Tree(depth=4, top_k=3, nodes=10)),
+    # a reduced draft vocabulary: every other token id (the target's other tokens are never drafted)
+    "eagle3_reduced": lambda t: specjax.Eagle3.init(t, KEY, Tree(depth=4, top_k=3, nodes=10),
+                                                    vocab=np.arange(0, t.config.vocab_size, 2)),
 }
 
 
@@ -54,7 +58,7 @@ def test_greedy_equals_transformers(pair, name):
 
 
 @pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_chain", "eagle_dynamic",
-                                  "eagle3_dynamic"])
+                                  "eagle3_dynamic", "eagle3_reduced"])
 def test_sampling_is_exact(tiny_pair, exact_joint, name):  # noqa: F811
     target, _ = tiny_pair
     observed = _sampled_joint(target, DRAFTERS[name](target))
@@ -91,11 +95,13 @@ def test_states_are_carried_only_for_drafters_that_want_them(pair):
 def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
     target, _, _ = pair
     padded, lengths = specjax.pad_prompts(_prompts(4, seed=5), bucket=16)  # the greedy cases' shapes
-    for name in ("medusa_dynamic", "eagle_chain", "eagle3_dynamic"):
+    for name in ("medusa_dynamic", "eagle_chain", "eagle3_dynamic", "eagle3_reduced"):
         drafter = DRAFTERS[name](target)
         drafter.save(tmp_path / name)
         loaded = specjax.load_drafter(tmp_path / name, tree=drafter.tree)
         assert type(loaded) is type(drafter)
+        if name == "eagle3_reduced":
+            np.testing.assert_array_equal(loaded.vocab, drafter.vocab)
         a, b = (specjax.generate(target, padded, lengths, draft=d, max_new_tokens=MAX_NEW, temperature=1.0,
                                  key=jax.random.key(1)) for d in (drafter, loaded))
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -185,6 +191,13 @@ HOSTILE = {
     "eagle3 kind on eagle": ("eagle", lambda f: _record(f, kind="eagle3"), "json", '"feature_layers"'),
     "feature layer 0": ("eagle", lambda f: _record(f, kind="eagle3", feature_layers=[0, 1, 2]), "json",
                         "feature layers must be layer numbers"),
+    "draft_vocab repeats": ("eagle3", lambda f: _record(f, draft_vocab=[3, 5, 3]), "json",
+                            "draft vocabulary ids must be distinct; 3 repeats"),
+    "draft_vocab past V": ("eagle3", lambda f: _record(f, draft_vocab=[0, 4096]), "json", "must lie in 0..4095"),
+    "draft_vocab floats": ("eagle3", lambda f: _record(f, draft_vocab=[1.0, 2.0]), "json", "token ids (integers)"),
+    "draft_vocab empty": ("eagle3", lambda f: _record(f, draft_vocab=[]), "json", "non-empty list"),
+    "draft_vocab, no head": ("eagle3", lambda f: _record(f, draft_vocab=[1, 2]), "safetensors",
+                             "do not match its record's shapes"),
     "layer a list": ("eagle", lambda f: _record(f, layer=[]), "json", '"layer"'),
     "layer a string": ("eagle", lambda f: _record(f, layer="llama"), "json", '"layer"'),
     "invalid utf-8": ("medusa", lambda f: (f / "drafter.json").write_bytes(b'{"kind": "\xff"}'), "json",
@@ -260,6 +273,31 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
         specjax.Eagle3.init(target, KEY, feature_layers=(1, 3))
 
 
+def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):
+    """with_vocab(ids) gives a head of the target's rows for ids: the same logits as the
+    whole head at those ids, -inf at the others; vocabularies are the most frequent ids;
+    a tree wider than the vocabulary and a second reduction are refused."""
+    from specjax.drafters.eagle3 import draft_vocabulary
+
+    target = pair[0]
+    V = target.config.vocab_size
+    ids = draft_vocabulary(np.array([[5, 9, 9, 2], [9, 5, 7, 0]]), 3, V)
+    np.testing.assert_array_equal(ids, [0, 5, 9])  # 9 thrice, 5 twice, then the lowest of 0, 2, 7 (once each)
+    whole = specjax.Eagle3.init(target, KEY)
+    reduced = whole.with_vocab(target, ids)
+    assert reduced.params["head"]["kernel"].shape == (target.config.hidden_size, 3)
+    x = jax.random.normal(jax.random.key(3), (2, 4, target.config.hidden_size))
+    full, part = whole.read(target, x), reduced.read(target, x)
+    np.testing.assert_allclose(part[..., ids], full[..., ids], rtol=1e-6, atol=1e-6)
+    assert np.isneginf(np.delete(np.asarray(part), ids, axis=-1)).all()
+    with pytest.raises(ValueError, match="takes 4 candidates per node, but this EAGLE-3 drafter drafts from 3"):
+        reduced.replace(tree=Tree(depth=2, top_k=4, nodes=4)).resolve(None)
+    with pytest.raises(ValueError, match="already has a reduced draft vocabulary"):
+        reduced.with_vocab(target, ids)
+    with pytest.raises(ValueError, match="a draft vocabulary has 1..97 tokens"):
+        draft_vocabulary(ids, 0, V)
+
+
 @pytest.mark.parametrize("kind", ["Eagle", "Eagle3"])
 def test_a_layer_of_another_size_is_refused(pair, kind):
     """Same family, width and vocabulary (the signature passes), another MLP width: the
@@ -297,7 +335,7 @@ def own_text(pair):
     return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "eagle3_reduced"])
 def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):
     from specjax.train import TrainConfig, heads
 
@@ -314,14 +352,20 @@ def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, ki
         drafter, trained = heads.train_medusa(target, 3, stream, held, cfg, tmp_path / "b", **quiet)
     else:
         train = heads.train_eagle if kind == "eagle" else heads.train_eagle3
+        if kind == "eagle3_reduced":  # the text's 48 most frequent of 97 tokens
+            train = functools.partial(heads.train_eagle3, draft_vocab=48)
         untrained = train(target, stream, held, one_step, tmp_path / "a", **quiet)[1]
         drafter, trained = train(target, stream, held, cfg, tmp_path / "b", **quiet)
     assert trained["loss"] < 0.9 * untrained["loss"], (untrained, trained)
-    if kind == "eagle3":  # trained over unrolled steps: deeper guesses improve too
+    if kind == "eagle3_reduced":
+        assert drafter.vocab.shape == (48,) and drafter.params["head"]["kernel"].shape[1] == 48
+    if kind.startswith("eagle3"):  # trained over unrolled steps: deeper guesses improve too
         assert trained["depth_2"] > untrained["depth_2"] + 0.1, (untrained, trained)
     if kind != "medusa":  # it sees token t+1: on greedy text it learns to guess t+2 well
         assert trained["depth_1"] > untrained["depth_1"] + 0.2, (untrained, trained)
-        assert trained["tokens_per_pass"] > untrained["tokens_per_pass"] + 0.4, (untrained, trained)
+        # a reduced vocabulary never drafts the tokens it lacks: less to gain in the loop
+        gain = 0.2 if kind == "eagle3_reduced" else 0.4
+        assert trained["tokens_per_pass"] > untrained["tokens_per_pass"] + gain, (untrained, trained)
     else:  # from h_t alone, on a random tiny target, there is less to learn
         assert trained["tokens_per_pass"] > untrained["tokens_per_pass"], (untrained, trained)
     prompts = _prompts(4, seed=9)

@@ -40,15 +40,22 @@ def layer_config(target: ModelConfig) -> ModelConfig:
     return dataclasses.replace(target, num_layers=1, layer_types=None, sliding_window=None)
 
 
-def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
-               cache: KVCache | None = None, placement=None):
+def eagle_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
+                cache: KVCache | None = None, placement=None):
     """tokens int32 [B, T] (token t+1 of each pair), features [B, T, E] (f_t), positions [B, T]
-    -> (logits float32 [B, T, V] for token t+2, predicted features [B, T, E], cache)."""
+    -> (predicted features [B, T, E] (f_{t+1}), cache)."""
     dtype = features.dtype
     x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
                          features], axis=-1)
     x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
-    x, cache = run_layer(config, params["layer"], x, positions, cache, placement)
+    return run_layer(config, params["layer"], x, positions, cache, placement)
+
+
+def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
+               cache: KVCache | None = None, placement=None):
+    """`eagle_layer`, read out by the target's head: (logits float32 [B, T, V] for token t+2,
+    predicted features [B, T, E], cache)."""
+    x, cache = eagle_layer(config, params, target, tokens, features, positions, cache, placement)
     return head_logits(target, x), x, cache
 
 
@@ -86,9 +93,13 @@ class Eagle(Drafter):
         return cls({"fc": fc, "layer": init_layer(config, layer_key)}, config,
                    trained.TargetSignature.of(target), tree)
 
-    def step(self, target: Model, tokens, features, positions, cache=None, placement=None):
-        """`eagle_step` with this drafter's layer: (logits, features passed on, cache)."""
-        return eagle_step(self.config, self.params, target, tokens, features, positions, cache, placement)
+    def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        """Its layer over pairs (`eagle_layer`): (outputs [B, T, E], the features passed on; cache)."""
+        return eagle_layer(self.config, self.params, target, tokens, features, positions, cache, placement)
+
+    def read(self, target: Model, x):
+        """float32 logits [B, T, V] over the target's vocabulary of its outputs x [B, T, E]."""
+        return head_logits(target, x)
 
     def resolve(self, K: int | None) -> "Eagle":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
@@ -113,8 +124,7 @@ class Eagle(Drafter):
         cache = KVCache.init(self.config, B, grow_cache_length(self.tree, max_len), hidden.dtype)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
-        _, _, cache = self.step(target, next_tokens, hidden, positions, cache)
-        return cache
+        return self.advance(target, next_tokens, hidden, positions, cache)[1]
 
     def propose(self, cache, request: DraftRequest):
         f, length, target = request.features, request.length, request.target
@@ -122,18 +132,19 @@ class Eagle(Drafter):
         S = request.tokens.shape[1]
 
         def forward(cache, tokens, positions, placement=None, features=None):
-            logits, features, cache = self.step(target, tokens, features, positions, cache, placement)
-            return cache, logits, features
+            features, cache = self.advance(target, tokens, features, positions, cache, placement)
+            return cache, self.read(target, features), features
 
         # Re-feed the kept tokens' pairs with the target's own features; slots from
-        # length - 1 on get junk that the tree overwrites or no query sees.
+        # length - 1 on get junk that the tree overwrites or no query sees. Only the root's
+        # pair is read out.
         positions = jnp.maximum(f.start[:, None] + jnp.arange(f.hidden.shape[1])[None], 0)  # [B, D+1]
         next_tokens = request.tokens[rows, jnp.minimum(positions + 1, S - 1)]
-        cache, logits, features = forward(cache, next_tokens, positions, None, f.hidden)
+        features, cache = self.advance(target, next_tokens, f.hidden, positions, cache)
         root = jnp.clip(length - 2 - f.start, 0)[:, None, None]  # the pair whose next token is the root
-        logits0 = jnp.take_along_axis(logits, root, axis=1)[:, 0]
-        features0 = jnp.take_along_axis(features, root, axis=1)[:, 0]
-        cache, proposal = grow(forward, cache, logits0, length - 1, request, self.tree, features0)
+        features0 = jnp.take_along_axis(features, root, axis=1)  # [B, 1, E]
+        logits0 = self.read(target, features0)[:, 0]
+        cache, proposal = grow(forward, cache, logits0, length - 1, request, self.tree, features0[:, 0])
         return cache, request.target_cache, proposal.replace(valid=proposal.valid & (length >= 2)[:, None])
 
     def save(self, path):

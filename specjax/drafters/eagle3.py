@@ -15,8 +15,15 @@ training (train/heads.py) fits only the tokens, over several unrolled drafting s
 when drafting deep.
 
 Drafting is EAGLE's (eagle.py): the same cache, re-feeding of the kept tokens' pairs with
-the target's features, and chains or trees grown by `base.grow`. EAGLE-3's reduced draft
-vocabulary is not implemented: the drafter speaks the target's whole vocabulary.
+the target's features, and chains or trees grown by `base.grow`.
+
+A reduced draft vocabulary (as EAGLE-3 has): `vocab`, the ids of the target tokens it may
+draft (most often the corpus' most frequent: `draft_vocabulary`), and a head of its own
+[E, Vd] over them (started from the target's rows for them, then trained) in place of the
+target's [E, V]: a draft step reads Vd/V of the head's bytes. Its logits are spread back
+over the target's vocabulary with -inf at the tokens it cannot draft, so drafting,
+sampling and acceptance see a distribution over the target's ids as before: verification
+stays exact, and a token outside the set is still emitted, as the target's own.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache
@@ -35,6 +43,8 @@ from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
 from specjax.models.layers import init as normal_init
 from specjax.models.transformer import embed_tokens, init_layer, rotary_tables
+from specjax.models.transformer import read_out as head_read_out
+from specjax.quant import Int8
 from specjax.tree import Tree
 
 
@@ -68,18 +78,61 @@ def fused_input(config: ModelConfig, params: dict, token_states, features):
     return x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
 
 
-def read_out(config: ModelConfig, params: dict, target: Model, x):
-    """float32 logits [B, T, V] of the layer's outputs x [B, T, E]: its own norm, the target's head."""
-    return head_logits(target, _norm(config, jax.tree.map(lambda w: w.astype(x.dtype), params["norms"]["out"]), x))
+def draft_logits(config: ModelConfig, params: dict, target: Model, x):
+    """float32 logits [B, T, Vd] of the layer's outputs x [B, T, E] over the draft
+    vocabulary: its own norm, then its own head [E, Vd] if it has one (a reduced draft
+    vocabulary), else the target's head (Vd = V)."""
+    x = _norm(config, jax.tree.map(lambda w: w.astype(x.dtype), params["norms"]["out"]), x)
+    if "head" in params:
+        return head_read_out(target.config, params["head"]["kernel"].astype(x.dtype), x)
+    return head_logits(target, x)
+
+
+def to_target_vocab(logits, vocab, vocab_size: int):
+    """Logits [..., Vd] over the draft vocabulary `vocab` (int32 [Vd] target ids; None: the
+    whole vocabulary, returned as they are) -> [..., V], -inf at tokens it cannot draft."""
+    if vocab is None:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., vocab].set(logits)
+
+
+def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
+                 cache: KVCache | None = None, placement=None):
+    """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
+    -> (the layer's outputs [B, T, E], cache)."""
+    x = fused_input(config, params, token_input(config, params, target, tokens, features.dtype), features)
+    return run_layer(config, params["layer"], x, positions, cache, placement)
 
 
 def eagle3_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
-                cache: KVCache | None = None, placement=None):
-    """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
-    -> (logits float32 [B, T, V] for token t+2, the layer's outputs [B, T, E], cache)."""
-    x = fused_input(config, params, token_input(config, params, target, tokens, features.dtype), features)
-    x, cache = run_layer(config, params["layer"], x, positions, cache, placement)
-    return read_out(config, params, target, x), x, cache
+                cache: KVCache | None = None, placement=None, vocab=None):
+    """`eagle3_layer`, read out: (logits float32 [B, T, V] for token t+2 over the target's
+    vocabulary (vocab: the draft vocabulary's ids when params has its own head), the
+    layer's outputs [B, T, E], cache)."""
+    x, cache = eagle3_layer(config, params, target, tokens, features, positions, cache, placement)
+    logits = to_target_vocab(draft_logits(config, params, target, x), vocab, target.config.vocab_size)
+    return logits, x, cache
+
+
+def draft_vocabulary(tokens, size: int, vocab_size: int) -> np.ndarray:
+    """The `size` most frequent ids among tokens (any int array of target ids; ties to the
+    lower id), sorted: int32 [size]."""
+    if not (type(size) is int and 1 <= size <= vocab_size):
+        raise ValueError(f"a draft vocabulary has 1..{vocab_size} tokens (the target's), got {size!r}")
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def target_head_rows(target: Model, vocab) -> jax.Array:
+    """The target's head for the ids vocab int32 [Vd] only, dequantised: float32 [E, Vd]."""
+    vocab = jnp.asarray(vocab)
+    if target.config.tie_word_embeddings:
+        w = target.params["embedding"]
+        rows = w.rows(vocab) if isinstance(w, Int8) else w[vocab]
+        return rows.astype(jnp.float32).T
+    w = target.params["lm_head"]
+    return (w.dequantize() if isinstance(w, Int8) else w)[:, vocab].astype(jnp.float32)
 
 
 def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features, steps: int):
@@ -88,8 +141,9 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
     at t). Step 0 reads the target's features; step j reads at t the drafter's step j-1
     output at t-1, and its query at t sees what it would see drafting j deep from the root
     t-j: the keys step 0 computed at positions <= t-j (the target's features) and the keys
-    step i computed at t-j+i, i = 1..j (its own chain). -> logits float32 [steps, B, T, V];
-    at step j positions t < j have no root and are junk."""
+    step i computed at t-j+i, i = 1..j (its own chain). -> logits float32 [steps, B, T, Vd]
+    over the draft vocabulary (`draft_logits`); at step j positions t < j have no root and
+    are junk."""
     B, T = tokens.shape
     c = config
     p = params["layer"]
@@ -125,7 +179,7 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
             out = out + jnp.einsum("bgrt,btgd->btgrd", probs[..., T + n].astype(v.dtype), values[i][:, idx])
         x = x + attn.apply({"params": p["attn"]}, out.reshape(B, T, H, D), method=Attention.project_out)
         x = x + MLP(c).apply({"params": p["mlp"]}, _norm(c, p["mlp_norm"], x))
-        outputs.append(read_out(c, params, target, x))
+        outputs.append(draft_logits(c, params, target, x))
         g = jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next step reads at t the output at t-1
     return jnp.stack(outputs)
 
@@ -135,12 +189,14 @@ class Eagle3(Eagle):
     """EAGLE-3: Eagle's drafting over the target's `feature_layers` (see the module docstring)."""
 
     feature_layers: tuple = struct.field(pytree_node=False, default=None)
+    vocab: jax.Array | None = None  # int32 [Vd]: the target ids it drafts (a reduced draft vocabulary)
     name = "EAGLE-3"  # in messages
 
     @classmethod
     def init(cls, target: Model, key: jax.Array, tree: Tree | None = None,
-             feature_layers: tuple | None = None) -> "Eagle3":
-        """Random weights (normal(0.02), unit norms, zero biases), float32."""
+             feature_layers: tuple | None = None, vocab=None) -> "Eagle3":
+        """Random weights (normal(0.02), unit norms, zero biases), float32; with vocab (target
+        ids, e.g. `draft_vocabulary`), a head of its own over them (`with_vocab`)."""
         layers = tuple(feature_layers or default_feature_layers(target.config.num_layers))
         _check_layers(layers, target.config.num_layers)
         config = layer_config(target.config)
@@ -151,22 +207,47 @@ class Eagle3(Eagle):
                   "norms": {"token": norm, "feature": norm, "out": norm},
                   "fc": {"kernel": normal_init(fc_key, (2 * E, E), jnp.float32), "bias": jnp.zeros((E,), jnp.float32)},
                   "layer": init_layer(config, layer_key)}
-        return cls(params, config, trained.TargetSignature.of(target), tree, layers)
+        drafter = cls(params, config, trained.TargetSignature.of(target), tree, layers)
+        return drafter if vocab is None else drafter.with_vocab(target, vocab)
 
-    def step(self, target: Model, tokens, features, positions, cache=None, placement=None):
-        return eagle3_step(self.config, self.params, target, tokens, features, positions, cache, placement)
+    def with_vocab(self, target: Model, vocab) -> "Eagle3":
+        """This drafter speaking only the target ids vocab (distinct, in 0..V-1), through a
+        head of its own: the target's head's rows for them (what it reads out with now,
+        restricted), to be trained further or used as it is."""
+        if self.vocab is not None:
+            raise ValueError("this EAGLE-3 drafter already has a reduced draft vocabulary")
+        self.signature.check(target, self.name)
+        ids = _check_vocab(vocab, target.config.vocab_size)
+        head = {"kernel": target_head_rows(target, ids)}
+        return self.replace(params={**self.params, "head": head}, vocab=jnp.asarray(ids))
+
+    def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        return eagle3_layer(self.config, self.params, target, tokens, features, positions, cache, placement)
+
+    def read(self, target: Model, x):
+        return to_target_vocab(draft_logits(self.config, self.params, target, x), self.vocab,
+                               target.config.vocab_size)
+
+    def resolve(self, K: int | None) -> "Eagle3":
+        drafter = super().resolve(K)
+        if self.vocab is not None and drafter.tree.top_k > self.vocab.shape[0]:
+            raise ValueError(f"the tree takes {drafter.tree.top_k} candidates per node, but this EAGLE-3 "
+                             f"drafter drafts from {self.vocab.shape[0]} tokens")
+        return drafter
 
     def bind(self, target: Model) -> "Eagle3":
         _check_layers(self.feature_layers, target.config.num_layers)
         return super().bind(target)
 
     def param_shapes(self, config: ModelConfig) -> dict:
-        return _shapes(config, len(self.feature_layers))
+        return _shapes(config, len(self.feature_layers), None if self.vocab is None else self.vocab.shape[0])
 
     def save(self, path):
         """Writes drafter.safetensors and drafter.json into the folder path."""
+        vocab = {} if self.vocab is None else {"draft_vocab": np.asarray(self.vocab).tolist()}
         return trained.save(path, "eagle3", self.params, self.signature,
-                            {"layer": self.config.to_hf_config(), "feature_layers": list(self.feature_layers)})
+                            {"layer": self.config.to_hf_config(), "feature_layers": list(self.feature_layers),
+                             **vocab})
 
     @classmethod
     def from_record(cls, params, record, signature, tree, folder):
@@ -178,16 +259,19 @@ class Eagle3(Eagle):
             raise CheckpointError(f"{record_file}: an EAGLE-3 record lists its target's feature layers (1 to 16 "
                                   f"ints) under \"feature_layers\"; it has {layers!r}")
         config = layer_from_record(params, record, signature, folder)
+        vocab = record.get("draft_vocab")
         try:
             _check_layers(tuple(layers), 10**6)
-            want = _shapes(config, len(layers))
+            if vocab is not None:
+                vocab = _check_vocab(vocab, signature.vocab_size)
+            want = _shapes(config, len(layers), None if vocab is None else len(vocab))
         except (TypeError, ValueError, OverflowError) as e:
             raise CheckpointError(f"{record_file}: no EAGLE-3 drafter specjax can build ({e})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
         if got != want:
             raise CheckpointError(f"{folder / trained.WEIGHTS}: EAGLE-3 weights {got} do not match its record's "
                                   f"shapes {want}")
-        return cls(params, config, signature, tree, tuple(layers))
+        return cls(params, config, signature, tree, tuple(layers), None if vocab is None else jnp.asarray(vocab))
 
 
 def _check_layers(layers: tuple, num_layers: int):
@@ -196,11 +280,32 @@ def _check_layers(layers: tuple, num_layers: int):
                          f"got {layers!r}")
 
 
+def _check_vocab(vocab, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary (a list or array of target ids) as sorted int32 [Vd], refused unless
+    its ids are distinct integers in 0..vocab_size-1 and there is at least one."""
+    if isinstance(vocab, (list, tuple)) and not all(type(i) is int for i in vocab):
+        raise ValueError("a draft vocabulary lists target token ids (integers)")
+    ids = np.asarray(vocab)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"a draft vocabulary is a non-empty list of target token ids, got shape {ids.shape} "
+                         f"of {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target's), got "
+                         f"{int(ids.min())}..{int(ids.max())}")
+    ids = np.sort(ids)
+    repeats = ids[1:][ids[1:] == ids[:-1]]
+    if repeats.size:
+        raise ValueError(f"draft vocabulary ids must be distinct; {int(repeats[0])} repeats")
+    return ids.astype(np.int32)
+
+
 @functools.lru_cache(maxsize=64)
-def _shapes(config: ModelConfig, num_features: int) -> dict:
-    """The shapes of an Eagle3's params for a layer config and number of feature layers."""
+def _shapes(config: ModelConfig, num_features: int, draft_vocab: int | None = None) -> dict:
+    """The shapes of an Eagle3's params for a layer config, number of feature layers and
+    reduced draft vocabulary's size (None: it reads out with the target's head)."""
     E = config.hidden_size
     norm = jax.eval_shape(lambda: Norm(config).init(jax.random.key(0), jnp.zeros((1, 1, E)))["params"])
     norm = jax.tree.map(lambda w: tuple(w.shape), norm)
+    head = {} if draft_vocab is None else {"head": {"kernel": (E, draft_vocab)}}
     return {**eagle_shapes(config), "fuse": {"kernel": (num_features * E, E)},
-            "norms": {"token": norm, "feature": norm, "out": norm}}
+            "norms": {"token": norm, "feature": norm, "out": norm}, **head}

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from specjax.drafters.eagle import Eagle, eagle_step
-from specjax.drafters.eagle3 import Eagle3, unrolled
+from specjax.drafters.eagle3 import Eagle3, draft_vocabulary, unrolled
 from specjax.drafters.medusa import Medusa, heads_logits
 from specjax.models import Model, apply
 from specjax.sharding import replicate
@@ -104,16 +104,24 @@ def eagle_objective(target: Model, config, cfg: TrainConfig):
 def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: int = TTT_STEPS):
     """(loss_fn, metrics_fn) over EAGLE-3 params and batches [B, T+1]. Unrolled step j at
     position t drafts depth j+1 from the root t-j and learns the target's distribution at
-    t+1; positions t < j have no root and are left out."""
+    t+1; positions t < j have no root and are left out. A drafter with a reduced draft
+    vocabulary learns the target's distribution restricted to it (renormalised over its
+    ids); its agreement is still with the target's argmax over the whole vocabulary."""
+    vocab = drafter.vocab
+
     def run(params, batch):
         positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
         p, taps, _ = apply(target, batch, positions, taps=drafter.feature_layers)
         p, taps = jax.lax.stop_gradient(p), jax.lax.stop_gradient(taps)
-        q = unrolled(drafter.config, params, target, batch[:, 1:], taps[:, :-1], steps)  # [steps, B, T, V]
+        q = unrolled(drafter.config, params, target, batch[:, 1:], taps[:, :-1], steps)  # [steps, B, T, Vd]
         return q, p[:, 1:]
+
+    def restricted(p):  # the target's logits [B, T, V] at the draft vocabulary's ids [B, T, Vd]
+        return p if vocab is None else p[..., vocab]
 
     def loss_fn(params, batch):
         q, p = run(params, batch)
+        p = restricted(p)
         weights = [TTT_DECAY ** j for j in range(steps)]
         return sum(w * losses.distill_loss(q[j, :, j:], p[:, j:], None, cfg.loss, cfg.temperature)
                    for j, w in enumerate(weights)) / sum(weights)
@@ -122,8 +130,9 @@ def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: in
         q, p = run(params, batch)
         roots = p.shape[1] - steps + 1  # roots whose whole unrolled chain lies in the window
         target_top = jnp.argmax(p, -1)
-        matches = [jnp.argmax(q[j, :, j:j + roots], -1) == target_top[:, j:j + roots] for j in range(steps)]
-        return {"loss": losses.distill_loss(q[0], p, None, "kl"), **_chain_acceptance(matches)}
+        draft_top = jnp.argmax(q, -1) if vocab is None else vocab[jnp.argmax(q, -1)]  # target ids
+        matches = [draft_top[j, :, j:j + roots] == target_top[:, j:j + roots] for j in range(steps)]
+        return {"loss": losses.distill_loss(q[0], restricted(p), None, "kl"), **_chain_acceptance(matches)}
 
     return loss_fn, metrics_fn
 
@@ -202,14 +211,19 @@ def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: T
                  run_dir: str | Path, key=None, record: dict | None = None,
                  log: Callable[[str], None] = print, progress: bool = True,
                  probe_prompts: np.ndarray | None = None, steps: int = TTT_STEPS,
-                 feature_layers: tuple | None = None, mesh=None) -> tuple[Eagle3, dict]:
+                 feature_layers: tuple | None = None, draft_vocab: int | None = None,
+                 mesh=None) -> tuple[Eagle3, dict]:
     """Trains an EAGLE-3 drafter on the frozen target with `steps` unrolled drafting steps;
     resumes from run_dir's latest checkpoint. probe_prompts [B, P]: held-out prompts on
-    which each evaluation runs the real loop (a chain of 6)."""
+    which each evaluation runs the real loop (a chain of 6). draft_vocab: the size of a
+    reduced draft vocabulary, the stream's most frequent tokens (None: the target's whole
+    vocabulary)."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"EAGLE-3 trains over >= 1 unrolled steps, got {steps!r}")
-    drafter = Eagle3.init(target, jax.random.key(0) if key is None else key, feature_layers=feature_layers)
+    vocab = None if draft_vocab is None else draft_vocabulary(stream, draft_vocab, target.config.vocab_size)
+    drafter = Eagle3.init(target, jax.random.key(0) if key is None else key, feature_layers=feature_layers,
+                          vocab=vocab)
     return _fit_drafter(drafter, target, eagle3_objective(target, drafter, cfg, steps), "eagle3",
                         {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
-                         "ttt_steps": steps}, stream, held_out, cfg, run_dir, record, log, progress,
-                        probe_prompts, Tree.chain(6, "sampled"), mesh)
+                         "ttt_steps": steps, "draft_vocab": draft_vocab}, stream, held_out, cfg, run_dir, record,
+                        log, progress, probe_prompts, Tree.chain(6, "sampled"), mesh)
