@@ -375,8 +375,13 @@ def _train_heads(args):
     from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
-    if getattr(args, "draft_vocab", None) is not None and not args.eagle3:
-        raise SystemExit("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
+    if args.kind == "eagle":
+        if args.draft_vocab is not None and not args.eagle3:
+            raise SystemExit("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
+        if args.steps is None:
+            args.steps = 500 if args.eagle3 else 1000
+        if args.lr is None:
+            args.lr = 1.5e-3 if args.eagle3 else 1e-3
     mesh = _mesh(args)
     target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
@@ -453,12 +458,12 @@ def _add_model_args(p, hidden, layers, heads, kv_heads, intermediate):
     p.add_argument("--init-seed", type=int, default=0)
 
 
-def _add_train_args(p, steps, lr):
+def _add_train_args(p, steps, lr, defaults=None, lr_defaults=None):
     p.add_argument("--out", required=True, help="run directory (checkpoints, data, export)")
-    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--steps", type=int, default=steps, help=defaults)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--lr", type=float, default=lr, help=lr_defaults)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--seed", type=int, default=0, help="data order")
     p.add_argument("--eval-every", type=int, default=100)
@@ -589,7 +594,11 @@ def main(argv=None):
         p = sub.add_parser(f"train-{kind}", help=f"train {kind.capitalize()} draft heads on a frozen target "
                                                  f"(self-distillation on the stdlib)")
         p.add_argument("--target", default="checkpoints/target")
-        _add_train_args(p, steps=1000, lr=1e-3)
+        if kind == "medusa":
+            _add_train_args(p, steps=1000, lr=1e-3)
+        else:  # EAGLE-3's steps each unroll --ttt-steps drafting steps: its recipe takes fewer, larger ones
+            _add_train_args(p, steps=None, lr=None, defaults="(default: 1000, or 500 with --eagle3)",
+                            lr_defaults="(default: 1e-3, or 1.5e-3 with --eagle3)")
         p.add_argument("--loss", default="kl", choices=["kl", "tv"])
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--probe-prompts", type=int, default=4,
