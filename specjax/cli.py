@@ -377,7 +377,9 @@ def _train_heads(args):
 
     if args.kind == "eagle":
         if args.draft_vocab is not None and not args.eagle3:
-            raise SystemExit("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
+            raise ValueError("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
+        if args.draft_vocab is not None and args.draft_vocab < 1:
+            raise ValueError(f"--draft-vocab takes a number of tokens >= 1, got {args.draft_vocab}")
         if args.steps is None:
             args.steps = 500 if args.eagle3 else 1000
         if args.lr is None:

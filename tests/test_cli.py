@@ -202,7 +202,9 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
             (["generate", "x", "--tree", "[" * 50_000, "--target", str(TARGET)], "nests too deeply"),
             (["generate", "x", "--tree", "2,2,3", "--no-draft", "--target", str(TARGET)], "--tree needs a draft"),
             (["generate", "x", "--temperature", "inf", "--target", str(TARGET), "--draft", str(DRAFT)],
-             "temperature must be a finite number")):
+             "temperature must be a finite number"),
+            (["train-eagle", "--draft-vocab", "64", "--out", str(tmp_path / "run")], "--draft-vocab is EAGLE-3's"),
+            (["train-eagle", "--eagle3", "--draft-vocab", "0", "--out", str(tmp_path / "run")], "got 0")):
         try:
             assert entry(argv) == 2, argv
         except SystemExit as e:  # argparse's bad flags
