@@ -17,8 +17,6 @@ shipped checkpoints, batch 1, medians (each call jitted, timed alone, dispatch i
 """
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax.cache import KVCache  # noqa: E402
-from specjax.measure import held_out_prompts  # noqa: E402
+from specjax.measure import held_out_prompts, median_time  # noqa: E402
 from specjax.memory import nbytes  # noqa: E402
 from specjax.models import apply  # noqa: E402
 
@@ -36,13 +34,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")
 
 
 def median_ms(f, *args, n=200):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_time(lambda: jax.block_until_ready(f(*args)), n) * 1e3
 
 
 def weight_reads():
@@ -93,15 +85,9 @@ def loop_steps(target, prompt, drafters):
         K = None if d is None else 5
         f = lambda d=d, K=K: specjax.generate(target, prompt, lengths, draft=d, num_draft_tokens=K,  # noqa: E731
                                               max_new_tokens=96)
-        run = f()
-        jax.block_until_ready(run.tokens)
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            jax.block_until_ready(f().tokens)
-            times.append(time.perf_counter() - start)
-        steps = int(run.stats.steps[0])
-        out.append(f"{name} {statistics.median(times) * 1e3 / steps:.2f} ms x {steps} steps "
+        steps = int(f().stats.steps[0])
+        ms = median_time(lambda: jax.block_until_ready(f().tokens), 7) * 1e3
+        out.append(f"{name} {ms / steps:.2f} ms x {steps} steps "
                    f"({96 / steps:.2f} tok/step)")
     print("4. the loop, ms per step (prefill included): " + "; ".join(out))
 
