@@ -5,10 +5,12 @@ drafter and shape: tokens per target pass, tokens/s, the ratio to plain decoding
 every row equals plain decoding's, and the fraction of steps that kept >= k drafted
 tokens. Timing goes in rounds: each round times plain decoding and every (drafter, shape)
 once, in turn, so that a slow spell of this shared machine slows them alike; tok/s is the
-median over rounds, and the ratio the median of each round's ratio to that round's plain. Drafter folders named as NAME=PATH join
-the shipped ones; an EAGLE-3 among them that speaks the whole vocabulary is also run with
-a draft vocabulary of the training corpus' 1024 most frequent tokens and no further
-training (`Eagle3.with_vocab`: the target's head rows for them), as "NAME Vd1024".
+median over rounds, and the ratio the median of each round's ratio to that round's plain.
+
+Drafter folders (or a draft model's Hugging Face folder) named as NAME=PATH join the
+shipped ones; an EAGLE-3 that speaks the whole vocabulary is also run with a draft
+vocabulary of the training corpus' 1024 most frequent tokens and no further training
+(`Eagle3.with_vocab`: the target's head rows for them), as "NAME->1024".
 
     python docs/bench/eagle3.py [NAME=PATH ...] > docs/bench/eagle3.txt
 """
@@ -41,7 +43,9 @@ def main():
         drafters["EAGLE-3"] = specjax.load_drafter(f"{ROOT}/eagle3")
     for arg in sys.argv[1:]:
         name, path = arg.split("=", 1)
-        drafters[name] = specjax.load_drafter(path)
+        is_model = os.path.exists(os.path.join(path, "config.json"))
+        drafters[name] = (specjax.DraftModel(specjax.load_model(path, dtype=jnp.float32)) if is_model
+                          else specjax.load_drafter(path))
     for name, drafter in list(drafters.items()):
         if isinstance(drafter, specjax.Eagle3) and drafter.vocab is None:
             with tempfile.TemporaryDirectory() as run_dir:  # the training corpus, encoded as training does
