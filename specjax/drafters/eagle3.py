@@ -105,16 +105,6 @@ def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, featu
     return run_layer(config, params["layer"], x, positions, cache, placement)
 
 
-def eagle3_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
-                cache: KVCache | None = None, placement=None, vocab=None):
-    """`eagle3_layer`, read out: (logits float32 [B, T, V] for token t+2 over the target's
-    vocabulary (vocab: the draft vocabulary's ids when params has its own head), the
-    layer's outputs [B, T, E], cache)."""
-    x, cache = eagle3_layer(config, params, target, tokens, features, positions, cache, placement)
-    logits = to_target_vocab(draft_logits(config, params, target, x), vocab, target.config.vocab_size)
-    return logits, x, cache
-
-
 def draft_vocabulary(tokens, size: int, vocab_size: int) -> np.ndarray:
     """The `size` most frequent ids among tokens (any int array of target ids; ties to the
     lower id), sorted: int32 [size]."""
