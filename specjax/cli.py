@@ -378,14 +378,16 @@ def _train_heads(args):
     if args.kind == "eagle":
         if args.draft_vocab is not None and not args.eagle3:
             raise ValueError("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
-        if args.draft_vocab is not None and args.draft_vocab < 1:
-            raise ValueError(f"--draft-vocab takes a number of tokens >= 1, got {args.draft_vocab}")
         if args.steps is None:
             args.steps = 500 if args.eagle3 else 1000
         if args.lr is None:
             args.lr = 1.5e-3 if args.eagle3 else 1e-3
     mesh = _mesh(args)
     target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    if getattr(args, "draft_vocab", None) is not None:  # refused before the corpus is prepared
+        from specjax.drafters.eagle3 import check_vocab_size
+
+        check_vocab_size(args.draft_vocab, target.config.vocab_size)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
     probe = np.array(held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
     common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe,

@@ -193,6 +193,7 @@ HOSTILE = {
                         "feature layers must be layer numbers"),
     "draft_vocab repeats": ("eagle3", lambda f: _record(f, draft_vocab=[3, 5, 3]), "json",
                             "draft vocabulary ids must be distinct; 3 repeats"),
+    "draft_vocab out of order": ("eagle3", lambda f: _record(f, draft_vocab=[5, 3]), "json", "must increase"),
     "draft_vocab past V": ("eagle3", lambda f: _record(f, draft_vocab=[0, 4096]), "json", "must lie in 0..4095"),
     "draft_vocab floats": ("eagle3", lambda f: _record(f, draft_vocab=[1.0, 2.0]), "json", "token ids (integers)"),
     "draft_vocab empty": ("eagle3", lambda f: _record(f, draft_vocab=[]), "json", "non-empty list"),

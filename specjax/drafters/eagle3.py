@@ -105,11 +105,16 @@ def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, featu
     return run_layer(config, params["layer"], x, positions, cache, placement)
 
 
+def check_vocab_size(size, vocab_size: int):
+    """Raises unless size is a draft vocabulary's size for a target of vocab_size tokens."""
+    if not (type(size) is int and 1 <= size <= vocab_size):
+        raise ValueError(f"a draft vocabulary has 1..{vocab_size} tokens (the target's), got {size!r}")
+
+
 def draft_vocabulary(tokens, size: int, vocab_size: int) -> np.ndarray:
     """The `size` most frequent ids among tokens (any int array of target ids; ties to the
     lower id), sorted: int32 [size]."""
-    if not (type(size) is int and 1 <= size <= vocab_size):
-        raise ValueError(f"a draft vocabulary has 1..{vocab_size} tokens (the target's), got {size!r}")
+    check_vocab_size(size, vocab_size)
     counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
@@ -207,7 +212,7 @@ class Eagle3(Eagle):
         if self.vocab is not None:
             raise ValueError("this EAGLE-3 drafter already has a reduced draft vocabulary")
         self.signature.check(target, self.name)
-        ids = _check_vocab(vocab, target.config.vocab_size)
+        ids = np.sort(_check_vocab(vocab, target.config.vocab_size))
         head = {"kernel": target_head_rows(target, ids)}
         return self.replace(params={**self.params, "head": head}, vocab=jnp.asarray(ids))
 
@@ -253,7 +258,7 @@ class Eagle3(Eagle):
         try:
             _check_layers(tuple(layers), 10**6)
             if vocab is not None:
-                vocab = _check_vocab(vocab, signature.vocab_size)
+                vocab = _check_vocab(vocab, signature.vocab_size, ordered=True)
             want = _shapes(config, len(layers), None if vocab is None else len(vocab))
         except (TypeError, ValueError, OverflowError) as e:
             raise CheckpointError(f"{record_file}: no EAGLE-3 drafter specjax can build ({e})") from None
@@ -270,9 +275,10 @@ def _check_layers(layers: tuple, num_layers: int):
                          f"got {layers!r}")
 
 
-def _check_vocab(vocab, vocab_size: int) -> np.ndarray:
-    """A draft vocabulary (a list or array of target ids) as sorted int32 [Vd], refused unless
-    its ids are distinct integers in 0..vocab_size-1 and there is at least one."""
+def _check_vocab(vocab, vocab_size: int, ordered: bool = False) -> np.ndarray:
+    """A draft vocabulary (a list or array of target ids) as int32 [Vd], refused unless its
+    ids are distinct integers in 0..vocab_size-1, there is at least one and (ordered: a
+    saved one, whose head's columns follow it) they increase."""
     if isinstance(vocab, (list, tuple)) and not all(type(i) is int for i in vocab):
         raise ValueError("a draft vocabulary lists target token ids (integers)")
     ids = np.asarray(vocab)
@@ -282,10 +288,12 @@ def _check_vocab(vocab, vocab_size: int) -> np.ndarray:
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target's), got "
                          f"{int(ids.min())}..{int(ids.max())}")
-    ids = np.sort(ids)
-    repeats = ids[1:][ids[1:] == ids[:-1]]
+    ordered_ids = np.sort(ids)
+    repeats = ordered_ids[1:][ordered_ids[1:] == ordered_ids[:-1]]
     if repeats.size:
         raise ValueError(f"draft vocabulary ids must be distinct; {int(repeats[0])} repeats")
+    if ordered and (ids != ordered_ids).any():
+        raise ValueError("draft vocabulary ids must increase (its head's columns follow them)")
     return ids.astype(np.int32)
 
 
