@@ -15,8 +15,10 @@ rejected there). The current node's candidates x are tried in order:
 An accepted candidate becomes the current node and r becomes p there; its siblings are
 never tried. When a node's candidates are exhausted (or it has none), one token of the
 target's own is drawn from r. Every output token is distributed exactly as the target's.
-Greedy needs no special case: `sampling.warp` makes p and q one-hot at temperature 0, where
-this keeps the deepest node whose path matches the target's argmax.
+At temperature 0 `sampling.warp` makes p one-hot, and the rule reduces to: a candidate is
+accepted iff it is the target's argmax at the current node, and the extra token is that
+argmax. `verify` takes that path (`accept_greedy`: no [B, V] distribution is built or
+walked) when the temperature is 0, and `accept` otherwise: the same tokens, cheaper.
 
 This module knows nothing about models, caches or how the tree was grown.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
+from specjax.sampling import Sampling, sample, warp
 
 
 def remove_rejected(r: jax.Array, q: jax.Array | None, x: jax.Array) -> jax.Array:
@@ -75,3 +77,36 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
              jnp.zeros((B, max_depth), jnp.int32))
     _, r, n, path = jax.lax.fori_loop(0, N, visit, carry) if N else carry
     return n, path, sample(extra_key, r)
+
+
+def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array, max_depth: int):
+    """`accept` at temperature 0, where p at every node is one-hot at the target's argmax:
+    a candidate is accepted iff it is that argmax at the current node (whatever its q: an
+    argmax has r = 1 > u q(x), any other token r = 0, and a rejection leaves r one-hot at the
+    argmax), and the extra token is the argmax where the walk stops. best int32 [B, N+1]:
+    the target's argmax at [root, nodes] (first of equals, as warp's one-hot takes it).
+    Same arguments otherwise and the same returns as `accept`."""
+    B, N = tokens.shape
+    rows = jnp.arange(B)
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
+
+    def visit(i, carry):
+        current, n, path = carry  # [B], [B], [B, max_depth]
+        accepted = valid[:, i] & (parents[:, i] == current) & (tokens[:, i] == best[rows, current])
+        path = path.at[rows, jnp.where(accepted, n, max_depth)].set(i + 1, mode="drop")
+        return jnp.where(accepted, i + 1, current), n + accepted, path
+
+    carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B, max_depth), jnp.int32))
+    current, n, path = jax.lax.fori_loop(0, N, visit, carry) if N else carry
+    return n, path, best[rows, current].astype(jnp.int32)
+
+
+def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
+           logits: jax.Array, sampling: Sampling, max_depth: int):
+    """`accept` against the target's float32 logits [B, N+1, V] under `sampling`: through
+    `accept_greedy` when the temperature is 0 (decided at run time: it is traced), else
+    through `accept` with p = warp(logits). Returns (n, path, extra) as `accept` does."""
+    return jax.lax.cond(
+        sampling.temperature == 0,
+        lambda: accept_greedy(tokens, parents, valid, jnp.argmax(logits, axis=-1), max_depth),
+        lambda: accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth))

@@ -13,8 +13,9 @@ One step, all shapes fixed:
      and itself; p is its warped distribution at all N+1 of them. A drafter may add a
      `Branch` of tokens to the same pass (after the nodes, under its own mask, unseen by
      them); it gets the target's logits for those back through `observe`;
-  3. `acceptance.accept` walks each row's tree: it keeps the longest path the target
-     agrees with (n nodes) and draws one token of the target's own;
+  3. `acceptance.verify` walks each row's tree: it keeps the longest path the target
+     agrees with (n nodes) and draws one token of the target's own (greedy: compares
+     argmaxes, and p is never built);
   4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
      and at max_new_tokens); the accepted path's keys/values move to the slots of their
      positions (nothing moves for a chain: its nodes are already there). Rolling back the
@@ -44,7 +45,7 @@ from specjax import acceptance, sharding, streams
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
 from specjax.models import Model, apply, layers, prefill
-from specjax.sampling import Sampling, warp
+from specjax.sampling import Sampling
 from specjax.tree import ancestors, depths, with_branch
 
 
@@ -211,8 +212,8 @@ def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eo
         if branch is not None:  # the drafter reads the target's logits for its branch
             draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
             logits = logits[:, : N + 1]
-        p = warp(logits, sampling)  # [B, N+1, V]
-        n, path, extra = acceptance.accept(accept_key, proposal.tokens, parents, valid, proposal.q, p, D)
+        n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
+                                           sampling, D)
         if not chain:  # the path's node at depth j+1 moves to slot length+j
             cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
                                                                  length[:, None] + offsets[:, :D], S))

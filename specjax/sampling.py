@@ -67,8 +67,9 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     # The sort runs only when a filter is on and its result is used (not when greedy).
     filtering = ~greedy & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
     scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, sampling.top_k, sampling.top_p)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
+    return jax.lax.cond(  # only the branch taken runs (both, under vmap)
+        greedy, lambda s: jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32),
+        lambda s: jax.nn.softmax(s, axis=-1), scores)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

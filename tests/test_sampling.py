@@ -174,3 +174,28 @@ def test_residual_distribution_is_guarded():
     n, _, extra = acceptance.accept(jax.random.key(1), jnp.array([[0], [0]], jnp.int32),
                                     np.zeros(1, np.int32), valid, q0, p0, 1)
     assert n.tolist() == [1, 1] and extra.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_acceptance_is_the_general_rule_at_temperature_0(with_q):
+    """accept_greedy (argmax comparisons, what `verify` runs at temperature 0) keeps the same
+    path and extra token as `accept` with warp's one-hot p, on random trees of 3-way ties and
+    drafts that often match; with q drawn from the one-hot draft distribution or deterministic."""
+    rng = np.random.default_rng(0)
+    B, N, V, D = 64, 7, 6, 4
+    parents = np.array([0, 0, 1, 1, 2, 4, 3], np.int32)  # nodes after their parents, depth <= 4
+    logits = jnp.asarray(rng.integers(0, 3, (B, N + 1, V)), jnp.float32)  # many ties
+    best = jnp.argmax(logits, axis=-1)
+    parent_best = np.asarray(best)[:, np.concatenate([[0], parents])[1:]]
+    tokens = jnp.asarray(np.where(rng.random((B, N)) < 0.6, parent_best, rng.integers(0, V, (B, N))), jnp.int32)
+    valid = jnp.asarray(rng.random((B, N)) < 0.9)
+    q = jax.nn.one_hot(tokens, V) if with_q else None
+    greedy = Sampling.make(0.0)
+    general = acceptance.accept(jax.random.key(1), tokens, parents, valid, q, warp(logits, greedy), D)
+    fast = acceptance.accept_greedy(tokens, parents, valid, best, D)
+    through_verify = acceptance.verify(jax.random.key(1), tokens, parents, valid, q, logits, greedy, D)
+    for a, b, c in zip(general, fast, through_verify):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert 0 < int((general[0] > 0).sum()) < B  # some rows accept, some do not
+    assert int(general[0].max()) >= 2

@@ -151,13 +151,16 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     if tree.is_static:
         expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
 
-    def grid(d, logits, f_valid, f_score, going, key):
-        """Candidates of depth d+1 from the frontier at depth d: tokens, log q, validity [B, W, C]
-        and (sampled siblings) the distribution they were drawn from [B, W, V]."""
-        logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
+    def grid(d, logits, logq, f_valid, f_score, going, key):
+        """Candidates of depth d+1 from the frontier at depth d (logits and their log_softmax
+        logq [B, W, V]): tokens, log q, validity [B, W, C] and (sampled siblings) the
+        distribution they were drawn from [B, W, V]."""
         if sampled:
             q = warp(logits, request.sampling)
-            tokens = sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V)))
+            tokens = jax.lax.cond(  # greedy: what drawing from the one-hot q gives, without drawing
+                request.sampling.temperature == 0,
+                lambda: jnp.broadcast_to(jnp.argmax(logits, axis=-1)[..., None], (B, W, C)),
+                lambda: sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V))))
         else:
             q = None
             tokens = jax.lax.top_k(logits, C)[1]
@@ -183,9 +186,10 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
 
     def step(carry):
         d, cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going = carry
-        confidence = jnp.max(jnp.where(f_valid[..., None], jax.nn.softmax(logits, axis=-1), 0.0), axis=(1, 2))
+        logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
+        confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
-        tokens, score, valid, q = grid(d, logits, f_valid, f_score, going, jax.random.fold_in(request.key, d))
+        tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, jax.random.fold_in(request.key, d))
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool,
                             (tokens, score, valid, parent, q if sampled else None))
