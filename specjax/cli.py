@@ -356,6 +356,8 @@ def _distill(args):
     mesh = _mesh(args)
     teacher = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
+    if args.on_policy:
+        stream = _with_continuations(args, teacher, tokenizer, stream, mesh)
     config = _model_config(args, teacher.config.vocab_size, tokenizer)
     model = _placed(init(config, jax.random.key(args.init_seed), jnp.float32), mesh)
     print(f"draft: {config.num_params() / 1e6:.2f}M params distilled from "
@@ -364,6 +366,24 @@ def _distill(args):
     model, metrics = train(model, stream, held, _train_config(args), args.out, teacher=teacher,
                            record={"held_out_modules": held_modules, "target": str(args.target)}, mesh=mesh)
     _export(model, args.target, Path(args.out) / "hf", args.dtype)
+
+
+def _with_continuations(args, teacher, tokenizer, stream, mesh):
+    """The training stream and --on-policy-repeat copies of the target's continuations,
+    generated once per run directory (a resumed run reads the same tokens)."""
+    import numpy as np
+
+    from specjax.train import continuations, data
+
+    if mesh is not None:
+        raise ValueError("--on-policy does not run with --mesh or several processes yet: leave them out")
+    file = Path(args.out) / "data" / "continuations.npy"
+    if not file.exists():
+        eos = tokenizer.convert_tokens_to_ids(data.EOS)
+        np.save(file, continuations.continuations(teacher, stream, args.on_policy, eos))
+    generated = np.load(file)
+    print(f"on-policy: {args.on_policy} target continuations ({len(generated)} tokens) x {args.on_policy_repeat}")
+    return continuations.mixed(stream, generated, args.on_policy_repeat)
 
 
 def _train_heads(args):
@@ -592,6 +612,11 @@ def main(argv=None):
     p.add_argument("--loss", default="kl", choices=["kl", "tv"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.0)
+    p.add_argument("--on-policy", type=int, default=0, metavar="N",
+                   help="also train on N continuations of training windows written by the target (batches of 64, "
+                        "greedy and temperature 1 in turn); 0: the corpus only")
+    p.add_argument("--on-policy-repeat", type=int, default=4, metavar="R",
+                   help="copies of those continuations in the training stream (their share of the windows)")
     p.set_defaults(run=_distill)
 
     for kind in ("medusa", "eagle"):

@@ -214,3 +214,36 @@ def test_a_damaged_latest_step_is_never_restored_silently(stream, tmp_path, capf
     damage(20)
     with pytest.raises(DamagedCheckpointError, match="tried 40: .*; 20: "):
         restore_model(run)
+
+
+def test_continuations_are_the_targets_own_text(stream):
+    """`continuations` (distill --on-policy): training windows continued by the target,
+    greedy and temperature-1 batches in turn, each ended by EOS; deterministic."""
+    from specjax.train import continuations
+
+    target = init(_config(), jax.random.key(4), jnp.float32)
+    make = lambda: continuations.continuations(target, stream, 4, eos_id=0, prompt_len=6, new_tokens=5,  # noqa: E731
+                                               batch=2, seed=7)
+    generated = make()
+    np.testing.assert_array_equal(generated, make())
+    starts = np.random.default_rng(7).integers(0, len(stream) - 6, 4)
+    at, greedy_steps = 0, 0
+    for i, start in enumerate(starts):
+        np.testing.assert_array_equal(generated[at: at + 6], stream[start: start + 6])  # the window
+        new = generated[at + 6: at + 11]
+        n = int(np.argmax(new == 0)) + 1 if (new == 0).any() else 5  # tokens written, EOS included
+        sequence = generated[at: at + 6 + n]
+        if i < 2:  # the first batch is greedy: each token is the target's argmax after the ones before
+            logits = np.asarray(specjax.forward(target, sequence[None]))[0]
+            np.testing.assert_array_equal(logits[5: 5 + n].argmax(-1), sequence[6: 6 + n])
+            greedy_steps += n
+        at += 6 + n + (0 if sequence[-1] == 0 else 1)  # an EOS appended after a full continuation
+        assert generated[at - 1] == 0
+    assert at == len(generated) and greedy_steps >= 2
+    mixed = continuations.mixed(stream, generated, 2)
+    assert len(mixed) == len(stream) + 2 * len(generated)
+    np.testing.assert_array_equal(mixed[-len(generated):], generated)
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        continuations.continuations(target, stream, 0, eos_id=0)
+    with pytest.raises(ValueError, match="repeat must be an int >= 0"):
+        continuations.mixed(stream, generated, -1)
