@@ -377,7 +377,7 @@ def _with_continuations(args, teacher, tokenizer, stream, mesh):
 
     if mesh is not None:
         raise ValueError("--on-policy does not run with --mesh or several processes yet: leave them out")
-    file = Path(args.out) / "data" / "continuations.npy"
+    file = Path(args.out) / "data" / f"continuations_{args.on_policy}.npy"
     if not file.exists():
         eos = tokenizer.convert_tokens_to_ids(data.EOS)
         np.save(file, continuations.continuations(teacher, stream, args.on_policy, eos))
