@@ -6,6 +6,7 @@ The public API, re-exports only.
 from specjax.cache import KVCache
 from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
                               PromptLookup, Retrieval, load_drafter)
+from specjax.drafters.vocab import draft_vocabulary
 from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
 from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
 from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
@@ -21,7 +22,7 @@ __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit",
     "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
     "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Retrieval", "Stats",
-    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "estimate_memory",
-    "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
+    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "draft_vocabulary",
+    "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
     "pad_prompts", "quantize", "save_model", "shard_model",
 ]

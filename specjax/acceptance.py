@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import Sampling, sample, warp
+from specjax.sampling import Sampling, argmax, sample, warp
 
 
 def remove_rejected(r: jax.Array, q: jax.Array | None, x: jax.Array) -> jax.Array:
@@ -108,5 +108,5 @@ def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     through `accept` with p = warp(logits). Returns (n, path, extra) as `accept` does."""
     return jax.lax.cond(
         sampling.temperature == 0,
-        lambda: accept_greedy(tokens, parents, valid, jnp.argmax(logits, axis=-1), max_depth),
+        lambda: accept_greedy(tokens, parents, valid, argmax(logits), max_depth),
         lambda: accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth))

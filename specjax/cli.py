@@ -49,6 +49,7 @@ def _generate(args):
     import jax
 
     import specjax
+    from specjax.drafters.vocab import read_vocab
 
     prompts = [args.prompt] if args.prompt is not None else []
     if args.batch_file:
@@ -86,10 +87,12 @@ def _generate(args):
         draft = specjax.load_drafter(path, tree)
         drafter_name = f"{type(draft).__name__} heads {path}"
     else:
-        draft = specjax.load_model(args.draft, quantize=args.quantize)
+        model = specjax.load_model(args.draft, quantize=args.quantize)
         if mesh is not None:  # small: a copy on every device, rows still over data
-            draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))
-        draft, drafter_name = specjax.DraftModel(draft, tree), f"draft model {args.draft}"
+            model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
+        draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
+        if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
+            draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
         try:
             draft_tokenizer = specjax.load_tokenizer(args.draft)
         except (OSError, ValueError):
@@ -350,11 +353,15 @@ def _distill(args):
     import jax.numpy as jnp
 
     import specjax
+    from specjax.drafters import vocab
     from specjax.models import init
     from specjax.train import data, train
 
     mesh = _mesh(args)
     teacher = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    V = teacher.config.vocab_size
+    if args.draft_vocab is not None:  # refused before the corpus is prepared
+        vocab.check_vocab_size(args.draft_vocab, V)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
     if args.on_policy:
         stream = _with_continuations(args, teacher, tokenizer, stream, mesh)
@@ -366,6 +373,8 @@ def _distill(args):
     model, metrics = train(model, stream, held, _train_config(args), args.out, teacher=teacher,
                            record={"held_out_modules": held_modules, "target": str(args.target)}, mesh=mesh)
     _export(model, args.target, Path(args.out) / "hf", args.dtype)
+    if args.draft_vocab is not None and jax.process_index() == 0:  # its training text's most frequent ids
+        vocab.save_vocab(Path(args.out) / "hf", vocab.draft_vocabulary(stream, args.draft_vocab, V), V)
 
 
 def _with_continuations(args, teacher, tokenizer, stream, mesh):
@@ -392,6 +401,7 @@ def _train_heads(args):
     import numpy as np
 
     import specjax
+    from specjax.drafters import vocab
     from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
@@ -405,9 +415,7 @@ def _train_heads(args):
     mesh = _mesh(args)
     target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
     if getattr(args, "draft_vocab", None) is not None:  # refused before the corpus is prepared
-        from specjax.drafters.eagle3 import check_vocab_size
-
-        check_vocab_size(args.draft_vocab, target.config.vocab_size)
+        vocab.check_vocab_size(args.draft_vocab, target.config.vocab_size)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
     probe = np.array(held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
     common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe,
@@ -617,6 +625,8 @@ def main(argv=None):
                         "greedy and temperature 1 in turn); 0: the corpus only")
     p.add_argument("--on-policy-repeat", type=int, default=4, metavar="R",
                    help="copies of those continuations in the training stream (their share of the windows)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="save the training text's N most "
+                   "frequent tokens beside the export (draft_vocab.json): the draft proposes only those")
     p.set_defaults(run=_distill)
 
     for kind in ("medusa", "eagle"):

@@ -206,7 +206,8 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
             (["train-eagle", "--draft-vocab", "64", "--out", str(tmp_path / "run")], "--draft-vocab is EAGLE-3's"),
             (["train-eagle", "--eagle3", "--draft-vocab", "0", "--out", str(tmp_path / "run")], "got 0"),
             (["train-eagle", "--eagle3", "--draft-vocab", "5000", "--out", str(tmp_path / "run")],
-             "a draft vocabulary has 1..4096 tokens (the target's), got 5000")):
+             "a draft vocabulary has 1..4096 tokens (the target's), got 5000"),
+            (["distill", "--draft-vocab", "0", "--out", str(tmp_path / "run")], "got 0")):
         try:
             assert entry(argv) == 2, argv
         except SystemExit as e:  # argparse's bad flags

@@ -21,6 +21,8 @@ DRAFTERS = {
     "early_exit": lambda pair: specjax.EarlyExit(1),
     "prompt_lookup": lambda pair: specjax.PromptLookup(max_ngram=3, min_ngram=1),
     "model_adaptive": lambda pair: pair[1]["near"],
+    # a reduced draft vocabulary: the lower ids (the target's others are never drafted)
+    "model_reduced_vocab": lambda pair: specjax.DraftModel(pair[1]["near"]).with_vocab(np.arange(60)),
 }
 
 
@@ -108,6 +110,68 @@ def test_bad_drafters(pair, drafter, message):
     padded, lengths = specjax.pad_prompts([[3, 4]], bucket=16)
     with pytest.raises(ValueError, match=message):
         specjax.generate(target, padded, lengths, draft=drafter)
+
+
+def test_a_reduced_draft_vocabulary_reads_out_the_drafts_columns(pair):
+    """with_vocab(ids): the draft's own logits at ids, -inf at every other id, from a head of
+    its columns for ids alone; nothing else about the draft changes."""
+    import jax.numpy as jnp
+
+    from specjax.models import apply
+
+    draft = pair[1]["near"]
+    ids = np.array([40, 3, 17, 96])
+    reduced = specjax.DraftModel(draft).with_vocab(ids)
+    assert reduced.vocab.tolist() == [3, 17, 40, 96] and reduced.head.shape == (draft.config.hidden_size, 4)
+    tokens = jnp.array([[5, 9, 31, 2]])
+    full = np.asarray(specjax.forward(draft, tokens))  # [1, 4, V]
+    _, hidden, _ = apply(draft, tokens, jnp.arange(4)[None])
+    whole, part = (np.asarray(d.read(hidden, tiny.VOCAB)) for d in (specjax.DraftModel(draft), reduced))
+    np.testing.assert_allclose(whole, full, atol=1e-5)
+    np.testing.assert_allclose(part[..., [3, 17, 40, 96]], full[..., [3, 17, 40, 96]], atol=1e-5)
+    assert np.isneginf(np.delete(part, [3, 17, 40, 96], axis=-1)).all()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: specjax.DraftModel(d).with_vocab([1, 1]), "must be distinct"),
+    (lambda d: specjax.DraftModel(d).with_vocab([0, tiny.VOCAB]), f"must lie in 0..{tiny.VOCAB - 1}"),
+    (lambda d: specjax.DraftModel(d).with_vocab([]), "non-empty"),
+    (lambda d: specjax.DraftModel(d).with_vocab([2, 3]).with_vocab([2]), "already drafts from a reduced"),
+    (lambda d: specjax.DraftModel(d, specjax.Tree(2, 3, 4)).with_vocab([2, 3]).resolve(None),
+     "takes 3 candidates per node, but this draft model drafts from 2 tokens"),
+])
+def test_bad_draft_vocabularies(pair, make, message):
+    with pytest.raises(ValueError, match=message):
+        make(pair[1]["near"])
+
+
+def test_a_saved_draft_vocabulary_is_loaded_beside_its_model(pair, tmp_path):
+    """save_vocab writes draft_vocab.json into a draft's folder; DraftModel.load drafts from
+    it (and without one, from the whole head); files specjax cannot use are refused, named."""
+    import json
+    import os
+
+    from specjax.drafters.vocab import VOCAB_FILE, save_vocab
+    from specjax.hf import CheckpointError
+
+    folder = tmp_path / "draft"
+    specjax.save_model(pair[1]["near"], folder)
+    assert specjax.DraftModel.load(folder).vocab is None
+    save_vocab(folder, [9, 2, 50], tiny.VOCAB)
+    assert json.loads((folder / VOCAB_FILE).read_text()) == {"draft_vocab": [2, 9, 50]}
+    loaded = specjax.DraftModel.load(folder, specjax.Tree.chain(3, "sampled"))
+    assert loaded.vocab.tolist() == [2, 9, 50] and loaded.tree.nodes == 3 and loaded.head.shape[1] == 3
+    for text, message in (("[1, 2]", "not an object"), ("{", "not valid JSON"), ("{}", "non-empty list"),
+                          ('{"draft_vocab": [3, 2]}', "must increase"), ('{"draft_vocab": [2, 2]}', "distinct"),
+                          (f'{{"draft_vocab": [0, {tiny.VOCAB}]}}', f"must lie in 0..{tiny.VOCAB - 1}"),
+                          ('{"draft_vocab": [1.5]}', "integers"), ('{"draft_vocab": "12"}', "non-empty list")):
+        (folder / VOCAB_FILE).write_text(text)
+        with pytest.raises(CheckpointError, match=message):
+            specjax.DraftModel.load(folder)
+    (folder / VOCAB_FILE).unlink()
+    os.mkfifo(folder / VOCAB_FILE)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        specjax.DraftModel.load(folder)
 
 
 def test_early_exit_holds_no_copy_of_the_weights():

@@ -251,7 +251,8 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
     own outputs; with a reduced draft vocabulary too (unrolled over its ids, drafting over
     the target's with -inf elsewhere)."""
     from specjax.cache import KVCache
-    from specjax.drafters.eagle3 import to_target_vocab, unrolled
+    from specjax.drafters.eagle3 import unrolled
+    from specjax.drafters.vocab import to_target_vocab
     from specjax.models import apply
 
     target = pair[0]
@@ -283,7 +284,7 @@ def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):
     """with_vocab(ids) gives a head of the target's rows for ids: the same logits as the
     whole head at those ids, -inf at the others; vocabularies are the most frequent ids;
     a tree wider than the vocabulary and a second reduction are refused."""
-    from specjax.drafters.eagle3 import draft_vocabulary
+    from specjax.drafters.vocab import draft_vocabulary
 
     target = pair[0]
     V = target.config.vocab_size

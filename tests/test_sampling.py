@@ -12,7 +12,7 @@ from scipy import stats
 
 import specjax
 from specjax import acceptance
-from specjax.sampling import Sampling, warp
+from specjax.sampling import Sampling, argmax, warp
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),
@@ -46,6 +46,22 @@ def test_greedy_is_one_hot_argmax():
     logits = np.random.RandomState(1).randn(4, 30).astype(np.float32)
     probs = np.asarray(warp(jnp.asarray(logits), Sampling.make(0.0, 3, 0.5)))
     np.testing.assert_array_equal(probs, np.eye(30)[logits.argmax(-1)])
+
+
+def test_argmax_is_jnp_argmax():
+    """The first index of the maximum, ties, NaN (counted as largest, first of them), rows
+    of -inf and +inf included, jitted and not, along the last axis of any rank."""
+    x = np.random.RandomState(2).randn(3, 7, 300).astype(np.float32)
+    x = np.round(x, 1)  # many ties
+    x[0, 0, [5, 9]] = 99.0
+    x[0, 1, [4, 8]] = np.nan
+    x[0, 2] = -np.inf
+    x[0, 3, 11] = np.inf
+    for f in (argmax, jax.jit(argmax)):
+        got = np.asarray(f(jnp.asarray(x)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(np.asarray(argmax(jnp.asarray(x)))[0, :4]) == [5, 4, 0, 11]
 
 
 # ---- the joint distribution of the first two tokens -------------------------------------

@@ -261,6 +261,8 @@ SAMPLING_DRAFTERS = {
     "model_static_top_k": lambda d: specjax.DraftModel(d, Tree.from_paths(STATIC)),
     "model_static_sampled": lambda d: specjax.DraftModel(d, Tree.from_paths(STATIC, "sampled")),
     "early_exit_dynamic": lambda d: specjax.EarlyExit(1, Tree(depth=3, top_k=2, nodes=5)),
+    # a reduced draft vocabulary: q is 0 at ids 1, 4 and 7, which only the target's own tokens reach
+    "model_chain_reduced": lambda d: specjax.DraftModel(d, Tree.chain(3, "sampled")).with_vocab([0, 2, 3, 5, 6]),
 }
 
 

@@ -20,7 +20,8 @@ from specjax import theory
 from specjax.bench.sections import run_auto, run_heads, run_training_free, run_trees, trained_heads
 from specjax.drafters import Datastore, DraftModel, EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
-from specjax.measure import (Run, depth_acceptance, fmt, held_out_prompts, pass_time, per_position_acceptance,
+from specjax.measure import (Run, depth_acceptance, first_divergence, fmt, held_out_prompts, pass_time,
+                             per_position_acceptance,
                              predict, print_runs, row_traces, run_transformers, time_generate)
 from specjax.tree import Tree
 

@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache, tree_placement
-from specjax.sampling import Sampling, sample, warp
+from specjax.sampling import Sampling, argmax, sample, warp
 from specjax.sharding import replicated_rules
 from specjax.tree import Tree
 
@@ -159,7 +159,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
             q = warp(logits, request.sampling)
             tokens = jax.lax.cond(  # greedy: what drawing from the one-hot q gives, without drawing
                 request.sampling.temperature == 0,
-                lambda: jnp.broadcast_to(jnp.argmax(logits, axis=-1)[..., None], (B, W, C)),
+                lambda: jnp.broadcast_to(argmax(logits)[..., None], (B, W, C)),
                 lambda: sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V))))
         else:
             q = None

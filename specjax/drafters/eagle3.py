@@ -39,12 +39,12 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
 from specjax.drafters.eagle import Eagle, eagle_shapes, layer_config, layer_from_record, run_layer
+from specjax.drafters.vocab import check_vocab, head_columns, to_target_vocab
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
 from specjax.models.layers import init as normal_init
 from specjax.models.transformer import embed_tokens, init_layer, rotary_tables
 from specjax.models.transformer import read_out as head_read_out
-from specjax.quant import Int8
 from specjax.tree import Tree
 
 
@@ -88,46 +88,12 @@ def draft_logits(config: ModelConfig, params: dict, target: Model, x):
     return head_logits(target, x)
 
 
-def to_target_vocab(logits, vocab, vocab_size: int):
-    """Logits [..., Vd] over the draft vocabulary `vocab` (int32 [Vd] target ids; None: the
-    whole vocabulary, returned as they are) -> [..., V], -inf at tokens it cannot draft."""
-    if vocab is None:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., vocab].set(logits)
-
-
 def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
                  cache: KVCache | None = None, placement=None):
     """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
     -> (the layer's outputs [B, T, E], cache)."""
     x = fused_input(config, params, token_input(config, params, target, tokens, features.dtype), features)
     return run_layer(config, params["layer"], x, positions, cache, placement)
-
-
-def check_vocab_size(size, vocab_size: int):
-    """Raises unless size is a draft vocabulary's size for a target of vocab_size tokens."""
-    if not (type(size) is int and 1 <= size <= vocab_size):
-        raise ValueError(f"a draft vocabulary has 1..{vocab_size} tokens (the target's), got {size!r}")
-
-
-def draft_vocabulary(tokens, size: int, vocab_size: int) -> np.ndarray:
-    """The `size` most frequent ids among tokens (any int array of target ids; ties to the
-    lower id), sorted: int32 [size]."""
-    check_vocab_size(size, vocab_size)
-    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
-    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
-
-
-def target_head_rows(target: Model, vocab) -> jax.Array:
-    """The target's head for the ids vocab int32 [Vd] only, dequantised: float32 [E, Vd]."""
-    vocab = jnp.asarray(vocab)
-    if target.config.tie_word_embeddings:
-        w = target.params["embedding"]
-        rows = w.rows(vocab) if isinstance(w, Int8) else w[vocab]
-        return rows.astype(jnp.float32).T
-    w = target.params["lm_head"]
-    return (w.dequantize() if isinstance(w, Int8) else w)[:, vocab].astype(jnp.float32)
 
 
 def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features, steps: int):
@@ -212,8 +178,8 @@ class Eagle3(Eagle):
         if self.vocab is not None:
             raise ValueError("this EAGLE-3 drafter already has a reduced draft vocabulary")
         self.signature.check(target, self.name)
-        ids = np.sort(_check_vocab(vocab, target.config.vocab_size))
-        head = {"kernel": target_head_rows(target, ids)}
+        ids = np.sort(check_vocab(vocab, target.config.vocab_size))
+        head = {"kernel": head_columns(target, ids)}
         return self.replace(params={**self.params, "head": head}, vocab=jnp.asarray(ids))
 
     def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
@@ -258,7 +224,7 @@ class Eagle3(Eagle):
         try:
             _check_layers(tuple(layers), 10**6)
             if vocab is not None:
-                vocab = _check_vocab(vocab, signature.vocab_size, ordered=True)
+                vocab = check_vocab(vocab, signature.vocab_size, ordered=True)
             want = _shapes(config, len(layers), None if vocab is None else len(vocab))
         except (TypeError, ValueError, OverflowError) as e:
             raise CheckpointError(f"{record_file}: no EAGLE-3 drafter specjax can build ({e})") from None
@@ -273,28 +239,6 @@ def _check_layers(layers: tuple, num_layers: int):
     if not layers or not all(isinstance(i, int) and 1 <= i <= num_layers for i in layers):
         raise ValueError(f"EAGLE-3 feature layers must be layer numbers in 1..{num_layers} (the target's), "
                          f"got {layers!r}")
-
-
-def _check_vocab(vocab, vocab_size: int, ordered: bool = False) -> np.ndarray:
-    """A draft vocabulary (a list or array of target ids) as int32 [Vd], refused unless its
-    ids are distinct integers in 0..vocab_size-1, there is at least one and (ordered: a
-    saved one, whose head's columns follow it) they increase."""
-    if isinstance(vocab, (list, tuple)) and not all(type(i) is int for i in vocab):
-        raise ValueError("a draft vocabulary lists target token ids (integers)")
-    ids = np.asarray(vocab)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"a draft vocabulary is a non-empty list of target token ids, got shape {ids.shape} "
-                         f"of {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target's), got "
-                         f"{int(ids.min())}..{int(ids.max())}")
-    ordered_ids = np.sort(ids)
-    repeats = ordered_ids[1:][ordered_ids[1:] == ordered_ids[:-1]]
-    if repeats.size:
-        raise ValueError(f"draft vocabulary ids must be distinct; {int(repeats[0])} repeats")
-    if ordered and (ids != ordered_ids).any():
-        raise ValueError("draft vocabulary ids must increase (its head's columns follow them)")
-    return ids.astype(np.int32)
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,12 +12,17 @@ through the vocabulary it must speak.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
-from specjax.models import Model, apply, prefill
+from specjax.drafters.vocab import check_vocab, head_columns, read_vocab, to_target_vocab
+from specjax.hf import load_model
+from specjax.models import Model, apply, head_logits, prefill
+from specjax.models.layers import matmul
 from specjax.tree import Tree
 
 # Embedding tables that differ by at most this many rows are taken to be padded copies of
@@ -38,12 +43,46 @@ def check_vocabularies(target_vocab: int, draft: Model):
 class DraftModel(Drafter):
     model: Model
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain of K
+    # A reduced draft vocabulary (`with_vocab`): the target ids it drafts from, int32 [Vd]
+    # increasing, and its head's columns for them [E, Vd]; None: the draft's whole head.
+    vocab: jax.Array | None = None
+    head: jax.Array | None = None
+
+    @classmethod
+    def load(cls, path, tree: Tree | None = None, **kwargs) -> "DraftModel":
+        """The draft model in a folder (`specjax.load_model(path, **kwargs)`) as a drafter of
+        `tree` (None: a chain), drafting from the vocabulary saved beside it (draft_vocab.json,
+        written by `specjax distill --draft-vocab`) if it has one."""
+        model = load_model(path, **kwargs)
+        drafter = cls(model, tree)
+        ids = read_vocab(path, model.config.vocab_size)
+        return drafter if ids is None else drafter.with_vocab(ids)
+
+    def with_vocab(self, vocab) -> "DraftModel":
+        """This drafter proposing only the ids vocab (distinct, in 0..V-1 of its own
+        vocabulary; e.g. `specjax.draft_vocabulary` of a corpus: its most frequent ids),
+        read out by its head's columns for them alone. Exactness does not depend on it (a
+        token it cannot draft is the target's own next token when the target wants it);
+        its reason is speed where the head is a large share of a draft step (measured:
+        docs/bench/draft_vocab.txt)."""
+        if self.vocab is not None:
+            raise ValueError("this draft model already drafts from a reduced vocabulary")
+        ids = np.sort(check_vocab(vocab, self.model.config.vocab_size))
+        head = head_columns(self.model, ids).astype(self.model.dtype)
+        return self.replace(vocab=jnp.asarray(ids), head=head)
 
     def resolve(self, K: int | None) -> "DraftModel":
-        return self.replace(tree=shape_for(self.tree, K, "sampled"))
+        drafter = self.replace(tree=shape_for(self.tree, K, "sampled"))
+        if self.vocab is not None and drafter.tree.top_k > self.vocab.shape[0]:
+            raise ValueError(f"the tree takes {drafter.tree.top_k} candidates per node, but this draft model "
+                             f"drafts from {self.vocab.shape[0]} tokens")
+        return drafter
 
     def bind(self, target: Model) -> "DraftModel":
         check_vocabularies(target.config.vocab_size, self.model)
+        if self.vocab is not None and int(self.vocab.max()) >= target.config.vocab_size:
+            raise ValueError(f"the draft vocabulary holds id {int(self.vocab.max())}, outside the target's "
+                             f"{target.config.vocab_size} tokens")
         return self
 
     def check_lengths(self, longest: int, max_new_tokens: int):
@@ -63,17 +102,27 @@ class DraftModel(Drafter):
         _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
         return cache.replace(lengths=lengths - 1)
 
+    def read(self, hidden, vocab_size: int):
+        """The draft's final states [B, W, E] -> float32 logits over the target's vocab_size ids
+        [B, W, V]: -inf at ids it cannot draft (outside its draft vocabulary, or past its own
+        vocabulary), its padding rows dropped."""
+        if self.vocab is not None:
+            return to_target_vocab(matmul("bwe,ev->bwv", hidden, self.head, jnp.float32), self.vocab, vocab_size)
+        logits = head_logits(self.model, hidden)
+        Vd = logits.shape[-1]
+        if Vd > vocab_size:  # the draft's padding rows are not tokens of the target
+            return logits[..., :vocab_size]
+        if Vd < vocab_size:  # the draft never proposes the target's extra ids
+            return jnp.pad(logits, ((0, 0), (0, 0), (0, vocab_size - Vd)), constant_values=-jnp.inf)
+        return logits
+
     def propose(self, cache, request: DraftRequest):
         V = request.target.config.vocab_size
+        read = lambda hidden: self.read(hidden, V)  # noqa: E731
 
         def forward(cache, tokens, positions, placement=None, features=None):
-            logits, _, cache = apply(self.model, tokens, positions, cache, placement=placement)
-            Vd = logits.shape[-1]
-            if Vd > V:  # the draft's padding rows are not tokens of the target
-                logits = logits[..., :V]
-            elif Vd < V:  # the draft never proposes the target's extra ids
-                logits = jnp.pad(logits, ((0, 0), (0, 0), (0, V - Vd)), constant_values=-jnp.inf)
-            return cache, logits, None
+            _, hidden, cache = apply(self.model, tokens, positions, cache, placement=placement)  # its logits unused
+            return cache, read(hidden), None
 
         length = request.length
         rows = jnp.arange(length.shape[0])[:, None]
@@ -82,7 +131,8 @@ class DraftModel(Drafter):
         else:  # cache.lengths: the length at the last step, whose region is now overwritten
             first, count = cache.lengths, self.tree.depth + 1
         positions = first[:, None] + jnp.arange(count)[None]  # [B, count]
-        cache, logits, _ = forward(cache, request.tokens[rows, positions], positions)
-        last = jnp.take_along_axis(logits, (length - 1 - first)[:, None, None], axis=1)[:, 0]  # [B, V]
+        _, hidden, cache = apply(self.model, request.tokens[rows, positions], positions, cache)
+        # Only the last final token's logits are read out (the others' are not computed).
+        last = read(jnp.take_along_axis(hidden, (length - 1 - first)[:, None, None], axis=1))[:, 0]  # [B, V]
         cache, proposal = grow(forward, cache, last, length, request, self.tree)
         return cache.replace(lengths=length), request.target_cache, proposal

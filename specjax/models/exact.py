@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache, Placement, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import MLP, Attention, Norm, rotary, rotary_angles, softcap
+from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
 from specjax.models.transformer import embed_tokens, read_out
 
 ROWS = 16  # tokens per fixed-shape body (a pass of fewer is padded to it): docs/bench/exact.txt

@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from specjax.drafters.eagle import Eagle, eagle_step
-from specjax.drafters.eagle3 import Eagle3, draft_vocabulary, unrolled
+from specjax.drafters.eagle3 import Eagle3, unrolled
+from specjax.drafters.vocab import draft_vocabulary
 from specjax.drafters.medusa import Medusa, heads_logits
 from specjax.models import Model, apply
 from specjax.sharding import replicate
