@@ -1,0 +1,66 @@
+"""Flags and argparse types that several `specjax` commands share: comma-separated ints,
+the device mesh, and joining a jax.distributed job. It knows nothing of what any command
+runs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def ints(count: int | None, flag: str, example: str):
+    """An argparse type: COUNT comma-separated ints (any number for None), e.g. 5,4,5. Every
+    flag's value is one word, so no flag can swallow the prompt that follows it."""
+    def parse(text):
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or count is not None and len(values) != count:
+            raise argparse.ArgumentTypeError(
+                f"expected {count or 'one or more'} comma-separated ints such as {example}, got {text!r} "
+                f"(a prompt goes before the flags, or write {flag}={example})")
+        return values
+    return parse
+
+
+def mesh(args):
+    """The (data, model) mesh of --mesh over every process's devices, or None."""
+    if args.mesh is None:
+        return None
+    import specjax
+
+    data, model = args.mesh
+    return specjax.make_mesh(data=data, model=model)
+
+
+def add_mesh_args(p, more: str = ""):
+    p.add_argument("--mesh", type=ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
+                   help="shard the model over a (data, model) mesh of every process's devices (rows over data, "
+                        "heads over model)" + more)
+    add_distributed_args(p)
+
+
+def add_distributed_args(p):
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="join a jax.distributed job of several processes (one per host) at this coordinator; "
+                        "with --num-processes and --process-id (on TPU pods and SLURM, --distributed finds all three)")
+    p.add_argument("--num-processes", type=int, metavar="N")
+    p.add_argument("--process-id", type=int, metavar="I")
+    p.add_argument("--distributed", action="store_true",
+                   help="jax.distributed.initialize() with JAX's own detection of the job (TPU pods, SLURM)")
+
+
+def start_distributed(args) -> bool:
+    """Joins the jax.distributed job the flags name (if any); True when this process must
+    stay silent (every process but process 0 runs the same program and prints nothing)."""
+    given = [getattr(args, name, None) is not None for name in ("coordinator", "num_processes", "process_id")]
+    if not (any(given) or getattr(args, "distributed", False)):
+        return False
+    if any(given) and not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together (or use --distributed)")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; other backends ignore it
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+    return jax.process_index() != 0
