@@ -3,8 +3,10 @@ docs/bench/eagle3.py (seed 11 of `measure.held_out_prompts`), greedy, batch 1, f
 this CPU, 96 new tokens: per draft and shape (chains of 4, 5, 6 and Tree(6, 2, 20)),
 tokens per target pass, the ratio to plain decoding (the median of per-round ratios; each
 round times plain and every case once, in turn) and whether every row equals plain's.
+A folder with a draft vocabulary (draft_vocab.json) is run twice: with its whole head
+(NAME) and drafting from that vocabulary (NAME/Vd, as `specjax generate` runs it).
 
-    python docs/bench/compare_drafts.py NAME=FOLDER ... [--rounds 5]
+    python docs/bench/compare_drafts.py [NAME=FOLDER ...] [--rounds 5] [--shapes chain4,chain5]
 """
 
 import argparse
@@ -24,18 +26,24 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("drafts", nargs="+", metavar="NAME=FOLDER")
+    parser.add_argument("drafts", nargs="*", metavar="NAME=FOLDER")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", default="chain4,chain5,chain6,d6k2n20")
     args = parser.parse_args()
     target = specjax.load_model(f"{ROOT}/target", dtype=jnp.float32)
     prompts = held_out_prompts(specjax.load_tokenizer(f"{ROOT}/target"), 8, 64, seed=11)
     folders = {"shipped": f"{ROOT}/draft", **dict(arg.split("=", 1) for arg in args.drafts)}
+    shapes = {"chain4": Tree.chain(4, "sampled"), "chain5": Tree.chain(5, "sampled"),
+              "chain6": Tree.chain(6, "sampled"), "d6k2n20": Tree(6, 2, 20)}
     cases = {("plain", "-"): None}
     for name, folder in folders.items():
-        model = specjax.load_model(folder, dtype=jnp.float32)
-        for shape, tree in (("chain4", Tree.chain(4, "sampled")), ("chain5", Tree.chain(5, "sampled")),
-                            ("chain6", Tree.chain(6, "sampled")), ("d6k2n20", Tree(6, 2, 20))):
-            cases[(name, shape)] = specjax.DraftModel(model, tree)
+        loaded = specjax.DraftModel.load(folder, dtype=jnp.float32)
+        variants = {name: specjax.DraftModel(loaded.model)}
+        if loaded.vocab is not None:
+            variants[f"{name}/{loaded.vocab.shape[0]}"] = loaded
+        for variant, drafter in variants.items():
+            for shape in args.shapes.split(","):
+                cases[(variant, shape)] = drafter.replace(tree=shapes[shape])
     first = {case: time_generate(target, prompts, 1, 1, d, None, str(case), 0.0, 96) for case, d in cases.items()}
     seconds = {case: [] for case in cases}
     for _ in range(args.rounds):
@@ -44,7 +52,7 @@ def main():
                                                warm=False)[0].seconds)
     for case in cases:
         ratio = statistics.median(p / s for p, s in zip(seconds[("plain", "-")], seconds[case]))
-        print(f"{case[0]:9s} {case[1]:8s} tok/pass {first[case][0].tokens_per_pass:.2f} x{ratio:.3f} "
+        print(f"{case[0]:14s} {case[1]:8s} tok/pass {first[case][0].tokens_per_pass:.2f} x{ratio:.3f} "
               f"exact {first[case][1] == first[('plain', '-')][1]}", flush=True)
 
 

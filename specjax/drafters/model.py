@@ -6,7 +6,12 @@ lacks, then grows the tree (`base.grow`). After a chain, its drafts sit at the s
 their positions, so feeding the last two final tokens (positions length-2, length-1) is
 enough: its cache lacks one of them, or both when every draft was accepted. A tree's nodes
 sit in a region of its own, so it re-feeds every token since the last step's length (at
-most depth + 1), overwriting the region in position order. It knows the target only
+most depth + 1), overwriting the region in position order. Of the tokens it catches up
+on, only the last one's logits are read out.
+
+With a reduced draft vocabulary (`with_vocab`, or `DraftModel.load` of a folder with a
+draft_vocab.json) its head is its columns for those ids alone, so a step reads Vd/V of
+the head's bytes: for a small draft, the head is half of them. It knows the target only
 through the vocabulary it must speak.
 """
 

@@ -41,7 +41,7 @@ def check_vocab(vocab, vocab_size: int, ordered: bool = False) -> np.ndarray:
         raise ValueError(f"a draft vocabulary is a non-empty list of target token ids, got shape {ids.shape} "
                          f"of {ids.dtype}")
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target's), got "
+        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}, got "
                          f"{int(ids.min())}..{int(ids.max())}")
     ordered_ids = np.sort(ids)
     repeats = ordered_ids[1:][ordered_ids[1:] == ordered_ids[:-1]]
