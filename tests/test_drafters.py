@@ -145,6 +145,23 @@ def test_bad_draft_vocabularies(pair, make, message):
         make(pair[1]["near"])
 
 
+def test_a_draft_vocabulary_past_the_targets_is_refused(pair):
+    """A draft with padding rows past the target's vocabulary may list one of them in its
+    draft vocabulary (with_vocab checks only its own): generate refuses it, naming the id."""
+    import dataclasses
+
+    import jax
+
+    from specjax.models import init
+
+    target = pair[0]
+    padded_draft = init(dataclasses.replace(target.config, vocab_size=tiny.VOCAB + 3), jax.random.key(3))
+    prompts, lengths = specjax.pad_prompts([[3, 4]], bucket=16)
+    drafter = specjax.DraftModel(padded_draft).with_vocab([5, tiny.VOCAB + 1])
+    with pytest.raises(ValueError, match=f"holds id {tiny.VOCAB + 1}, outside the target's {tiny.VOCAB} tokens"):
+        specjax.generate(target, prompts, lengths, draft=drafter, max_new_tokens=2)
+
+
 def test_a_saved_draft_vocabulary_is_loaded_beside_its_model(pair, tmp_path):
     """save_vocab writes draft_vocab.json into a draft's folder; DraftModel.load drafts from
     it (and without one, from the whole head); files specjax cannot use are refused, named."""

@@ -21,8 +21,8 @@ from specjax.bench.sections import run_auto, run_heads, run_training_free, run_t
 from specjax.drafters import Datastore, DraftModel, EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
 from specjax.measure import (Run, depth_acceptance, first_divergence, fmt, held_out_prompts, pass_time,
-                             per_position_acceptance,
-                             predict, print_runs, row_traces, run_transformers, time_generate)
+                             per_position_acceptance, predict, print_runs, row_traces, run_transformers,
+                             time_generate)
 from specjax.tree import Tree
 
 

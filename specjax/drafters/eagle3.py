@@ -39,7 +39,7 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
 from specjax.drafters.eagle import Eagle, eagle_shapes, layer_config, layer_from_record, run_layer
-from specjax.drafters.vocab import check_vocab, head_columns, to_target_vocab
+from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, to_target_vocab
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
 from specjax.models.layers import init as normal_init
@@ -191,9 +191,7 @@ class Eagle3(Eagle):
 
     def resolve(self, K: int | None) -> "Eagle3":
         drafter = super().resolve(K)
-        if self.vocab is not None and drafter.tree.top_k > self.vocab.shape[0]:
-            raise ValueError(f"the tree takes {drafter.tree.top_k} candidates per node, but this EAGLE-3 "
-                             f"drafter drafts from {self.vocab.shape[0]} tokens")
+        check_tree_fits(drafter.tree, self.vocab, "EAGLE-3 drafter")
         return drafter
 
     def bind(self, target: Model) -> "Eagle3":

@@ -24,7 +24,7 @@ from flax import struct
 
 from specjax.cache import KVCache
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
-from specjax.drafters.vocab import check_vocab, head_columns, read_vocab, to_target_vocab
+from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, read_vocab, to_target_vocab
 from specjax.hf import load_model
 from specjax.models import Model, apply, head_logits, prefill
 from specjax.models.layers import matmul
@@ -78,16 +78,16 @@ class DraftModel(Drafter):
 
     def resolve(self, K: int | None) -> "DraftModel":
         drafter = self.replace(tree=shape_for(self.tree, K, "sampled"))
-        if self.vocab is not None and drafter.tree.top_k > self.vocab.shape[0]:
-            raise ValueError(f"the tree takes {drafter.tree.top_k} candidates per node, but this draft model "
-                             f"drafts from {self.vocab.shape[0]} tokens")
+        check_tree_fits(drafter.tree, self.vocab, "draft model")
         return drafter
 
     def bind(self, target: Model) -> "DraftModel":
-        check_vocabularies(target.config.vocab_size, self.model)
-        if self.vocab is not None and int(self.vocab.max()) >= target.config.vocab_size:
-            raise ValueError(f"the draft vocabulary holds id {int(self.vocab.max())}, outside the target's "
-                             f"{target.config.vocab_size} tokens")
+        V = target.config.vocab_size
+        check_vocabularies(V, self.model)
+        # with_vocab kept its ids below the draft's own vocabulary: only a draft with padding
+        # rows past the target's can hold one the target lacks (read then, once per call).
+        if self.vocab is not None and self.model.config.vocab_size > V and int(self.vocab[-1]) >= V:
+            raise ValueError(f"the draft vocabulary holds id {int(self.vocab[-1])}, outside the target's {V} tokens")
         return self
 
     def check_lengths(self, longest: int, max_new_tokens: int):

@@ -72,6 +72,14 @@ def head_columns(model: Model, vocab) -> jax.Array:
     return (w.dequantize() if isinstance(w, Int8) else w)[:, vocab].astype(jnp.float32)
 
 
+def check_tree_fits(tree, vocab, drafter: str):
+    """Raises when `tree` takes more candidates per node than the draft vocabulary `vocab`
+    (int32 [Vd], or None: the whole vocabulary, which `base.grow` checks) holds."""
+    if vocab is not None and tree.top_k > vocab.shape[0]:
+        raise ValueError(f"the tree takes {tree.top_k} candidates per node, but this {drafter} drafts from "
+                         f"{vocab.shape[0]} tokens")
+
+
 def to_target_vocab(logits, vocab, vocab_size: int):
     """Logits [..., Vd] over the draft vocabulary `vocab` (int32 [Vd] target ids; None: the
     whole vocabulary, returned as they are) -> [..., V], -inf at tokens it cannot draft."""

@@ -24,8 +24,8 @@ import optax
 
 from specjax.drafters.eagle import Eagle, eagle_step
 from specjax.drafters.eagle3 import Eagle3, unrolled
-from specjax.drafters.vocab import draft_vocabulary
 from specjax.drafters.medusa import Medusa, heads_logits
+from specjax.drafters.vocab import draft_vocabulary
 from specjax.models import Model, apply
 from specjax.sharding import replicate
 from specjax.train import losses
