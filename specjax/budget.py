@@ -26,10 +26,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.drafters.model import DraftModel
-from specjax import loop, memory
+from specjax import loop, memory, sharding
+from specjax.cache import KVCache
 from specjax.loop import cache_length, initial_state
 from specjax.memory import GB, MB, InsufficientMemoryError, device_stats, nbytes
 
@@ -56,12 +58,35 @@ def compile_loop(args, static, stream):
     return loop.generate_loop.lower(*args, **static, stream=None if stream is None else jnp.int32(0)).compile()
 
 
-def _cache_bytes(args, static) -> int:
-    """The target's cache and the drafter's state, from the loop's initial state's shapes."""
+def cache_bytes(args, static, per_device: bool = False) -> int:
+    """The target's cache and the drafter's state, from the loop's initial state's shapes
+    (traced from the arguments, which may be shapes alone); per_device: the bytes one device
+    of the call's mesh holds of them (the target's cache split by its rules, the drafter's
+    rows over data)."""
     target, drafter, prompts, lengths, key = args[:5]
-    state = jax.eval_shape(lambda: initial_state(target, drafter, prompts, lengths, key,
-                                                 static["max_new_tokens"], False))
-    return nbytes(state.target_cache) + nbytes(state.draft_state)
+    state = jax.eval_shape(lambda t, d, p, n, k: initial_state(t, d, p, n, k, static["max_new_tokens"], False),
+                           target, drafter, prompts, lengths, key)
+    mesh = static.get("mesh")
+    if not per_device or mesh is None:
+        return nbytes(state.target_cache) + nbytes(state.draft_state)
+    rules = static.get("rules") or sharding.DEFAULT_RULES
+    draft_rules = rules if drafter is None else drafter.state_rules(rules)
+
+    def held(tree, tree_rules) -> int:
+        def one(x):
+            if isinstance(x, KVCache):
+                placed = sharding.cache_shardings(x, mesh, tree_rules)
+                return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(x), jax.tree.leaves(placed)))
+            return sum(_shard_bytes(a, sharding.batch_sharding(a.shape, mesh, tree_rules) if a.ndim else None)
+                       for a in jax.tree.leaves(x))
+        return sum(one(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)))
+
+    return held(state.target_cache, rules) + held(state.draft_state, draft_rules)
+
+
+def _shard_bytes(x, placed) -> int:
+    shape = x.shape if placed is None else placed.shard_shape(x.shape)
+    return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
 
 
 def estimate(args, static, stream) -> MemoryEstimate:
@@ -70,7 +95,7 @@ def estimate(args, static, stream) -> MemoryEstimate:
     target, drafter = args[:2]
     temp, arguments, outputs = (int(analysis.temp_size_in_bytes), int(analysis.argument_size_in_bytes),
                                 int(analysis.output_size_in_bytes))
-    return MemoryEstimate(weights=nbytes(target.params) + nbytes(drafter), caches=_cache_bytes(args, static),
+    return MemoryEstimate(weights=nbytes(target.params) + nbytes(drafter), caches=cache_bytes(args, static),
                           temporaries=temp, arguments=arguments, outputs=outputs,
                           total=arguments + outputs + temp)
 

@@ -271,6 +271,20 @@ def _bench(args):
                   dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
 
 
+def _plan(args):
+    """`specjax plan`: compile generate's program for a TPU slice here and say if it fits.
+    Exit 0 when it fits, 1 when it does not (2: a usage error, from `entry`)."""
+    from specjax import plan
+
+    draft = None if args.draft in (None, "none") else args.draft
+    result = plan.plan(args.target, draft, topology=args.topology, batch=args.batch, prompt_len=args.prompt_len,
+                       max_len=args.max_len, num_draft_tokens=args.num_draft_tokens, tree=_parse_tree(args.tree),
+                       mesh=args.mesh, quantize=args.quantize, early_exit=args.early_exit,
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(result)
+    return 0 if result.fits else 1
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2."""
 
@@ -353,6 +367,24 @@ def main(argv=None):
     bench.add_arguments(p)
     flags.add_distributed_args(p)  # in a job of several processes each benches its own devices; process 0 prints
     p.set_defaults(run=_bench)
+
+    p = sub.add_parser("plan", help="before you rent a TPU: compile the program for a slice here and see if it fits")
+    p.add_argument("target", nargs="?", default=default_checkpoint("target"),
+                   help="the target's folder or hub id (only config.json is read; default: the shipped target)")
+    drafts = p.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", metavar="PATH|none", help="a draft model's folder or hub id (config.json only)")
+    drafts.add_argument("--early-exit", type=int, metavar="N", help="draft with the target's own first N layers")
+    p.add_argument("--topology", required=True, metavar="GEN:AxB",
+                   help="the TPU slice: v4, v5e, v5p or v6e and its chips, e.g. v5e:1x1, v5e:2x4, v6e:4x4")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
+    p.add_argument("--prompt-len", type=int, default=128, help="the prompts' padded length (default 128)")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per row, prompt included (default 2048)")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="chain length K (default 4)")
+    p.add_argument("--tree", metavar="SHAPE", help="a token tree instead: DEPTH,TOP_K,NODES or JSON rank paths")
+    p.add_argument("--mesh", type=flags.ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
+                   help="plan this (data, model) mesh only (default: every one the chips and batch allow)")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantisation")
+    p.set_defaults(run=_plan)
 
     commands.add_commands(sub)
 

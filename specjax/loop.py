@@ -133,15 +133,17 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k",
-                                             "mesh", "rules"))
+                                             "mesh", "rules", "platform"))
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
                   *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
-                  mesh, rules, stream=None) -> GenerateOutput:
+                  mesh, rules, platform: str | None = None, stream=None) -> GenerateOutput:
     """The whole generation, compiled. drafter: None or a resolved, bound `Drafter`; eos:
     int32 [N] stop ids padded with -1; stream: None, or int32 [] (a handle of
-    `streams`; being None or not is part of the jit key, so None costs nothing). A sharded
-    program's attention takes the portable path (layers.portable_attention)."""
-    with layers.portable_attention(mesh is not None):
+    `streams`; being None or not is part of the jit key, so None costs nothing).
+    platform: where the program runs ("cpu", "gpu", "tpu"; None: the default backend),
+    whose attention kernels it holds; a sharded program's attention takes the portable path
+    (layers.portable_attention)."""
+    with layers.kernels_for("portable" if mesh is not None else platform):
         return _trace(target, drafter, prompts, lengths, key, sampling, eos, threshold,
                       max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
                       mesh=mesh, rules=rules, stream=stream)

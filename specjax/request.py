@@ -94,23 +94,29 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     elif cost_profile is not None:
         raise ValueError("cost_profile is read only with num_draft_tokens='auto'")
     # One transfer at most: the values are checked on the host, as given (before any cast).
-    values = _host_values(prompts, lengths)
+    abstract = is_abstract(prompts) or is_abstract(lengths)
+    values = None if abstract else _host_values(prompts, lengths)
     drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
                              temperature, top_k, top_p, eos_token_id, draft_threshold)
     budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh)  # nothing traced yet
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
-    prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+    if abstract:  # shapes only (a program built for devices that need not be here): see aot.py
+        prompts, lengths = (jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=getattr(x, "sharding", None))
+                            for x in (prompts, lengths))
+    else:
+        prompts, lengths = jnp.asarray(prompts).astype(jnp.int32), jnp.asarray(lengths).astype(jnp.int32)
 
     key = jax.random.key(0) if key is None else key
     eos = padded_stop_ids(eos_token_id)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
-    args = (target, drafter, prompts.astype(jnp.int32), lengths.astype(jnp.int32), key,
+    args = (target, drafter, prompts, lengths, key,
             Sampling.make(temperature, top_k, top_p), eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
-                  adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules)
+                  adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules,
+                  platform=sharding.platform_of(target.params, mesh))
     return args, static, stream
 
 
@@ -148,6 +154,11 @@ def _check_stop_ids(eos_token_id, vocab_size: int):
     bad = [int(i) for i in ids.reshape(-1) if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def is_abstract(x) -> bool:
+    """True for a jax.ShapeDtypeStruct: a shape and dtype (and maybe a sharding), no values."""
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _host_values(prompts, lengths):

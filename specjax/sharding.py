@@ -189,6 +189,20 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
+def platform_of(tree, mesh: Mesh | None = None) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices a call runs on: the mesh's, else
+    those its arrays (or shape structs with a sharding) are placed on, else the default
+    backend's. A program built ahead of time for devices this host lacks (aot.py) learns
+    its platform so."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    for leaf in jax.tree.leaves(tree):
+        placed = getattr(leaf, "sharding", None)
+        if placed is not None:
+            return next(iter(placed.device_set)).platform
+    return jax.default_backend()
+
+
 def barrier(name: str):
     """Waits for every process of a jax.distributed job (nothing to wait for alone)."""
     if jax.process_count() > 1:
@@ -267,7 +281,8 @@ def repeat_kv_heads(model, repeat: int):
     def one(path, leaf):
         if path_names(path)[-1] not in KV_HEAD_PARAMS:
             return leaf
-        return jax.tree.map(lambda x: regroup_kv_heads(x, repeat), leaf)
+        return jax.tree.map(lambda x: jax.eval_shape(lambda a: regroup_kv_heads(a, repeat), x) if isinstance(
+            x, jax.ShapeDtypeStruct) else regroup_kv_heads(x, repeat), leaf)
 
     params = jax.tree_util.tree_map_with_path(one, model.params, is_leaf=_is_int8)
     config = dataclasses.replace(model.config, num_kv_heads=model.config.num_kv_heads * repeat)
@@ -306,7 +321,10 @@ def put(x, placement: jax.sharding.Sharding) -> jax.Array:
     """x (host data or an array) placed by `placement`. Host data, and any x when the
     placement spans several processes, is cut by each process for its own devices from its
     own copy (identical in every process: arrays do not move between hosts); an array
-    within one process moves with device_put."""
+    within one process moves with device_put. A jax.ShapeDtypeStruct (a shape, no values)
+    becomes one that carries the placement."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)
     if isinstance(x, jax.Array) and len(placement.device_set) == len(placement.addressable_devices):
         return jax.device_put(x, placement)
     host = np.asarray(x)

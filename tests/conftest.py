@@ -6,6 +6,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Programs compiled for TPU slices (tests/test_aot.py) load libtpu, which admits one process at
+# a time unless each allows more: this process and the CLI's child processes may both compile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

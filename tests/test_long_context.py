@@ -54,9 +54,12 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-def test_attention_kernels_are_selected_only_where_they_apply():
+def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
     f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
     pick = layers.attention_kernel
+    if not layers._cudnn_available():  # a program for a GPU traced here without jax's CUDA plugin
+        assert pick("gpu", bf16, 1, 1024, 64, None) == "portable"
+    monkeypatch.setattr(layers, "_cudnn_available", lambda: True)
     assert pick("cpu", bf16, 512, 1024, 128, None) == "portable"
     assert pick("gpu", bf16, 1, 1024, 64, None) == "cudnn"
     assert pick("gpu", f16, 512, 1024, 128, None) == "cudnn"
@@ -69,9 +72,18 @@ def test_attention_kernels_are_selected_only_where_they_apply():
     assert pick("tpu", bf16, 5, 1024, 128, None) == "portable"  # a decode step of K+1 tokens
     assert pick("tpu", bf16, 512, 1000, 128, None) == "portable"  # S not a multiple of 128
     assert pick("tpu", bf16, 512, 1024, 64, None) == "portable"
-    with layers.portable_attention():  # sharded programs
-        assert pick("gpu", bf16, 1, 1024, 64, None) == pick("tpu", bf16, 512, 1024, 128, None) == "portable"
-    assert pick("gpu", bf16, 1, 1024, 64, None) == "cudnn"
+    assert pick("portable", bf16, 512, 1024, 128, None) == "portable"
+    # The platform a program is traced for, not the host's backend, names the kernels.
+    assert layers.kernel_platform() == jax.default_backend()
+    with layers.kernels_for("tpu"):
+        assert layers.kernel_platform() == "tpu"
+        with layers.portable_attention():  # sharded programs
+            assert layers.kernel_platform() == "portable"
+        with layers.kernels_for("cuda"):
+            assert layers.kernel_platform() == "gpu"
+        with layers.kernels_for(None):
+            assert layers.kernel_platform() == "tpu"
+    assert layers.kernel_platform() == jax.default_backend()
 
 
 def test_splash_attention_equals_the_portable_path():

@@ -211,7 +211,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
-    kernel = attention_kernel(jax.default_backend(), q.dtype, T, S, D, cap)
+    kernel = attention_kernel(kernel_platform(), q.dtype, T, S, D, cap)
     if kernel == "cudnn":
         return dot_product_attention(q, k, v, mask, scale, kv_limit)
     if kernel == "splash":
@@ -272,20 +272,40 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 # splash kernel's 128-lane blocks).
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
-_portable_only = False  # True while tracing a sharded program: see portable_attention
+# While tracing a program for a platform (`kernels_for`): that platform ("cpu", "gpu", "tpu"),
+# or "portable"; None: the default backend's. Programs built ahead of time for devices this
+# host lacks (aot.py) are traced here for their platform, so they hold the kernels it runs.
+_platform: str | None = None
 
 
 @contextlib.contextmanager
-def portable_attention(on: bool = True):
-    """While tracing inside it, attention takes the portable jnp path whatever the backend.
-    `generate` traces sharded programs so: GSPMD partitions plain XLA ops, but would have to
-    replicate a custom call's operands (the kernels are selected only for one device)."""
-    global _portable_only
-    previous, _portable_only = _portable_only, _portable_only or on
+def kernels_for(platform: str | None):
+    """While tracing inside it, attention picks the kernels of `platform` (a device's
+    `.platform`: "cpu", "gpu", "tpu"; "cuda" and "rocm" count as "gpu"), the platform the
+    program is built for, which need not be this host's; "portable" takes the jnp path
+    whatever the platform. None leaves the choice as it was (the default backend's, unless
+    an enclosing context set one). `generate` traces its loop under the platform of the
+    devices its arguments live on (a static argument of the loop, so part of its jit key)."""
+    global _platform
+    previous = _platform
+    if platform is not None:
+        _platform = "gpu" if platform in ("cuda", "rocm") else platform
     try:
         yield
     finally:
-        _portable_only = previous
+        _platform = previous
+
+
+def portable_attention(on: bool = True):
+    """While tracing inside it, attention takes the portable jnp path whatever the backend.
+    `generate` traces sharded programs so: GSPMD partitions plain XLA ops, but cannot
+    partition a Mosaic or cuDNN custom call (the kernels are selected only for one device)."""
+    return kernels_for("portable" if on else None)
+
+
+def kernel_platform() -> str:
+    """The platform whose kernels attention picks now (see `kernels_for`)."""
+    return _platform or jax.default_backend()
 
 
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:
@@ -299,17 +319,28 @@ def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | N
       chunks over caches rounded to 128 slots; decode steps of K+1 tokens do not qualify),
       soft-cap included. The mask is given as a dynamic (traced) mask; blocks it hides
       entirely are skipped, so nothing past the highest visible slot is read.
-    - "portable": everything else, CPU always (the jnp code in `attention`)."""
+    - "portable": everything else, CPU always (the jnp code in `attention`), and every
+      backend under `portable_attention`.
+    backend: the platform the program is built for (`kernel_platform`), or "portable"."""
     dtype = jnp.dtype(dtype)
-    if _portable_only:
+    if backend == "portable":
         return "portable"
     if (backend == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and D <= 128 and D % 8 == 0
-            and cap is None):
+            and cap is None and _cudnn_available()):
         return "cudnn"
     if (backend == "tpu" and dtype in (jnp.bfloat16, jnp.float32) and T % SPLASH_BLOCK == 0
             and S % SPLASH_BLOCK == 0 and D % 128 == 0 and _splash_module() is not None):
         return "splash"
     return "portable"
+
+
+def _cudnn_available() -> bool:
+    """Whether cuDNN's attention can be traced here: jax's CUDA plugin (with cuDNN) is
+    installed. Without it a program for a GPU (lowered here for "cuda": aot.py) takes the
+    portable path."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return cudnn.cuda_versions is not None
 
 
 def _splash_module():

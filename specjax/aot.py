@@ -1,0 +1,583 @@
+"""Programs built ahead of time for devices this host need not have, and what they cost.
+
+A `Model` whose params are `jax.ShapeDtypeStruct`s (`abstract_model`: from a config alone,
+nothing read or allocated) goes through everything that builds a specjax program. Placed on
+the devices of a TPU slice that is not here (`tpu_slice("v5e:2x2")`: libtpu's topology
+descriptions, XLA's real TPU compiler), each program compiles as it would on that slice:
+`memory_analysis()` gives each device's argument, output and temporary bytes, and running out
+of HBM is an error at compile time. For GPUs a program is lowered for "cuda" (no GPU and no
+CUDA plugin needed): before XLA optimises it, its cost analysis counts every operand once.
+
+What a program costs is read three ways (`Program`):
+- its temporaries as a fraction of the weights (a decode step should need little beyond
+  them and its caches);
+- the weight- or cache-sized copies, transposes and converts in the optimised TPU program,
+  named with the Python line that made them (`large_copies`; the target: none);
+- the CUDA lowering's bytes accessed over the bytes a step must read (weights plus the live
+  cache: `cuda_bytes`).
+XLA's TPU "bytes accessed" is not HBM traffic (it counts on-chip prefetch too), so it is
+not used; a loop body is counted once; Pallas kernels' flops are not counted.
+
+The programs (`pass_program`, `verify_program`, `draft_program`, `loop_program`,
+`distill_program`) are specjax's own: the one-token pass, a verification pass of K+1
+tokens, one drafter step, `generate`'s whole loop (request.py prepares it as generate
+does), and a distillation update. Attention's kernel follows the platform compiled for, not
+this host's backend, so a program compiled here is the one that platform would run.
+
+This module knows where programs run and how to read their compiled form; it does not
+know what the models compute, and it runs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from specjax import loop, models, sharding
+from specjax.cache import KVCache
+from specjax.config import ModelConfig
+from specjax.drafters import DraftModel
+from specjax.drafters.base import DraftRequest
+from specjax.memory import GB, MB, nbytes
+from specjax.models import Model, layers
+from specjax.request import prepare
+
+GiB = GB
+
+# HBM per chip (bytes), by TPU generation: Google Cloud's TPU pages.
+TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+# The topology names libtpu knows for each generation's chips.
+_TPU_NAMES = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
+
+
+class TopologyError(ValueError):
+    """A slice that cannot be described here (unknown name, or libtpu missing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """The devices of an accelerator slice, here or not, and the memory each one has."""
+
+    name: str  # "v5e:2x2"
+    platform: str  # "tpu"
+    devices: tuple  # jax devices (topology devices: nothing runs on them)
+    hbm: int  # bytes per device
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices)
+
+    def mesh(self, data: int | None = None, model: int | None = None) -> Mesh:
+        """A (data, model) mesh over the slice's devices (`sharding.make_mesh`)."""
+        return sharding.make_mesh(data, model, devices=list(self.devices))
+
+
+def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
+    """"v5e:2x2" -> ("v5e", (2, 2)); raises TopologyError naming what is accepted."""
+    m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", str(name))
+    if not m:
+        raise TopologyError(f"unknown TPU topology {name!r}: expected GENERATION:AxB[xC] with a generation "
+                            f"among {sorted(TPU_HBM)}, e.g. v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1")
+    dims = tuple(int(d) for d in m.group(2).split("x"))
+    if min(dims) < 1:
+        raise TopologyError(f"TPU topology {name!r} has a zero dimension")
+    return m.group(1), dims
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_slice(name: str) -> Slice:
+    """The devices of a TPU slice ("v5e:1x1", "v5e:2x2", "v6e:2x2", "v5p:2x2x1", ...), from
+    libtpu's topology descriptions: programs compile for them here, nothing runs. Needs
+    the `libtpu` package (jax's `tpu` extra); only one process at a time may load it unless
+    every one sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 before it loads (safe where none drives a TPU)."""
+    generation, dims = parse_topology(name)
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise TopologyError("compiling for a TPU needs the libtpu package (pip install 'jax[tpu]', or "
+                            "specjax's test extra on Linux x86-64)") from None
+    from jax.experimental import topologies
+
+    chips = int(np.prod(dims))
+    kwargs = {}
+    if chips < 4 and len(dims) == 2:  # a host of fewer than 4 chips says its own bounds
+        kwargs["chips_per_host_bounds"] = (*dims, 1)
+    try:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{_TPU_NAMES[generation]}:"
+                                                + "x".join(map(str, dims)), **kwargs)
+    except Exception as e:  # noqa: BLE001 - libtpu's own message says what it lacks
+        held = "lockfile" in str(e)
+        raise TopologyError(f"libtpu cannot describe the TPU topology {name!r}: {type(e).__name__}: {e}" + (
+            " (another process holds libtpu: where no process drives a real TPU, set ALLOW_MULTIPLE_LIBTPU_LOAD=1 "
+            "in every one before jax starts)" if held else "")) from e
+    return Slice(name, "tpu", tuple(topology.devices), TPU_HBM[generation])
+
+
+# ---- models and arrays from shapes -------------------------------------------------------
+
+def abstract_model(config: ModelConfig, dtype=jnp.bfloat16, quantize: str | None = None) -> Model:
+    """A Model of this config whose params are shapes (jax.ShapeDtypeStruct): nothing is
+    read or allocated. quantize="int8": its int8 weight-only form (specjax.quant)."""
+    model = jax.eval_shape(lambda: models.init(config, jax.random.key(0), dtype))
+    if quantize is not None:
+        from specjax.quant import quantize as quantized
+
+        model = jax.eval_shape(lambda m: quantized(m, quantize), model)
+    return model
+
+
+def shaped(tree, placement: jax.sharding.Sharding | None = None):
+    """The arrays of a pytree as shapes (with `placement` on every leaf, if given)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=placement), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a program's arrays go: one device, or a mesh (with the target's rules)."""
+
+    device: Any = None
+    mesh: Mesh | None = None
+    rules: tuple | None = None
+
+    @property
+    def platform(self) -> str:
+        return sharding.platform_of(None, self.mesh) if self.mesh is not None else self.device.platform
+
+    def whole(self) -> jax.sharding.Sharding:
+        """Every device holds all of it (one device: that device)."""
+        return SingleDeviceSharding(self.device) if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def rows(self, shape) -> jax.sharding.Sharding:
+        """Rows over the mesh's data axis."""
+        return self.whole() if self.mesh is None else sharding.batch_sharding(shape, self.mesh, self.rules)
+
+    def model(self, model: Model, rules=None) -> Model:
+        """A model placed: on the device, or sharded over the mesh by `rules` (default the
+        placement's; a draft may be replicated with (("batch", "data"),))."""
+        if self.mesh is None:
+            return model.replace(params=shaped(model.params, self.whole()))
+        return sharding.shard_model(model, self.mesh, rules or self.rules)
+
+    def replicated(self, tree):
+        return shaped(tree, self.whole())
+
+
+def on_device(device) -> Placement:
+    return Placement(device=device)
+
+
+def on_mesh(mesh: Mesh, rules=None) -> Placement:
+    return Placement(mesh=mesh, rules=tuple(rules or sharding.DEFAULT_RULES))
+
+
+# ---- the programs --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A program not yet compiled: a jitted function and its (abstract) arguments."""
+
+    name: str
+    fn: Callable  # a jax.jit-wrapped function
+    args: tuple
+    kwargs: dict
+    params: Any  # the parameters it reads (placed shapes): its weights
+    must_read: int  # bytes one run must read at the least: weights + the live cache
+    platform: str  # where it runs ("tpu", "gpu", "cpu")
+
+    @property
+    def weights(self) -> int:
+        """Bytes of its parameters, all devices together."""
+        return nbytes(self.params)
+
+
+def _with_kernels(fn: Callable, platform: str | None, portable: bool) -> Callable:
+    def run(*args, **kwargs):
+        with layers.kernels_for("portable" if portable else platform):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _cache(config: ModelConfig, batch: int, slots: int, dtype, where: Placement, rules=None) -> KVCache:
+    cache = jax.eval_shape(lambda: KVCache.init(config, batch, slots, dtype))
+    if where.mesh is None:
+        return shaped(cache, where.whole())
+    placed = sharding.cache_shardings(cache, where.mesh, rules or where.rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, placed)
+
+
+def _live_cache_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
+    return 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def pass_program(target: Model, where: Placement, batch: int = 1, context: int = 512, tokens: int = 1,
+                 name: str | None = None) -> Spec:
+    """`tokens` tokens per row through the target over a cache of `context` slots (the
+    one-token pass; with tokens = K + 1, a verification pass of a chain of K)."""
+    placed = where.model(target)
+    slots = loop.cache_length(context, 0, 0)
+    cache = _cache(target.config, batch, slots, target.dtype, where)
+    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=where.rows((batch, tokens)))
+
+    def run(model, tokens, positions, cache):
+        logits, _, cache = models.apply(model, tokens, positions, cache)
+        return logits, cache
+
+    fn = jax.jit(_with_kernels(run, where.platform, where.mesh is not None), donate_argnums=3)
+    return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn,
+                (placed, ids, ids, cache), {}, placed.params,
+                nbytes(target.params) + _live_cache_bytes(target.config, batch, context, target.dtype), where.platform)
+
+
+def verify_program(target: Model, where: Placement, K: int, batch: int = 1, context: int = 512) -> Spec:
+    """The target's verification pass of a chain of K drafts: K + 1 tokens per row."""
+    return pass_program(target, where, batch, context, K + 1, name=f"verify K={K}")
+
+
+def _loop_args(target: Model, draft, where: Placement, batch: int, prompt_len: int, max_new_tokens: int,
+               generate_kwargs: dict, draft_rules=None):
+    placed = where.model(target)
+    if isinstance(draft, Model):
+        draft = where.model(draft, draft_rules)
+    elif isinstance(draft, DraftModel):
+        draft = where.replicated(draft).replace(model=where.model(draft.model, draft_rules))
+    elif draft is not None:  # a drafter's own params: replicated
+        draft = where.replicated(draft)
+    prompts = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=where.rows((batch, prompt_len)))
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=where.rows((batch,)))
+    kwargs = dict(draft=draft, key=None, max_new_tokens=max_new_tokens, num_draft_tokens=None, temperature=0.0,
+                  top_k=0, top_p=1.0, eos_token_id=None, return_trace=False, adaptive_k=False,
+                  draft_threshold=0.0, mesh=where.mesh, rules=where.rules, stream=None, cost_profile=None,
+                  deterministic=False)
+    kwargs.update(generate_kwargs)
+    # The exact program for another platform is built, not promised (prepare would refuse it
+    # off the CPU, where its bits are verified).
+    exact, kwargs["deterministic"] = kwargs["deterministic"], False
+    args, static, _ = prepare(placed.replace(exact=bool(exact)), prompts, lengths, **kwargs)
+    args = args[:4] + tuple(where.replicated(a) for a in args[4:])  # key, sampling, stop ids, threshold
+    return args, static
+
+
+def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_len: int = 128,
+                 max_new_tokens: int = 128, name: str | None = None, draft_rules=None, **generate_kwargs) -> Spec:
+    """`generate`'s whole loop for `batch` prompts of `prompt_len` tokens: draft as generate's
+    (None, a Model or a drafter; abstract), generate's other keywords as its own
+    (num_draft_tokens, temperature, deterministic, ...). deterministic=True builds the exact
+    program even where generate would refuse to run it (its promise is verified on CPU)."""
+    args, static = _loop_args(target, draft, where, batch, prompt_len, max_new_tokens, generate_kwargs, draft_rules)
+    drafter = args[1]
+    params = (args[0].params, _drafter_params(drafter))
+    context = prompt_len + max_new_tokens
+    must = nbytes(params) + _live_cache_bytes(target.config, batch, context, target.dtype)
+    label = name or ("plain loop" if drafter is None else f"loop {type(drafter).__name__} {drafter.tree}")
+    return Spec(label, loop.generate_loop, args, dict(static, stream=None), params, must, where.platform)
+
+
+def _drafter_params(drafter):
+    """The weights a drafter holds (a draft model's, a head's), or None."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, DraftModel):
+        return (drafter.model.params, drafter.head)
+    return getattr(drafter, "params", None)
+
+
+def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt_len: int = 128,
+                  max_new_tokens: int = 128, name: str | None = None, draft_rules=None,
+                  **generate_kwargs) -> Spec:
+    """One drafter step as the loop runs it (`Drafter.propose` on the loop's state at its
+    first step): its forwards, its cache writes, its proposal."""
+    args, static = _loop_args(target, draft, where, batch, prompt_len, max_new_tokens, generate_kwargs, draft_rules)
+    target_placed, drafter, prompts, lengths, key, sampling, _, threshold = args
+    if drafter is None:
+        raise ValueError("draft_program needs a draft")
+    platform, portable = static["platform"], static["mesh"] is not None
+
+    def state_of(target, drafter, prompts, lengths, key):
+        with layers.kernels_for("portable" if portable else platform):
+            return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, False)
+
+    state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where.rows(x.shape)
+                                                        if x.ndim else where.whole()), state)
+
+    def step(target, drafter, state, key, sampling, threshold):
+        request = DraftRequest(target=target, target_cache=state.target_cache, tokens=state.tokens,
+                               length=state.length, done=state.done, key=key, sampling=sampling,
+                               k_limit=state.k_limit, threshold=threshold, features=state.features)
+        return drafter.propose(state.draft_state, request)
+
+    fn = jax.jit(_with_kernels(step, platform, portable))
+    params = _drafter_params(drafter)
+    must = nbytes(params) + (_live_cache_bytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
+                             if isinstance(drafter, DraftModel) else 0)
+    return Spec(name or f"draft step {type(drafter).__name__} {drafter.tree}", fn,
+                (target_placed, drafter, state, key, sampling, threshold), {}, params, must, platform)
+
+
+def distill_program(target: Model, draft: Model, where: Placement, batch: int = 8, seq_len: int = 256) -> Spec:
+    """One distillation update of `draft` (float32 weights, AdamW) from a frozen `target`:
+    what `specjax distill` runs per step."""
+    import optax
+
+    from specjax.train.loop import TrainConfig, TrainState, make_optimizer, model_objective
+
+    cfg = TrainConfig()
+    student = draft.replace(params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), draft.params))
+    optimizer = make_optimizer(cfg)
+    state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), student.params)
+    state = where.replicated(state)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=where.rows((batch, seq_len + 1)))
+
+    def step(state, batch, teacher):
+        loss_fn, _ = model_objective(student, cfg, teacher)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+
+    fn = jax.jit(_with_kernels(step, where.platform, where.mesh is not None), donate_argnums=0)
+    teacher = where.model(target)
+    params = (teacher.params, state.params)
+    return Spec("distill step", fn, (state, tokens, teacher), {}, params, nbytes(params), where.platform)
+
+
+# ---- compiling and reading a program --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """A large copy, transpose or convert in an optimised program."""
+
+    op: str  # copy | transpose | convert (or the fusion made of one)
+    shape: str  # "bf16[128256,2048]"
+    bytes: int
+    source: str  # "specjax/models/layers.py:123" (the Python line that made it), or the op's name
+
+    def __str__(self):
+        return f"{self.op} {self.shape} ({self.bytes / MB:.1f} MB) at {self.source}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A compiled program's figures, per device."""
+
+    name: str
+    platform: str
+    compile_seconds: float
+    arguments: int
+    outputs: int
+    temporaries: int
+    weights: int  # bytes of parameters per device (among the arguments)
+    copies: tuple[Copy, ...]  # weight- or cache-sized copies/transposes/converts (`large_copies`)
+    cuda_ratio: float | None = None  # CUDA lowering's bytes accessed / bytes that must be read
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries
+
+    @property
+    def temporaries_over_weights(self) -> float:
+        return self.temporaries / max(self.weights, 1)
+
+
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\][^ ]*\s+([\w\-]+)\(")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE = re.compile(r'source_file="([^"]+)"\s+source_line=(\d+)')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+MOVES = ("copy", "transpose", "convert")
+
+
+def _frames(hlo: str) -> dict[int, str]:
+    """stack_frame_id -> "file:line" of the innermost specjax frame (the HLO text's
+    FileNames / FileLocations / StackFrames tables)."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in hlo.splitlines():
+        word = line.strip()
+        if word in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section, tables[word] = word, {}
+            continue
+        if not word or word.startswith(("%", "ENTRY", "HloModule", "ROOT")):
+            if word.startswith(("%", "ENTRY")):
+                section = None
+            continue
+        if section:
+            number, _, rest = word.partition(" ")
+            if number.isdigit():
+                tables[section][int(number)] = rest
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    locations = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        f, ln = re.search(r"file_name_id=(\d+)", v), re.search(r"\bline=(\d+)", v)
+        if f and ln:
+            locations[k] = (files.get(int(f.group(1)), "?"), int(ln.group(1)))
+    frames = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        loc, parent = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
+        frames[k] = (int(loc.group(1)) if loc else 0, int(parent.group(1)) if parent else 0)
+
+    def specjax_line(frame: int) -> str:
+        seen = set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            location, parent = frames[frame]
+            file, line = locations.get(location, ("?", 0))
+            if "specjax/" in file and "/aot.py" not in file:
+                return f"{_short(file)}:{line}"
+            frame = parent
+        return "?"
+
+    return {k: specjax_line(k) for k in frames}
+
+
+def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
+    """The copies, transposes and converts in an optimised HLO module (`compiled.as_text()`)
+    whose result holds at least `threshold` bytes and lives in memory: plain ones, and
+    fusions whose root is one (XLA fuses a relayout or a cast into a loop fusion); what a
+    fusion computes inside itself is never written out, so fused computations are not read.
+    Each is named by the specjax line its metadata points to."""
+    lines = hlo.splitlines()
+    fused = {m.group(1) for line in lines if " fusion(" in line for m in [_CALLS.search(line)] if m}
+    roots, current = {}, None
+    for line in lines:
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(1)
+        elif current and line.strip().startswith("ROOT") and _SHAPE.match(line):
+            roots[current] = _SHAPE.match(line).group(4)
+    frames = _frames(hlo)
+    defined = {m.group(1): line for line in lines for m in [_SHAPE.match(line)] if m}
+
+    def origin(line: str, hops: int = 4) -> str:
+        """The specjax line (or argument) behind an instruction: its own metadata, else its
+        first operand's (XLA's own relayout copies carry none)."""
+        frame, source, name = _FRAME_ID.search(line), _SOURCE.search(line), _OP_NAME.search(line)
+        where = (frames.get(int(frame.group(1)), "?") if frame else
+                 f"{_short(source.group(1))}:{source.group(2)}" if source else "?")
+        if where == "?" and name:
+            where = name.group(1)
+        operand = re.search(r"\w+\(%([\w.\-]+)", line.split("=", 1)[1])
+        if where == "?" and hops and operand and operand.group(1) in defined:
+            return origin(defined[operand.group(1)], hops - 1)
+        return where
+
+    found = []
+    current = None
+    for line in lines:
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(1)
+            continue
+        m = _SHAPE.match(line)
+        if not m or current in fused:
+            continue
+        _, dtype, dims, opcode = m.groups()
+        op = opcode
+        if opcode == "fusion":
+            calls = _CALLS.search(line)
+            op = roots.get(calls.group(1)) if calls else None
+            if op not in MOVES:
+                continue
+            op = f"fusion({op})"
+        elif opcode not in MOVES:
+            continue
+        size = int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES.get(dtype, 4)
+        if size < threshold:
+            continue
+        found.append(Copy(op, f"{dtype}[{dims}]", size, origin(line)))
+    return tuple(sorted(found, key=lambda c: -c.bytes))
+
+
+def _short(path: str) -> str:
+    i = path.rfind("specjax/")
+    return path[i:] if i >= 0 else os.path.basename(path)
+
+
+def _per_device(spec: Spec, total: int) -> int:
+    mesh = next((a.sharding.mesh for a in jax.tree.leaves(spec.args)
+                 if isinstance(getattr(a, "sharding", None), NamedSharding)), None)
+    return total if mesh is None else total // mesh.devices.size
+
+
+def weight_bytes_per_device(tree) -> int:
+    """Bytes of a pytree's arrays that one device holds (its shards)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        placed = getattr(x, "sharding", None)
+        shape = placed.shard_shape(x.shape) if placed is not None else x.shape
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def cuda_bytes(spec: Spec) -> float | None:
+    """The CUDA lowering's bytes accessed (before optimisation: every operand once) for the
+    spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
+    CUDA plugin; without it attention takes the portable path); None where the lowering
+    has no cost analysis."""
+    unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(
+        x, jax.ShapeDtypeStruct) else x, spec.args)
+    kwargs = dict(spec.kwargs)
+    fn = spec.fn
+    if "platform" in kwargs:  # the loop: its static platform names its kernels
+        kwargs.update(platform="gpu", mesh=None, rules=None)
+    else:
+        fn = jax.jit(_with_kernels(getattr(fn, "__wrapped__", fn), "gpu", False))
+    with layers.kernels_for("gpu"):
+        lowered = fn.trace(*unplaced, **kwargs).lower(lowering_platforms=("cuda",))
+    costs = lowered.cost_analysis()
+    return None if not costs else float(costs.get("bytes accessed", 0.0))
+
+
+def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = False) -> Program:
+    """Compiles the spec for its devices and reads its figures (per device). copies_threshold:
+    the bytes from which a copy counts as large (default: half the largest weight a device
+    holds, or of a layer's cache buffer if smaller); cuda: also lower for CUDA and give the
+    bytes-accessed ratio (`Program.cuda_ratio`)."""
+    start = time.perf_counter()
+    compiled = spec.fn.lower(*spec.args, **spec.kwargs).compile()
+    seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    weights = weight_bytes_per_device(spec.params)
+    threshold = copies_threshold or _default_threshold(spec.params)
+    ratio = None
+    if cuda:
+        accessed = cuda_bytes(spec)
+        ratio = None if accessed is None else accessed / spec.must_read
+    return Program(spec.name, spec.platform, seconds, int(analysis.argument_size_in_bytes),
+                   int(analysis.output_size_in_bytes), int(analysis.temp_size_in_bytes), weights,
+                   large_copies(compiled.as_text(), threshold), ratio)
+
+
+def _default_threshold(params) -> int:
+    """Half the largest parameter one device holds (a weight-sized copy is at least that)."""
+    sizes = [weight_bytes_per_device([x]) for x in jax.tree.leaves(params)]
+    return max(max(sizes, default=0) // 2, 1)
+
+
+def compile_all(specs, **kwargs) -> list[Program]:
+    return [compile_spec(s, **kwargs) for s in specs]
+
+
+def report(programs, title: str = "") -> str:
+    """A table of programs' figures, per device."""
+    lines = [title] if title else []
+    lines.append(f"{'program':<34} {'compile':>8} {'weights':>10} {'temps':>10} {'temps/w':>8} {'cuda/ideal':>10}"
+                 f"  large copies")
+    for p in programs:
+        cuda = "-" if p.cuda_ratio is None else f"{p.cuda_ratio:.2f}"
+        copies = "none" if not p.copies else "; ".join(map(str, p.copies[:4])) + (
+            f"; +{len(p.copies) - 4} more" if len(p.copies) > 4 else "")
+        lines.append(f"{p.name:<34} {p.compile_seconds:7.1f}s {p.weights / MB:9.1f}M {p.temporaries / MB:9.1f}M "
+                     f"{p.temporaries_over_weights:8.3f} {cuda:>10}  {copies}")
+    return "\n".join(lines)

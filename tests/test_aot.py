@@ -1,0 +1,181 @@
+"""specjax's programs built for devices this machine lacks: compiled for TPU slices by XLA's
+TPU compiler (libtpu, from jax's `tpu` extra), sharded with specjax's own mesh rules, and
+lowered for CUDA; what they cost, read from the compiled programs (specjax/aot.py).
+
+Every TPU compile happens in this one process (libtpu admits one loader at a time unless
+each allows more: conftest.py does). Models are tiny except where a real shape is the point
+(a Llama-3-8B-shaped layer pair for the cost figures; the Colab notebooks' pair)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu]: the test extra on Linux x86-64)")
+
+from specjax import aot  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.drafters import DraftModel, Eagle3, EarlyExit  # noqa: E402
+from specjax.memory import MB  # noqa: E402
+from specjax.tree import Tree  # noqa: E402
+from tests import real_configs  # noqa: E402
+
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=512,
+            tie_word_embeddings=True)
+TARGET = aot.abstract_model(ModelConfig.from_hf_config(TINY))
+DRAFT = aot.abstract_model(ModelConfig.from_hf_config(dict(TINY, num_hidden_layers=1)))
+
+
+def _where(slice_: aot.Slice) -> aot.Placement:
+    """One chip: that device; a slice of four: a (data 2, model 2) mesh by the default rules."""
+    return aot.on_device(slice_.devices[0]) if slice_.chips == 1 else aot.on_mesh(slice_.mesh(2, slice_.chips // 2))
+
+
+def _specs(where: aot.Placement, full: bool) -> list[aot.Spec]:
+    B = 1 if where.mesh is None else 2
+    eagle3 = jax.eval_shape(lambda: Eagle3.init(TARGET, jax.random.key(0)))
+    specs = [aot.pass_program(TARGET, where, batch=B), aot.verify_program(TARGET, where, 4, batch=B),
+             aot.loop_program(TARGET, DRAFT, where, batch=B, num_draft_tokens=4, name="loop draft chain 4"),
+             aot.loop_program(TARGET, DraftModel(DRAFT, Tree(3, 2, 6)), where, batch=B, name="loop draft tree")]
+    if full:
+        specs += [
+            aot.draft_program(TARGET, DRAFT, where, batch=B, num_draft_tokens=4, name="draft step chain 4"),
+            aot.loop_program(TARGET, None, where, batch=B, name="plain loop"),
+            aot.loop_program(TARGET, eagle3, where, batch=B, num_draft_tokens=4, name="loop EAGLE-3"),
+            aot.loop_program(aot.abstract_model(TARGET.config, quantize="int8"),
+                             aot.abstract_model(DRAFT.config, quantize="int8"), where, batch=B,
+                             num_draft_tokens=4, temperature=0.7, top_p=0.9, name="loop int8 sampled"),
+            aot.loop_program(TARGET, EarlyExit(1), where, batch=B, num_draft_tokens=3, name="loop early exit"),
+            aot.distill_program(TARGET, DRAFT, where, batch=2 * B, seq_len=64)]
+        if where.mesh is None:  # generate refuses deterministic=True on a mesh
+            specs.append(aot.loop_program(TARGET, DRAFT, where, batch=B, num_draft_tokens=4, deterministic=True,
+                                          name="loop deterministic"))
+    return specs
+
+
+# v5e: one chip (Colab's) and a 2x2 slice, every program; v6e 2x2: the passes and the loops.
+TOPOLOGIES = {"v5e:1x1": True, "v5e:2x2": True, "v6e:2x2": False}
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def compiled(request):
+    slice_ = aot.tpu_slice(request.param)
+    where = _where(slice_)
+    specs = _specs(where, TOPOLOGIES[request.param])
+    return slice_, where, specs, {s.name: aot.compile_spec(s, copies_threshold=32 * 1024) for s in specs}
+
+
+def test_every_program_compiles_for_the_slice(compiled):
+    slice_, where, specs, programs = compiled
+    assert slice_.platform == "tpu" and all(d.platform == "tpu" for d in slice_.devices)
+    assert len(programs) == len(specs)
+    for program in programs.values():
+        assert program.platform == "tpu"
+        assert program.arguments > 0 and program.compile_seconds > 0
+        # Nothing close to HBM at these sizes, and the weights are among the arguments.
+        assert program.total < slice_.hbm / 100
+        assert program.weights <= program.arguments
+
+
+def test_a_mesh_splits_the_weights_over_its_devices(compiled):
+    slice_, where, _, programs = compiled
+    one_chip = aot.weight_bytes_per_device(jax.tree.leaves(TARGET.params))
+    weights = programs["one-token pass"].weights
+    if where.mesh is None:
+        assert weights == one_chip
+    else:  # model=2: every matrix split in two, the norms replicated
+        assert one_chip / 2 <= weights < 0.6 * one_chip
+
+
+def test_the_passes_copy_no_weight(compiled):
+    """A pass reads each weight where it lies: no weight-sized copy, transpose or convert
+    in the optimised TPU program (the threshold here is 32 KB; the tiny model's matrices are
+    64-128 KB)."""
+    _, _, _, programs = compiled
+    for name in ("one-token pass", "verify K=4"):
+        assert programs[name].copies == (), (name, programs[name].copies)
+
+
+def test_attention_kernels_follow_the_platform_compiled_for():
+    """A prefill chunk of 128-multiples with head_dim 128, compiled here for one TPU chip,
+    holds Pallas' splash attention kernel (a Mosaic custom call); traced for this CPU the
+    same program has none."""
+    config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                             hidden_size=256, max_position_embeddings=1024))
+    model = aot.abstract_model(config)
+    tpu = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    spec = aot.pass_program(model, tpu, batch=1, context=256, tokens=128)
+    hlo = spec.fn.lower(*spec.args).compile().as_text()
+    assert "tpu_custom_call" in hlo
+    cpu = aot.pass_program(model, aot.on_device(jax.devices("cpu")[0]), batch=1, context=256, tokens=128)
+    assert "tpu_custom_call" not in cpu.fn.lower(*cpu.args).as_text()
+
+
+def test_a_program_larger_than_the_chip_fails_at_compile_time():
+    """XLA's TPU compiler refuses a program that does not fit the chip's HBM: 16 GiB on a v5e."""
+    big = aot.abstract_model(ModelConfig.from_hf_config(real_configs.with_layers(real_configs.LLAMA_3_1_8B, 40)))
+    spec = aot.pass_program(big, aot.on_device(aot.tpu_slice("v5e:1x1").devices[0]))
+    with pytest.raises(Exception, match="(?i)memory|hbm|resource"):
+        aot.compile_spec(spec)
+
+
+# ---- what a step costs, on a Llama-3-8B shape (two of its layers, its whole head) ----------
+
+EIGHT_B = aot.abstract_model(ModelConfig.from_hf_config(real_configs.with_layers(real_configs.LLAMA_3_1_8B, 2)))
+
+
+def test_cuda_lowering_reads_each_weight_about_once():
+    """Before XLA optimises it, the CUDA program of the one-token pass accesses 1.0-1.2x the
+    bytes it must read (weights plus the live cache), a verification pass of 6 tokens a
+    little more; a pass that read a weight twice would be at 2x."""
+    cpu = aot.on_device(jax.devices("cpu")[0])
+    for spec, bound in ((aot.pass_program(EIGHT_B, cpu, context=1024), 1.2),
+                        (aot.verify_program(EIGHT_B, cpu, 5, context=1024), 1.35)):
+        ratio = aot.cuda_bytes(spec) / spec.must_read
+        assert 1.0 <= ratio < bound, (spec.name, ratio)
+
+
+def test_eight_b_passes_on_one_v5e_chip_hold_no_weight_sized_copy():
+    where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    for spec in (aot.pass_program(EIGHT_B, where, context=1024), aot.verify_program(EIGHT_B, where, 4, context=1024)):
+        program = aot.compile_spec(spec)
+        assert program.copies == (), (spec.name, program.copies)
+        assert program.temporaries_over_weights < 0.05, (spec.name, program.temporaries / MB)
+
+
+# ---- the Colab notebooks' programs, for Colab's TPU (one v5e chip) -----------------------
+
+def _notebook_specs(layers: int | None) -> list[aot.Spec]:
+    """Hub mode of colab/*.ipynb: Qwen2.5-1.5B-Instruct with Qwen2.5-0.5B-Instruct in bfloat16 on
+    one chip (quickstart's 1x1 mesh; drafters' and train_draft's single device): greedy and
+    sampled chains of 4 over 256 new tokens, the drafters' tree and early exit over 128, the
+    distillation step (batch 4 x 256, float32 draft)."""
+    t, d = real_configs.QWEN2_5_1_5B, real_configs.QWEN2_5_0_5B
+    if layers:
+        t, d = real_configs.with_layers(t, layers), real_configs.with_layers(d, 1)
+    target, draft = (aot.abstract_model(ModelConfig.from_hf_config(c)) for c in (t, d))
+    chip = aot.tpu_slice("v5e:1x1")
+    one, mesh = aot.on_device(chip.devices[0]), aot.on_mesh(chip.mesh(1, 1))
+    L = target.config.num_layers
+    return [aot.loop_program(target, draft, mesh, prompt_len=64, max_new_tokens=256, num_draft_tokens=4,
+                             name="quickstart: chain 4, mesh 1x1"),
+            aot.loop_program(target, DraftModel(draft, Tree(6, 2, 20)), one, prompt_len=128, max_new_tokens=128,
+                             name="drafters: tree d6k2n20"),
+            aot.loop_program(target, EarlyExit(max(L // 2, 1)), one, prompt_len=128, max_new_tokens=128,
+                             num_draft_tokens=4, name="drafters: early exit"),
+            aot.distill_program(target, draft, one, batch=4, seq_len=256)]
+
+
+def test_colab_notebook_programs_compile_for_one_v5e_chip():
+    """Their shapes with two target layers and one draft layer (every layer is the same
+    program; the whole models compile in the slow case below)."""
+    for spec in _notebook_specs(layers=2):
+        program = aot.compile_spec(spec)
+        assert program.total < aot.TPU_HBM["v5e"], spec.name
+
+
+@pytest.mark.slow
+def test_colab_notebook_programs_compile_whole_for_one_v5e_chip():
+    for spec in _notebook_specs(layers=None):
+        program = aot.compile_spec(spec)
+        assert program.total < aot.TPU_HBM["v5e"], (spec.name, program.total / MB)
