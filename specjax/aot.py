@@ -218,10 +218,19 @@ def _live_cache_bytes(config: ModelConfig, batch: int, context: int, dtype) -> i
     return 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
+def pass_reads(model: Model) -> int:
+    """Bytes of weights one pass reads: all of them but an untied embedding, of which a pass
+    gathers only its tokens' rows."""
+    untied = "lm_head" in model.params
+    return nbytes(model.params) - (nbytes(model.params["embedding"]) if untied else 0)
+
+
 def pass_program(target: Model, where: Placement, batch: int = 1, context: int = 512, tokens: int = 1,
                  name: str | None = None) -> Spec:
     """`tokens` tokens per row through the target over a cache of `context` slots (the
-    one-token pass; with tokens = K + 1, a verification pass of a chain of K)."""
+    one-token pass; with tokens = K + 1, a verification pass of a chain of K). Its must_read:
+    the weights a pass reads and the whole cache (keep context <= layers.ATTENTION_BLOCK for
+    the CUDA figure: a blockwise attention loop's body is counted once)."""
     placed = where.model(target)
     slots = loop.cache_length(context, 0, 0)
     cache = _cache(target.config, batch, slots, target.dtype, where)
@@ -234,7 +243,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
     fn = jax.jit(_with_kernels(run, where.platform, where.mesh is not None), donate_argnums=3)
     return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn,
                 (placed, ids, ids, cache), {}, placed.params,
-                nbytes(target.params) + _live_cache_bytes(target.config, batch, context, target.dtype), where.platform)
+                pass_reads(target) + _live_cache_bytes(target.config, batch, context, target.dtype), where.platform)
 
 
 def verify_program(target: Model, where: Placement, K: int, batch: int = 1, context: int = 512) -> Spec:
@@ -399,8 +408,8 @@ MOVES = ("copy", "transpose", "convert")
 
 
 def _frames(hlo: str) -> dict[int, str]:
-    """stack_frame_id -> "file:line" of the innermost specjax frame (the HLO text's
-    FileNames / FileLocations / StackFrames tables)."""
+    """stack_frame_id -> "file:line" of the innermost frame outside JAX, Flax and this module
+    (the HLO text's FileNames / FileLocations / StackFrames tables)."""
     tables: dict[str, dict[int, str]] = {}
     section = None
     for line in hlo.splitlines():
@@ -433,7 +442,7 @@ def _frames(hlo: str) -> dict[int, str]:
             seen.add(frame)
             location, parent = frames[frame]
             file, line = locations.get(location, ("?", 0))
-            if "specjax/" in file and "/aot.py" not in file:
+            if not any(part in file for part in ("/jax/", "/jaxlib/", "/flax/", "specjax/aot.py", "?")):
                 return f"{_short(file)}:{line}"
             frame = parent
         return "?"
@@ -500,8 +509,12 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
 
 
 def _short(path: str) -> str:
-    i = path.rfind("specjax/")
-    return path[i:] if i >= 0 else os.path.basename(path)
+    """A source path from the repository's root (specjax/..., tests/...), else its name."""
+    for root in ("specjax/", "tests/", "docs/"):
+        i = path.rfind(root)
+        if i >= 0:
+            return path[i:]
+    return os.path.basename(path)
 
 
 def _per_device(spec: Spec, total: int) -> int:

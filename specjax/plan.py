@@ -61,13 +61,15 @@ class Plan:
         return self.recommended is not None
 
     def __str__(self):
-        lines = [f"plan: {self.request}", f"slice {self.topology}: {len(self.meshes) and self.meshes[0].data * self.meshes[0].model} "
-                 f"chips, {self.hbm / GB:.1f} GiB HBM each; per device:",
+        chips = self.meshes[0].data * self.meshes[0].model if self.meshes else 0
+        lines = [f"plan: {self.request}", f"slice {self.topology}: {chips} chips, {self.hbm / GB:.1f} GiB HBM each; "
+                 f"per device:",
                  f"  {'mesh':<9} {'weights':>10} {'caches':>10} {'temps':>10} {'total':>10} {'free':>10} "
                  f"{'compile':>8}  fits"]
         for m in self.meshes:
             if m.program is None:
-                lines.append(f"  {m.name:<9} {'':>10} {'':>10} {'':>10} {'':>10} {'':>10} {m.compile_seconds:7.1f}s  "
+                weights = _gb(m.weights) if m.weights else f"{'':>10}"
+                lines.append(f"  {m.name:<9} {weights} {'':>10} {'':>10} {'':>10} {'':>10} {m.compile_seconds:7.1f}s  "
                              f"no: {m.why}")
                 continue
             free = self.hbm - m.total
@@ -167,6 +169,11 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
             continue
         where = (aot.on_device(slice_.devices[0]) if slice_.chips == 1
                  else aot.on_mesh(slice_.mesh(data, model)))
+        held = aot.weight_bytes_per_device(where.model(target_model).params)
+        if held > slice_.hbm:  # no program can fit: not worth compiling
+            plans.append(MeshPlan(data, model, False, weights=held, why=f"the target's weights alone are "
+                                  f"{held / GB:.1f} GiB per device"))
+            continue
         spec = aot.loop_program(target_model, drafter, where, batch=batch, prompt_len=prompt_len,
                                 max_new_tokens=max_len - prompt_len, num_draft_tokens=K,
                                 draft_rules=(("batch", "data"),))

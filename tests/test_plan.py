@@ -1,0 +1,70 @@
+"""`specjax plan`: generate's program compiled here for a TPU slice from config.json alone,
+with the verdict per mesh (exit 0 fits, 1 does not, 2 usage). The real pairs' whole models
+compile in the slow cases (about a minute or two each on 2 cores); CI plans the Llama pair's
+shapes with two target layers, refuses a 9B model on one v5e chip, and checks usage errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="planning for a TPU compiles with libtpu (jax[tpu]: the test extra on Linux x86-64)")
+
+from specjax import plan  # noqa: E402
+from tests import real_configs  # noqa: E402
+
+
+def _folder(tmp_path, name, config):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _cli(*args):
+    result = subprocess.run([sys.executable, "-m", "specjax.cli", "plan", *map(str, args)], capture_output=True,
+                            text=True, timeout=600)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_plan_cli_fits_the_llama_pair_shapes_on_a_v5e_2x2(tmp_path):
+    target = _folder(tmp_path, "target", real_configs.with_layers(real_configs.LLAMA_3_1_8B, 2))
+    draft = _folder(tmp_path, "draft", real_configs.with_layers(real_configs.LLAMA_3_2_1B, 1))
+    code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:2x2", "--mesh", "1,4", "--max-len", "1024")
+    assert code == 0, (out, err)
+    assert "1x4" in out and "recommended mesh: data=1, model=4 (--mesh 1,4)" in out
+    assert "fits" in out and "temporaries" in out
+
+
+def test_plan_refuses_a_nine_b_model_on_one_v5e_chip_and_says_what_to_change(tmp_path):
+    """Gemma-2-9B's 18.5 GB of bfloat16 weights cannot fit a 16 GiB chip: refused before
+    anything is compiled, with what to change."""
+    target = _folder(tmp_path, "target", real_configs.GEMMA_2_9B)
+    code, out, err = _cli(target, "--topology", "v5e:1x1")
+    assert code == 1, (out, err)
+    assert "does not fit" in out and "weights alone" in out and "int8" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--topology", "v9x:2x2"), "unknown TPU topology"),
+    (("--topology", "v5e:2x2", "--mesh", "3,1"), "mesh 3x1 needs 3 chips"),
+    (("--topology", "v5e:1x1", "--max-len", "64", "--prompt-len", "128"), "must exceed prompt_len"),
+])
+def test_plan_usage_errors_exit_2_in_one_line(tmp_path, args, words):
+    target = _folder(tmp_path, "target", real_configs.with_layers(real_configs.LLAMA_3_2_1B, 1))
+    code, out, err = _cli(target, *args)
+    last = err.strip().splitlines()[-1]  # (libtpu may log above it when it loads)
+    assert code == 2 and last.startswith("specjax: error:") and words in last, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", list(real_configs.PAIRS))
+def test_real_pairs_plan_on_a_v5e_2x2(pair):
+    """The whole models: Llama-3.1-8B with Llama-3.2-1B, Qwen2.5-7B with Qwen2.5-0.5B and
+    Gemma-2-9B with Gemma-2-2B, batch 4 up to 2,048 tokens, fit a v5e 2x2 slice on the
+    (1, 4) mesh (weights split four ways, the draft replicated)."""
+    target, draft = real_configs.PAIRS[pair]
+    result = plan.plan(target, draft, topology="v5e:2x2", batch=4, max_len=2048, mesh=(1, 4))
+    assert result.fits, str(result)
+    assert result.recommended.total <= result.hbm
