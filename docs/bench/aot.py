@@ -1,0 +1,81 @@
+"""What a step costs on TPU slices we cannot reach, read from programs compiled here
+(specjax/aot.py): for a Llama-3.2-1B-shaped target with a 2-layer draft of its shape and a
+Llama-3.1-8B-shaped target with Llama-3.2-1B as its draft (tests/real_configs.py), per
+program (the one-token pass, the verification pass of K=4, the draft step, generate's
+whole loop with a chain of 4, and the plain loop): compile time, per-device memory,
+temporaries over weights, the weight- or cache-sized copies found in the optimised TPU
+program, and the CUDA lowering's bytes accessed over the bytes the program must read.
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python docs/bench/aot.py [--pairs 1b,8b]
+        [--slices v5e:1x1,v5e:2x2,v6e:2x2] [--layers N] > docs/bench/aot.txt
+
+--layers N compiles N target layers (the draft keeps its own) to bound the time: every
+layer is the same program, so weights and temporaries per layer scale, the head does not.
+The loop's CUDA figure counts its while body once and its prefill too, so read it as a
+ratio between programs, not as traffic per step.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from specjax import aot  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from tests import real_configs as rc  # noqa: E402
+
+
+def pair(name: str, layers: int | None):
+    if name == "1b":
+        target, draft = rc.LLAMA_3_2_1B, rc.with_layers(rc.LLAMA_3_2_1B, 2)
+    elif name == "8b":
+        target, draft = rc.LLAMA_3_1_8B, rc.LLAMA_3_2_1B
+    else:
+        raise SystemExit(f"unknown pair {name!r}: 1b or 8b")
+    if layers:
+        target = rc.with_layers(target, layers)
+    return tuple(aot.abstract_model(ModelConfig.from_hf_config(c)) for c in (target, draft))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", default="1b,8b")
+    parser.add_argument("--slices", default="v5e:1x1,v5e:2x2,v6e:2x2")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--context", type=int, default=512, help="prompt + new tokens")
+    args = parser.parse_args()
+    print(f"# {' '.join(sys.argv)}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; bf16; batch 1 on one chip, "
+          f"2 on a slice (mesh data 2 x model 2, the draft replicated); prompt 128, context {args.context}")
+    for name in args.pairs.split(","):
+        target, draft = pair(name, args.layers)
+        for slice_name in args.slices.split(","):
+            slice_ = aot.tpu_slice(slice_name)
+            where = (aot.on_device(slice_.devices[0]) if slice_.chips == 1
+                     else aot.on_mesh(slice_.mesh(2, slice_.chips // 2)))
+            B = 1 if slice_.chips == 1 else 2
+            new = args.context - 128
+            replicated = (("batch", "data"),)
+            specs = [aot.pass_program(target, where, batch=B, context=args.context),
+                     aot.verify_program(target, where, 4, batch=B, context=args.context),
+                     aot.draft_program(target, draft, where, batch=B, max_new_tokens=new, num_draft_tokens=4,
+                                       draft_rules=replicated, name="draft step K=4"),
+                     aot.loop_program(target, None, where, batch=B, max_new_tokens=new, name="plain loop"),
+                     aot.loop_program(target, draft, where, batch=B, max_new_tokens=new, num_draft_tokens=4,
+                                      draft_rules=replicated, name="loop chain K=4")]
+            programs = []
+            for spec in specs:
+                try:
+                    programs.append(aot.compile_spec(spec, cuda=True))
+                except Exception as e:  # noqa: BLE001 - out of HBM is an answer too
+                    print(f"{name} {slice_name} {spec.name}: does not compile: {' '.join(str(e).split())[:300]}")
+            title = (f"\n## {name} pair ({target.config.num_layers} target layers, {draft.config.num_layers}-layer "
+                     f"draft) on {slice_name} ({slice_.chips} chips, {slice_.hbm / 2**30:.0f} GiB each)")
+            print(aot.report(programs, title), flush=True)
+
+
+if __name__ == "__main__":
+    main()
