@@ -47,16 +47,13 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
 from specjax.drafters.base import DraftRequest
-from specjax.memory import GB, MB, nbytes
+from specjax.memory import GB, MB, device_nbytes, nbytes
 from specjax.models import Model, layers
 from specjax.request import prepare
 
-GiB = GB
-
-# HBM per chip (bytes), by TPU generation: Google Cloud's TPU pages.
-TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
-# The topology names libtpu knows for each generation's chips.
-_TPU_NAMES = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
+# HBM per chip (bytes), by TPU generation (Google Cloud's TPU pages); libtpu's topology
+# names use the same generation names.
+TPU_HBM = {"v4": 32 * GB, "v5e": 16 * GB, "v5p": 95 * GB, "v6e": 32 * GB}
 
 
 class TopologyError(ValueError):
@@ -112,8 +109,7 @@ def tpu_slice(name: str) -> Slice:
     if chips < 4 and len(dims) == 2:  # a host of fewer than 4 chips says its own bounds
         kwargs["chips_per_host_bounds"] = (*dims, 1)
     try:
-        topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{_TPU_NAMES[generation]}:"
-                                                + "x".join(map(str, dims)), **kwargs)
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs)
     except Exception as e:  # noqa: BLE001 - libtpu's own message says what it lacks
         held = "lockfile" in str(e)
         raise TopologyError(f"libtpu cannot describe the TPU topology {name!r}: {type(e).__name__}: {e}" + (
@@ -187,6 +183,7 @@ class Spec:
 
     name: str
     fn: Callable  # a jax.jit-wrapped function
+    body: Callable | None  # what fn jits, before kernels_for (None: fn takes a static `platform`)
     args: tuple
     kwargs: dict
     params: Any  # the parameters it reads (placed shapes): its weights
@@ -206,12 +203,11 @@ def _with_kernels(fn: Callable, platform: str | None, portable: bool) -> Callabl
     return run
 
 
-def _cache(config: ModelConfig, batch: int, slots: int, dtype, where: Placement, rules=None) -> KVCache:
-    cache = jax.eval_shape(lambda: KVCache.init(config, batch, slots, dtype))
+def _carry(tree, batch: int, where: Placement, cache_rules=None):
+    """Shapes of a loop carry placed as the loop lays them (one device: on it)."""
     if where.mesh is None:
-        return shaped(cache, where.whole())
-    placed = sharding.cache_shardings(cache, where.mesh, rules or where.rules)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, placed)
+        return shaped(tree, where.whole())
+    return sharding.place_carry(tree, batch, where.mesh, where.rules, cache_rules)
 
 
 def _live_cache_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
@@ -233,7 +229,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
     the CUDA figure: a blockwise attention loop's body is counted once)."""
     placed = where.model(target)
     slots = loop.cache_length(context, 0, 0)
-    cache = _cache(target.config, batch, slots, target.dtype, where)
+    cache = _carry(jax.eval_shape(lambda: KVCache.init(target.config, batch, slots, target.dtype)), batch, where)
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=where.rows((batch, tokens)))
 
     def run(model, tokens, positions, cache):
@@ -241,7 +237,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
         return logits, cache
 
     fn = jax.jit(_with_kernels(run, where.platform, where.mesh is not None), donate_argnums=3)
-    return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn,
+    return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn, run,
                 (placed, ids, ids, cache), {}, placed.params,
                 pass_reads(target) + _live_cache_bytes(target.config, batch, context, target.dtype), where.platform)
 
@@ -283,17 +279,19 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
     program even where generate would refuse to run it (its promise is verified on CPU)."""
     args, static = _loop_args(target, draft, where, batch, prompt_len, max_new_tokens, generate_kwargs, draft_rules)
     drafter = args[1]
-    params = (args[0].params, _drafter_params(drafter))
+    params = (args[0].params, drafter_params(drafter))
     context = prompt_len + max_new_tokens
     must = nbytes(params) + _live_cache_bytes(target.config, batch, context, target.dtype)
     label = name or ("plain loop" if drafter is None else f"loop {type(drafter).__name__} {drafter.tree}")
-    return Spec(label, loop.generate_loop, args, dict(static, stream=None), params, must, where.platform)
+    return Spec(label, loop.generate_loop, None, args, dict(static, stream=None), params, must, where.platform)
 
 
-def _drafter_params(drafter):
+def drafter_params(drafter):
     """The weights a drafter holds (a draft model's, a head's), or None."""
     if drafter is None:
         return None
+    if isinstance(drafter, Model):
+        return drafter.params
     if isinstance(drafter, DraftModel):
         return (drafter.model.params, drafter.head)
     return getattr(drafter, "params", None)
@@ -315,8 +313,10 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
             return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, False)
 
     state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key)
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where.rows(x.shape)
-                                                        if x.ndim else where.whole()), state)
+    draft_rules = None if where.mesh is None else drafter.state_rules(where.rules)
+    state = state.replace(**{name: _carry(getattr(state, name), batch, where,
+                                          draft_rules if name == "draft_state" else None)
+                             for name in state.__dataclass_fields__})
 
     def step(target, drafter, state, key, sampling, threshold):
         request = DraftRequest(target=target, target_cache=state.target_cache, tokens=state.tokens,
@@ -325,10 +325,10 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
         return drafter.propose(state.draft_state, request)
 
     fn = jax.jit(_with_kernels(step, platform, portable))
-    params = _drafter_params(drafter)
+    params = drafter_params(drafter)
     must = nbytes(params) + (_live_cache_bytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
                              if isinstance(drafter, DraftModel) else 0)
-    return Spec(name or f"draft step {type(drafter).__name__} {drafter.tree}", fn,
+    return Spec(name or f"draft step {type(drafter).__name__} {drafter.tree}", fn, step,
                 (target_placed, drafter, state, key, sampling, threshold), {}, params, must, platform)
 
 
@@ -355,7 +355,7 @@ def distill_program(target: Model, draft: Model, where: Placement, batch: int = 
     fn = jax.jit(_with_kernels(step, where.platform, where.mesh is not None), donate_argnums=0)
     teacher = where.model(target)
     params = (teacher.params, state.params)
-    return Spec("distill step", fn, (state, tokens, teacher), {}, params, nbytes(params), where.platform)
+    return Spec("distill step", fn, step, (state, tokens, teacher), {}, params, nbytes(params), where.platform)
 
 
 # ---- compiling and reading a program --------------------------------------------------------
@@ -396,7 +396,8 @@ class Program:
         return self.temporaries / max(self.weights, 1)
 
 
-_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\][^ ]*\s+([\w\-]+)\(")
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]([^ ]*)\s+([\w\-]+)\(")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")  # a layout's memory space other than HBM (VMEM, SMEM)
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
@@ -452,10 +453,11 @@ def _frames(hlo: str) -> dict[int, str]:
 
 def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
     """The copies, transposes and converts in an optimised HLO module (`compiled.as_text()`)
-    whose result holds at least `threshold` bytes and lives in memory: plain ones, and
-    fusions whose root is one (XLA fuses a relayout or a cast into a loop fusion); what a
-    fusion computes inside itself is never written out, so fused computations are not read.
-    Each is named by the specjax line its metadata points to."""
+    whose result holds at least `threshold` bytes and lives in HBM: plain ones, and fusions
+    whose root is one (XLA fuses a relayout or a cast into a loop fusion); what a fusion
+    computes inside itself is never written out, so fused computations are not read, and
+    what XLA stages in on-chip memory (a layout's S(1)) is not counted. Each is named by the
+    source line its metadata points to, or the argument it copies."""
     lines = hlo.splitlines()
     fused = {m.group(1) for line in lines if " fusion(" in line for m in [_CALLS.search(line)] if m}
     roots, current = {}, None
@@ -464,7 +466,7 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
         if head:
             current = head.group(1)
         elif current and line.strip().startswith("ROOT") and _SHAPE.match(line):
-            roots[current] = _SHAPE.match(line).group(4)
+            roots[current] = _SHAPE.match(line).group(5)
     frames = _frames(hlo)
     defined = {m.group(1): line for line in lines for m in [_SHAPE.match(line)] if m}
 
@@ -475,7 +477,7 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
         where = (frames.get(int(frame.group(1)), "?") if frame else
                  f"{_short(source.group(1))}:{source.group(2)}" if source else "?")
         if where == "?" and name:
-            where = name.group(1)
+            where = name.group(1).replace("\\'", "'")  # HLO text escapes the quotes of params['...']
         operand = re.search(r"\w+\(%([\w.\-]+)", line.split("=", 1)[1])
         if where == "?" and hops and operand and operand.group(1) in defined:
             return origin(defined[operand.group(1)], hops - 1)
@@ -491,7 +493,9 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
         m = _SHAPE.match(line)
         if not m or current in fused:
             continue
-        _, dtype, dims, opcode = m.groups()
+        _, dtype, dims, layout, opcode = m.groups()
+        if _ON_CHIP.search(layout):  # staged in on-chip memory, not a buffer in HBM
+            continue
         op = opcode
         if opcode == "fusion":
             calls = _CALLS.search(line)
@@ -517,22 +521,6 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
-def _per_device(spec: Spec, total: int) -> int:
-    mesh = next((a.sharding.mesh for a in jax.tree.leaves(spec.args)
-                 if isinstance(getattr(a, "sharding", None), NamedSharding)), None)
-    return total if mesh is None else total // mesh.devices.size
-
-
-def weight_bytes_per_device(tree) -> int:
-    """Bytes of a pytree's arrays that one device holds (its shards)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        placed = getattr(x, "sharding", None)
-        shape = placed.shard_shape(x.shape) if placed is not None else x.shape
-        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
-    return total
-
-
 def cuda_bytes(spec: Spec) -> float | None:
     """The CUDA lowering's bytes accessed (before optimisation: every operand once) for the
     spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
@@ -541,27 +529,26 @@ def cuda_bytes(spec: Spec) -> float | None:
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(
         x, jax.ShapeDtypeStruct) else x, spec.args)
     kwargs = dict(spec.kwargs)
-    fn = spec.fn
-    if "platform" in kwargs:  # the loop: its static platform names its kernels
+    if spec.body is None:  # the loop: its static platform names its kernels
+        fn = spec.fn
         kwargs.update(platform="gpu", mesh=None, rules=None)
     else:
-        fn = jax.jit(_with_kernels(getattr(fn, "__wrapped__", fn), "gpu", False))
-    with layers.kernels_for("gpu"):
-        lowered = fn.trace(*unplaced, **kwargs).lower(lowering_platforms=("cuda",))
+        fn = jax.jit(_with_kernels(spec.body, "gpu", False))
+    lowered = fn.trace(*unplaced, **kwargs).lower(lowering_platforms=("cuda",))
     costs = lowered.cost_analysis()
     return None if not costs else float(costs.get("bytes accessed", 0.0))
 
 
 def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = False) -> Program:
     """Compiles the spec for its devices and reads its figures (per device). copies_threshold:
-    the bytes from which a copy counts as large (default: half the largest weight a device
-    holds, or of a layer's cache buffer if smaller); cuda: also lower for CUDA and give the
-    bytes-accessed ratio (`Program.cuda_ratio`)."""
+    the bytes from which a copy counts as large (default: the smallest weight matrix a
+    device holds, so that a copy of any weight counts); cuda: also lower for CUDA and give
+    the bytes-accessed ratio (`Program.cuda_ratio`)."""
     start = time.perf_counter()
     compiled = spec.fn.lower(*spec.args, **spec.kwargs).compile()
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
-    weights = weight_bytes_per_device(spec.params)
+    weights = device_nbytes(spec.params)
     threshold = copies_threshold or _default_threshold(spec.params)
     ratio = None
     if cuda:
@@ -573,13 +560,9 @@ def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = F
 
 
 def _default_threshold(params) -> int:
-    """Half the largest parameter one device holds (a weight-sized copy is at least that)."""
-    sizes = [weight_bytes_per_device([x]) for x in jax.tree.leaves(params)]
-    return max(max(sizes, default=0) // 2, 1)
-
-
-def compile_all(specs, **kwargs) -> list[Program]:
-    return [compile_spec(s, **kwargs) for s in specs]
+    """The smallest weight matrix one device holds: a copy of any weight is at least that."""
+    sizes = [device_nbytes([x]) for x in jax.tree.leaves(params) if len(x.shape) >= 2]
+    return max(min(sizes, default=1), 1)
 
 
 def report(programs, title: str = "") -> str:

@@ -26,14 +26,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.drafters.model import DraftModel
 from specjax import loop, memory, sharding
-from specjax.cache import KVCache
 from specjax.loop import cache_length, initial_state
-from specjax.memory import GB, MB, InsufficientMemoryError, device_stats, nbytes
+from specjax.memory import GB, MB, InsufficientMemoryError, device_nbytes, device_stats, nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,24 +67,10 @@ def cache_bytes(args, static, per_device: bool = False) -> int:
     mesh = static.get("mesh")
     if not per_device or mesh is None:
         return nbytes(state.target_cache) + nbytes(state.draft_state)
-    rules = static.get("rules") or sharding.DEFAULT_RULES
-    draft_rules = rules if drafter is None else drafter.state_rules(rules)
-
-    def held(tree, tree_rules) -> int:
-        def one(x):
-            if isinstance(x, KVCache):
-                placed = sharding.cache_shardings(x, mesh, tree_rules)
-                return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(x), jax.tree.leaves(placed)))
-            return sum(_shard_bytes(a, sharding.batch_sharding(a.shape, mesh, tree_rules) if a.ndim else None)
-                       for a in jax.tree.leaves(x))
-        return sum(one(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)))
-
-    return held(state.target_cache, rules) + held(state.draft_state, draft_rules)
-
-
-def _shard_bytes(x, placed) -> int:
-    shape = x.shape if placed is None else placed.shard_shape(x.shape)
-    return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    rules, B = static.get("rules") or sharding.DEFAULT_RULES, prompts.shape[0]
+    draft_rules = None if drafter is None else drafter.state_rules(rules)
+    return (device_nbytes(sharding.place_carry(state.target_cache, B, mesh, rules))
+            + device_nbytes(sharding.place_carry(state.draft_state, B, mesh, rules, draft_rules)))
 
 
 def estimate(args, static, stream) -> MemoryEstimate:

@@ -167,15 +167,12 @@ def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eo
             return state
 
         def constrain(x, cache_rules):
-            if isinstance(x, KVCache):
-                return jax.lax.with_sharding_constraint(x, sharding.cache_shardings(x, mesh, cache_rules))
-            if getattr(x, "ndim", 0) >= 1 and x.shape[0] == B:
-                return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(x.shape, mesh, rules))
-            return x
+            placed = sharding.carry_sharding(x, B, mesh, rules, cache_rules)
+            return x if placed is None else jax.lax.with_sharding_constraint(x, placed)
 
         is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
         return state.replace(**{
-            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else rules),
+            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else None),
                                getattr(state, name), is_leaf=is_cache)
             for name in state.__dataclass_fields__})
 

@@ -20,6 +20,17 @@ def nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree) if hasattr(x, "shape")))
 
 
+def device_nbytes(tree) -> int:
+    """Bytes of a pytree's arrays (or shape-dtype structs) that one device holds: each
+    leaf's shard where it carries a sharding, the whole leaf where it carries none."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        placed = getattr(x, "sharding", None)
+        shape = x.shape if placed is None else placed.shard_shape(x.shape)
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
 def device_free_bytes(mesh=None) -> int | None:
     """The least free memory over the devices a call runs on (bytes_limit - bytes_in_use of
     `Device.memory_stats()`), or None where devices report none (CPU)."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from specjax import aot, budget
 from specjax.config import ModelConfig
-from specjax.memory import GB, MB, nbytes
+from specjax.memory import GB, MB, device_nbytes, nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Plan:
         best = self.recommended
         if best is not None:
             p = best.program
-            copies = "none" if not p.copies else "; ".join(map(str, p.copies[:3]))
+            copies = "none" if not p.copies else "; ".join(map(str, p.copies[:3])) + (
+                f"; +{len(p.copies) - 3} more" if len(p.copies) > 3 else "")
             lines += [f"recommended mesh: data={best.data}, model={best.model} (--mesh {best.data},{best.model})",
                       f"  its step: temporaries {p.temporaries_over_weights:.2f}x the weights; weight- or cache-sized "
                       f"copies: {copies}"]
@@ -119,7 +120,7 @@ def read_config(source) -> ModelConfig:
                                  f"the Hugging Face hub: {type(e).__name__}: {e}") from e
 
 
-def meshes_for(chips: int, batch: int) -> list[tuple[int, int]]:
+def meshes_for(chips: int) -> list[tuple[int, int]]:
     """Every (data, model) with data * model = chips, model first from 1."""
     return [(chips // m, m) for m in range(1, chips + 1) if chips % m == 0]
 
@@ -152,7 +153,7 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
     elif draft is not None:
         d = aot.abstract_model(read_config(draft), dtype, quantize)
         drafter, K = (DraftModel(d, tree), None) if tree is not None else (d, num_draft_tokens)
-    candidates = [mesh] if mesh is not None else meshes_for(slice_.chips, batch)
+    candidates = [mesh] if mesh is not None else meshes_for(slice_.chips)
     for data, model in candidates:
         if data * model != slice_.chips:
             raise ValueError(f"mesh {data}x{model} needs {data * model} chips; {topology} has {slice_.chips}")
@@ -169,7 +170,7 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
             continue
         where = (aot.on_device(slice_.devices[0]) if slice_.chips == 1
                  else aot.on_mesh(slice_.mesh(data, model)))
-        held = aot.weight_bytes_per_device(where.model(target_model).params)
+        held = device_nbytes(where.model(target_model).params)
         if held > slice_.hbm:  # no program can fit: not worth compiling
             plans.append(MeshPlan(data, model, False, weights=held, why=f"the target's weights alone are "
                                   f"{held / GB:.1f} GiB per device"))
@@ -202,7 +203,7 @@ def _oom_words(message: str) -> str:
 
 
 def _advice(target, drafter, slice_: aot.Slice, batch: int, max_len: int, quantize) -> str:
-    weights = nbytes(target.params) + nbytes(getattr(getattr(drafter, "model", None), "params", None))
+    weights = nbytes(target.params) + nbytes(aot.drafter_params(drafter))
     per_chip = weights / slice_.chips
     hints = []
     if per_chip > 0.8 * slice_.hbm:

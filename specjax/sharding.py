@@ -189,6 +189,26 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
+def carry_sharding(x, batch: int, mesh: Mesh, rules, cache_rules=None):
+    """Where one node of the decoding loop's carry lies on a mesh: a KVCache by
+    `cache_shardings` (with cache_rules, a drafter's own, else rules), a batch-major array
+    rows over data, anything else None (left to XLA)."""
+    if isinstance(x, KVCache):
+        return cache_shardings(x, mesh, cache_rules or rules)
+    if getattr(x, "ndim", 0) >= 1 and x.shape[0] == batch:
+        return batch_sharding(x.shape, mesh, rules)
+    return None
+
+
+def place_carry(tree, batch: int, mesh: Mesh, rules, cache_rules=None):
+    """A loop carry (arrays, or shapes alone) placed where the loop lays it
+    (`carry_sharding`); leaves with no rule stay as they are."""
+    def one(x):
+        where = carry_sharding(x, batch, mesh, rules, cache_rules)
+        return x if where is None else jax.tree.map(put, x, where)
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
 def platform_of(tree, mesh: Mesh | None = None) -> str:
     """The platform ("cpu", "gpu", "tpu") of the devices a call runs on: the mesh's, else
     those its arrays (or shape structs with a sharding) are placed on, else the default
