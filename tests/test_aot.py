@@ -53,8 +53,16 @@ def _specs(where: aot.Placement, full: bool) -> list[aot.Spec]:
     return specs
 
 
-# v5e: one chip (Colab's) and a 2x2 slice, every program; v6e 2x2: the passes and the loops.
-TOPOLOGIES = {"v5e:1x1": True, "v5e:2x2": True, "v6e:2x2": False}
+# v5e: one chip (Colab's), every program; a v5e 2x2 slice, every program in the slow run and the
+# passes and the draft loops in CI (the suite's time); v6e 2x2: the passes and the draft loops.
+TOPOLOGIES = {"v5e:1x1": True, "v5e:2x2": False, "v6e:2x2": False}
+
+
+@pytest.mark.slow
+def test_every_program_compiles_for_a_v5e_2x2_slice():
+    slice_ = aot.tpu_slice("v5e:2x2")
+    for spec in _specs(_where(slice_), full=True):
+        assert aot.compile_spec(spec).total < slice_.hbm / 100, spec.name
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
