@@ -198,7 +198,7 @@ class Spec:
 
 def _with_kernels(fn: Callable, platform: str | None, portable: bool) -> Callable:
     def run(*args, **kwargs):
-        with layers.kernels_for("portable" if portable else platform):
+        with layers.kernels_for(platform, portable):
             return fn(*args, **kwargs)
     return run
 
@@ -309,7 +309,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
     platform, portable = static["platform"], static["mesh"] is not None
 
     def state_of(target, drafter, prompts, lengths, key):
-        with layers.kernels_for("portable" if portable else platform):
+        with layers.kernels_for(platform, portable):
             return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, False)
 
     state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key)

@@ -2,8 +2,8 @@
 
 Each `Weights` entry says which Hugging Face tensors (names, shapes) become which specjax
 parameters and how: transposes, head splits, and the fusions specjax computes with (q, k
-and v as one `qkv_kernel` [E, G, R+2, D] whatever the checkpoint fused; gate and up as one
-`gate_up_kernel` [E, 2, F]). `to_ours` returns numpy views of the files' arrays where a
+and v as one `qkv_kernel` [G, R+2, D, E] whatever the checkpoint fused; gate and up as one
+`gate_up_kernel` [2, E, F]). `to_ours` returns numpy views of the files' arrays where a
 view exists, and a lazy `Concat` of views where the parameter joins several tensors, so
 that a loader reads only the blocks it places; `to_hf` runs the table backwards for saving.
 
@@ -98,25 +98,22 @@ def _linear_out(path, name, in_shape, n_out):
 
 def _qkv(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weights:
     """q, k, v projections (three Linear weights [out, E], or Phi-3's one qkv_proj with the
-    three stacked along out; or their biases) -> qkv_kernel [E, G, R+2, D] (qkv_bias [G, R+2, D])."""
+    three stacked along out; or their biases) -> qkv_kernel [G, R+2, D, E] (qkv_bias [G, R+2, D]):
+    each a view of the Linear's [out, E] rows."""
     E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     R = H // G
     sizes = (H * D, G * D, G * D)
-    shapes = ((sum(sizes),),) if len(names) == 1 else tuple((n,) for n in sizes)
-    if not bias:
-        shapes = tuple(s + (E,) for s in shapes)
-    lead = () if bias else (E,)
+    trail = () if bias else (E,)
+    shapes = ((sum(sizes), *trail),) if len(names) == 1 else tuple((n, *trail) for n in sizes)
 
     def to_ours(ws):
-        q, k, v = np.split(ws[0], np.cumsum(sizes)[:-1]) if len(ws) == 1 else ws
-        q, k, v = (w if bias else w.T for w in (q, k, v))  # [..., out]
-        parts = [q.reshape(*lead, G, R, D), k.reshape(*lead, G, 1, D), v.reshape(*lead, G, 1, D)]
-        return (Concat(parts, axis=len(lead) + 1),)
+        q, k, v = np.split(ws[0], np.cumsum(sizes)[:-1]) if len(ws) == 1 else ws  # [out, *trail]
+        parts = [q.reshape(G, R, D, *trail), k.reshape(G, 1, D, *trail), v.reshape(G, 1, D, *trail)]
+        return (Concat(parts, axis=1),)
 
     def to_hf(ps):
-        w = ps[0]  # [*lead, G, R+2, D]
-        q, k, v = (x.reshape(*lead, -1) for x in (w[..., :R, :], w[..., R, :], w[..., R + 1, :]))
-        out = tuple(x if bias else x.T for x in (q, k, v))
+        w = ps[0]  # [G, R+2, D, *trail]
+        out = tuple(x.reshape(-1, *trail) for x in (w[:, :R], w[:, R], w[:, R + 1]))
         return (np.concatenate(out),) if len(names) == 1 else out
 
     return Weights(tuple(zip(names, shapes)), (("attn", "qkv_bias" if bias else "qkv_kernel"),), to_ours, to_hf)
@@ -124,7 +121,7 @@ def _qkv(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weights:
 
 def _gate_up(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weights:
     """gate and up projections (two Linear weights [F, E], or Phi-3's one gate_up_proj [2F, E];
-    or their biases) -> gate_up_kernel [E, 2, F] (gate_up_bias [2, F])."""
+    or their biases) -> gate_up_kernel [2, E, F] (gate_up_bias [2, F])."""
     E, F = c.hidden_size, c.intermediate_size
     shapes = ((2 * F,),) if len(names) == 1 else ((F,), (F,))
     if not bias:
@@ -132,13 +129,11 @@ def _gate_up(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weig
 
     def to_ours(ws):
         gate, up = np.split(ws[0], 2) if len(ws) == 1 else ws
-        if bias:
-            return (Concat([gate[None], up[None]], axis=0),)
-        return (Concat([gate.T[:, None], up.T[:, None]], axis=1),)
+        return (Concat([(w if bias else w.T)[None] for w in (gate, up)], axis=0),)
 
     def to_hf(ps):
         w = ps[0]
-        gate, up = (w[i] if bias else w[:, i].T for i in (0, 1))
+        gate, up = (w[i] if bias else w[i].T for i in (0, 1))
         return (np.concatenate([gate, up]),) if len(names) == 1 else (gate, up)
 
     return Weights(tuple(zip(names, shapes)), (("mlp", "gate_up_bias" if bias else "gate_up_kernel"),),
@@ -196,10 +191,10 @@ def gpt2_layout(c: ModelConfig) -> list[Weights]:
         _same(("attn_norm", "bias"), L + "ln_1.bias", (E,)),
         _same(("mlp_norm", "scale"), L + "ln_2.weight", (E,)),
         _same(("mlp_norm", "bias"), L + "ln_2.bias", (E,)),
-        # [E, 3 H D] -> [E, H, 3, D]: G = H kv heads, each with R = 1 query head (a view).
+        # [E, 3 H D] -> [H, 3, D, E]: G = H kv heads, each with R = 1 query head (a view).
         Weights(((L + "attn.c_attn.weight", (E, 3 * H * D)),), (("attn", "qkv_kernel"),),
-                lambda ws: (ws[0].reshape(E, 3, H, D).transpose(0, 2, 1, 3),),
-                lambda ps: (ps[0].transpose(0, 2, 1, 3).reshape(E, 3 * H * D),)),
+                lambda ws: (ws[0].reshape(E, 3, H, D).transpose(2, 1, 3, 0),),
+                lambda ps: (ps[0].transpose(3, 1, 0, 2).reshape(E, 3 * H * D),)),
         Weights(((L + "attn.c_attn.bias", (3 * H * D,)),), (("attn", "qkv_bias"),),
                 lambda ws: (ws[0].reshape(3, H, D).transpose(1, 0, 2),),
                 lambda ps: (ps[0].transpose(1, 0, 2).reshape(3 * H * D),)),
@@ -229,32 +224,46 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# ---- params of specjax before the per-layer layout ----------------------------------------
+# ---- params of older specjax ---------------------------------------------------------------
 #
-# Until this layout, specjax stacked every layer's weights on a leading [L] axis and kept
-# q, k, v (and gate, up) as separate kernels. Training runs and EAGLE drafters saved then
-# hold that layout; these functions turn it into today's, exactly (concatenations only).
+# Layout 1: every layer's weights stacked on a leading [L] axis, q, k, v (and gate, up) as
+# separate kernels. Layout 2: one dict per layer, qkv_kernel [E, G, R+2, D] and
+# gate_up_kernel [E, 2, F] (E first, which TPUs relaid out in every speculative program).
+# Training runs and EAGLE drafters saved then hold them; these functions turn them into
+# today's (layout 3), exactly (concatenations and transposes only).
 
 
 def fuse_legacy_layer(layer: dict, c: ModelConfig) -> dict:
-    """One layer's params in the old layout (attn q/k/v_kernel [E, H|G, D] and biases, mlp
-    gate/up_kernel [E, F] and biases; numpy) -> today's (qkv_kernel [E, G, R+2, D],
-    gate_up_kernel [E, 2, F], ...). Everything else passes through."""
+    """One layer's params in layout 1 (attn q/k/v_kernel [E, H|G, D] and biases, mlp
+    gate/up_kernel [E, F] and biases; numpy) -> today's (qkv_kernel [G, R+2, D, E],
+    gate_up_kernel [2, E, F], ...). Everything else passes through."""
     G, R = c.num_kv_heads, c.num_heads // c.num_kv_heads
     attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
     for kind in ("kernel", "bias"):
         if f"q_{kind}" in attn:
             q, k, v = (np.asarray(attn.pop(f"{n}_{kind}")) for n in "qkv")
             q = q.reshape(*q.shape[:-2], G, R, q.shape[-1])
-            attn[f"qkv_{kind}"] = np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+            qkv = np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)  # [(E,) G, R+2, D]
+            attn[f"qkv_{kind}"] = np.moveaxis(qkv, 0, -1) if kind == "kernel" else qkv
         if f"gate_{kind}" in mlp:
             gate, up = np.asarray(mlp.pop(f"gate_{kind}")), np.asarray(mlp.pop(f"up_{kind}"))
-            mlp[f"gate_up_{kind}"] = np.stack([gate, up], axis=-2)
+            mlp[f"gate_up_{kind}"] = np.stack([gate, up])
+    return {**layer, "attn": attn, "mlp": mlp}
+
+
+def from_layout2_layer(layer: dict) -> dict:
+    """One layer's params in layout 2 (qkv_kernel [E, G, R+2, D], gate_up_kernel [E, 2, F];
+    numpy) -> today's ([G, R+2, D, E], [2, E, F]). Everything else passes through."""
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    if "qkv_kernel" in attn:
+        attn["qkv_kernel"] = np.moveaxis(np.asarray(attn["qkv_kernel"]), 0, -1)
+    if "gate_up_kernel" in mlp:
+        mlp["gate_up_kernel"] = np.swapaxes(np.asarray(mlp["gate_up_kernel"]), 0, 1)
     return {**layer, "attn": attn, "mlp": mlp}
 
 
 def from_legacy(params: dict, c: ModelConfig) -> dict:
-    """A whole model's params in the old layout (layers stacked [L, ...]; numpy) -> today's."""
+    """A whole model's params in layout 1 (layers stacked [L, ...]; numpy) -> today's."""
     import jax
 
     stacked = params["layers"]

@@ -143,7 +143,7 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     platform: where the program runs ("cpu", "gpu", "tpu"; None: the default backend),
     whose attention kernels it holds; a sharded program's attention takes the portable path
     (layers.portable_attention)."""
-    with layers.kernels_for("portable" if mesh is not None else platform):
+    with layers.kernels_for(platform, portable=mesh is not None):
         return _trace(target, drafter, prompts, lengths, key, sampling, eos, threshold,
                       max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
                       mesh=mesh, rules=rules, stream=stream)

@@ -30,9 +30,9 @@ QUANTIZATIONS = ("int8",)
 # factors out of the matmul: the layers multiply the matmul's output by it (see
 # layers.matmul), and the int8 values go into the matmul as they are.
 CONTRACTED: dict[str, tuple[int, ...]] = {
-    "qkv_kernel": (-4,),  # [E, G, R+2, D]
+    "qkv_kernel": (-1,),  # [G, R+2, D, E]
     "o_kernel": (-3, -2),  # [H, D, E]
-    "gate_up_kernel": (-3,),  # [E, 2, F]
+    "gate_up_kernel": (-2,),  # [2, E, F]
     "down_kernel": (-2,),  # [F, E]
     "fc_kernel": (-2,),  # [E, F]
     "proj_kernel": (-2,),  # [F, E]

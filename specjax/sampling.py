@@ -39,6 +39,14 @@ def validate(temperature, top_k, top_p):
         raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
 
 
+def _pick(x: jax.Array, index) -> jax.Array:
+    """x[..., index] as [..., 1] (index int [] or [..., 1]) by a masked maximum, not a gather:
+    a gather along V made a TPU lay [B, K+1, V] logits out with K+1 in the lanes (padded to
+    128, a 25x larger buffer, three of them live in a speculative loop)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.max(jnp.where(iota == index, x, -jnp.inf), axis=-1, keepdims=True)
+
+
 def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Top-k then top-p (transformers' TopK/TopPLogitsWarper) by one ascending sort.
 
@@ -47,7 +55,7 @@ def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     ascending = jnp.sort(scores, axis=-1)  # [..., V]
     # top-k keeps every score >= the k-th largest (ties included, as transformers does).
     k = jnp.clip(top_k, 1, V)
-    kth = jnp.take(ascending, V - k, axis=-1)[..., None]
+    kth = _pick(ascending, V - k)
     kth = jnp.where(top_k > 0, kth, -jnp.inf)
     scores = jnp.where(scores < kth, -jnp.inf, scores)
     ascending = jnp.where(ascending < kth, -jnp.inf, ascending)  # still sorted
@@ -55,7 +63,7 @@ def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     # always keeping the largest score.
     cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
     removed = jnp.sum(cumulative[..., :-1] <= 1.0 - top_p, axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(ascending, removed, axis=-1)
+    cutoff = _pick(ascending, removed)
     return jnp.where(scores < cutoff, -jnp.inf, scores)
 
 

@@ -48,11 +48,11 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "q_norm/scale": ("head_dim",),  # q/k norms over D (Qwen3, Gemma 3)
     "k_norm/scale": ("head_dim",),
     "bias": ("embed",),
-    "qkv_kernel": ("embed", "kv_heads", "qkv", "head_dim"),
+    "qkv_kernel": ("kv_heads", "qkv", "head_dim", "embed"),
     "qkv_bias": ("kv_heads", "qkv", "head_dim"),
     "o_kernel": ("heads", "head_dim", "embed"),
     "o_bias": ("embed",),
-    "gate_up_kernel": ("embed", "gate_up", "mlp"),
+    "gate_up_kernel": ("gate_up", "embed", "mlp"),
     "fc_kernel": ("embed", "mlp"),
     "down_kernel": ("mlp", "embed"),
     "proj_kernel": ("mlp", "embed"),
@@ -257,21 +257,22 @@ def place_rows(x, mesh: Mesh, rules=None) -> jax.Array:
     return put(x, batch_sharding(np.shape(x), mesh, rules))
 
 
-# The weights that hold kv heads, their last three axes [G, R+2, D] (`regroup_kv_heads`).
+# The weights that hold kv heads, their first two axes [G, R+2] (`regroup_kv_heads`).
 KV_HEAD_PARAMS = ("qkv_kernel", "qkv_bias")
 
 
 def regroup_kv_heads(x, repeat: int):
-    """x [..., G, R+2, D] (a group's R query heads, its key head, its value head) ->
-    [..., G repeat, R/repeat + 2, D]: each group split into `repeat` groups, consecutive
-    query heads each, every one with a copy of the group's key and value heads. Query head
-    h keeps its place (h = g R + j) and still reads a copy of kv head h // R. numpy or jax."""
+    """x [G, R+2, ...] (a group's R query heads, its key head, its value head; qkv_kernel
+    [G, R+2, D, E], qkv_bias [G, R+2, D]) -> [G repeat, R/repeat + 2, ...]: each group split
+    into `repeat` groups, consecutive query heads each, every one with a copy of the group's
+    key and value heads. Query head h keeps its place (h = g R + j) and still reads a copy
+    of kv head h // R. numpy or jax."""
     xp = np if isinstance(x, np.ndarray) else jax.numpy
-    *lead, G, R2, D = x.shape
+    G, R2, *rest = x.shape
     R = R2 - 2
-    q = x[..., :R, :].reshape(*lead, G * repeat, R // repeat, D)
-    kv = xp.repeat(x[..., R:, :], repeat, axis=-3)
-    return xp.concatenate([q, kv], axis=-2)
+    q = x[:, :R].reshape(G * repeat, R // repeat, *rest)
+    kv = xp.repeat(x[:, R:], repeat, axis=0)
+    return xp.concatenate([q, kv], axis=1)
 
 
 def kv_repeat(config, mesh: Mesh, rules: Sequence[tuple[str, str]] = DEFAULT_RULES) -> int:

@@ -113,12 +113,12 @@ def weights_only_time(model: Model, repeats: int = 3) -> float:
     R = c.num_heads // c.num_kv_heads
 
     def layer(x, w):  # x [1, E]
-        qkv = jnp.einsum("be,egrd->bgrd", x, w["attn"]["qkv_kernel"])
+        qkv = (x @ w["attn"]["qkv_kernel"].reshape(-1, c.hidden_size).T).reshape(1, c.num_kv_heads, R + 2, c.head_dim)
         heads = (qkv[:, :, :R] + qkv[:, :, R:R + 1] + qkv[:, :, R + 1:]).reshape(1, c.num_heads, c.head_dim)
         h = x + jnp.einsum("bhd,hde->be", heads, w["attn"]["o_kernel"]) * 1e-3
         mlp = w["mlp"]
         if "gate_up_kernel" in mlp:
-            gate_up = jnp.einsum("be,eif->bif", h, mlp["gate_up_kernel"])
+            gate_up = jnp.einsum("ibe,ief->bif", jnp.broadcast_to(h, (2, *h.shape)), mlp["gate_up_kernel"])
             y = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
             return h + (y @ mlp["down_kernel"]) * 1e-3
         return h + (jax.nn.gelu(h @ mlp["fc_kernel"]) @ mlp["proj_kernel"]) * 1e-3

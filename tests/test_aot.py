@@ -113,16 +113,23 @@ def test_per_device_caches_follow_the_loops_layout():
     assert per == (total - 4) // 4 + 4  # k and v split four ways; the cache's lengths int32 [1] whole
 
 
-def test_the_passes_copy_no_weight(compiled):
-    """A pass reads each weight where it lies: no copy, transpose or convert of a weight's
-    shape in the optimised TPU program. (Its cache buffers are another matter: the portable
-    attention's layout makes XLA copy each layer's K and V in the verification pass, which
-    the instrument names at cache.py; the decode-attention work removes them.)"""
+def test_no_program_copies_a_weight(compiled):
+    """Every program reads each weight where it lies: no copy, transpose or convert of a
+    weight's shape in the optimised TPU program: the passes, and the loops, where XLA once
+    kept a relaid copy of every gate_up [E, 2, F] and qkv [E, G, R+2, D] kernel through the
+    loop (their layout since is [2, E, F] and [G, R+2, D, E]). (Cache buffers are another
+    matter: the portable attention's layout makes XLA copy each layer's K and V in the
+    verification pass, which the instrument names at cache.py; the decode-attention work
+    removes them. And converts: a trained drafter keeps float32 weights, which EAGLE-3's
+    draft step converts to bfloat16 on every step, the lean-step issue's to remove.)"""
     _, _, specs, programs = compiled
-    for spec in specs[:2]:  # the one-token and the verification pass
-        shapes = {",".join(map(str, w.sharding.shard_shape(w.shape)))
-                  for w in jax.tree.leaves(spec.params)}
-        copies = [c for c in programs[spec.name].copies if c.shape.split("[")[1].rstrip("]") in shapes]
+    for spec in specs:
+        if spec.name.startswith("distill"):  # training: its float32 student is converted on purpose
+            continue
+        shapes = {",".join(map(str, w.sharding.shard_shape(w.shape)) if hasattr(w, "sharding") and w.sharding
+                           else map(str, w.shape)) for w in jax.tree.leaves(spec.params)}
+        copies = [c for c in programs[spec.name].copies if c.shape.split("[")[1].rstrip("]") in shapes
+                  and not (c.op == "convert" and spec.name == "loop EAGLE-3")]
         assert copies == [], (spec.name, copies)
 
 
@@ -191,6 +198,20 @@ def test_eight_b_passes_on_one_v5e_chip_hold_no_weight_sized_copy():
         program = aot.compile_spec(spec)
         assert program.copies == (), (spec.name, program.copies)
         assert program.temporaries_over_weights < 0.05, (spec.name, program.temporaries / MB)
+
+
+@pytest.mark.slow
+def test_an_eight_b_speculative_loop_on_one_v5e_chip_holds_no_weight_sized_copy():
+    """The whole loop with the target drafting for itself at K=4 (2 layers of the 8B shape;
+    80-90 s to compile): with the [E, 2, F] and [E, G, R+2, D] kernels and the top-k/top-p
+    gathers, XLA held 929 MB of temporaries here (0.24x the weights), relaid weights most of
+    it; now none and a few percent."""
+    where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    spec = aot.loop_program(EIGHT_B, EIGHT_B, where, prompt_len=128, max_new_tokens=128, num_draft_tokens=4,
+                            temperature=0.7, top_p=0.9, top_k=50, name="8B loop self-draft K=4")
+    program = aot.compile_spec(spec)
+    assert program.copies == (), program.copies
+    assert program.temporaries_over_weights < 0.05, program.temporaries / MB
 
 
 # ---- the Colab notebooks' programs, for Colab's TPU (one v5e chip) -----------------------

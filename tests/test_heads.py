@@ -119,39 +119,46 @@ def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
         specjax.load_drafter(tmp_path / "eagle_chain")
 
 
-def test_an_eagle_saved_before_the_fused_layout_loads_converted(pair, tmp_path):
+@pytest.mark.parametrize("kind, version", [("eagle_chain", 1), ("eagle_chain", 2), ("eagle3_chain", 2)])
+def test_an_eagle_saved_in_an_older_layout_loads_converted(pair, tmp_path, kind, version):
     """Format 1 drafter files kept q/k/v and gate/up apart ([E, H, D], [E, G, D], [E, F]);
-    they load into today's fused kernels with the same numbers."""
+    format 2 fused them as [E, G, R+2, D] and [E, 2, F]. Both load into today's kernels
+    ([G, R+2, D, E], [2, E, F]) with the same numbers; a missing tensor is named."""
     import json
 
     from safetensors.numpy import load_file, save_file
 
     target = pair[0]
-    eagle = DRAFTERS["eagle_chain"](target)
+    eagle = DRAFTERS[kind](target)
     eagle.save(tmp_path / "new")
     tensors = load_file(str(tmp_path / "new" / "drafter.safetensors"))
     c = eagle.config
     E, H, R = c.hidden_size, c.num_heads, c.num_heads // c.num_kv_heads
-    qkv = tensors.pop("layer.attn.qkv_kernel")  # [E, G, R+2, D]
-    gate_up = tensors.pop("layer.mlp.gate_up_kernel")  # [E, 2, F]
-    tensors.update({"layer.attn.q_kernel": np.ascontiguousarray(qkv[:, :, :R].reshape(E, H, -1)),
-                    "layer.attn.k_kernel": np.ascontiguousarray(qkv[:, :, R]),
-                    "layer.attn.v_kernel": np.ascontiguousarray(qkv[:, :, R + 1]),
-                    "layer.mlp.gate_kernel": np.ascontiguousarray(gate_up[:, 0]),
-                    "layer.mlp.up_kernel": np.ascontiguousarray(gate_up[:, 1])})
+    qkv = np.moveaxis(tensors.pop("layer.attn.qkv_kernel"), -1, 0)  # [E, G, R+2, D]
+    gate_up = np.swapaxes(tensors.pop("layer.mlp.gate_up_kernel"), 0, 1)  # [E, 2, F]
+    if version == 2:
+        tensors.update({"layer.attn.qkv_kernel": np.ascontiguousarray(qkv),
+                        "layer.mlp.gate_up_kernel": np.ascontiguousarray(gate_up)})
+    else:
+        tensors.update({"layer.attn.q_kernel": np.ascontiguousarray(qkv[:, :, :R].reshape(E, H, -1)),
+                        "layer.attn.k_kernel": np.ascontiguousarray(qkv[:, :, R]),
+                        "layer.attn.v_kernel": np.ascontiguousarray(qkv[:, :, R + 1]),
+                        "layer.mlp.gate_kernel": np.ascontiguousarray(gate_up[:, 0]),
+                        "layer.mlp.up_kernel": np.ascontiguousarray(gate_up[:, 1])})
     (tmp_path / "old").mkdir()
     save_file(tensors, str(tmp_path / "old" / "drafter.safetensors"))
     record = json.loads((tmp_path / "new" / "drafter.json").read_text())
-    (tmp_path / "old" / "drafter.json").write_text(json.dumps({**record, "format": 1}))
+    assert record["format"] == 3
+    (tmp_path / "old" / "drafter.json").write_text(json.dumps({**record, "format": version}))
     loaded = specjax.load_drafter(tmp_path / "old")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, eagle.params)
-    del tensors["layer.attn.v_kernel"]
+    del tensors["layer.mlp.down_kernel"]
     save_file(tensors, str(tmp_path / "old" / "drafter.safetensors"))
-    with pytest.raises(CheckpointError, match="do not match its layer's format 1 shapes"):
+    with pytest.raises(CheckpointError, match=f"do not match its (layer's|record's) (format {version} )?shapes"):
         specjax.load_drafter(tmp_path / "old")
 
 
-SHIPPED = Path(__file__).parent.parent / "checkpoints"  # medusa (format 1), eagle (format 2)
+SHIPPED = Path(__file__).parent.parent / "checkpoints"  # medusa (format 1), eagle and eagle3 (format 2)
 DELETE = object()
 
 

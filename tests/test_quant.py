@@ -39,14 +39,14 @@ def test_int8_is_small_and_agrees_with_float32(arch, hf_folder):
 
 
 def test_quantize_array_is_symmetric_per_output_channel():
-    w = np.random.RandomState(0).randn(6, 2, 3, 4).astype(np.float32)  # [E, G, R+2, D]
-    w[:, 1, 0, 0] = 0.0  # an all-zero channel keeps a finite scale
+    w = np.random.RandomState(0).randn(2, 3, 4, 6).astype(np.float32)  # [G, R+2, D, E]
+    w[1, 0, 0, :] = 0.0  # an all-zero channel keeps a finite scale
     q = quantize_array(w, CONTRACTED["qkv_kernel"], jnp.float32)
-    assert q.value.dtype == np.int8 and q.scale.shape == (1, 2, 3, 4)
+    assert q.value.dtype == np.int8 and q.scale.shape == (2, 3, 4, 1)
     assert np.abs(q.value).max() == 127 and q.value.min() >= -127
-    hits = np.abs(q.value).max(axis=0) == 127  # each channel's max hits 127 (but the all-zero one)
+    hits = np.abs(q.value).max(axis=-1) == 127  # each channel's max hits 127 (but the all-zero one)
     assert hits.sum() == hits.size - 1 and not hits[1, 0, 0]
-    assert np.all(np.isfinite(q.scale)) and np.all(q.value[:, 1, 0, 0] == 0)
+    assert np.all(np.isfinite(q.scale)) and np.all(q.value[1, 0, 0, :] == 0)
     err = np.abs(np.asarray(q.dequantize()) - w)
     assert np.all(err <= np.asarray(q.scale) / 2 + 1e-7)  # round to nearest
     e = quantize_array(np.arange(12, dtype=np.float32).reshape(3, 4), CONTRACTED["embedding"], jnp.float32)

@@ -28,7 +28,7 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
-from specjax.layouts import fuse_legacy_layer
+from specjax.layouts import from_layout2_layer, fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import init as normal_init
 from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_tables, slots_and_masks
@@ -158,17 +158,16 @@ class Eagle(Drafter):
 
         record_file, weights_file = folder / trained.RECORD, folder / trained.WEIGHTS
         config = layer_from_record(params, record, signature, folder)
-        legacy = record["format"] == 1  # saved before the fused layout: q/k/v and gate/up apart
         try:
-            want = _legacy_shapes(config) if legacy else eagle_shapes(config)
+            want = format_shapes(config, record["format"])
         except (TypeError, ValueError, OverflowError) as e:  # values ModelConfig lets through, no layer has
             raise CheckpointError(f"{record_file}: its \"layer\" is no layer specjax can build ({e})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
         if got != want:
             raise CheckpointError(f"{weights_file}: EAGLE weights {got} do not match its layer's format "
                                   f"{record['format']} shapes {want}")
-        if legacy:
-            params = {**params, "layer": jax.tree.map(jnp.asarray, fuse_legacy_layer(params["layer"], config))}
+        if record["format"] < trained.FORMAT:
+            params = {**params, "layer": jax.tree.map(jnp.asarray, upgrade_layer(params["layer"], config, record["format"]))}
         return cls(params, config, signature, tree)
 
 
@@ -208,17 +207,30 @@ def eagle_shapes(config: ModelConfig) -> dict:
     return {"fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
 
 
-def _legacy_shapes(config: ModelConfig) -> dict:
-    """The shapes of an Eagle's params in format 1: q/k/v and gate/up kernels and biases
-    apart ([E, H|G, D], [E, F]), as `fuse_legacy_layer` reads them."""
+def format_shapes(config: ModelConfig, version: int) -> dict:
+    """The shapes of an Eagle's params in a drafter file of format `version`: 3, today's;
+    2, qkv_kernel [E, G, R+2, D] and gate_up_kernel [E, 2, F]; 1, q/k/v and gate/up kernels
+    and biases apart ([E, H|G, D], [E, F]), as `fuse_legacy_layer` reads them."""
     shapes = eagle_shapes(config)
+    if version == trained.FORMAT:
+        return shapes
+    E, F, G, H, D = config.hidden_size, config.intermediate_size, config.num_kv_heads, config.num_heads, config.head_dim
     attn, mlp = dict(shapes["layer"]["attn"]), dict(shapes["layer"]["mlp"])
-    for kind in ("kernel", "bias"):
-        if f"qkv_{kind}" in attn:
-            *lead, G, _, D = attn.pop(f"qkv_{kind}")
-            attn.update({f"q_{kind}": (*lead, config.num_heads, D), f"k_{kind}": (*lead, G, D),
-                         f"v_{kind}": (*lead, G, D)})
-        if f"gate_up_{kind}" in mlp:
-            *lead, _, F = mlp.pop(f"gate_up_{kind}")
-            mlp.update({f"gate_{kind}": (*lead, F), f"up_{kind}": (*lead, F)})
+    if version == 2:
+        attn["qkv_kernel"] = (E, G, H // G + 2, D)
+        if "gate_up_kernel" in mlp:
+            mlp["gate_up_kernel"] = (E, 2, F)
+    else:
+        for kind, lead in (("kernel", (E,)), ("bias", ())):
+            if f"qkv_{kind}" in attn:
+                del attn[f"qkv_{kind}"]
+                attn.update({f"q_{kind}": (*lead, H, D), f"k_{kind}": (*lead, G, D), f"v_{kind}": (*lead, G, D)})
+            if f"gate_up_{kind}" in mlp:
+                del mlp[f"gate_up_{kind}"]
+                mlp.update({f"gate_{kind}": (*lead, F), f"up_{kind}": (*lead, F)})
     return {**shapes, "layer": {**shapes["layer"], "attn": attn, "mlp": mlp}}
+
+
+def upgrade_layer(layer: dict, config: ModelConfig, version: int) -> dict:
+    """An Eagle layer's params read from a drafter file of format `version` -> today's."""
+    return fuse_legacy_layer(layer, config) if version == 1 else from_layout2_layer(layer)

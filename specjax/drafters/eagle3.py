@@ -38,7 +38,7 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.eagle import Eagle, eagle_shapes, layer_config, layer_from_record, run_layer
+from specjax.drafters.eagle import Eagle, format_shapes, layer_config, layer_from_record, run_layer, upgrade_layer
 from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, to_target_vocab
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
@@ -223,13 +223,15 @@ class Eagle3(Eagle):
             _check_layers(tuple(layers), 10**6)
             if vocab is not None:
                 vocab = check_vocab(vocab, signature.vocab_size, ordered=True)
-            want = _shapes(config, len(layers), None if vocab is None else len(vocab))
+            want = _shapes(config, len(layers), None if vocab is None else len(vocab), record["format"])
         except (TypeError, ValueError, OverflowError) as e:
             raise CheckpointError(f"{record_file}: no EAGLE-3 drafter specjax can build ({e})") from None
         got = jax.tree.map(lambda w: tuple(w.shape), params)
         if got != want:
             raise CheckpointError(f"{folder / trained.WEIGHTS}: EAGLE-3 weights {got} do not match its record's "
                                   f"shapes {want}")
+        if record["format"] < trained.FORMAT:
+            params = {**params, "layer": jax.tree.map(jnp.asarray, upgrade_layer(params["layer"], config, record["format"]))}
         return cls(params, config, signature, tree, tuple(layers), None if vocab is None else jnp.asarray(vocab))
 
 
@@ -240,12 +242,14 @@ def _check_layers(layers: tuple, num_layers: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _shapes(config: ModelConfig, num_features: int, draft_vocab: int | None = None) -> dict:
+def _shapes(config: ModelConfig, num_features: int, draft_vocab: int | None = None,
+            version: int = trained.FORMAT) -> dict:
     """The shapes of an Eagle3's params for a layer config, number of feature layers and
-    reduced draft vocabulary's size (None: it reads out with the target's head)."""
+    reduced draft vocabulary's size (None: it reads out with the target's head), in a
+    drafter file of format `version` (its layer's, as eagle.format_shapes)."""
     E = config.hidden_size
     norm = jax.eval_shape(lambda: Norm(config).init(jax.random.key(0), jnp.zeros((1, 1, E)))["params"])
     norm = jax.tree.map(lambda w: tuple(w.shape), norm)
     head = {} if draft_vocab is None else {"head": {"kernel": (E, draft_vocab)}}
-    return {**eagle_shapes(config), "fuse": {"kernel": (num_features * E, E)},
+    return {**format_shapes(config, version), "fuse": {"kernel": (num_features * E, E)},
             "norms": {"token": norm, "feature": norm, "out": norm}, **head}

@@ -20,10 +20,11 @@ import numpy as np
 
 from specjax.models import Model
 
-# 2: EAGLE's layer in the per-layer model layout (fused qkv and gate_up kernels). Format 1
-# files (separate q/k/v and gate/up kernels) still load: `from_record` converts them.
-FORMAT = 2
-READABLE_FORMATS = (1, 2)
+# 3: EAGLE's layer in the model's layout (layouts.py: qkv_kernel [G, R+2, D, E], gate_up_kernel
+# [2, E, F]). Format 2 (those kernels [E, G, R+2, D] and [E, 2, F]) and format 1 (q/k/v and
+# gate/up kernels apart) still load: the drafters' `from_record` converts them.
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 WEIGHTS, RECORD = "drafter.safetensors", "drafter.json"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a drafter's tensors may have
 

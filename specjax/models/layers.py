@@ -36,12 +36,16 @@ def matmul(subscripts: str, x, w, out_dtype=None):
     the matmul as they are (converted to x's dtype inside it, exactly: |value| <= 127) and
     its per-output-channel scale multiplies the output, which equals the matmul with the
     dequantised weight up to rounding, without ever writing a dequantised copy. The output's
-    last axes must be w's uncontracted axes, in w's order (true of every einsum here).
+    axes hold w's uncontracted axes in any order.
     out_dtype: the output's dtype (the matmul accumulates into it; default x's)."""
     if not isinstance(w, Int8):
         return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
     w_axes, out_axes = subscripts.split("->")[0].split(",")[1], subscripts.split("->")[1]
-    scale = w.scale.reshape([n for n, a in zip(w.scale.shape, w_axes) if a in out_axes])
+    kept = [a for a in w_axes if a in out_axes]  # the scale's axes that are not contracted
+    scale = w.scale.reshape([n for n, a in zip(w.scale.shape, w_axes) if a in out_axes])  # [kept]
+    scale = jnp.transpose(scale, [kept.index(a) for a in out_axes if a in kept])  # in the output's order
+    tail = out_axes[min(out_axes.index(a) for a in kept):]  # it broadcasts against these
+    scale = jnp.expand_dims(scale, [i for i, a in enumerate(tail) if a not in kept])
     out = jnp.einsum(subscripts, x, w.value.astype(x.dtype), preferred_element_type=out_dtype)
     return out * scale.astype(out.dtype)
 
@@ -111,9 +115,13 @@ class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads over a key/value sequence that the
     caller supplies (fresh keys, or a cache buffer the new keys were written into).
 
-    q, k and v are one matmul: `qkv_kernel` [E, G, R+2, D] holds, for each kv head g, its
+    q, k and v are one matmul: `qkv_kernel` [G, R+2, D, E] holds, for each kv head g, its
     R = H/G query heads, then its key head, then its value head (query head h = g R + r
     reads kv head g, as in transformers). Split over kv heads, a device holds whole groups.
+    E is last, as in a Linear's [out, in] weight: a TPU tiles (D, E), where [E, G, R+2, D]
+    padded R+2 and made XLA keep a relaid copy of every layer's kernel through a speculative
+    loop. XLA's CPU backend multiplies it as a 2-D [G (R+2) D, E] (a reshape of leading axes,
+    free), which CPU programs do; a 4-D one it would transpose on every pass.
 
     Gemma's output is normed (its post-attention norm) before the caller adds it to the
     residual stream."""
@@ -123,7 +131,7 @@ class Attention(nn.Module):
     def setup(self):
         c = self.config
         E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_kernel = self.param("qkv_kernel", init, (E, G, H // G + 2, D))
+        self.qkv_kernel = self.param("qkv_kernel", init, (G, H // G + 2, D, E))
         self.o_kernel = self.param("o_kernel", init, (H, D, E))
         if c.qkv_bias:
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros, (G, H // G + 2, D))
@@ -141,7 +149,11 @@ class Attention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         R = c.num_heads // c.num_kv_heads
-        qkv = matmul("bte,egrd->btgrd", x, self.qkv_kernel)  # [B, T, G, R+2, D]
+        if target_platform() == "cpu":  # XLA's CPU dot transposes a 4-D [G, R+2, D, E] on every pass
+            flat = jax.tree.map(lambda w: w.reshape(-1, w.shape[-1]), self.qkv_kernel)  # [G (R+2) D, E]
+            qkv = matmul("bte,ne->btn", x, flat).reshape(B, T, c.num_kv_heads, R + 2, c.head_dim)
+        else:  # a TPU or GPU reads it as it lies; the reshape would cost a copy in cost analyses
+            qkv = matmul("bte,grde->btgrd", x, self.qkv_kernel)  # [B, T, G, R+2, D]
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv[:, :, :, :R].reshape(B, T, c.num_heads, c.head_dim), qkv[:, :, :, R], qkv[:, :, :, R + 1]
@@ -272,40 +284,50 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 # splash kernel's 128-lane blocks).
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
-# While tracing a program for a platform (`kernels_for`): that platform ("cpu", "gpu", "tpu"),
-# or "portable"; None: the default backend's. Programs built ahead of time for devices this
-# host lacks (aot.py) are traced here for their platform, so they hold the kernels it runs.
+# While tracing a program for a platform (`kernels_for`): that platform ("cpu", "gpu", "tpu");
+# None: the default backend's. And whether attention takes the portable path there. Programs
+# built ahead of time for devices this host lacks (aot.py) are traced here for their platform,
+# so they hold the kernels and matmul forms it runs.
 _platform: str | None = None
+_portable = False
 
 
 @contextlib.contextmanager
-def kernels_for(platform: str | None):
-    """While tracing inside it, attention picks the kernels of `platform` (a device's
+def kernels_for(platform: str | None, portable: bool | None = None):
+    """While tracing inside it, layers pick the kernels of `platform` (a device's
     `.platform`: "cpu", "gpu", "tpu"; "cuda" and "rocm" count as "gpu"), the platform the
-    program is built for, which need not be this host's; "portable" takes the jnp path
-    whatever the platform. None leaves the choice as it was (the default backend's, unless
-    an enclosing context set one). `generate` traces its loop under the platform of the
-    devices its arguments live on (a static argument of the loop, so part of its jit key)."""
-    global _platform
-    previous = _platform
+    program is built for, which need not be this host's; portable=True makes attention take
+    the jnp path on it (a sharded program's). None leaves either as it was (the default
+    backend's and False, unless an enclosing context set them). `generate` traces its loop
+    under the platform of the devices its arguments live on (a static argument of the loop,
+    so part of its jit key)."""
+    global _platform, _portable
+    previous = _platform, _portable
     if platform is not None:
         _platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if portable is not None:
+        _portable = portable
     try:
         yield
     finally:
-        _platform = previous
+        _platform, _portable = previous
 
 
 def portable_attention(on: bool = True):
     """While tracing inside it, attention takes the portable jnp path whatever the backend.
     `generate` traces sharded programs so: GSPMD partitions plain XLA ops, but cannot
     partition a Mosaic or cuDNN custom call (the kernels are selected only for one device)."""
-    return kernels_for("portable" if on else None)
+    return kernels_for(None, portable=True if on else None)
+
+
+def target_platform() -> str:
+    """The platform the program being traced is built for (see `kernels_for`)."""
+    return _platform or jax.default_backend()
 
 
 def kernel_platform() -> str:
-    """The platform whose kernels attention picks now (see `kernels_for`)."""
-    return _platform or jax.default_backend()
+    """The platform whose kernels attention picks now, or "portable" (see `kernels_for`)."""
+    return "portable" if _portable else target_platform()
 
 
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:
@@ -389,7 +411,9 @@ def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, inte
 
 class MLP(nn.Module):
     """SwiGLU (Llama family), GeGLU with tanh gelu and a post-norm (Gemma), or a gelu_new
-    MLP with biases (GPT-2). Gate and up are one matmul: `gate_up_kernel` [E, 2, F]."""
+    MLP with biases (GPT-2). Gate and up are one matmul: `gate_up_kernel` [2, E, F], the pair
+    a batch axis of the matmul (a TPU tiles (E, F), where [E, 2, F] padded the 2 and made XLA
+    keep a relaid copy through a speculative loop; XLA's CPU backend multiplies it as it lies)."""
 
     config: ModelConfig
 
@@ -403,10 +427,11 @@ class MLP(nn.Module):
             h = jax.nn.gelu(h + self.param("fc_bias", zeros, (F,)), approximate=True)  # gelu_new
             out = matmul("btf,fe->bte", h, self.param("proj_kernel", init, (F, E)))
             return out + self.param("proj_bias", zeros, (E,))
-        gate_up = matmul("bte,eif->btif", x, self.param("gate_up_kernel", init, (E, 2, F)))  # [B, T, 2, F]
+        pair = jnp.broadcast_to(x, (2, *x.shape))  # [2, B, T, E]
+        gate_up = matmul("ibte,ief->ibtf", pair, self.param("gate_up_kernel", init, (2, E, F)))  # [2, B, T, F]
         if c.mlp_bias:
-            gate_up = gate_up + self.param("gate_up_bias", zeros, (2, F))
-        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+            gate_up = gate_up + self.param("gate_up_bias", zeros, (2, F))[:, None, None]
+        gate, up = gate_up[0], gate_up[1]
         act = jax.nn.gelu(gate, approximate=True) if c.family == "gemma" else jax.nn.silu(gate)
         out = matmul("btf,fe->bte", act * up, self.param("down_kernel", init, (F, E)))
         if c.mlp_bias:

@@ -26,16 +26,17 @@ from tqdm.auto import tqdm
 from specjax import theory
 from specjax.checkpoint import CheckpointManager, DamagedCheckpointError
 from specjax.config import ModelConfig
-from specjax.layouts import from_legacy
+from specjax.layouts import from_layout2_layer, from_legacy
 from specjax.models import Model, apply, init
 from specjax.sharding import place_rows
 from specjax.train import losses
 from specjax.train.data import batch_at, eval_batches
 
 
-# The params layout a run's checkpoints hold, recorded with them: 2 is one dict per layer
-# with fused qkv and gate_up kernels (records without one: stacked [L, ...] layers).
-PARAMS_LAYOUT = 2
+# The params layout a run's checkpoints hold, recorded with them: 3 is one dict per layer
+# with fused qkv [G, R+2, D, E] and gate_up [2, E, F] kernels; 2 had them [E, G, R+2, D] and
+# [E, 2, F]; records without one: stacked [L, ...] layers (layouts.py converts both).
+PARAMS_LAYOUT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +177,9 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
     step_fn = make_step(loss_fn, optimizer, jax.tree.map(lambda x: x.sharding, state))
     if manager.latest_step() is not None:
         if manager.record().get("layout") != PARAMS_LAYOUT:
-            raise ValueError(f"{run_dir} holds a run of an older specjax, whose params stacked the layers "
-                             f"([L, ...] arrays); it cannot resume in today's per-layer layout. `specjax export "
+            raise ValueError(f"{run_dir} holds a run of an older specjax, whose params were laid out otherwise "
+                             f"(layout {manager.record().get('layout', 1)}, today's is {PARAMS_LAYOUT}); it cannot "
+                             f"resume (its optimizer state has that layout too). `specjax export "
                              f"{run_dir} OUT` still exports its latest checkpoint; train on in a new run directory")
         # each array comes back as it lies now: on this device, or in its shards on the mesh
         state, saved = manager.restore(jax.tree.map(
@@ -216,13 +218,19 @@ def fit(params, loss_fn, metrics_fn, stream: np.ndarray, held_out: np.ndarray, c
 
 def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
     """The model of a run's latest checkpoint, and the checkpoint's JSON record. A run of an
-    older specjax (layers stacked, no "layout" in its record) is converted (`from_legacy`)."""
+    older specjax (layout 2, or layers stacked and no "layout" in its record) is converted."""
     manager = CheckpointManager(Path(run_dir) / "checkpoints")
     record = manager.record()
     config = ModelConfig.from_hf_config(record["model"])
     if record.get("layout") != PARAMS_LAYOUT:
         try:
-            params = from_legacy(jax.device_get(manager.restore_saved()["params"]), config)
+            params = jax.device_get(manager.restore_saved()["params"])
+            if record.get("layout") == 2:
+                layers = params["layers"]
+                layers = [layers[str(i)] for i in range(len(layers))] if isinstance(layers, dict) else layers
+                params = {**params, "layers": [from_layout2_layer(layer) for layer in layers]}
+            else:
+                params = from_legacy(params, config)
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise DamagedCheckpointError(f"{run_dir}: its latest checkpoint is neither in today's layout nor in "
                                          f"an older specjax's ({type(e).__name__}: {e})") from None
