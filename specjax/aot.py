@@ -81,6 +81,10 @@ class Slice:
 def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
     """"v5e:2x2" -> ("v5e", (2, 2)); raises TopologyError naming what is accepted."""
     m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", str(name))
+    if not m and re.match(r"(?i)(a|h|b|gb|l)\d+|rtx|mi\d+", str(name)):
+        raise TopologyError(f"{name!r} is a GPU: programs compile here for TPU slices only (a deviceless GPU "
+                            f"compile needs jax's CUDA plugin and an XLA GPU target description, which specjax "
+                            f"does not wire up yet); `specjax bench --aot` gives a pass's CUDA bytes without one")
     if not m:
         raise TopologyError(f"unknown TPU topology {name!r}: expected GENERATION:AxB[xC] with a generation "
                             f"among {sorted(TPU_HBM)}, e.g. v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1")
@@ -577,3 +581,44 @@ def report(programs, title: str = "") -> str:
         lines.append(f"{p.name:<34} {p.compile_seconds:7.1f}s {p.weights / MB:9.1f}M {p.temporaries / MB:9.1f}M "
                      f"{p.temporaries_over_weights:8.3f} {cuda:>10}  {copies}")
     return "\n".join(lines)
+
+
+def step_programs(target: Model, draft: Model | None, slice_: Slice, context: int = 512, K: int = 4,
+                  prompt_len: int | None = None) -> list[Spec]:
+    """The programs of one decode step and of generate, as the instrument reports them: the
+    one-token pass, the verification pass of K+1 tokens, the draft step, the plain loop and
+    the loop with a chain of K (draft: None leaves out the draft's). Batch 1 on one chip;
+    on a slice, batch 2 on a (data 2, model chips/2) mesh, the draft replicated. The loops
+    read a prompt of prompt_len (default: a quarter of the context) and fill the context."""
+    prompt_len = prompt_len or context // 4
+    where = on_device(slice_.devices[0]) if slice_.chips == 1 else on_mesh(slice_.mesh(2, slice_.chips // 2))
+    B = 1 if slice_.chips == 1 else 2
+    new = context - prompt_len
+    replicated = (("batch", "data"),)
+    specs = [pass_program(target, where, batch=B, context=context),
+             verify_program(target, where, K, batch=B, context=context)]
+    if draft is not None:
+        specs.append(draft_program(target, draft, where, batch=B, prompt_len=prompt_len, max_new_tokens=new,
+                                   num_draft_tokens=K, draft_rules=replicated, name=f"draft step K={K}"))
+    specs.append(loop_program(target, None, where, batch=B, prompt_len=prompt_len, max_new_tokens=new,
+                              name="plain loop"))
+    if draft is not None:
+        specs.append(loop_program(target, draft, where, batch=B, prompt_len=prompt_len, max_new_tokens=new,
+                                  num_draft_tokens=K, draft_rules=replicated, name=f"loop chain K={K}"))
+    return specs
+
+
+def instrument(target: Model, draft: Model | None, slice_name: str, context: int = 512, K: int = 4,
+               prompt_len: int | None = None, title: str = "", log=print) -> list[Program]:
+    """Compiles `step_programs` for the slice, with their CUDA figures, and logs their table
+    (`report`); a program that does not compile (out of HBM, say) is logged with XLA's words
+    and left out. Returns the programs that compiled."""
+    slice_ = tpu_slice(slice_name)
+    programs = []
+    for spec in step_programs(target, draft, slice_, context=context, K=K, prompt_len=prompt_len):
+        try:
+            programs.append(compile_spec(spec, cuda=True))
+        except Exception as e:  # noqa: BLE001 - out of HBM is an answer too
+            log(f"{spec.name} on {slice_name}: does not compile: {' '.join(str(e).split())[:300]}")
+    log(report(programs, title or f"\n## on {slice_name} ({slice_.chips} chips, {slice_.hbm / 2**30:.0f} GiB each)"))
+    return programs

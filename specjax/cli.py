@@ -255,7 +255,7 @@ def _parse_tree(text):
 
 def _bench(args):
     """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
-    if not args.synthetic:
+    if not args.synthetic or args.aot:
         from specjax import bench
 
         return bench.run_from_args(args)

@@ -47,6 +47,25 @@ def test_plan_cli_tries_every_mesh_and_recommends_the_least_split(tmp_path):
     assert "recommended mesh: data=2, model=2 (--mesh 2,2)" in out
 
 
+def test_bench_aot_prints_the_instrument_for_the_pairs_configs(tmp_path):
+    """`specjax bench --aot v5e:1x1` on a tiny pair's config.json files: the five step
+    programs compiled for one v5e chip, their table printed and written to OUT/aot.txt, no
+    weight copied (the instrument's target)."""
+    target = _folder(tmp_path, "target", TINY)
+    draft = _folder(tmp_path, "draft", dict(TINY, num_hidden_layers=1))
+    result = subprocess.run([sys.executable, "-m", "specjax.cli", "bench", "--aot", "v5e:1x1", "--target", str(target),
+                             "--draft", str(draft), "--prompt-tokens", "32", "--max-new-tokens", "32", "-k", "3",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = (tmp_path / "out" / "aot.txt").read_text()
+    assert table.splitlines()[0].startswith("# specjax bench --aot v5e:1x1") and "K=3" in table
+    rows = [line for line in table.splitlines() if line.strip() and not line.startswith(("program", "#"))]
+    assert len(rows) == 5, table
+    for row, name in zip(rows, ("one-token pass", "verify K=3", "draft step K=3", "plain loop", "loop chain K=3")):
+        assert row.startswith(name) and row.rstrip().endswith("none"), (name, row)
+    assert rows[0] in result.stdout
+
+
 @pytest.mark.slow
 def test_plan_cli_fits_the_llama_pair_shapes_on_a_v5e_2x2(tmp_path):
     """45-75 s on 2 cores (the 128K vocabulary's ops most of it)."""
@@ -69,6 +88,7 @@ def test_plan_refuses_a_nine_b_model_on_one_v5e_chip_and_says_what_to_change(tmp
 
 @pytest.mark.parametrize("args, words", [
     (("--topology", "v9x:2x2"), "unknown TPU topology"),
+    (("--topology", "h100"), "'h100' is a GPU: programs compile here for TPU slices only"),
     (("--topology", "v5e:2x2", "--mesh", "3,1"), "mesh 3x1 needs 3 chips"),
     (("--topology", "v5e:1x1", "--max-len", "64", "--prompt-len", "128"), "must exceed prompt_len"),
 ])

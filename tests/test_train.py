@@ -88,8 +88,9 @@ def test_distillation_raises_acceptance(stream, tmp_path):
         _, after = train(draft, stream, stream[-3000:], cfg, tmp_path / loss, teacher=teacher,
                          progress=False, log=lambda s: None)
         assert after["alpha"] > before["alpha"] + 0.05, (loss, before, after)
-        assert after["greedy_alpha"] > before["greedy_alpha"] + 0.05, (loss, before, after)
-        assert after["greedy_tokens_per_pass"][4] > before["greedy_tokens_per_pass"][4]
+        if loss == "kl":  # TV minimises 1 - alpha itself; greedy agreement follows it only in time
+            assert after["greedy_alpha"] > before["greedy_alpha"] + 0.05, (loss, before, after)
+            assert after["greedy_tokens_per_pass"][4] > before["greedy_tokens_per_pass"][4]
 
 
 def test_losses_mean_what_they_say():
@@ -136,7 +137,31 @@ def test_a_run_of_the_stacked_layout_exports_converted_and_refuses_to_resume(str
     tokens = np.random.RandomState(0).randint(0, 64, 5000).astype(np.int32)[:24][None]
     np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), np.load(data / "legacy_run_logits.npy"),
                                atol=1e-5)
-    with pytest.raises(ValueError, match="older specjax, whose params stacked the layers"):
+    with pytest.raises(ValueError, match="older specjax, whose params were laid out otherwise"):
+        train(model, stream, stream[-3000:], CFG, run, progress=False, log=lambda s: None)
+
+
+def test_a_run_of_layout_2_exports_converted_and_refuses_to_resume(stream, tmp_path):
+    """tests/data/layout2_run was written by specjax at b1ec4b0 (one dict per layer, qkv_kernel
+    [E, G, R+2, D] and gate_up_kernel [E, 2, F]; a GQA Llama with every bias, an untied head),
+    with the logits its model gave: it restores into today's layout with the same logits;
+    resuming it is refused (its optimizer state has the old shapes)."""
+    import shutil
+    from pathlib import Path
+
+    from specjax.train.loop import restore_model
+
+    data = Path(__file__).parent / "data"
+    run = shutil.copytree(data / "layout2_run", tmp_path / "run")
+    model, record = restore_model(run)
+    assert record["layout"] == 2 and model.config.qkv_bias and model.config.num_kv_heads == 2
+    c = model.config
+    assert model.params["layers"][0]["attn"]["qkv_kernel"].shape == (2, 4, 8, 32)  # [G, R+2, D, E]
+    assert model.params["layers"][0]["mlp"]["gate_up_kernel"].shape == (2, 32, c.intermediate_size)
+    tokens = np.random.RandomState(0).randint(0, 64, 5000).astype(np.int32)[:24][None]
+    np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), np.load(data / "layout2_run_logits.npy"),
+                               atol=1e-5)
+    with pytest.raises(ValueError, match=r"laid out otherwise \(layout 2, today's is 3\)"):
         train(model, stream, stream[-3000:], CFG, run, progress=False, log=lambda s: None)
 
 

@@ -54,27 +54,10 @@ def main():
         target, draft = pair(name, args.layers)
         for slice_name in args.slices.split(","):
             slice_ = aot.tpu_slice(slice_name)
-            where = (aot.on_device(slice_.devices[0]) if slice_.chips == 1
-                     else aot.on_mesh(slice_.mesh(2, slice_.chips // 2)))
-            B = 1 if slice_.chips == 1 else 2
-            new = args.context - 128
-            replicated = (("batch", "data"),)
-            specs = [aot.pass_program(target, where, batch=B, context=args.context),
-                     aot.verify_program(target, where, 4, batch=B, context=args.context),
-                     aot.draft_program(target, draft, where, batch=B, max_new_tokens=new, num_draft_tokens=4,
-                                       draft_rules=replicated, name="draft step K=4"),
-                     aot.loop_program(target, None, where, batch=B, max_new_tokens=new, name="plain loop"),
-                     aot.loop_program(target, draft, where, batch=B, max_new_tokens=new, num_draft_tokens=4,
-                                      draft_rules=replicated, name="loop chain K=4")]
-            programs = []
-            for spec in specs:
-                try:
-                    programs.append(aot.compile_spec(spec, cuda=True))
-                except Exception as e:  # noqa: BLE001 - out of HBM is an answer too
-                    print(f"{name} {slice_name} {spec.name}: does not compile: {' '.join(str(e).split())[:300]}")
             title = (f"\n## {name} pair ({target.config.num_layers} target layers, {draft.config.num_layers}-layer "
                      f"draft) on {slice_name} ({slice_.chips} chips, {slice_.hbm / 2**30:.0f} GiB each)")
-            print(aot.report(programs, title), flush=True)
+            aot.instrument(target, draft, slice_name, context=args.context, prompt_len=128, title=title,
+                           log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,11 @@ def add_arguments(parser):
     parser.add_argument("--medusa", default=default_checkpoint("medusa"), help="a saved Medusa drafter")
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
     parser.add_argument("--eagle3", default=default_checkpoint("eagle3"), help="a saved EAGLE-3 drafter")
+    parser.add_argument("--aot", metavar="SLICE", default=None,
+                        help="only compile the pair's step programs for a TPU slice here (v5e:1x1, v6e:2x2, ...; "
+                             "needs jax[tpu]) from their config.json alone and print what each costs: temporaries "
+                             "over weights, the weights copied, the CUDA lowering's bytes over what a step must "
+                             "read (writes aot.txt; -k's first value is K; with --synthetic, its pair's shapes)")
 
 
 def _tree_family(text: str) -> tuple[int, int] | None:
@@ -77,8 +82,49 @@ def _tree_family(text: str) -> tuple[int, int] | None:
     return depth, top_k
 
 
+def run_aot(args):
+    """--aot SLICE: the pair's step programs (specjax.aot.step_programs) compiled for a TPU
+    slice from the configs alone, the instrument's table printed and written to OUT/aot.txt."""
+    import dataclasses
+    from pathlib import Path
+
+    from specjax import aot
+    from specjax.plan import read_config
+
+    if args.synthetic:
+        from specjax.synthetic import synthetic_config
+
+        target = synthetic_config(args.synthetic)
+        draft = dataclasses.replace(target, num_layers=args.draft_layers)
+        name = f"synthetic {args.synthetic} with its first {args.draft_layers} layers as the draft"
+    else:
+        target = read_config(args.target)
+        draft = None if args.draft == "none" else read_config(args.draft)
+        name = f"{args.target} with {args.draft}"
+    K = (args.ks or [4])[0]
+    lines = [f"# specjax bench --aot {args.aot}: {name}; bf16, prompt {args.prompt_tokens}, "
+             f"context {args.prompt_tokens + args.max_new_tokens}, K={K}"]
+
+    def log(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    aot.instrument(aot.abstract_model(target), None if draft is None else aot.abstract_model(draft), args.aot,
+                   context=args.prompt_tokens + args.max_new_tokens, K=K, prompt_len=args.prompt_tokens, log=log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "aot.txt").write_text("\n".join(lines) + "\n")
+
+
 def run_from_args(args):
-    """Runs what the parsed flags ask for (--synthetic aside: specjax.cli runs specjax.synthetic)."""
+    """Runs what the parsed flags ask for (--synthetic aside, but with --aot: specjax.cli runs
+    specjax.synthetic)."""
+    if args.aot:
+        others = ("profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
+        if args.dtype != "float32" or any(getattr(args, name) for name in others):
+            raise SystemExit("--aot compiles for a TPU and runs nothing; leave out --dtype and "
+                             + ", ".join("--" + name.replace("_", "-") for name in others))
+        return run_aot(args)
     if args.dtype != "float32":
         sections = ("synthetic", "profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
         if any(getattr(args, name) for name in sections):
