@@ -27,6 +27,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.measure import Run, median_time, pass_time, predict, print_runs, run_transformers, time_generate
 from specjax.models import Model
+from specjax.models.layers import gate_up_matmul, qkv_matmul
 from specjax.models.transformer import init_params
 from specjax.quant import path_names
 
@@ -107,19 +108,19 @@ def read_bandwidth(repeats: int = 10) -> float:
 
 def weights_only_time(model: Model, repeats: int = 3) -> float:
     """Seconds of a pass that only multiplies one token's activation through every matmul
-    weight once, as the layers lay them out (no attention, no cache, no norms): what XLA
+    weight once, as the layers multiply them (no attention, no cache, no norms): what XLA
     achieves on the weights alone. Timed as 50 passes in one compiled loop."""
     c = model.config
     R = c.num_heads // c.num_kv_heads
 
     def layer(x, w):  # x [1, E]
-        qkv = (x @ w["attn"]["qkv_kernel"].reshape(-1, c.hidden_size).T).reshape(1, c.num_kv_heads, R + 2, c.head_dim)
+        qkv = qkv_matmul(x, w["attn"]["qkv_kernel"])  # [1, G, R+2, D]
         heads = (qkv[:, :, :R] + qkv[:, :, R:R + 1] + qkv[:, :, R + 1:]).reshape(1, c.num_heads, c.head_dim)
         h = x + jnp.einsum("bhd,hde->be", heads, w["attn"]["o_kernel"]) * 1e-3
         mlp = w["mlp"]
         if "gate_up_kernel" in mlp:
-            gate_up = jnp.einsum("ibe,ief->bif", jnp.broadcast_to(h, (2, *h.shape)), mlp["gate_up_kernel"])
-            y = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+            gate, up = gate_up_matmul(h, mlp["gate_up_kernel"])  # [1, F] each
+            y = jax.nn.silu(gate) * up
             return h + (y @ mlp["down_kernel"]) * 1e-3
         return h + (jax.nn.gelu(h @ mlp["fc_kernel"]) @ mlp["proj_kernel"]) * 1e-3
 

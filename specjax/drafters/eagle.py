@@ -166,8 +166,7 @@ class Eagle(Drafter):
         if got != want:
             raise CheckpointError(f"{weights_file}: EAGLE weights {got} do not match its layer's format "
                                   f"{record['format']} shapes {want}")
-        if record["format"] < trained.FORMAT:
-            params = {**params, "layer": jax.tree.map(jnp.asarray, upgrade_layer(params["layer"], config, record["format"]))}
+        params = upgrade(params, config, record["format"])
         return cls(params, config, signature, tree)
 
 
@@ -231,6 +230,10 @@ def format_shapes(config: ModelConfig, version: int) -> dict:
     return {**shapes, "layer": {**shapes["layer"], "attn": attn, "mlp": mlp}}
 
 
-def upgrade_layer(layer: dict, config: ModelConfig, version: int) -> dict:
-    """An Eagle layer's params read from a drafter file of format `version` -> today's."""
-    return fuse_legacy_layer(layer, config) if version == 1 else from_layout2_layer(layer)
+def upgrade(params: dict, config: ModelConfig, version: int) -> dict:
+    """An Eagle's (or Eagle3's) params read from a drafter file of format `version`, with
+    their layer in today's layout (as they are, where the file is of today's format)."""
+    if version == trained.FORMAT:
+        return params
+    layer = fuse_legacy_layer(params["layer"], config) if version == 1 else from_layout2_layer(params["layer"])
+    return {**params, "layer": jax.tree.map(jnp.asarray, layer)}

@@ -38,7 +38,7 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.eagle import Eagle, format_shapes, layer_config, layer_from_record, run_layer, upgrade_layer
+from specjax.drafters.eagle import Eagle, format_shapes, layer_config, layer_from_record, run_layer, upgrade
 from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, to_target_vocab
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
@@ -230,8 +230,7 @@ class Eagle3(Eagle):
         if got != want:
             raise CheckpointError(f"{folder / trained.WEIGHTS}: EAGLE-3 weights {got} do not match its record's "
                                   f"shapes {want}")
-        if record["format"] < trained.FORMAT:
-            params = {**params, "layer": jax.tree.map(jnp.asarray, upgrade_layer(params["layer"], config, record["format"]))}
+        params = upgrade(params, config, record["format"])
         return cls(params, config, signature, tree, tuple(layers), None if vocab is None else jnp.asarray(vocab))
 
 

@@ -50,6 +50,29 @@ def matmul(subscripts: str, x, w, out_dtype=None):
     return out * scale.astype(out.dtype)
 
 
+def qkv_matmul(x, w):
+    """x [..., E] times `qkv_kernel` w [G, R+2, D, E] (float or int8) -> [..., G, R+2, D].
+    A CPU program multiplies it as a 2-D [G (R+2) D, E] (a reshape of leading axes, free):
+    XLA's CPU dot transposes a 4-D weight whose contracted axis is last on every pass. A TPU
+    or GPU program reads it as it lies (the reshape would count as a copy in cost analyses).
+    The platform is the one being traced for (`target_platform`)."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, E]
+    if target_platform() == "cpu":
+        flat = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), w)  # [G (R+2) D, E]
+        out = matmul("ne,me->nm", rows, flat)
+    else:
+        out = matmul("ne,grde->ngrd", rows, w)
+    return out.reshape(*x.shape[:-1], *w.shape[:3])
+
+
+def gate_up_matmul(x, w):
+    """x [..., E] times `gate_up_kernel` w [2, E, F] (float or int8) -> [2, ..., F] (gate,
+    then up): the pair a batch axis of one matmul, so that every backend reads w as it lies."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, E]
+    out = matmul("ine,ief->inf", jnp.broadcast_to(rows, (2, *rows.shape)), w)
+    return out.reshape(2, *x.shape[:-1], out.shape[-1])
+
+
 def softcap(x, cap: float):
     """cap * tanh(x / cap): Gemma 2's smooth bound on attention scores and logits."""
     return cap * jnp.tanh(x / cap)
@@ -120,8 +143,7 @@ class Attention(nn.Module):
     reads kv head g, as in transformers). Split over kv heads, a device holds whole groups.
     E is last, as in a Linear's [out, in] weight: a TPU tiles (D, E), where [E, G, R+2, D]
     padded R+2 and made XLA keep a relaid copy of every layer's kernel through a speculative
-    loop. XLA's CPU backend multiplies it as a 2-D [G (R+2) D, E] (a reshape of leading axes,
-    free), which CPU programs do; a 4-D one it would transpose on every pass.
+    loop (`qkv_matmul` says how each backend multiplies it).
 
     Gemma's output is normed (its post-attention norm) before the caller adds it to the
     residual stream."""
@@ -149,11 +171,7 @@ class Attention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         R = c.num_heads // c.num_kv_heads
-        if target_platform() == "cpu":  # XLA's CPU dot transposes a 4-D [G, R+2, D, E] on every pass
-            flat = jax.tree.map(lambda w: w.reshape(-1, w.shape[-1]), self.qkv_kernel)  # [G (R+2) D, E]
-            qkv = matmul("bte,ne->btn", x, flat).reshape(B, T, c.num_kv_heads, R + 2, c.head_dim)
-        else:  # a TPU or GPU reads it as it lies; the reshape would cost a copy in cost analyses
-            qkv = matmul("bte,grde->btgrd", x, self.qkv_kernel)  # [B, T, G, R+2, D]
+        qkv = qkv_matmul(x, self.qkv_kernel)  # [B, T, G, R+2, D]
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv[:, :, :, :R].reshape(B, T, c.num_heads, c.head_dim), qkv[:, :, :, R], qkv[:, :, :, R + 1]
@@ -427,8 +445,7 @@ class MLP(nn.Module):
             h = jax.nn.gelu(h + self.param("fc_bias", zeros, (F,)), approximate=True)  # gelu_new
             out = matmul("btf,fe->bte", h, self.param("proj_kernel", init, (F, E)))
             return out + self.param("proj_bias", zeros, (E,))
-        pair = jnp.broadcast_to(x, (2, *x.shape))  # [2, B, T, E]
-        gate_up = matmul("ibte,ief->ibtf", pair, self.param("gate_up_kernel", init, (2, E, F)))  # [2, B, T, F]
+        gate_up = gate_up_matmul(x, self.param("gate_up_kernel", init, (2, E, F)))  # [2, B, T, F]
         if c.mlp_bias:
             gate_up = gate_up + self.param("gate_up_bias", zeros, (2, F))[:, None, None]
         gate, up = gate_up[0], gate_up[1]

@@ -226,9 +226,7 @@ def restore_model(run_dir: str | Path) -> tuple[Model, dict]:
         try:
             params = jax.device_get(manager.restore_saved()["params"])
             if record.get("layout") == 2:
-                layers = params["layers"]
-                layers = [layers[str(i)] for i in range(len(layers))] if isinstance(layers, dict) else layers
-                params = {**params, "layers": [from_layout2_layer(layer) for layer in layers]}
+                params = {**params, "layers": [from_layout2_layer(layer) for layer in params["layers"]]}
             else:
                 params = from_legacy(params, config)
         except (KeyError, TypeError, IndexError, ValueError) as e:
