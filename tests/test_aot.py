@@ -203,9 +203,9 @@ def test_eight_b_passes_on_one_v5e_chip_hold_no_weight_sized_copy():
 @pytest.mark.slow
 def test_an_eight_b_speculative_loop_on_one_v5e_chip_holds_no_weight_sized_copy():
     """The whole loop with the target drafting for itself at K=4 (2 layers of the 8B shape;
-    80-90 s to compile): with the [E, 2, F] and [E, G, R+2, D] kernels and the top-k/top-p
-    gathers, XLA held 929 MB of temporaries here (0.24x the weights), relaid weights most of
-    it; now none and a few percent."""
+    80-90 s to compile): at b1ec4b0 (the [E, 2, F] and [E, G, R+2, D] kernels, top-k/top-p by
+    gathers) this test failed there with 6 weight-sized copies (each layer's gate_up and qkv)
+    and 885.6 MB of temporaries (0.156x the weights); now none, and 22.0 MB."""
     where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
     spec = aot.loop_program(EIGHT_B, EIGHT_B, where, prompt_len=128, max_new_tokens=128, num_draft_tokens=4,
                             temperature=0.7, top_p=0.9, top_k=50, name="8B loop self-draft K=4")
