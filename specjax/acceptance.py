@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import Sampling, argmax, sample, warp
+from specjax.sampling import Sampling, argmax, fold_in, sample, uniform, warp
 
 
 def remove_rejected(r: jax.Array, q: jax.Array | None, x: jax.Array) -> jax.Array:
@@ -57,8 +57,8 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     B, N = tokens.shape
     rows = jnp.arange(B)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
-    u_key, extra_key = jax.random.split(key)
-    u = jax.random.uniform(u_key, (B, N))
+    u = uniform(fold_in(key, 0), (B, N))  # key: one per row [B] (or one [] for all)
+    extra_key = fold_in(key, 1)
 
     def visit(i, carry):
         current, r, n, path = carry  # [B], [B, V], [B], [B, max_depth]
@@ -104,9 +104,10 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
 def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
            logits: jax.Array, sampling: Sampling, max_depth: int):
     """`accept` against the target's float32 logits [B, N+1, V] under `sampling`: through
-    `accept_greedy` when the temperature is 0 (decided at run time: it is traced), else
-    through `accept` with p = warp(logits). Returns (n, path, extra) as `accept` does."""
+    `accept_greedy` when every row is greedy (decided at run time: it is traced), else
+    through `accept` with p = warp(logits), where a greedy row's p is one-hot and `accept`
+    gives it what `accept_greedy` would. Returns (n, path, extra) as `accept` does."""
     return jax.lax.cond(
-        sampling.temperature == 0,
+        sampling.all_greedy,
         lambda: accept_greedy(tokens, parents, valid, argmax(logits), max_depth),
         lambda: accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth))

@@ -312,11 +312,12 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
         raise ValueError("draft_program needs a draft")
     platform, portable = static["platform"], static["mesh"] is not None
 
-    def state_of(target, drafter, prompts, lengths, key):
+    def state_of(target, drafter, prompts, lengths, key, sampling):
         with layers.kernels_for(platform, portable):
-            return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, False)
+            return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling)
 
-    state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key)
+    state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key, sampling)
+    key = jax.eval_shape(lambda k: loop.row_keys(k, batch), key)
     draft_rules = None if where.mesh is None else drafter.state_rules(where.rules)
     state = state.replace(**{name: _carry(getattr(state, name), batch, where,
                                           draft_rules if name == "draft_state" else None)
@@ -324,7 +325,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
 
     def step(target, drafter, state, key, sampling, threshold):
         request = DraftRequest(target=target, target_cache=state.target_cache, tokens=state.tokens,
-                               length=state.length, done=state.done, key=key, sampling=sampling,
+                               length=state.length, done=state.done, key=key, sampling=state.sampling,
                                k_limit=state.k_limit, threshold=threshold, features=state.features)
         return drafter.propose(state.draft_state, request)
 

@@ -62,7 +62,7 @@ def cache_bytes(args, static, per_device: bool = False) -> int:
     of the call's mesh holds of them (the target's cache split by its rules, the drafter's
     rows over data)."""
     target, drafter, prompts, lengths, key = args[:5]
-    state = jax.eval_shape(lambda t, d, p, n, k: initial_state(t, d, p, n, k, static["max_new_tokens"], False),
+    state = jax.eval_shape(lambda t, d, p, n, k: initial_state(t, d, p, n, k, static["max_new_tokens"]),
                            target, drafter, prompts, lengths, key)
     mesh = static.get("mesh")
     if not per_device or mesh is None:

@@ -1,4 +1,12 @@
-"""The decoding loop: autoregressive and speculative, one machinery, one `lax.while_loop`.
+"""The decoding step, and `generate`'s loop of it: autoregressive and speculative, one machinery.
+
+Three programs over one state (`SlotState`: B rows, each its own request, every leaf with the
+batch axis first): `prefill` turns prompts into rows; `insert` writes rows into a live state
+(the engine's refill of a free slot); `step` advances every live row by one verification
+pass. `generate_loop` is prefill, then a `lax.while_loop` of that same step; the serving
+engine (specjax/serve) runs the same step from its own loop. Everything per request is a
+per-row value: sampling settings, stop ids, token budget, PRNG key (row b's step at length
+n draws from fold_in(key_b, n): its samples depend on neither its slot nor its neighbours).
 
 Invariant at the top of every step: row b holds `length[b]` final tokens in `tokens`; the
 target's cache holds correct entries for positions < length[b] - 1 (the last token is in
@@ -20,14 +28,15 @@ One step, all shapes fixed:
      and at max_new_tokens); the accepted path's keys/values move to the slots of their
      positions (nothing moves for a chain: its nodes are already there). Rolling back the
      rest of the tree is only this: its entries are now beyond length-1, stale and masked;
-  5. a row that emitted EOS or reached max_new_tokens is done: its state is frozen under
-     masks while the other rows go on, and drafters are told. The loop ends when every
-     row is done.
+  5. a row that emitted one of its stop ids or reached its length limit is done: its state
+     is frozen under masks while the other rows go on, and drafters are told. `generate`'s
+     loop ends when every row is done.
 Autoregressive decoding is the same step with an empty tree and no drafter.
 
-The loop knows drafters only through their interface (`specjax.drafters.Drafter`), and
-nothing of tokenizers, files, request checks or memory: `generate` (generate.py) checks and
-prepares a call (request.py) before it reaches `generate_loop`.
+The step knows drafters only through their interface (`specjax.drafters.Drafter`), and
+nothing of tokenizers, files, request checks, memory or threads: `generate` (generate.py)
+checks and prepares a call (request.py) before it reaches `generate_loop`, and the engine
+owns its slots.
 """
 
 from __future__ import annotations
@@ -44,8 +53,9 @@ from jax.experimental import io_callback
 from specjax import acceptance, sharding, streams
 from specjax.cache import KVCache, move, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
-from specjax.models import Model, apply, layers, prefill
-from specjax.sampling import Sampling
+from specjax.models import Model, apply, layers
+from specjax.models import prefill as models_prefill
+from specjax.sampling import Sampling, fold_in
 from specjax.tree import ancestors, depths, with_branch
 
 
@@ -64,21 +74,38 @@ class GenerateOutput:
     # int32 [B, max_new_tokens]: tokens each step emitted per row (0 once the row is done);
     # None unless generate(..., return_trace=True).
     trace: jax.Array | None = None
+    # The PRNG key the call sampled with (generate's `key`, or the fresh one it drew when
+    # none was given): passing it again reproduces the call.
+    key: jax.Array | None = None
 
 
 @struct.dataclass
-class LoopState:
+class SlotState:
+    """B rows of decoding, each its own request (a slot). Every leaf has the batch axis first,
+    so rows are inserted (`insert`) and sharded (rows over data) alike. Sized by whoever
+    builds it: `generate` for its call, the engine for its max_len and deepest draft."""
+
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
+    prompt_len: jax.Array  # int32 [B]: where the row's generated tokens begin
+    limit: jax.Array  # int32 [B]: the row stops at this length (its prompt + its token budget)
     target_cache: KVCache  # L x [B, S, G, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
+    sampling: Sampling  # [B] each: the row's temperature, top-k, top-p
+    stop_ids: jax.Array  # int32 [B, M]: the row stops after any of these (-1: none)
+    key: jax.Array  # PRNG key [B]: the row's own; its step at length n uses fold_in(key, n)
     k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
-    done: jax.Array  # bool [B]: row emitted EOS or reached max_new_tokens; frozen since
-    key: jax.Array  # PRNG key, split once per step
+    done: jax.Array  # bool [B]: finished (or an empty slot); frozen since
     stats: Stats
-    step: jax.Array  # int32 []: steps taken
-    trace: jax.Array | None  # int32 [B, max_new_tokens] tokens emitted per step, if asked for
     features: Features | None = None  # the target's hidden states, for drafters that want them
+
+
+@struct.dataclass
+class StepOut:
+    """What one step emitted: row b gained tokens[b, :count[b]]."""
+
+    tokens: jax.Array  # int32 [B, D+1]: 0 past count
+    count: jax.Array  # int32 [B]: 0 for rows that were done
 
 
 CACHE_MULTIPLE = 128  # caches of at least this many slots are rounded up to a multiple of it
@@ -95,26 +122,32 @@ def cache_length(P: int, max_new_tokens: int, room: int) -> int:
 
 
 def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
-    """bool [...]: which of tokens int32 [...] are among the stop ids int32 [N]."""
-    return (tokens[..., None] == stop).any(axis=-1)
+    """bool [B, T]: which of tokens int32 [B, T] are among their row's stop ids int32 [B, M]."""
+    return (tokens[..., None] == stop[:, None, :]).any(axis=-1)
 
 
-def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,
-                  return_trace: bool) -> LoopState:
-    """The carry before the first step: the prompts prefilled into the target's cache (and
-    the drafter started), which holds them; traced inside `generate_loop` (and by
-    `jax.eval_shape` where only its shapes are wanted: budget.py)."""
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """One PRNG key per row of a batch from one key: row b's is fold_in(key, b)."""
+    return fold_in(jnp.broadcast_to(key, (batch,)), jnp.arange(batch, dtype=jnp.uint32))
+
+
+def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, sampling: Sampling,
+            stop_ids, key) -> SlotState:
+    """Rows for these prompts (int32 [B, P] right-padded, lengths [B]): the target's cache (and
+    the drafter's state) holding them, at cache length `cache_len` (>= P); limit int32 [B]:
+    each row's length limit; sampling [B]; stop_ids int32 [B, M]; key [B]: each row's PRNG key.
+    The drafter (None, or resolved and bound) sizes its state for its own depth, the deepest
+    any step over these rows may draft."""
     B, P = prompts.shape
+    S = cache_len
     D = 0 if drafter is None else drafter.tree.depth
-    # Room for the furthest tree node (or drafter write) of an unfinished row.
-    S = cache_length(P, max_new_tokens, verify_room(drafter))
     # The padded prompt block is written whole: slots past a row's length are stale and
     # will be overwritten before any query can see them. Long prompts go in chunks
     # (models.prefill); hidden [B, P, E] only for drafters that read it.
     wants_features = drafter is not None and drafter.wants_features
     cache = KVCache.init(target.config, B, S, target.dtype)
     taps = drafter.feature_layers if wants_features else None
-    hidden, cache = prefill(target, prompts, cache, return_hidden=wants_features, taps=taps)
+    hidden, cache = models_prefill(target, prompts, cache, return_hidden=wants_features, taps=taps)
     features, draft_state = None, None
     if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
@@ -124,12 +157,145 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
     if drafter is not None:
         draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None)
     zeros = jnp.zeros((B,), jnp.int32)
-    return LoopState(
-        tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
-        target_cache=cache.replace(lengths=lengths - 1), draft_state=draft_state, features=features,
-        k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), key=key,
-        stats=Stats(zeros, zeros, zeros), step=jnp.zeros((), jnp.int32),
-        trace=jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None)
+    return SlotState(
+        tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths, prompt_len=lengths,
+        limit=jnp.asarray(limit, jnp.int32), target_cache=cache.replace(lengths=lengths - 1),
+        draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=key,
+        k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
+        features=features)
+
+
+def insert(state: SlotState, slots, rows: SlotState) -> SlotState:
+    """`state` with rows (n rows, from `prefill`) written into its rows `slots` (int32 [n]).
+    Every leaf has the batch axis first; a row's leaf may be shorter than the state's on
+    its other axes (a cache prefilled at its prompt's bucket, not at the state's length)
+    and is written at their start: what lies past it is stale by the loop's invariant
+    (masked by position, overwritten before read). Nothing else moves."""
+    def one(big, small):
+        for i in range(small.shape[0]):
+            at = (slots[i],) + (0,) * (big.ndim - 1)
+            big = jax.lax.dynamic_update_slice(big, small[i:i + 1].astype(big.dtype), at)
+        return big
+
+    if jax.tree.structure(state) != jax.tree.structure(rows):
+        raise ValueError("the rows were prefilled for another drafter (or none) than the state's")
+    return jax.tree.map(one, state, rows)
+
+
+def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False
+         ) -> tuple[SlotState, StepOut]:
+    """Every live row of `state` advances by one verification pass (a drafter's tree, or its
+    own next token when drafter is None: then the state's drafter state, if any, is carried
+    untouched and catches up when drafting resumes). drafter: resolved and bound, at most
+    as deep as the state was sized for. threshold: float32 [] (see `generate`)."""
+    B, S = state.tokens.shape  # S: the cache's length (`cache_length`)
+    N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
+    length, active = state.length, ~state.done
+    key = fold_in(state.key, length)  # [B]: the row's key at its position, whatever its slot or K
+    draft_key, accept_key = fold_in(key, 0), fold_in(key, 1)
+    if drafter is None:
+        draft_state, cache = state.draft_state, state.target_cache
+        proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32), jnp.zeros((B, 0), bool), None)
+    else:
+        draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
+            target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
+            done=state.done, key=draft_key, sampling=state.sampling, k_limit=state.k_limit,
+            threshold=threshold, features=state.features))
+    valid = proposal.valid & active[:, None]  # [B, N]
+
+    # Verify: one target pass over [last token, the N nodes], node i at slot
+    # length-1+i and position length-1+depth(i). A fixed tree's masks are constants;
+    # a chain needs none beyond the causal one.
+    parents, branch = proposal.parents, proposal.branch
+    ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
+    depth = depths(ancestor)  # [N+1] or [B, N+1]
+    chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N)) and branch is None
+    last = state.tokens[rows[:, 0], length - 1]
+    verify = jnp.concatenate([last[:, None], proposal.tokens]
+                             + ([] if branch is None else [branch.tokens]), axis=1)  # [B, T]
+    T = verify.shape[1]  # N+1, then the branch's X tokens if a drafter asked for them
+    offsets_all, sees = (depth, ancestor) if branch is None else with_branch(depth, ancestor, branch)
+    start = length - 1  # the root's slot
+    slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
+    placement = None if chain else tree_placement(
+        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
+    logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
+                                  taps=None if drafter is None else drafter.feature_layers)
+    if branch is not None:  # the drafter reads the target's logits for its branch
+        draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
+        logits = logits[:, : N + 1]
+    n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
+                                       state.sampling, D)
+    if not chain:  # the path's node at depth j+1 moves to slot length+j
+        cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
+                                                             length[:, None] + offsets[:, :D], S))
+
+    # The row's new tokens: the path's then the target's own; cut after a stop id and at the
+    # row's length limit; nothing for rows already done.
+    path_tokens = jnp.take_along_axis(verify, path, axis=1)  # [B, D]
+    new = jnp.where(offsets < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), extra[:, None])
+    count = n + 1
+    stop_at = is_stop(new, state.stop_ids) & (offsets < count[:, None])
+    count = jnp.where(stop_at.any(axis=1), jnp.argmax(stop_at, axis=1) + 1, count)
+    count = jnp.minimum(count, state.limit - length)
+    count = jnp.where(active, count, 0)
+    keep = offsets < count[:, None]
+    tokens = state.tokens.at[rows, jnp.where(keep, length[:, None] + offsets, S)].set(new, mode="drop")
+    new_length = length + count
+    done = state.done | (stop_at & keep).any(axis=1) | (new_length >= state.limit)
+
+    stats = Stats(steps=state.stats.steps + active.astype(jnp.int32),
+                  drafted=state.stats.drafted + valid.sum(axis=1),
+                  accepted=state.stats.accepted + jnp.minimum(n, count))
+    k_limit = state.k_limit
+    if adaptive_k:  # transformers' heuristic: +2 after a clean sweep, -1 after a rejection
+        reach = jnp.max(jnp.where(valid, depth[..., 1:], 0), axis=1, initial=0)  # deepest proposed
+        grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
+        k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
+    features = state.features
+    if features is not None and drafter is not None:  # the root's state, then the path's
+        kept = jnp.take_along_axis(hidden, jnp.pad(path, ((0, 0), (1, 0)))[..., None], axis=1)  # [B, D+1, F]
+        width = features.hidden.shape[1]  # the state's deepest draft + 1
+        features = Features(jnp.pad(kept, ((0, 0), (0, width - (D + 1)), (0, 0))).astype(features.hidden.dtype),
+                            start)
+    new_state = state.replace(tokens=tokens, length=new_length, target_cache=cache.replace(lengths=new_length - 1),
+                              draft_state=draft_state, k_limit=k_limit, done=done, stats=stats, features=features)
+    return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count)
+
+
+def place(state: SlotState, drafter, mesh, rules) -> SlotState:
+    """Pins a state's layout on a mesh: rows over data; the target cache's heads over model
+    by `rules`, the drafter's caches by its own rules."""
+    if mesh is None:
+        return state
+    B = state.tokens.shape[0]
+    draft_rules = None if drafter is None else drafter.state_rules(rules)
+
+    def constrain(x, cache_rules):
+        placed = sharding.carry_sharding(x, B, mesh, rules, cache_rules)
+        return x if placed is None else jax.lax.with_sharding_constraint(x, placed)
+
+    is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+    return state.replace(**{
+        name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else None),
+                           getattr(state, name), is_leaf=is_cache)
+        for name in state.__dataclass_fields__})
+
+
+def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,
+                  sampling: Sampling | None = None, eos=None) -> SlotState:
+    """`generate`'s state before its first step: its prompts prefilled, each row with the
+    call's settings (greedy and no stop ids where none are given) and its own key from
+    `key` (`row_keys`); traced inside `generate_loop` (and by `jax.eval_shape` where only
+    its shapes are wanted: budget.py)."""
+    B, P = prompts.shape
+    sampling = Sampling.make(batch=B) if sampling is None else sampling
+    eos = jnp.full((4,), -1, jnp.int32) if eos is None else eos
+    return prefill(target, drafter, prompts, lengths, cache_len=cache_length(P, max_new_tokens, verify_room(drafter)),
+                   limit=lengths + max_new_tokens, sampling=jax.tree.map(lambda x: jnp.broadcast_to(x, (B,)), sampling),
+                   stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B))
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k",
@@ -137,122 +303,32 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
                   *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
                   mesh, rules, platform: str | None = None, stream=None) -> GenerateOutput:
-    """The whole generation, compiled. drafter: None or a resolved, bound `Drafter`; eos:
-    int32 [N] stop ids padded with -1; stream: None, or int32 [] (a handle of
-    `streams`; being None or not is part of the jit key, so None costs nothing).
-    platform: where the program runs ("cpu", "gpu", "tpu"; None: the default backend),
-    whose attention kernels it holds; a sharded program's attention takes the portable path
-    (layers.portable_attention)."""
+    """The whole generation, compiled: `prefill`, then `step` until every row is done.
+    drafter: None or a resolved, bound `Drafter`; eos: int32 [N] stop ids padded with -1;
+    stream: None, or int32 [] (a handle of `streams`; being None or not is part of the jit
+    key, so None costs nothing). platform: where the program runs ("cpu", "gpu", "tpu";
+    None: the default backend), whose attention kernels it holds; a sharded program's
+    attention takes the portable path (layers.portable_attention)."""
     with layers.kernels_for(platform, portable=mesh is not None):
-        return _trace(target, drafter, prompts, lengths, key, sampling, eos, threshold,
-                      max_new_tokens=max_new_tokens, return_trace=return_trace, adaptive_k=adaptive_k,
-                      mesh=mesh, rules=rules, stream=stream)
+        state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
+        B = state.tokens.shape[0]
+        trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None
 
+        def body(carry):
+            state, i, trace = carry
+            state, out = step(target, drafter, state, threshold, adaptive_k=adaptive_k)
+            if trace is not None:
+                trace = trace.at[:, i].set(out.count)
+            if stream is not None:  # the host receives the step's kept tokens, steps in order
+                io_callback(streams.to_host, None, stream, out.tokens, out.count, ordered=True)
+            return place(state, drafter, mesh, rules), i + 1, trace
 
-def _trace(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
-           *, max_new_tokens: int, return_trace: bool, adaptive_k: bool, mesh, rules, stream) -> GenerateOutput:
-    """generate_loop's body, traced inside it."""
-    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, return_trace)
-    B, S = state.tokens.shape  # S: the cache's length (`cache_length`)
-    N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
-    rows = jnp.arange(B)[:, None]  # [B, 1]
-    offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
-    # The drafter's state follows its own rules (a replicated draft: a replicated cache).
-    draft_rules = None if rules is None or drafter is None else drafter.state_rules(rules)
+        carry = (place(state, drafter, mesh, rules), jnp.zeros((), jnp.int32), trace)
+        state, _, trace = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, carry)
 
-    def place(state: LoopState) -> LoopState:
-        """Pins the carry's layout on a mesh: rows over data; the target cache's heads over
-        model by `rules`, the drafter's caches by its own rules."""
-        if mesh is None:
-            return state
-
-        def constrain(x, cache_rules):
-            placed = sharding.carry_sharding(x, B, mesh, rules, cache_rules)
-            return x if placed is None else jax.lax.with_sharding_constraint(x, placed)
-
-        is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
-        return state.replace(**{
-            name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else None),
-                               getattr(state, name), is_leaf=is_cache)
-            for name in state.__dataclass_fields__})
-
-    def step(state: LoopState) -> LoopState:
-        key, draft_key, accept_key = jax.random.split(state.key, 3)
-        length, active = state.length, ~state.done
-        if drafter is None:
-            draft_state, cache = None, state.target_cache
-            proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32),
-                                jnp.zeros((B, 0), bool), None)
-        else:
-            draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
-                target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
-                done=state.done, key=draft_key, sampling=sampling, k_limit=state.k_limit,
-                threshold=threshold, features=state.features))
-        valid = proposal.valid & active[:, None]  # [B, N]
-
-        # Verify: one target pass over [last token, the N nodes], node i at slot
-        # length-1+i and position length-1+depth(i). A fixed tree's masks are constants;
-        # a chain needs none beyond the causal one.
-        parents, branch = proposal.parents, proposal.branch
-        ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
-        depth = depths(ancestor)  # [N+1] or [B, N+1]
-        chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N)) and branch is None
-        last = state.tokens[rows[:, 0], length - 1]
-        verify = jnp.concatenate([last[:, None], proposal.tokens]
-                                 + ([] if branch is None else [branch.tokens]), axis=1)  # [B, T]
-        T = verify.shape[1]  # N+1, then the branch's X tokens if a drafter asked for them
-        offsets_all, sees = (depth, ancestor) if branch is None else with_branch(depth, ancestor, branch)
-        start = length - 1  # the root's slot
-        slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
-        placement = None if chain else tree_placement(
-            start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
-        logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
-                                      taps=None if drafter is None else drafter.feature_layers)
-        if branch is not None:  # the drafter reads the target's logits for its branch
-            draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
-            logits = logits[:, : N + 1]
-        n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
-                                           sampling, D)
-        if not chain:  # the path's node at depth j+1 moves to slot length+j
-            cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
-                                                                 length[:, None] + offsets[:, :D], S))
-
-        # The row's new tokens: the path's then the target's own; cut after EOS and at the
-        # max_new_tokens budget; nothing for rows already done.
-        path_tokens = jnp.take_along_axis(verify, path, axis=1)  # [B, D]
-        new = jnp.where(offsets < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), extra[:, None])
-        count = n + 1
-        eos_at = is_stop(new, eos) & (offsets < count[:, None])
-        count = jnp.where(eos_at.any(axis=1), jnp.argmax(eos_at, axis=1) + 1, count)
-        count = jnp.minimum(count, max_new_tokens - (length - lengths))
-        count = jnp.where(active, count, 0)
-        keep = offsets < count[:, None]
-        tokens = state.tokens.at[rows, jnp.where(keep, length[:, None] + offsets, S)].set(new, mode="drop")
-        new_length = length + count
-        done = state.done | (eos_at & keep).any(axis=1) | (new_length - lengths >= max_new_tokens)
-
-        a = active.astype(jnp.int32)
-        stats = Stats(steps=state.stats.steps + a, drafted=state.stats.drafted + valid.sum(axis=1),
-                      accepted=state.stats.accepted + jnp.minimum(n, count))
-        k_limit = state.k_limit
-        if adaptive_k:  # transformers' heuristic: +2 after a clean sweep, -1 after a rejection
-            reach = jnp.max(jnp.where(valid, depth[..., 1:], 0), axis=1, initial=0)  # deepest proposed
-            grown = jnp.where(n >= reach, k_limit + 2, k_limit - 1)
-            k_limit = jnp.where(active, jnp.clip(grown, 1, D), k_limit)
-        trace = None if state.trace is None else state.trace.at[:, state.step].set(count)
-        features = None if state.features is None else Features(  # the root's state, then the path's
-            jnp.take_along_axis(hidden, jnp.pad(path, ((0, 0), (1, 0)))[..., None], axis=1), start)
-        if stream is not None:  # the host receives the step's kept tokens, steps in order
-            io_callback(streams.to_host, None, stream, jnp.where(keep, new, 0), count, ordered=True)
-        return LoopState(tokens=tokens, length=new_length,
-                         target_cache=cache.replace(lengths=new_length - 1),
-                         draft_state=draft_state, k_limit=k_limit, done=done, key=key, stats=stats,
-                         step=state.step + 1, trace=trace, features=features)
-
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: place(step(s)), place(state))
-
+    rows = jnp.arange(B)[:, None]
     num_tokens = state.length - lengths
     cols = jnp.arange(max_new_tokens)[None, :]
     out = state.tokens[rows, lengths[:, None] + cols]
     out = jnp.where(cols < num_tokens[:, None], out, 0)
-    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=state.trace)
+    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=trace, key=key)

@@ -6,6 +6,7 @@ Knows the drafter interface, not what any drafter does; knows nothing of the loo
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from typing import Sequence
 
@@ -108,7 +109,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     else:
         prompts, lengths = jnp.asarray(prompts).astype(jnp.int32), jnp.asarray(lengths).astype(jnp.int32)
 
-    key = jax.random.key(0) if key is None else key
+    key = fresh_key() if key is None else key
     eos = padded_stop_ids(eos_token_id)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
     if stream is not None and not callable(stream):
@@ -134,6 +135,12 @@ def _deterministic(target: Model, mesh) -> Model:
     if mesh is not None:
         raise ValueError("deterministic=True does not run on a mesh yet: leave mesh unset")
     return target.replace(exact=True)
+
+
+def fresh_key() -> jax.Array:
+    """A PRNG key from the operating system's entropy: what a call given no key samples with
+    (it returns it in `GenerateOutput.key`, so the call can be reproduced)."""
+    return jax.random.key(secrets.randbits(32))
 
 
 STOP_IDS_BUCKET = 4  # stop-id lists are padded to a multiple of this (with -1, never a token)

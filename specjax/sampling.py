@@ -1,9 +1,13 @@
 """Logits -> the distribution that is sampled from, with transformers' semantics.
 
-`Sampling` holds temperature, top-k and top-p as traced values (changing them never
-recompiles). `warp` applies them in transformers' order: temperature, then top-k, then
-top-p. Temperature 0 is greedy, expressed as a one-hot distribution on the argmax, so
-greedy decoding is the same arithmetic as sampling and needs no separate code path.
+`Sampling` holds temperature, top-k and top-p as traced values, one per row ([B]; changing
+them never recompiles, and rows of one batch may differ). `warp` applies them in
+transformers' order: temperature, then top-k, then top-p. Temperature 0 is greedy,
+expressed as a one-hot distribution on the argmax, so greedy decoding is the same
+arithmetic as sampling and needs no separate code path; a row's setting is applied by
+`where`, never by control flow on the row (only a whole batch's "all greedy" or "no
+filter" skips work). Random draws take one key per row (`uniform`, `sample`), so a
+row's samples do not depend on its neighbours.
 This module knows nothing about models, drafts or loops.
 """
 
@@ -16,14 +20,44 @@ from flax import struct
 
 @struct.dataclass
 class Sampling:
-    temperature: jax.Array  # float32 []; 0 means greedy
-    top_k: jax.Array  # int32 []; 0 means off
-    top_p: jax.Array  # float32 []; 1 means off
+    temperature: jax.Array  # float32 [B] (or [] for every row); 0 means greedy
+    top_k: jax.Array  # int32 [B] (or []); 0 means off
+    top_p: jax.Array  # float32 [B] (or []); 1 means off
 
     @classmethod
-    def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "Sampling":
-        return cls(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                   jnp.asarray(top_p, jnp.float32))
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0, batch: int | None = None) -> "Sampling":
+        """The settings as arrays: [batch] each (one value for every row), or as given."""
+        values = (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                  jnp.asarray(top_p, jnp.float32))
+        if batch is not None:
+            values = (jnp.broadcast_to(x, (batch,)) for x in values)
+        return cls(*values)
+
+    @property
+    def all_greedy(self) -> jax.Array:
+        """bool []: every row is greedy (whole-batch work may be skipped, never a row's)."""
+        return jnp.all(self.temperature == 0)
+
+
+def _rows(x: jax.Array, ndim: int) -> jax.Array:
+    """A per-row value [B] (or []) shaped to broadcast against an array [B, ...] of ndim axes."""
+    x = jnp.asarray(x)
+    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def fold_in(key: jax.Array, data) -> jax.Array:
+    """jax.random.fold_in for one key [] or one key per row [B] (data: int or int32 [B])."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    return jax.vmap(jax.random.fold_in)(key, jnp.broadcast_to(jnp.asarray(data, jnp.uint32), key.shape))
+
+
+def uniform(key: jax.Array, shape: tuple) -> jax.Array:
+    """float32 uniforms in [0, 1) of `shape`; with one key per row (key [B], shape[0] == B)
+    row b's come from its own key alone."""
+    if key.ndim == 0:
+        return jax.random.uniform(key, shape)
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(key)
 
 
 def validate(temperature, top_k, top_p):
@@ -81,21 +115,28 @@ def argmax(x: jax.Array) -> jax.Array:
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
     logits = logits.astype(jnp.float32)
-    greedy = sampling.temperature == 0
-    scores = logits / jnp.where(greedy, 1.0, sampling.temperature)
-    # The sort runs only when a filter is on and its result is used (not when greedy).
-    filtering = ~greedy & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
-    scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, sampling.top_k, sampling.top_p)
+    row = lambda x: _rows(x, logits.ndim)  # noqa: E731
+    temperature, top_k, top_p = row(sampling.temperature), row(sampling.top_k), row(sampling.top_p)
+    greedy = temperature == 0
+
+    def sampled(logits):
+        scores = logits / jnp.where(greedy, 1.0, temperature)
+        # The sort runs only when some sampled row filters (a batch-wide test: rows differ by `where`).
+        filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+        scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, top_k, top_p)
+        one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
+        return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
+
     return jax.lax.cond(  # only the branch taken runs (both, under vmap)
-        greedy, lambda s: jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32),
-        lambda s: jax.nn.softmax(s, axis=-1), scores)
+        sampling.all_greedy, lambda l: jax.nn.one_hot(argmax(l), l.shape[-1], dtype=jnp.float32), sampled, logits)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """Draws from probabilities [..., V] -> int32 [...] by inverting the CDF with one uniform
-    per row (a tenth of the cost of Gumbel-max, which needs V random numbers). Ids of zero
-    probability are never drawn: the threshold is strictly positive."""
-    u = jax.random.uniform(key, probs.shape[:-1] + (1,))
+    per distribution (a tenth of the cost of Gumbel-max, which needs V random numbers); key
+    [] or one per row [B] (`uniform`). Ids of zero probability are never drawn: the
+    threshold is strictly positive."""
+    u = uniform(key, probs.shape[:-1] + (1,))
     cdf = jnp.cumsum(probs, axis=-1)
     threshold = jnp.maximum(u * cdf[..., -1:], jnp.finfo(jnp.float32).tiny)
     index = jnp.sum(cdf < threshold, axis=-1)  # the first id whose cdf reaches the threshold

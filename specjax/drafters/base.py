@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache, tree_placement
-from specjax.sampling import Sampling, argmax, sample, warp
+from specjax.sampling import Sampling, argmax, fold_in, sample, warp
 from specjax.sharding import replicated_rules
 from specjax.tree import Tree
 
@@ -34,8 +34,8 @@ class DraftRequest:
     tokens: jax.Array  # int32 [B, S]: the loop's token buffer
     length: jax.Array  # int32 [B]: final tokens per row
     done: jax.Array  # bool [B]: finished rows; nothing drafted for them is used
-    key: jax.Array
-    sampling: Sampling
+    key: jax.Array  # one PRNG key per row [B]: its draws depend on nothing else
+    sampling: Sampling  # [B] settings
     k_limit: jax.Array  # int32 [B]: no node deeper than this per row (<= the tree's depth)
     threshold: jax.Array  # float32 []: stop a row's drafting when the draft's confidence is lower
     features: Features | None = None  # for drafters that want the target's hidden states
@@ -157,8 +157,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         distribution they were drawn from [B, W, V]."""
         if sampled:
             q = warp(logits, request.sampling)
-            tokens = jax.lax.cond(  # greedy: what drawing from the one-hot q gives, without drawing
-                request.sampling.temperature == 0,
+            tokens = jax.lax.cond(  # all greedy: what drawing from the one-hot q gives, without drawing
+                request.sampling.all_greedy,
                 lambda: jnp.broadcast_to(argmax(logits)[..., None], (B, W, C)),
                 lambda: sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V))))
         else:
@@ -189,7 +189,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
-        tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, jax.random.fold_in(request.key, d))
+        tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, fold_in(request.key, d))
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool,
                             (tokens, score, valid, parent, q if sampled else None))

@@ -1,13 +1,11 @@
 """A second, smaller model as the drafter, proposing a chain (sampled from its warped q) or
 a `specjax.Tree`.
 
-It keeps its own KV cache. Each step it first catches up on the final tokens its cache
-lacks, then grows the tree (`base.grow`). After a chain, its drafts sit at the slots of
-their positions, so feeding the last two final tokens (positions length-2, length-1) is
-enough: its cache lacks one of them, or both when every draft was accepted. A tree's nodes
-sit in a region of its own, so it re-feeds every token since the last step's length (at
-most depth + 1), overwriting the region in position order. Of the tokens it catches up
-on, only the last one's logits are read out.
+It keeps its own KV cache and, per row, the length it had seen when it last proposed
+(its cache's `lengths`). Each step it first catches up on every final token since then
+(`catch_up`: one window of depth + 1 after a step that drafted, more after steps that
+did not, at whatever K they ran), then grows the tree (`base.grow`). Of the tokens it
+catches up on, only the last one's logits are read out.
 
 With a reduced draft vocabulary (`with_vocab`, or `DraftModel.load` of a folder with a
 draft_vocab.json) its head is its columns for those ids alone, so a step reads Vd/V of
@@ -129,15 +127,30 @@ class DraftModel(Drafter):
             _, hidden, cache = apply(self.model, tokens, positions, cache, placement=placement)  # its logits unused
             return cache, read(hidden), None
 
-        length = request.length
-        rows = jnp.arange(length.shape[0])[:, None]
-        if self.tree.is_chain:
-            first, count = jnp.maximum(length - 2, 0), 2
-        else:  # cache.lengths: the length at the last step, whose region is now overwritten
-            first, count = cache.lengths, self.tree.depth + 1
-        positions = first[:, None] + jnp.arange(count)[None]  # [B, count]
-        _, hidden, cache = apply(self.model, request.tokens[rows, positions], positions, cache)
-        # Only the last final token's logits are read out (the others' are not computed).
-        last = read(jnp.take_along_axis(hidden, (length - 1 - first)[:, None, None], axis=1))[:, 0]  # [B, V]
-        cache, proposal = grow(forward, cache, last, length, request, self.tree)
-        return cache.replace(lengths=length), request.target_cache, proposal
+        cache, last = self.catch_up(cache, request, read)
+        cache, proposal = grow(forward, cache, last, request.length, request, self.tree)
+        return cache.replace(lengths=request.length), request.target_cache, proposal
+
+    def catch_up(self, cache, request: DraftRequest, read):
+        """Feeds the final tokens its cache lacks: those from the length it had seen at its
+        last proposal (`cache.lengths`; the prompt's, after `start`) through the row's last,
+        in windows of depth + 1 (the most one step can add, so one window in the steady
+        state, more after steps that did not draft, none for a row just inserted beyond one).
+        Slots past the last final token get junk, stale by the invariant: grow overwrites
+        them in position order. Returns (cache, the draft's logits [B, V] after the last)."""
+        length, tokens = request.length, request.tokens
+        (B, S), W = tokens.shape, self.tree.depth + 1
+        rows = jnp.arange(B)[:, None]
+
+        def feed(carry):
+            cache, seen, last = carry
+            positions = seen[:, None] + jnp.arange(W)[None]  # [B, W]
+            _, hidden, cache = apply(self.model, tokens[rows, jnp.minimum(positions, S - 1)], positions, cache)
+            at = length - 1 - seen  # the last final token's place in this window
+            here = read(jnp.take_along_axis(hidden, jnp.clip(at, 0, W - 1)[:, None, None], axis=1))[:, 0]
+            return cache, seen + W, jnp.where(((at >= 0) & (at < W))[:, None], here, last)
+
+        lagging = lambda carry: jnp.any(~request.done & (carry[1] < length))  # noqa: E731
+        V = request.target.config.vocab_size
+        cache, _, last = jax.lax.while_loop(lagging, feed, (cache, cache.lengths, jnp.zeros((B, V), jnp.float32)))
+        return cache, last
