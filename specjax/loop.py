@@ -93,7 +93,7 @@ class SlotState:
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
     sampling: Sampling  # [B] each: the row's temperature, top-k, top-p
     stop_ids: jax.Array  # int32 [B, M]: the row stops after any of these (-1: none)
-    key: jax.Array  # PRNG key [B]: the row's own; its step at length n uses fold_in(key, n)
+    key: jax.Array  # uint32 [B, 2]: the row's PRNG key's data; its step at length n uses fold_in(key, n)
     k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
     done: jax.Array  # bool [B]: finished (or an empty slot); frozen since
     stats: Stats
@@ -160,7 +160,7 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     return SlotState(
         tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths, prompt_len=lengths,
         limit=jnp.asarray(limit, jnp.int32), target_cache=cache.replace(lengths=lengths - 1),
-        draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=key,
+        draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=jax.random.key_data(key),
         k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
         features=features)
 
@@ -174,7 +174,8 @@ def insert(state: SlotState, slots, rows: SlotState) -> SlotState:
     def one(big, small):
         for i in range(small.shape[0]):
             at = (slots[i],) + (0,) * (big.ndim - 1)
-            big = jax.lax.dynamic_update_slice(big, small[i:i + 1].astype(big.dtype), at)
+            row = small[i:i + 1]
+            big = jax.lax.dynamic_update_slice(big, row if row.dtype == big.dtype else row.astype(big.dtype), at)
         return big
 
     if jax.tree.structure(state) != jax.tree.structure(rows):
@@ -193,7 +194,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
     length, active = state.length, ~state.done
-    key = fold_in(state.key, length)  # [B]: the row's key at its position, whatever its slot or K
+    key = fold_in(jax.random.wrap_key_data(state.key), length)  # [B]: the row's key at its position, whatever its slot or K
     draft_key, accept_key = fold_in(key, 0), fold_in(key, 1)
     if drafter is None:
         draft_state, cache = state.draft_state, state.target_cache

@@ -1,0 +1,402 @@
+"""`Engine`: continuous batching with speculation kept on the device.
+
+A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized for
+`max_len` and the deepest draft the engine runs). One host thread owns it: a free slot takes
+the next waiting request (prefill in the prompt's length bucket, then insert into that row;
+nothing else moves), and the live rows advance by loop.py's `step`, several steps per device
+call. A call returns after `steps_per_call` steps, or as soon as a row finishes while
+requests wait for a slot. When none wait, the host reads a call's tokens while the next one
+runs. K follows the number of live rows (a table fixed at construction from the backend's
+cost profile), among a few programs compiled over the same state.
+
+The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
+and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import secrets
+import threading
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from specjax import loop, memory, theory
+from specjax.drafters import DraftModel, Eagle, EarlyExit, PromptLookup, Retrieval
+from specjax.drafters.base import Drafter
+from specjax.models import Model
+from specjax.request import _deterministic
+from specjax.sampling import Sampling, validate
+from specjax.serve.programs import Programs
+
+DEFAULT_K = 4  # the chain's length where no cost profile chooses it
+# Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3).
+SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Retrieval)
+_END = object()
+
+
+class Request:
+    """One generation submitted to an `Engine`. Iterate it for chunks (lists of new token
+    ids, as the device emits them; one consumer), or wait for `result()`. `finish_reason`:
+    "stop" (a stop id was emitted, and is the last token), "length" (max_new_tokens) or
+    "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
+
+    def __init__(self, engine: "Engine", prompt: tuple, max_new_tokens: int, sampling: tuple,
+                 stop_ids: tuple, seed: int):
+        self._engine = engine
+        self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
+        self.stop_token_ids, self.seed = stop_ids, seed
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.chunk_times: list[tuple[float, int]] = []  # (when, tokens) per chunk
+        self._chunks: queue.Queue = queue.Queue()
+        self._finished = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def __iter__(self):
+        while True:
+            chunk = self._chunks.get()
+            if chunk is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield chunk
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All generated token ids (a stop id included), once the request has finished."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+    def cancel(self):
+        """Stops the request; its slot is freed at the engine's next device call."""
+        self._engine._cancel(self)
+
+    def _emit(self, tokens: list[int]):
+        self.tokens.extend(tokens)
+        self.chunk_times.append((time.perf_counter(), len(tokens)))
+        self._chunks.put(tokens)
+
+    def _finish(self, reason: str | None, error: BaseException | None = None):
+        if self.finished:
+            return
+        self.finish_reason, self.error = reason, error
+        self._finished.set()
+        self._chunks.put(_END)
+
+
+class Engine:
+    """Serves requests that arrive one at a time from `slots` rows of `max_len` positions.
+
+        engine = specjax.Engine(target, draft=draft, slots=8, max_len=2048)
+        with engine:                      # starts the device thread; drains and stops on exit
+            req = engine.submit(prompt_ids, max_new_tokens=64, temperature=0.0, stop_token_ids=(eos,))
+            for chunk in req: ...         # lists of new token ids
+            req.result(); req.finish_reason
+
+    draft: None (plain decoding), a draft `Model` (drafting from the vocabulary saved beside it
+        if loaded with `DraftModel.load`), or a drafter: DraftModel, PromptLookup, Eagle, Eagle3,
+        EarlyExit, Retrieval; others are refused by name.
+    num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
+        `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
+        `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
+        K = 4 where there is none). A drafter with its own Tree always drafts that tree.
+    deterministic: as `generate`'s: a request's output does not depend on its neighbours.
+    steps_per_call: steps per device call (the most a call runs before the host looks).
+    max_stop_ids: how many stop ids a request may carry.
+    """
+
+    def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
+                 num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
+                 steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0):
+        if not isinstance(target, Model):
+            raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
+        for name, value in (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
+                            ("max_stop_ids", max_stop_ids)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_len > target.config.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
+                             f"({target.config.max_position_embeddings})")
+        if mesh is not None:
+            raise NotImplementedError("Engine(mesh=...) is not built yet: the engine runs on one device; "
+                                      "generate(..., mesh=) shards a batch")
+        if deterministic:
+            target = _deterministic(target, mesh)
+        self.target, self.slots, self.max_len = target, int(slots), int(max_len)
+        self.k_table = self._k_table(draft, num_draft_tokens, cost_profile)  # [n live - 1] -> K
+        drafters = {K: self._drafter(draft, K) for K in sorted(set(self.k_table))}
+        if draft is not None:
+            for drafter in drafters.values():
+                if drafter is not None:
+                    drafter.check_lengths(1, max_len - 1)
+        self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
+                                 int(steps_per_call), draft_threshold)
+        self.memory = self._check_memory()
+        self._state = None
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._live: dict[int, Request] = {}
+        self._cancelled: set[Request] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.calls = collections.Counter()  # device calls per K
+        self.steps = collections.Counter()  # steps per K
+
+    # ---- construction -------------------------------------------------------------------
+
+    @staticmethod
+    def _base(draft):
+        if draft is None:
+            return None
+        drafter = DraftModel(draft) if isinstance(draft, Model) else draft
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
+        if not isinstance(drafter, SUPPORTED_DRAFTERS):
+            raise ValueError(f"the engine does not hold {type(drafter).__name__}'s state per row yet (it runs "
+                             f"{', '.join(t.__name__ for t in SUPPORTED_DRAFTERS)}, Eagle3): use generate for it")
+        return drafter
+
+    def _k_table(self, draft, num_draft_tokens, cost_profile) -> tuple[int, ...]:
+        drafter = self._base(draft)
+        if drafter is None:
+            if num_draft_tokens not in (None, 0):
+                raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
+            return (0,) * self.slots
+        own = getattr(drafter, "tree", None)
+        if own is not None or drafter.fixed_shape:
+            if num_draft_tokens is not None:
+                raise ValueError(f"{type(drafter).__name__} fixes its own shape: leave num_draft_tokens unset")
+            return (drafter.resolve(None).tree.nodes,) * self.slots
+        low = 1 if drafter.wants_features else 0
+        if isinstance(num_draft_tokens, (int, np.integer)) and not isinstance(num_draft_tokens, bool):
+            num_draft_tokens = (num_draft_tokens,) * self.slots
+        if num_draft_tokens is not None:
+            table = tuple(num_draft_tokens) if isinstance(num_draft_tokens, (tuple, list)) else ()
+            if (len(table) != self.slots or any(not isinstance(K, (int, np.integer)) or isinstance(K, bool)
+                                                or K < low for K in table)):
+                raise ValueError(f"num_draft_tokens must be an int >= {max(low, 1)}, {self.slots} ints >= {low} "
+                                 f"(K by live rows) or None, got {num_draft_tokens!r}"
+                                 + (f" ({type(drafter).__name__} reads the target's states of every step: it "
+                                    f"cannot skip one)" if low else ""))
+            return tuple(int(K) for K in table)
+        profile = theory.resolve_profile(cost_profile, jax.default_backend())
+        if profile is None:
+            return (DEFAULT_K,) * self.slots
+        table = [theory.choose_num_draft_tokens(profile, n) for n in range(1, self.slots + 1)]
+        # A drafter that reads the target's states catches up only from the last pass's: it drafts every step.
+        return tuple(max(K, low) for K in table)
+
+    def _drafter(self, draft, K: int):
+        drafter = self._base(draft)
+        if drafter is None or K == 0:
+            return None
+        own = getattr(drafter, "tree", None) is not None or drafter.fixed_shape
+        return drafter.resolve(None if own else K).bind(self.target)
+
+    def _check_memory(self) -> dict:
+        """The state's bytes against what the devices have; refused with the numbers."""
+        state = self.programs.state_bytes()
+        weights = memory.nbytes(self.target.params) + sum(
+            memory.nbytes(d) for d in {id(d): d for d in self.programs.drafters.values() if d is not None}.values())
+        free = memory.device_free_bytes()
+        if free is None:  # CPU: the host's memory holds the weights too
+            capacity = memory.memory_capacity()
+            free = None if capacity is None else capacity - weights
+        if free is not None and state > free:
+            raise memory.InsufficientMemoryError(
+                f"Engine(slots={self.slots}, max_len={self.max_len}) needs {state / memory.GB:.2f} GB for its "
+                f"caches and rows beside {weights / memory.GB:.2f} GB of weights; the device has "
+                f"{free / memory.GB:.2f} GB free: use fewer slots or a shorter max_len")
+        return {"state_bytes": state, "weight_bytes": weights, "free_bytes": free}
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
+               seed: int | None = None) -> Request:
+        """Queues a request; refuses at once (ValueError) what cannot run. seed: its samples'
+        seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
+        depend on its slot or neighbours, and equals `generate` on it alone with
+        key=jax.random.key(seed)."""
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        V = self.target.config.vocab_size
+        if prompt.min() < 0 or prompt.max() >= V:
+            raise ValueError(f"prompt token ids must lie in [0, {V}), got range [{prompt.min()}, {prompt.max()}]")
+        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if prompt.size + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"engine's max_len ({self.max_len})")
+        validate(temperature, top_k, top_p)
+        stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
+        if len(stops) > self.programs.stop_width:
+            raise ValueError(f"{len(stops)} stop ids; this engine takes up to {self.programs.stop_width} "
+                             f"(Engine(max_stop_ids=...))")
+        if any(not 0 <= i < V for i in stops):
+            raise ValueError(f"stop ids must lie in [0, {V}), got {list(stops)}")
+        if seed is None:
+            seed = secrets.randbits(32)
+        elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
+        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens),
+                          (float(temperature), int(top_k), float(top_p)), stops, int(seed))
+        with self._lock:
+            if self._thread is None or self._stopping:
+                raise RuntimeError("the engine is not running: use `with engine:` (or engine.start())")
+            self._waiting.append(request)
+            self._lock.notify()
+        return request
+
+    def _cancel(self, request: Request):
+        with self._lock:
+            if request.finished:
+                return
+            if request in self._waiting:
+                self._waiting.remove(request)
+                request._finish("cancelled")
+            else:
+                self._cancelled.add(request)
+                self._lock.notify()
+
+    # ---- the device thread --------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the engine is already running")
+            if self._state is None:
+                self._state = self.programs.empty()
+            self._stopping = False
+            self._thread = threading.Thread(target=self._serve, name="specjax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self):
+        """Stops taking requests, finishes those submitted, and stops the thread."""
+        with self._lock:
+            thread, self._stopping = self._thread, True
+            self._lock.notify()
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _serve(self):
+        pending = None
+        try:
+            while True:
+                with self._lock:
+                    while not (self._waiting or self._live or self._cancelled or pending or self._stopping):
+                        self._lock.wait()  # idle: blocks, using no CPU
+                    if self._stopping and not (self._waiting or self._live or pending):
+                        return
+                    cancelled, self._cancelled = self._cancelled, set()
+                self._release(cancelled)
+                self._admit()
+                out = self._dispatch()
+                if pending is not None:
+                    self._deliver(pending)
+                    pending = None
+                if out is not None:
+                    if out[-1]:  # requests wait: read now, so that a finished row's slot is refilled next
+                        self._deliver(out)
+                    else:  # read while the next call runs
+                        pending = out
+        except BaseException as e:  # noqa: BLE001 - the device failed: every request learns why
+            with self._lock:
+                everyone = list(self._live.values()) + list(self._waiting)
+                self._live.clear()
+                self._waiting.clear()
+                self._state = None
+            for request in everyone:
+                request._finish(None, RuntimeError(f"the engine's device call failed: {e!r}"))
+            raise
+
+    def _release(self, cancelled: set[Request]):
+        slots = [slot for slot, r in self._live.items() if r in cancelled]
+        if slots:
+            self._state = self.programs.release(self._state, slots)
+        for slot in slots:
+            with self._lock:
+                del self._live[slot]
+        for request in cancelled:
+            request._finish("cancelled")
+
+    def _admit(self):
+        """Free slots take waiting requests: prefill, insert. A request whose preparation
+        fails fails alone."""
+        while True:
+            with self._lock:
+                free = [s for s in range(self.slots) if s not in self._live]
+                if not free or not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            slot = free[0]
+            try:
+                temperature, top_k, top_p = request.sampling
+                stops = np.full((self.programs.stop_width,), -1, np.int32)
+                stops[:len(request.stop_token_ids)] = request.stop_token_ids
+                key = loop.row_keys(jax.random.key(request.seed), 1)[0]
+                rows = self.programs.prefill(np.asarray(request.prompt, np.int32),
+                                             len(request.prompt) + request.max_new_tokens,
+                                             Sampling.make(temperature, top_k, top_p), stops, key)
+            except Exception as e:  # noqa: BLE001 - this request's preparation, not the engine
+                request._finish(None, e)
+                continue
+            self._state = self.programs.insert(self._state, slot, rows)
+            with self._lock:
+                self._live[slot] = request
+
+    def _dispatch(self):
+        with self._lock:
+            owners = dict(self._live)
+            hold = bool(self._waiting)
+        if not owners:
+            return None
+        K = self.k_table[len(owners) - 1]
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold)
+        self.calls[K] += 1
+        return owners, K, tokens, counts, taken, done, hold
+
+    def _deliver(self, out):
+        owners, K, *arrays, _ = out
+        tokens, counts, taken, done = jax.device_get(arrays)
+        self.steps[K] += int(taken)
+        for slot, request in owners.items():
+            if request.finished:
+                continue
+            new = [int(t) for s in range(int(taken)) for t in tokens[s, slot, :counts[s, slot]]]
+            if new:
+                request._emit(new)
+            if done[slot]:
+                stopped = bool(request.tokens) and request.tokens[-1] in request.stop_token_ids
+                with self._lock:
+                    if self._live.get(slot) is request:
+                        del self._live[slot]
+                request._finish("stop" if stopped else "length")
+
+    def stats(self) -> dict:
+        """Device calls and steps per K so far."""
+        return {"calls": dict(self.calls), "steps": dict(self.steps), "k_table": list(self.k_table),
+                "programs": self.programs.listing(), **self.memory}
+

@@ -1,0 +1,148 @@
+"""The engine's compiled programs over one `SlotState` of `slots` rows: the empty state,
+prefill per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
+`step` at one static K per device call. Their number is bounded and fixed at construction
+(`Programs.listing`): one prefill per bucket, one run per K, never one per request.
+
+This module knows shapes and the step's arguments; nothing of requests, queues or threads
+(engine.py), and nothing of what the step computes (loop.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import loop
+from specjax.drafters.base import verify_room
+from specjax.memory import nbytes
+from specjax.models import layers
+from specjax.sampling import Sampling
+
+MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
+
+
+def buckets(max_len: int) -> tuple[int, ...]:
+    """Prompt-length buckets: 16, 32, 64, ... doubling, the last max_len rounded up to 16."""
+    last = -(-max_len // MIN_BUCKET) * MIN_BUCKET
+    out, b = [], MIN_BUCKET
+    while b < last:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (last,)
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "platform"))
+def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform):
+    """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
+    per row, so that its structure is exactly what `prefill` gives an inserted row."""
+    with layers.kernels_for(platform, portable=False):
+        state = loop.prefill(
+            target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
+            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=Sampling.make(batch=slots),
+            stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
+    return state.replace(done=jnp.ones((slots,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("cache_len", "platform"))
+def _prefill(target, drafter, prompts, lengths, limit, sampling, stop_ids, key, *, cache_len: int, platform):
+    with layers.kernels_for(platform, portable=False):
+        return loop.prefill(target, drafter, prompts, lengths, cache_len=cache_len, limit=limit,
+                            sampling=sampling, stop_ids=stop_ids, key=key)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(state, slots, rows):
+    return loop.insert(state, slots, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _release(state, free):
+    """Marks rows free (bool [B]) done: a cancelled request's slot stops at once."""
+    return state.replace(done=state.done | free)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "platform"), donate_argnums=2)
+def _run(target, drafter, state, threshold, hold, *, steps: int, platform):
+    """Up to `steps` steps; fewer when every row is done, or when `hold` (requests wait for a
+    slot) and a row finished. Returns (state, tokens int32 [steps, B, D+1], counts int32
+    [steps, B], steps taken int32 [], done bool [B]: a copy the host may read while the
+    state is donated to the next call)."""
+    B, D = state.tokens.shape[0], 0 if drafter is None else drafter.tree.depth
+    was_done = state.done
+
+    def go_on(carry):
+        state, i = carry[0], carry[1]
+        finished = jnp.any(state.done & ~was_done)
+        return (i < steps) & ~jnp.all(state.done) & ~(hold & finished)
+
+    def body(carry):
+        state, i, tokens, counts = carry
+        state, out = loop.step(target, drafter, state, threshold)
+        return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
+
+    with layers.kernels_for(platform, portable=False):
+        carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
+                 jnp.zeros((steps, B), jnp.int32))
+        state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
+    return state, tokens, counts, taken, state.done
+
+
+class Programs:
+    """The compiled programs of one engine: its target, its drafter at each K it runs (K = 0:
+    none), and the state's sizes. drafters: {K: a resolved, bound drafter, or None for 0}."""
+
+    def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
+                 steps_per_call: int, threshold: float):
+        self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
+        self.stop_width, self.steps_per_call = stop_width, steps_per_call
+        self.threshold = jnp.float32(threshold)
+        self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
+        self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
+        self.buckets = buckets(max_len)
+        self.platform = jax.default_backend()
+
+    def listing(self) -> list[str]:
+        """Every program this engine may compile, by name and shape."""
+        return ([f"empty state [{self.slots}, {self.cache_len}]", f"insert into [{self.slots}, {self.cache_len}]",
+                 "release"] + [f"prefill [1, {b}]" for b in self.buckets]
+                + [f"run {self.steps_per_call} steps at K={K}" for K in sorted(self.drafters)])
+
+    def state_shapes(self):
+        return jax.eval_shape(functools.partial(
+            _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
+            platform=self.platform), self.target, self.deepest)
+
+    def state_bytes(self) -> int:
+        return nbytes(self.state_shapes())
+
+    def empty(self):
+        return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
+                      stop_width=self.stop_width, platform=self.platform)
+
+    def bucket(self, prompt_len: int) -> int:
+        return next(b for b in self.buckets if b >= prompt_len)
+
+    def prefill(self, prompt: np.ndarray, limit: int, sampling: Sampling, stop_ids: np.ndarray, key):
+        """One request's row: prompt int32 [P] in its bucket; key: its PRNG key []."""
+        P = len(prompt)
+        b = self.bucket(P)
+        prompts = np.zeros((1, b), np.int32)
+        prompts[0, :P] = prompt
+        return _prefill(self.target, self.deepest, prompts, np.array([P], np.int32), np.array([limit], np.int32),
+                        jax.tree.map(lambda x: jnp.reshape(x, (1,)), sampling), stop_ids[None].astype(np.int32),
+                        key[None], cache_len=b, platform=self.platform)
+
+    def insert(self, state, slot: int, rows):
+        return _insert(state, np.array([slot], np.int32), rows)
+
+    def release(self, state, slots):
+        free = np.zeros((self.slots,), bool)
+        free[list(slots)] = True
+        return _release(state, free)
+
+    def run(self, state, K: int, hold: bool):
+        return _run(self.target, self.drafters[K], state, self.threshold, jnp.bool_(hold),
+                    steps=self.steps_per_call, platform=self.platform)

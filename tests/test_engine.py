@@ -1,0 +1,205 @@
+"""The engine: requests that come and go give exactly what `generate` gives each alone.
+
+One engine per drafter for the whole module (its programs compile once); requests are
+staggered so that slots are refilled while others run, and K changes with the number of
+live rows (a K table given per test), so a draft model skips steps, drafts at another K
+and starts in a refilled slot."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafters import Eagle3
+from tests.test_sampling import PROMPT, V, _chi_square_p, _exact_joint, _tiny
+
+SLOTS = 3
+MAX_LEN = 64
+rng = np.random.default_rng(0)
+# (prompt, max_new_tokens, stop ids): lengths, budgets and stops differ per request.
+REQUESTS = [(list(rng.integers(3, 97, n)), budget, stops) for n, budget, stops in
+            [(5, 12, ()), (17, 6, ()), (3, 20, (7, 11)), (9, 9, ()), (30, 15, ()), (1, 8, ()), (12, 18, (5,))]]
+
+
+@pytest.fixture(scope="module")
+def engines(pair):
+    target, drafts, _ = pair
+    made = {}
+
+    def make(name):
+        if name not in made:
+            draft, table = {
+                "plain": (None, None),
+                # K by live rows: 3 alone, 1 with two, off with three (a draft that skips steps).
+                "draft": (drafts["near"], (3, 1, 0)),
+                "eagle3": (Eagle3.init(target, jax.random.key(1)), (3, 2, 1)),
+                "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3)),
+            }[name]
+            made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
+                                        steps_per_call=4)
+        return made[name]
+
+    yield make
+    for engine in made.values():
+        if engine._thread is not None:
+            engine.stop()
+
+
+def _alone(target, draft, prompt, budget, stops, **kwargs):
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(target, prompts, lengths, max_new_tokens=budget, eos_token_id=list(stops) or None, **kwargs)
+    return [int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])]
+
+
+def _staggered(engine, requests, gap=0.02, **kwargs):
+    submitted = []
+    with engine:
+        for prompt, budget, stops in requests:
+            submitted.append(engine.submit(prompt, max_new_tokens=budget, stop_token_ids=stops, **kwargs))
+            time.sleep(gap)
+        return [r.result(timeout=300) for r in submitted], submitted
+
+
+@pytest.mark.parametrize("name", ["plain", "draft", "eagle3", "lookup"])
+def test_staggered_requests_equal_generate_alone(pair, engines, name):
+    target = pair[0]
+    engine = engines(name)
+    outputs, requests = _staggered(engine, REQUESTS)
+    for (prompt, budget, stops), got, request in zip(REQUESTS, outputs, requests):
+        assert got == _alone(target, None, prompt, budget, stops), (name, len(prompt), budget)
+        stopped = bool(stops) and got[-1] in stops
+        assert request.finish_reason == ("stop" if stopped else "length")
+        assert len(got) == budget or stopped
+        chunks_total = sum(n for _, n in request.chunk_times)
+        assert chunks_total == len(got)
+    stats = engine.stats()
+    if name == "draft":  # every K of the table ran: drafting alone, at K=1 beside another, and not at all
+        assert set(stats["steps"]) == {0, 1, 3}, stats
+    assert len(stats["programs"]) == 3 + 3 + len(set(engine.k_table))  # bounded: buckets 16, 32, 64; a run per K
+
+
+def test_streamed_chunks_concatenate_to_the_result(engines):
+    engine = engines("draft")
+    with engine:
+        request = engine.submit(REQUESTS[0][0], max_new_tokens=16)
+        chunks = list(request)
+    assert [t for c in chunks for t in c] == request.result() and len(request.result()) == 16
+    assert all(chunks)
+
+
+def test_sampling_through_the_engine_is_exact_beside_greedy_rows():
+    """Per-row settings: sampled requests (chi-square against the enumerated joint) share the
+    batch with greedy ones (each exactly the argmax continuation)."""
+    target, draft = _tiny(0, 0.6), _tiny(1, 0.15, base=_tiny(0, 0.6))
+    temperature, top_k, top_p = 1.0, 5, 0.9
+    engine = specjax.Engine(target, draft=draft, slots=16, max_len=16, num_draft_tokens=2, steps_per_call=2)
+    greedy_alone = _alone(target, None, PROMPT, 2, ())
+    rows = 1500
+    with engine:
+        sampled = [engine.submit(PROMPT, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=i) for i in range(rows)]
+        greedy = [engine.submit(PROMPT, max_new_tokens=2) for _ in range(50)]
+        tokens = np.array([r.result(timeout=600) for r in sampled])
+        assert all(r.result() == greedy_alone for r in greedy)
+    expected = _exact_joint(target, temperature, top_k, top_p)
+    observed = np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).reshape(V, V)
+    assert observed[expected == 0].sum() == 0
+    assert _chi_square_p(observed, expected) > 1e-3
+
+
+def test_a_seeded_request_reproduces_whatever_its_slot_and_neighbours(pair):
+    """Deterministic mode: the same seed gives the same bits alone (= generate with its key),
+    among other requests, and in another slot."""
+    target, drafts, _ = pair
+    prompt, seed = REQUESTS[1][0], 1234
+    settings = dict(max_new_tokens=10, temperature=0.8, top_k=20)
+    engine = specjax.Engine(target, draft=specjax.PromptLookup(2, 1), slots=SLOTS, max_len=MAX_LEN,
+                            num_draft_tokens=2, deterministic=True, steps_per_call=4)
+    with engine:
+        alone = engine.submit(prompt, seed=seed, **settings).result(timeout=300)
+        others = [engine.submit(p, max_new_tokens=b, temperature=1.0, seed=i) for i, (p, b, _) in
+                  enumerate(REQUESTS[:2])]
+        crowded = engine.submit(prompt, seed=seed, **settings)  # in the third slot, beside two others
+        assert crowded.result(timeout=300) == alone
+        [r.result(timeout=300) for r in others]
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(target, prompts, lengths, key=jax.random.key(seed), deterministic=True,
+                           draft=specjax.PromptLookup(2, 1), num_draft_tokens=2, **settings)
+    assert alone == [int(t) for t in np.asarray(out.tokens[0])]
+
+
+def test_cancel_frees_the_slot_and_waiting_requests_run(engines):
+    engine = engines("plain")
+    with engine:
+        long = [engine.submit(REQUESTS[4][0], max_new_tokens=MAX_LEN - 31) for _ in range(SLOTS)]
+        waiting = engine.submit(REQUESTS[0][0], max_new_tokens=5)
+        queued = engine.submit(REQUESTS[1][0], max_new_tokens=5)
+        queued.cancel()  # still waiting: finished at once
+        assert queued.finish_reason == "cancelled" and queued.result() == []
+        first = next(iter(long[0]))  # the first chunk has come: the slot is live
+        long[0].cancel()
+        assert waiting.result(timeout=300) and waiting.finish_reason == "length"
+        assert long[0].finish_reason == "cancelled" and long[0].tokens[:len(first)] == first
+        for r in long[1:]:
+            r.cancel()
+    assert engine._live == {} and not engine._waiting
+
+
+def test_refusals_name_the_problem(pair, engines):
+    target, drafts, _ = pair
+    engine = engines("plain")
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit([1, 2], max_new_tokens=2)
+    with engine:
+        for kwargs, match in [
+            (dict(prompt_ids=[]), "non-empty"), (dict(prompt_ids=[1, 10 ** 6]), "must lie in"),
+            (dict(prompt_ids=[1] * 60, max_new_tokens=5), "exceeds the engine's max_len"),
+            (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+            (dict(prompt_ids=[1], temperature=-1.0), "temperature"), (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+            (dict(prompt_ids=[1], stop_token_ids=list(range(9))), "stop ids"),
+            (dict(prompt_ids=[1], seed=-3), "seed"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                engine.submit(**{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(ValueError, match="Lookahead"):
+        specjax.Engine(target, draft=specjax.Lookahead(), slots=2, max_len=32)
+    with pytest.raises(ValueError, match="cannot skip"):
+        specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=2, max_len=32,
+                       num_draft_tokens=(2, 0))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        specjax.Engine(target, slots=2, max_len=10 ** 6)
+    with pytest.raises(specjax.InsufficientMemoryError, match="slots"):
+        specjax.Engine(target, slots=10 ** 6, max_len=target.config.max_position_embeddings)
+
+
+def test_a_failed_preparation_fails_that_request_only(engines, monkeypatch):
+    engine = engines("plain")
+    real = engine.programs.prefill
+
+    def prefill(prompt, *args):
+        if len(prompt) == 2:
+            raise RuntimeError("broken preparation")
+        return real(prompt, *args)
+
+    monkeypatch.setattr(engine.programs, "prefill", prefill)
+    with engine:
+        bad = engine.submit([4, 5], max_new_tokens=3)
+        good = engine.submit([4, 5, 6], max_new_tokens=3)
+        with pytest.raises(RuntimeError, match="broken preparation"):
+            bad.result(timeout=300)
+        assert len(good.result(timeout=300)) == 3
+
+
+def test_an_idle_engine_blocks_without_using_cpu(engines):
+    engine = engines("plain")
+    with engine:
+        engine.submit([1, 2, 3], max_new_tokens=2).result(timeout=300)
+        before = time.process_time()
+        time.sleep(1.0)
+        used = time.process_time() - before
+        assert engine._thread.is_alive()
+    assert used < 0.2, f"an idle engine used {used:.2f} s of CPU in 1 s"
+    assert not any(t.name == "specjax-engine" for t in threading.enumerate())
