@@ -74,8 +74,8 @@ class GenerateOutput:
     # int32 [B, max_new_tokens]: tokens each step emitted per row (0 once the row is done);
     # None unless generate(..., return_trace=True).
     trace: jax.Array | None = None
-    # The PRNG key the call sampled with (generate's `key`, or the fresh one it drew when
-    # none was given): passing it again reproduces the call.
+    # uint32: the data of the PRNG key the call sampled with (generate's `key`, or the fresh
+    # one it drew when none was given); key=jax.random.wrap_key_data(out.key) reproduces the call.
     key: jax.Array | None = None
 
 
@@ -293,7 +293,7 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
     its shapes are wanted: budget.py)."""
     B, P = prompts.shape
     sampling = Sampling.make(batch=B) if sampling is None else sampling
-    eos = jnp.full((4,), -1, jnp.int32) if eos is None else eos
+    eos = jnp.full((4,), -1, jnp.int32) if eos is None else jnp.reshape(eos, (-1,))
     return prefill(target, drafter, prompts, lengths, cache_len=cache_length(P, max_new_tokens, verify_room(drafter)),
                    limit=lengths + max_new_tokens, sampling=jax.tree.map(lambda x: jnp.broadcast_to(x, (B,)), sampling),
                    stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B))
@@ -332,4 +332,5 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     cols = jnp.arange(max_new_tokens)[None, :]
     out = state.tokens[rows, lengths[:, None] + cols]
     out = jnp.where(cols < num_tokens[:, None], out, 0)
-    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=trace, key=key)
+    return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=trace,
+                          key=jax.random.key_data(key))
