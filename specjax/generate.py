@@ -47,6 +47,10 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         by `theory.choose_tree_nodes` (see `auto_shape`).
     Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
     and eos_token_id are traced, so changing them never recompiles.
+    key: a PRNG key; row b samples from fold_in(key, b), and its step at length n from
+        fold_in of that and n, so a row's samples depend on neither its neighbours nor the
+        steps' K. None: a fresh key from the OS's entropy, returned as `out.key` (its data:
+        `key=jax.random.wrap_key_data(out.key)` repeats the call).
     eos_token_id: None, one stop id or several (a row stops after the first of any, as in
         transformers). They travel as int32 [N] padded with -1 to a multiple of 4: lists of
         1-4 ids share one compilation, 5-8 another, and so on.

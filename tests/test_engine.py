@@ -78,7 +78,8 @@ def test_staggered_requests_equal_generate_alone(pair, engines, name):
     stats = engine.stats()
     if name == "draft":  # every K of the table ran: drafting alone, at K=1 beside another, and not at all
         assert set(stats["steps"]) == {0, 1, 3}, stats
-    assert len(stats["programs"]) == 3 + 3 + len(set(engine.k_table))  # bounded: buckets 16, 32, 64; a run per K
+    # Bounded: empty, release; prefill and insert per bucket (16, 32, 64); a run per K and width (1, 2, 3).
+    assert len(stats["programs"]) == 2 + 2 * 3 + len(set(engine.k_table)) * 3
 
 
 def test_streamed_chunks_concatenate_to_the_result(engines):

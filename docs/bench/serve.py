@@ -54,6 +54,7 @@ class EngineSystem:
         self.engine = engine
 
     def __enter__(self):
+        self.engine.compile_all()
         self.engine.start()
         return self
 
@@ -147,7 +148,7 @@ class TransformersSystem:
 
     def submit(self, prompt, budget, record):
         record.submitted = time.perf_counter()
-        rid = self.manager.add_request(list(prompt), max_new_tokens=budget)
+        rid = self.manager.add_request(list(prompt), max_new_tokens=budget, streaming=True)
 
         def wait():
             seen = 0

@@ -274,6 +274,12 @@ class Engine:
 
     # ---- the device thread --------------------------------------------------------------
 
+    def compile_all(self) -> "Engine":
+        """Compiles every program the engine may run (`stats()["programs"]`) now, so that no
+        request waits for a compile; seconds to minutes, once per process and shape."""
+        self.programs.compile_all()
+        return self
+
     def start(self) -> "Engine":
         with self._lock:
             if self._thread is not None:
@@ -374,7 +380,8 @@ class Engine:
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold)
+        # New requests take the lowest free slot, so live rows gather at the front.
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1)
         self.calls[K] += 1
         return owners, K, tokens, counts, taken, done, hold
 

@@ -1,7 +1,8 @@
 """The engine's compiled programs over one `SlotState` of `slots` rows: the empty state,
 prefill per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
-`step` at one static K per device call. Their number is bounded and fixed at construction
-(`Programs.listing`): one prefill per bucket, one run per K, never one per request.
+`step` at one static K per device call, over the state's first rows (a few widths: a step
+costs by its rows). Their number is bounded and fixed at construction (`Programs.listing`):
+one prefill per bucket, one run per K and width, never one per request.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
@@ -64,13 +65,16 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "platform"), donate_argnums=2)
-def _run(target, drafter, state, threshold, hold, *, steps: int, platform):
-    """Up to `steps` steps; fewer when every row is done, or when `hold` (requests wait for a
-    slot) and a row finished. Returns (state, tokens int32 [steps, B, D+1], counts int32
-    [steps, B], steps taken int32 [], done bool [B]: a copy the host may read while the
-    state is donated to the next call)."""
-    B, D = state.tokens.shape[0], 0 if drafter is None else drafter.tree.depth
+@functools.partial(jax.jit, static_argnames=("steps", "width", "platform"), donate_argnums=2)
+def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, platform):
+    """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
+    a step costs by its rows, so one live request does not pay for eight); fewer steps when
+    those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
+    Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
+    taken int32 [], done bool [width]: a copy the host may read while the state is donated
+    to the next call)."""
+    state = jax.tree.map(lambda x: x[:width], full)  # copied in, written back once per call
+    B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
 
     def go_on(carry):
@@ -87,7 +91,8 @@ def _run(target, drafter, state, threshold, hold, *, steps: int, platform):
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
-    return state, tokens, counts, taken, state.done
+    full = jax.tree.map(lambda big, rows: big.at[:width].set(rows), full, state)
+    return full, tokens, counts, taken, state.done
 
 
 class Programs:
@@ -102,13 +107,15 @@ class Programs:
         self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
         self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
         self.buckets = buckets(max_len)
+        self.widths = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
         self.platform = jax.default_backend()
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
-        return ([f"empty state [{self.slots}, {self.cache_len}]", f"insert into [{self.slots}, {self.cache_len}]",
-                 "release"] + [f"prefill [1, {b}]" for b in self.buckets]
-                + [f"run {self.steps_per_call} steps at K={K}" for K in sorted(self.drafters)])
+        return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
+                + [f"{name} [1, {b}]" for b in self.buckets for name in ("prefill", "insert")]
+                + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}"
+                   for K in sorted(self.drafters) for w in self.widths])
 
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
@@ -143,6 +150,24 @@ class Programs:
         free[list(slots)] = True
         return _release(state, free)
 
-    def run(self, state, K: int, hold: bool):
+    def compile_all(self):
+        """Runs every program once on a throwaway state, so that none compiles while serving."""
+        state = self.empty()
+        sampling, stops = Sampling.make(), np.full((self.stop_width,), -1, np.int32)
+        for b in self.buckets:
+            rows = self.prefill(np.ones((b,), np.int32), min(b + 1, self.max_len), sampling, stops, jax.random.key(0))
+            state = self.insert(state, 0, rows)
+        state = self.release(state, [0])
+        for K in self.drafters:
+            for w in self.widths:
+                state = self.run(state, K, False, w)[0]
+        jax.block_until_ready(state)
+
+    def width(self, rows: int) -> int:
+        """The narrowest run that covers the state's first `rows` rows."""
+        return next(w for w in self.widths if w >= rows)
+
+    def run(self, state, K: int, hold: bool, rows: int):
+        """Steps at K over the narrowest width covering the first `rows` rows."""
         return _run(self.target, self.drafters[K], state, self.threshold, jnp.bool_(hold),
-                    steps=self.steps_per_call, platform=self.platform)
+                    steps=self.steps_per_call, width=self.width(rows), platform=self.platform)
