@@ -61,8 +61,9 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         heuristic schedule), on the device.
     draft_threshold: a model drafter stops a row's drafting once its own confidence (max
         probability at temperature 1) falls below this (traced; 0 drafts all K).
-    mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules): rows go over
-        `data`, caches' heads over `model`, as the models' params are (see shard_model).
+    mesh, rules: a `specjax.make_mesh` mesh (and optional logical-axis rules; default: the
+        rules the target was sharded with): rows go over `data`, caches' heads over `model`,
+        as the models' params are (see shard_model).
     stream: a function called on the host after every step, from inside the compiled loop
         (an ordered io_callback), as stream(tokens int32 [B, K+1], counts int32 [B]): row b
         gained tokens[b, :counts[b]] (0 for finished rows), so the calls concatenated per row

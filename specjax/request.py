@@ -111,7 +111,8 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
 
     key = fresh_key() if key is None else key
     eos = padded_stop_ids(eos_token_id)
-    rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
+    # The cache follows the rules the target was sharded with, unless the call names others.
+    rules = None if mesh is None else tuple(rules or target.rules or sharding.DEFAULT_RULES)
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
     args = (target, drafter, prompts, lengths, key,

@@ -140,9 +140,30 @@ def main():
             "cache_spec": str(specjax.sharding.cache_shardings(
                 specjax.KVCache.init(CONFIG, 8, S), mesh).k[0].spec),
         }
+    findings["engine"] = engine_findings(target, draft)
     findings["int8"] = int8_findings(folder)
     findings["kv_heads"] = kv_head_findings(prompts, lengths)
     print(json.dumps(findings))
+
+
+def engine_findings(target, draft) -> dict:
+    """The engine on a 2x4 mesh (slots over data, heads over model), requests staggered and K
+    changing with live rows, against single-device generate on each request alone."""
+    mesh = specjax.make_mesh(data=2, model=4)
+    engine = specjax.Engine(specjax.shard_model(target, mesh), draft=specjax.shard_model(draft, mesh), slots=4,
+                            max_len=48, num_draft_tokens=(3, 2, 1, 0), mesh=mesh, steps_per_call=4)
+    rng = np.random.RandomState(1)
+    requests = [(list(rng.randint(0, 389, n)), budget) for n, budget in ((5, 10), (12, 6), (3, 12), (9, 8), (7, 5))]
+    with engine:
+        submitted = [engine.submit(p, max_new_tokens=b) for p, b in requests]
+        got = [r.result(timeout=300) for r in submitted]
+    alone = []
+    for p, b in requests:
+        out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=b)
+        alone.append([int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])])
+    return {"equal": got == alone, "steps_by_K": {str(k): v for k, v in engine.steps.items()},
+            "cache_spec": str(engine._state.target_cache.k[0].sharding.spec),
+            "tokens_spec": str(engine._state.tokens.sharding.spec)}
 
 
 # 8 query heads over 2 kv heads: a model axis of 4 takes two copies of each kv head. The

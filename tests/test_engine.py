@@ -37,6 +37,7 @@ def engines(pair):
                 "draft": (drafts["near"], (3, 1, 0)),
                 "eagle3": (Eagle3.init(target, jax.random.key(1)), (3, 2, 1)),
                 "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3)),
+                "early_exit": (specjax.EarlyExit(1), (2, 1, 0)),
             }[name]
             made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
                                         steps_per_call=4)
@@ -63,7 +64,7 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
         return [r.result(timeout=300) for r in submitted], submitted
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", "eagle3", "lookup"])
+@pytest.mark.parametrize("name", ["plain", "draft", "eagle3", "lookup", "early_exit"])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):
     target = pair[0]
     engine = engines(name)
@@ -165,8 +166,9 @@ def test_refusals_name_the_problem(pair, engines):
         ]:
             with pytest.raises(ValueError, match=match):
                 engine.submit(**{"max_new_tokens": 2, **kwargs})
-    with pytest.raises(ValueError, match="Lookahead"):
-        specjax.Engine(target, draft=specjax.Lookahead(), slots=2, max_len=32)
+    for drafter in (specjax.Lookahead(), specjax.Medusa.init(target, 2, jax.random.key(0))):
+        with pytest.raises(ValueError, match=type(drafter).__name__):
+            specjax.Engine(target, draft=drafter, slots=2, max_len=32)
     with pytest.raises(ValueError, match="cannot skip"):
         specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=2, max_len=32,
                        num_draft_tokens=(2, 0))

@@ -29,6 +29,15 @@ def test_sharded_generate_equals_single_device(findings, mesh):
     assert findings["meshes"][mesh]["tree_equal"]  # a token tree too, and greedy == the chain's
 
 
+def test_the_engine_on_a_mesh_equals_single_device(findings):
+    """Slots over data, the cache's heads over model (the target's rules), K changing with the
+    live rows: each request's output is single-device generate's on it alone."""
+    m = findings["engine"]
+    assert m["equal"], m
+    assert len(m["steps_by_K"]) >= 2, m  # K changed
+    assert "data" in m["tokens_spec"] and "model" in m["cache_spec"], m
+
+
 @pytest.mark.parametrize("mesh, most", [("1x8", 0.2), ("2x4", 0.5)])
 def test_weights_are_split(findings, mesh, most):
     """Heads (6, 2) and vocab (389) divide no model axis: the fallbacks still split them."""

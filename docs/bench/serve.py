@@ -217,7 +217,10 @@ def main():
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 4.0, 16.0])
     parser.add_argument("--systems", nargs="*", default=["static", "engine plain", "engine spec", "transformers"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for transformers")
+    parser.add_argument("--from-json", type=Path, help="only write the report again from a serve.json")
     args = parser.parse_args()
+    if args.from_json:
+        return write(json.loads(args.from_json.read_text()), args.slots, args.out)
 
     import jax
 
@@ -265,6 +268,14 @@ def main():
         if hasattr(system, "engine"):
             results.setdefault("k_table", {})[name] = list(system.engine.k_table)
 
+    results["title"] = lines
+    write(results, args.slots, args.out)
+
+
+def write(results, slots, out: Path):
+    """serve.txt (the table and the goals), serve.json and serve.png into out."""
+    lines = list(results["title"])
+    loads = [(load, None) for load in results if load not in ("title", "k_table")]
     header = (f"{'load':>16} {'system':>13} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
               f"{'ITL p50':>8} {'p99':>8}  steps by K")
     lines.append(header)
@@ -278,23 +289,29 @@ def main():
     have = lambda *names: all(n in results[loads[0][0]] for n in names)  # noqa: E731
     if have("engine spec", "engine plain"):
         lines.append(f"engine spec / plain, 1 client: {ratio('1 client', 'engine spec', 'engine plain'):.2f}x "
-                     f"(goal >= 1.5x); {args.slots} clients: "
-                     f"{ratio(f'{args.slots} clients', 'engine spec', 'engine plain'):.2f}x (goal >= 0.95x)")
-        plain = results
-        lines.append(f"engine plain, {args.slots} clients / 1 client: "
-                     f"{plain[f'{args.slots} clients']['engine plain']['tokens_per_s'] / plain['1 client']['engine plain']['tokens_per_s']:.2f}x (goal >= 4x)")
+                     f"(goal >= 1.5x); {slots} clients: "
+                     f"{ratio(f'{slots} clients', 'engine spec', 'engine plain'):.2f}x (goal >= 0.95x)")
+        scaling = results[f"{slots} clients"]["engine plain"]["tokens_per_s"] / results["1 client"]["engine plain"][
+            "tokens_per_s"]
+        lines.append(f"engine plain, {slots} clients / 1 client: {scaling:.2f}x (goal >= 4x)")
     if have("engine plain", "transformers"):
-        worst = min(max(results[load][n]["tokens_per_s"] for n in ("engine plain", "engine spec") if n in results[load])
-                    / results[load]["transformers"]["tokens_per_s"] for load, _ in loads)
-        lines.append(f"engine / transformers continuous batching, the least over loads: {worst:.2f}x (goal >= 2x)")
+        # Below saturation every system delivers the offered load: compare time per token there.
+        engine = lambda load, key: [results[load][n][key] for n in ("engine plain", "engine spec")  # noqa: E731
+                                    if n in results[load]]
+        closed = min(max(engine(load, "tokens_per_s")) / results[load]["transformers"]["tokens_per_s"]
+                     for load, _ in loads[:2])
+        open_ = min(results[load]["transformers"]["tpot_p50_ms"] / min(engine(load, "tpot_p50_ms"))
+                    for load, _ in loads[2:])
+        lines.append(f"engine / transformers continuous batching (goal >= 2x): tokens/s, the least of the closed "
+                     f"loops {closed:.2f}x; TPOT p50, the least of the Poisson rates {open_:.2f}x")
     if "k_table" in results:
         lines.append(f"K by live rows: {results['k_table']}")
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve.txt").write_text(text)
-    (args.out / "serve.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, [load for load, _ in loads if load.startswith("poisson")], args.out / "serve.png")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.txt").write_text(text)
+    (out / "serve.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, [load for load, _ in loads if load.startswith("poisson")], out / "serve.png")
 
 
 def plot(results, loads, path):
@@ -304,9 +321,7 @@ def plot(results, loads, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in next(iter(results.values())):
-        if name == "k_table":
-            continue
+    for name in results[loads[0]]:
         xs = [results[load][name]["tokens_per_s"] for load in loads if name in results[load]]
         ys = [results[load][name]["tpot_p50_ms"] for load in loads if name in results[load]]
         ax.plot(xs, ys, marker="o", label=name)

@@ -25,8 +25,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax import loop, memory, theory
-from specjax.drafters import DraftModel, Eagle, EarlyExit, PromptLookup, Retrieval
+from specjax import loop, memory, sharding, theory
+from specjax.drafters import DraftModel, Eagle, EarlyExit, PromptLookup
 from specjax.drafters.base import Drafter
 from specjax.models import Model
 from specjax.request import _deterministic
@@ -35,7 +35,7 @@ from specjax.serve.programs import Programs
 
 DEFAULT_K = 4  # the chain's length where no cost profile chooses it
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3).
-SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Retrieval)
+SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit)
 _END = object()
 
 
@@ -107,11 +107,13 @@ class Engine:
 
     draft: None (plain decoding), a draft `Model` (drafting from the vocabulary saved beside it
         if loaded with `DraftModel.load`), or a drafter: DraftModel, PromptLookup, Eagle, Eagle3,
-        EarlyExit, Retrieval; others are refused by name.
+        EarlyExit (each tested against `generate`); others are refused by name.
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
         K = 4 where there is none). A drafter with its own Tree always drafts that tree.
+    mesh: a `specjax.make_mesh` mesh, the models sharded on it (`shard_model`): slots lie over
+        `data` (a multiple of it), the caches' heads over `model` by the target's rules.
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
     steps_per_call: steps per device call (the most a call runs before the host looks).
     max_stop_ids: how many stop ids a request may carry.
@@ -129,9 +131,12 @@ class Engine:
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
                              f"({target.config.max_position_embeddings})")
+        rules = None
         if mesh is not None:
-            raise NotImplementedError("Engine(mesh=...) is not built yet: the engine runs on one device; "
-                                      "generate(..., mesh=) shards a batch")
+            data = mesh.shape["data"]
+            if slots % data:
+                raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({data}): rows lie over it")
+            rules = tuple(target.rules or sharding.DEFAULT_RULES)  # the cache follows the target's rules
         if deterministic:
             target = _deterministic(target, mesh)
         self.target, self.slots, self.max_len = target, int(slots), int(max_len)
@@ -142,7 +147,7 @@ class Engine:
                 if drafter is not None:
                     drafter.check_lengths(1, max_len - 1)
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
-                                 int(steps_per_call), draft_threshold)
+                                 int(steps_per_call), draft_threshold, mesh, rules)
         self.memory = self._check_memory()
         self._state = None
         self._lock = threading.Condition()
@@ -210,7 +215,10 @@ class Engine:
         state = self.programs.state_bytes()
         weights = memory.nbytes(self.target.params) + sum(
             memory.nbytes(d) for d in {id(d): d for d in self.programs.drafters.values() if d is not None}.values())
-        free = memory.device_free_bytes()
+        mesh = self.programs.mesh
+        free = memory.device_free_bytes(mesh)
+        if free is not None and mesh is not None:  # rows and heads are split over the mesh's devices
+            free *= mesh.devices.size
         if free is None:  # CPU: the host's memory holds the weights too
             capacity = memory.memory_capacity()
             free = None if capacity is None else capacity - weights

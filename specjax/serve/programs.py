@@ -35,28 +35,29 @@ def buckets(max_len: int) -> tuple[int, ...]:
     return tuple(out) + (last,)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "platform"))
-def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform):
+@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "platform", "mesh", "rules"))
+def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform, mesh, rules):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row."""
-    with layers.kernels_for(platform, portable=False):
+    with layers.kernels_for(platform, portable=mesh is not None):
         state = loop.prefill(
             target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
             cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=Sampling.make(batch=slots),
             stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
-    return state.replace(done=jnp.ones((slots,), bool))
+    return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, mesh, rules)
 
 
-@functools.partial(jax.jit, static_argnames=("cache_len", "platform"))
-def _prefill(target, drafter, prompts, lengths, limit, sampling, stop_ids, key, *, cache_len: int, platform):
-    with layers.kernels_for(platform, portable=False):
+@functools.partial(jax.jit, static_argnames=("cache_len", "platform", "portable"))
+def _prefill(target, drafter, prompts, lengths, limit, sampling, stop_ids, key, *, cache_len: int, platform,
+             portable: bool):
+    with layers.kernels_for(platform, portable=portable):
         return loop.prefill(target, drafter, prompts, lengths, cache_len=cache_len, limit=limit,
                             sampling=sampling, stop_ids=stop_ids, key=key)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _insert(state, slots, rows):
-    return loop.insert(state, slots, rows)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
+def _insert(state, slots, rows, drafter, *, mesh, rules):
+    return loop.place(loop.insert(state, slots, rows), drafter, mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -65,8 +66,8 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "width", "platform"), donate_argnums=2)
-def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, platform):
+@functools.partial(jax.jit, static_argnames=("steps", "width", "platform", "mesh", "rules"), donate_argnums=2)
+def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, platform, mesh, rules):
     """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
     a step costs by its rows, so one live request does not pay for eight); fewer steps when
     those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
@@ -85,13 +86,17 @@ def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, plat
     def body(carry):
         state, i, tokens, counts = carry
         state, out = loop.step(target, drafter, state, threshold)
+        state = loop.place(state, drafter, mesh, rules)
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
-    with layers.kernels_for(platform, portable=False):
+    with layers.kernels_for(platform, portable=mesh is not None):
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
-    full = jax.tree.map(lambda big, rows: big.at[:width].set(rows), full, state)
+    if width < full.tokens.shape[0]:
+        full = jax.tree.map(lambda big, rows: big.at[:width].set(rows), full, state)
+    else:
+        full = state
     return full, tokens, counts, taken, state.done
 
 
@@ -100,15 +105,18 @@ class Programs:
     none), and the state's sizes. drafters: {K: a resolved, bound drafter, or None for 0}."""
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
-                 steps_per_call: int, threshold: float):
+                 steps_per_call: int, threshold: float, mesh=None, rules=None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
         self.threshold = jnp.float32(threshold)
         self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
         self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
         self.buckets = buckets(max_len)
-        self.widths = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
-        self.platform = jax.default_backend()
+        # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
+        self.widths = (slots,) if mesh is not None else tuple(
+            sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
+        self.mesh, self.rules = mesh, rules
+        self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
@@ -120,14 +128,14 @@ class Programs:
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
             _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            platform=self.platform), self.target, self.deepest)
+            platform=self.platform, mesh=self.mesh, rules=self.rules), self.target, self.deepest)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, platform=self.platform)
+                      stop_width=self.stop_width, platform=self.platform, mesh=self.mesh, rules=self.rules)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
@@ -140,10 +148,10 @@ class Programs:
         prompts[0, :P] = prompt
         return _prefill(self.target, self.deepest, prompts, np.array([P], np.int32), np.array([limit], np.int32),
                         jax.tree.map(lambda x: jnp.reshape(x, (1,)), sampling), stop_ids[None].astype(np.int32),
-                        key[None], cache_len=b, platform=self.platform)
+                        key[None], cache_len=b, platform=self.platform, portable=self.mesh is not None)
 
     def insert(self, state, slot: int, rows):
-        return _insert(state, np.array([slot], np.int32), rows)
+        return _insert(state, np.array([slot], np.int32), rows, self.deepest, mesh=self.mesh, rules=self.rules)
 
     def release(self, state, slots):
         free = np.zeros((self.slots,), bool)
@@ -170,4 +178,5 @@ class Programs:
     def run(self, state, K: int, hold: bool, rows: int):
         """Steps at K over the narrowest width covering the first `rows` rows."""
         return _run(self.target, self.drafters[K], state, self.threshold, jnp.bool_(hold),
-                    steps=self.steps_per_call, width=self.width(rows), platform=self.platform)
+                    steps=self.steps_per_call, width=self.width(rows), platform=self.platform, mesh=self.mesh,
+                    rules=self.rules)
