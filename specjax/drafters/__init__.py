@@ -24,6 +24,14 @@ drawn from — or None when the drafter is deterministic (one-hot q, never mater
 and, optionally, a `Branch`: extra tokens the target scores in the same pass under the
 drafter's own mask, whose logits the drafter then observes (lookahead's Jacobi window).
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
+
+Every leaf of a drafter's state has the batch axis first: the engine (specjax/serve) writes
+a freshly prefilled row into it, and a shorter leaf (a cache started at a prompt's bucket)
+is written at its start. A drafter keeps, per row, what it has seen (a model drafter: its
+cache's `lengths`), and catches up from there, so its next proposal is right after a step
+at another K, a step in which it did not draft, or in a slot just refilled. Drafters that
+read the target's states (`wants_features`) catch up only from the last pass's, so the
+engine lets them draft every step.
 """
 
 from specjax.drafters.base import Branch, Drafter, DraftRequest, Features, Proposal
