@@ -35,6 +35,15 @@ from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_t
 from specjax.tree import Tree
 
 
+def _as(w, dtype):
+    """A floating weight (an array, or a shape alone) in dtype; anything else as it is."""
+    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype == dtype:
+        return w
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(w.shape, dtype, sharding=w.sharding)
+    return w.astype(dtype)
+
+
 def layer_config(target: ModelConfig) -> ModelConfig:
     """The drafter's one layer: the target's family and sizes, full attention."""
     return dataclasses.replace(target, num_layers=1, layer_types=None, sliding_window=None)
@@ -112,7 +121,9 @@ class Eagle(Drafter):
         if self.param_shapes(config) != jax.tree.map(lambda w: tuple(w.shape), self.params):
             raise ValueError(f"this {self.name} drafter's weights do not match the target's sizes (heads, "
                              f"head_dim, MLP width, biases, norms): it was made for another target")
-        return self.replace(config=config)
+        # Trained drafters keep float32 weights; cast once here, in the target's dtype, not inside
+        # every draft step (where XLA converted them per step and a step read twice its bytes).
+        return self.replace(config=config, params=jax.tree.map(lambda w: _as(w, target.dtype), self.params))
 
     def param_shapes(self, config: ModelConfig) -> dict:
         """The shapes its params must have for the layer config `config`."""
