@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.sampling import Sampling, argmax, fold_in, sample, uniform, warp
 
@@ -56,9 +57,11 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     indices by depth (0 past n), extra int32 [B]: the target's own next token)."""
     B, N = tokens.shape
     rows = jnp.arange(B)
-    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
     u = uniform(fold_in(key, 0), (B, N))  # key: one per row [B] (or one [] for all)
     extra_key = fold_in(key, 1)
+    if is_chain(parents, N):
+        return _accept_chain(tokens, valid, q, p, u, extra_key, max_depth)
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
 
     def visit(i, carry):
         current, r, n, path = carry  # [B], [B, V], [B], [B, max_depth]
@@ -88,6 +91,9 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
     Same arguments otherwise and the same returns as `accept`."""
     B, N = tokens.shape
     rows = jnp.arange(B)
+    if is_chain(parents, N):  # n: the leading drafts equal to the argmax before them
+        n = _leading(valid & (tokens == best[:, :N]))
+        return n, _chain_path(n, B, max_depth), jnp.take_along_axis(best, n[:, None], axis=1)[:, 0].astype(jnp.int32)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
 
     def visit(i, carry):
@@ -99,6 +105,43 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
     carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B, max_depth), jnp.int32))
     current, n, path = jax.lax.fori_loop(0, N, visit, carry) if N else carry
     return n, path, best[rows, current].astype(jnp.int32)
+
+
+def is_chain(parents, N: int) -> bool:
+    """A fixed chain: node i's parent is node i-1 (known at trace time)."""
+    return isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N))
+
+
+def _leading(accepted: jax.Array) -> jax.Array:
+    """int32 [B]: how many of accepted bool [B, N] hold before the first that does not."""
+    return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+
+
+def _chain_path(n: jax.Array, B: int, max_depth: int) -> jax.Array:
+    """A chain's accepted path [B, max_depth]: node d+1 at depth d for d < n, 0 beyond."""
+    d = jnp.arange(max_depth)[None]
+    return jnp.where(d < n[:, None], d + 1, 0).astype(jnp.int32)
+
+
+def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
+    """`accept` for a chain, all nodes at once: node i+1's only candidate is tried against p at
+    node i (every node before it accepted, r is p there), so its test is u_i q_i(x) < p_i(x)
+    for all i in parallel and n is the count of leading accepts; r at the stop is p after the
+    last node, or p at the rejected node with its candidate's q removed. The same uniforms,
+    tests and draws as the walk, without a loop over the nodes."""
+    B, N = tokens.shape
+    p_x = jnp.take_along_axis(p[:, :N], tokens[..., None], axis=-1)[..., 0]  # [B, N]
+    q_x = 1.0 if q is None else jnp.take_along_axis(q, tokens[..., None], axis=-1)[..., 0]
+    n = _leading(valid & (u * q_x < p_x))
+    at = n[:, None, None]
+    r = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]: p at the stop
+    if N:
+        stopped = jnp.minimum(n, N - 1)[:, None]  # the rejected node, where n < N
+        x = jnp.take_along_axis(tokens, stopped, axis=1)[:, 0]
+        q_n = None if q is None else jnp.take_along_axis(q, stopped[..., None], axis=1)[:, 0]
+        tried = jnp.take_along_axis(valid, stopped, axis=1)[:, 0] & (n < N)
+        r = jnp.where(tried[:, None], remove_rejected(r, q_n, x), r)
+    return n, _chain_path(n, B, max_depth), sample(extra_key, r)
 
 
 def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,

@@ -291,3 +291,30 @@ def test_broken_sibling_update_fails_the_test(tiny_pair, exact_joint, monkeypatc
         monkeypatch.undo()
         jax.clear_caches()
     assert _chi_square_p(observed, exact_joint) < 1e-6
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_chain_acceptance_at_once_equals_the_walk(deterministic):
+    """A chain's acceptance, all nodes at once, gives what the node-by-node walk gives, bit for
+    bit (the same uniforms, tests and draws): greedy and sampled, drafts drawn from q or
+    deterministic (q one-hot, None), rows whose drafts stop early."""
+    from specjax.acceptance import accept, accept_greedy
+
+    B, N, V = 64, 4, 7
+    keys = jax.random.split(jax.random.key(5), 4)
+    p = jax.nn.softmax(2 * jax.random.normal(keys[0], (B, N + 1, V)), axis=-1)
+    q = None if deterministic else jax.nn.softmax(2 * jax.random.normal(keys[1], (B, N, V)), axis=-1)
+    best = jnp.argmax(p, axis=-1).astype(jnp.int32)
+    # Drafts: the argmax often (long accepted runs), else random; some rows propose fewer.
+    tokens = jnp.where(jax.random.uniform(keys[2], (B, N)) < 0.7, best[:, :N],
+                       jax.random.randint(keys[3], (B, N), 0, V)).astype(jnp.int32)
+    valid = jnp.arange(N)[None] < (jnp.arange(B) % (N + 1))[:, None]
+    chain, walked = np.arange(N, dtype=np.int32), jnp.arange(N, dtype=jnp.int32)  # traced parents: the walk
+    row_keys = jax.vmap(jax.random.key)(jnp.arange(B))
+    at_once = accept(row_keys, tokens, chain, valid, q, p, N)
+    walk = accept(row_keys, tokens, walked, valid, q, p, N)
+    for a, b in zip(at_once, walk):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert 0 < int(at_once[0].sum()) < B * N  # accepts and rejections both ran
+    for a, b in zip(accept_greedy(tokens, chain, valid, best, N), accept_greedy(tokens, walked, valid, best, N)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
