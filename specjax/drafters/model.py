@@ -2,10 +2,11 @@
 a `specjax.Tree`.
 
 It keeps its own KV cache and, per row, the length it had seen when it last proposed
-(its cache's `lengths`). Each step it first catches up on every final token since then
-(`catch_up`: one window of depth + 1 after a step that drafted, more after steps that
-did not, at whatever K they ran), then grows the tree (`base.grow`). Of the tokens it
-catches up on, only the last one's logits are read out.
+(its cache's `lengths`) and the chain drafts it fed past it (`ModelDraftState`). Each step
+it first catches up on every final token its cache lacks (`catch_up`: the last one or two
+after a chain step, up to depth + 1 after a tree step, more after steps that did not draft,
+at whatever K they ran), then grows the tree (`base.grow`). Of the tokens it catches up
+on, only the last one's logits are read out.
 
 With a reduced draft vocabulary (`with_vocab`, or `DraftModel.load` of a folder with a
 draft_vocab.json) its head is its columns for those ids alone, so a step reads Vd/V of
@@ -103,7 +104,8 @@ class DraftModel(Drafter):
         B, P = prompts.shape
         cache = KVCache.init(self.model.config, B, grow_cache_length(self.tree, max_len), self.model.dtype)
         _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
-        return cache.replace(lengths=lengths - 1)
+        fed = jnp.full((B, self.tree.depth - 1 if self.tree.is_chain else 0), -1, jnp.int32)
+        return ModelDraftState(cache.replace(lengths=lengths - 1), fed)
 
     def read(self, hidden, vocab_size: int):
         """The draft's final states [B, W, E] -> float32 logits over the target's vocab_size ids
@@ -119,7 +121,7 @@ class DraftModel(Drafter):
             return jnp.pad(logits, ((0, 0), (0, 0), (0, vocab_size - Vd)), constant_values=-jnp.inf)
         return logits
 
-    def propose(self, cache, request: DraftRequest):
+    def propose(self, state: "ModelDraftState", request: DraftRequest):
         V = request.target.config.vocab_size
         read = lambda hidden: self.read(hidden, V)  # noqa: E731
 
@@ -127,20 +129,33 @@ class DraftModel(Drafter):
             _, hidden, cache = apply(self.model, tokens, positions, cache, placement=placement)  # its logits unused
             return cache, read(hidden), None
 
-        cache, last = self.catch_up(cache, request, read)
+        cache, last = self.catch_up(state, request, read)
         cache, proposal = grow(forward, cache, last, request.length, request, self.tree)
-        return cache.replace(lengths=request.length), request.target_cache, proposal
+        fed = state.fed
+        if fed.shape[1]:  # a chain's drafts d1..d_{D-1} now sit at positions length.. (-1: not fed)
+            D1 = self.tree.depth - 1
+            drafted = jnp.where(proposal.valid[:, :D1], proposal.tokens[:, :D1], -1)
+            fed = jnp.pad(drafted, ((0, 0), (0, fed.shape[1] - D1)), constant_values=-1)
+        return ModelDraftState(cache.replace(lengths=request.length), fed), request.target_cache, proposal
 
-    def catch_up(self, cache, request: DraftRequest, read):
-        """Feeds the final tokens its cache lacks: those from the length it had seen at its
-        last proposal (`cache.lengths`; the prompt's, after `start`) through the row's last,
-        in windows of depth + 1 (the most one step can add, so one window in the steady
-        state, more after steps that did not draft, none for a row just inserted beyond one).
-        Slots past the last final token get junk, stale by the invariant: grow overwrites
-        them in position order. Returns (cache, the draft's logits [B, V] after the last)."""
-        length, tokens = request.length, request.tokens
-        (B, S), W = tokens.shape, self.tree.depth + 1
+    def catch_up(self, state: "ModelDraftState", request: DraftRequest, read):
+        """Feeds the final tokens its cache lacks, through the row's last, and returns (cache,
+        the draft's logits [B, V] after the last). Its cache holds what it had seen when it
+        last proposed (`lengths`; the prompt's, after `start`), and after a chain also the
+        drafts it fed past that (`fed`) that became final; it feeds from the first position
+        that holds neither, in windows of 2 for a chain (one window in the steady state) or
+        depth + 1 for a tree (whose drafts sit in a region apart), more windows after steps
+        that did not draft. Slots past the last final token get junk, stale by the
+        invariant: grow overwrites them in position order."""
+        cache, length, tokens = state.cache, request.length, request.tokens
+        B, S = tokens.shape
         rows = jnp.arange(B)[:, None]
+        seen = cache.lengths
+        if state.fed.shape[1]:
+            at = seen[:, None] + jnp.arange(state.fed.shape[1])[None]  # [B, D-1]
+            final = (state.fed == tokens[rows, jnp.minimum(at, S - 1)]) & (at < length[:, None] - 1)
+            seen = seen + jnp.sum(jnp.cumprod(final.astype(jnp.int32), axis=1), axis=1)
+        W = 2 if self.tree.is_chain else self.tree.depth + 1
 
         def feed(carry):
             cache, seen, last = carry
@@ -152,5 +167,14 @@ class DraftModel(Drafter):
 
         lagging = lambda carry: jnp.any(~request.done & (carry[1] < length))  # noqa: E731
         V = request.target.config.vocab_size
-        cache, _, last = jax.lax.while_loop(lagging, feed, (cache, cache.lengths, jnp.zeros((B, V), jnp.float32)))
+        cache, _, last = jax.lax.while_loop(lagging, feed, (cache, seen, jnp.zeros((B, V), jnp.float32)))
         return cache, last
+
+
+@struct.dataclass
+class ModelDraftState:
+    """A draft model's carry: its cache, valid below `cache.lengths` (what it had seen when it
+    last proposed), and the chain drafts it fed at the positions after that."""
+
+    cache: KVCache
+    fed: jax.Array  # int32 [B, D-1] (a chain; [B, 0] for a tree): -1 where nothing was fed
