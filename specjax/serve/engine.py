@@ -263,8 +263,9 @@ class Engine:
         request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens),
                           (float(temperature), int(top_k), float(top_p)), stops, int(seed))
         with self._lock:
-            if self._thread is None or self._stopping:
-                raise RuntimeError("the engine is not running: use `with engine:` (or engine.start())")
+            if self._thread is None or self._stopping or not self._thread.is_alive():
+                raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
+                                   "if it was, its device thread failed (see its requests' errors)")
             self._waiting.append(request)
             self._lock.notify()
         return request
