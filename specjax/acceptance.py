@@ -92,7 +92,7 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
     B, N = tokens.shape
     rows = jnp.arange(B)
     if is_chain(parents, N):  # n: the leading drafts equal to the argmax before them
-        n = _leading(valid & (tokens == best[:, :N]))
+        n = leading(valid & (tokens == best[:, :N]))
         return n, _chain_path(n, B, max_depth), jnp.take_along_axis(best, n[:, None], axis=1)[:, 0].astype(jnp.int32)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
 
@@ -112,7 +112,7 @@ def is_chain(parents, N: int) -> bool:
     return isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N))
 
 
-def _leading(accepted: jax.Array) -> jax.Array:
+def leading(accepted: jax.Array) -> jax.Array:
     """int32 [B]: how many of accepted bool [B, N] hold before the first that does not."""
     return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
 
@@ -132,7 +132,7 @@ def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
     B, N = tokens.shape
     p_x = jnp.take_along_axis(p[:, :N], tokens[..., None], axis=-1)[..., 0]  # [B, N]
     q_x = 1.0 if q is None else jnp.take_along_axis(q, tokens[..., None], axis=-1)[..., 0]
-    n = _leading(valid & (u * q_x < p_x))
+    n = leading(valid & (u * q_x < p_x))
     at = n[:, None, None]
     r = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]: p at the stop
     if N:

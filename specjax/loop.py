@@ -87,7 +87,6 @@ class SlotState:
 
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
-    prompt_len: jax.Array  # int32 [B]: where the row's generated tokens begin
     limit: jax.Array  # int32 [B]: the row stops at this length (its prompt + its token budget)
     target_cache: KVCache  # L x [B, S, G, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
@@ -158,29 +157,23 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
         draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None)
     zeros = jnp.zeros((B,), jnp.int32)
     return SlotState(
-        tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths, prompt_len=lengths,
+        tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
         limit=jnp.asarray(limit, jnp.int32), target_cache=cache.replace(lengths=lengths - 1),
         draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=jax.random.key_data(key),
         k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
         features=features)
 
 
-def insert(state: SlotState, slots, rows: SlotState) -> SlotState:
-    """`state` with rows (n rows, from `prefill`) written into its rows `slots` (int32 [n]).
-    Every leaf has the batch axis first; a row's leaf may be shorter than the state's on
+def insert(state: SlotState, slot, row: SlotState) -> SlotState:
+    """`state` with `row` (one row, from `prefill`) written into its row `slot` (int32 []).
+    Every leaf has the batch axis first; the row's leaf may be shorter than the state's on
     its other axes (a cache prefilled at its prompt's bucket, not at the state's length)
     and is written at their start: what lies past it is stale by the loop's invariant
     (masked by position, overwritten before read). Nothing else moves."""
-    def one(big, small):
-        for i in range(small.shape[0]):
-            at = (slots[i],) + (0,) * (big.ndim - 1)
-            row = small[i:i + 1]
-            big = jax.lax.dynamic_update_slice(big, row if row.dtype == big.dtype else row.astype(big.dtype), at)
-        return big
-
-    if jax.tree.structure(state) != jax.tree.structure(rows):
-        raise ValueError("the rows were prefilled for another drafter (or none) than the state's")
-    return jax.tree.map(one, state, rows)
+    if jax.tree.structure(state) != jax.tree.structure(row):
+        raise ValueError("the row was prefilled for another drafter (or none) than the state's")
+    return jax.tree.map(lambda big, small: jax.lax.dynamic_update_slice(big, small, (slot,) + (0,) * (big.ndim - 1)),
+                        state, row)
 
 
 def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False
@@ -212,7 +205,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     parents, branch = proposal.parents, proposal.branch
     ancestor = ancestors(parents)  # [N+1, N+1], or [B, N+1, N+1] per row
     depth = depths(ancestor)  # [N+1] or [B, N+1]
-    chain = isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N)) and branch is None
+    chain = acceptance.is_chain(parents, N) and branch is None
     last = state.tokens[rows[:, 0], length - 1]
     verify = jnp.concatenate([last[:, None], proposal.tokens]
                              + ([] if branch is None else [branch.tokens]), axis=1)  # [B, T]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.acceptance import leading
 from specjax.cache import KVCache
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
 from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, read_vocab, to_target_vocab
@@ -154,7 +155,7 @@ class DraftModel(Drafter):
         if state.fed.shape[1]:
             at = seen[:, None] + jnp.arange(state.fed.shape[1])[None]  # [B, D-1]
             final = (state.fed == tokens[rows, jnp.minimum(at, S - 1)]) & (at < length[:, None] - 1)
-            seen = seen + jnp.sum(jnp.cumprod(final.astype(jnp.int32), axis=1), axis=1)
+            seen = seen + leading(final)
         W = 2 if self.tree.is_chain else self.tree.depth + 1
 
         def feed(carry):
