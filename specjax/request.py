@@ -87,7 +87,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
     arguments, its static ones, the stream function or None)."""
     if deterministic:
-        target = _deterministic(target, mesh)
+        target = deterministic_target(target, mesh)
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an int, None or 'auto', got {num_draft_tokens!r}")
@@ -127,7 +127,9 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
 DETERMINISTIC_BACKENDS = ("cpu",)
 
 
-def _deterministic(target: Model, mesh) -> Model:
+def deterministic_target(target: Model, mesh) -> Model:
+    """The target that computes by fixed-shape bodies (generate's deterministic=True), refused
+    where that promise is not verified."""
     backend = jax.default_backend()
     if backend not in DETERMINISTIC_BACKENDS:
         raise ValueError(f"deterministic=True is verified on {DETERMINISTIC_BACKENDS} only; on {backend!r} its "
@@ -138,10 +140,15 @@ def _deterministic(target: Model, mesh) -> Model:
     return target.replace(exact=True)
 
 
+def fresh_seed() -> int:
+    """A seed in [0, 2**32) from the operating system's entropy."""
+    return secrets.randbits(32)
+
+
 def fresh_key() -> jax.Array:
     """A PRNG key from the operating system's entropy: what a call given no key samples with
     (it returns it in `GenerateOutput.key`, so the call can be reproduced)."""
-    return jax.random.key(secrets.randbits(32))
+    return jax.random.key(fresh_seed())
 
 
 STOP_IDS_BUCKET = 4  # stop-id lists are padded to a multiple of this (with -1, never a token)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import secrets
 import threading
 import time
 from typing import Sequence
@@ -25,12 +24,12 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax import loop, memory, sharding, theory
+from specjax import memory, sharding, theory
 from specjax.drafters import DraftModel, Eagle, EarlyExit, PromptLookup
 from specjax.drafters.base import Drafter
-from specjax.models import Model
-from specjax.request import _deterministic
-from specjax.sampling import Sampling, validate
+from specjax.models import Model, check_token_ids
+from specjax.request import deterministic_target, fresh_seed
+from specjax.sampling import validate
 from specjax.serve.programs import Programs
 
 DEFAULT_K = 4  # the chain's length where no cost profile chooses it
@@ -96,6 +95,20 @@ class Request:
         self._chunks.put(_END)
 
 
+def _supported(draft):
+    """The drafter for `draft` (None, a Model or a drafter), refused by name where the engine
+    cannot hold its state per row."""
+    if draft is None:
+        return None
+    drafter = DraftModel(draft) if isinstance(draft, Model) else draft
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
+    if not isinstance(drafter, SUPPORTED_DRAFTERS):
+        raise ValueError(f"the engine does not hold {type(drafter).__name__}'s state per row yet (it runs "
+                         f"{', '.join(t.__name__ for t in SUPPORTED_DRAFTERS)}, Eagle3): use generate for it")
+    return drafter
+
+
 class Engine:
     """Serves requests that arrive one at a time from `slots` rows of `max_len` positions.
 
@@ -138,14 +151,16 @@ class Engine:
                 raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({data}): rows lie over it")
             rules = tuple(target.rules or sharding.DEFAULT_RULES)  # the cache follows the target's rules
         if deterministic:
-            target = _deterministic(target, mesh)
+            target = deterministic_target(target, mesh)
         self.target, self.slots, self.max_len = target, int(slots), int(max_len)
-        self.k_table = self._k_table(draft, num_draft_tokens, cost_profile)  # [n live - 1] -> K
-        drafters = {K: self._drafter(draft, K) for K in sorted(set(self.k_table))}
-        if draft is not None:
-            for drafter in drafters.values():
-                if drafter is not None:
-                    drafter.check_lengths(1, max_len - 1)
+        base = _supported(draft)
+        self.k_table = self._k_table(base, num_draft_tokens, cost_profile)  # [n live - 1] -> K
+        if base is not None:  # bound once: every K's drafter shares its weights (cast once, if at all)
+            base = base.bind(target)
+            base.check_lengths(1, max_len - 1)
+        own = base is not None and (base.tree is not None or base.fixed_shape)
+        drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
+                    for K in sorted(set(self.k_table))}
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
                                  int(steps_per_call), draft_threshold, mesh, rules)
         self.memory = self._check_memory()
@@ -161,26 +176,12 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------
 
-    @staticmethod
-    def _base(draft):
-        if draft is None:
-            return None
-        drafter = DraftModel(draft) if isinstance(draft, Model) else draft
-        if not isinstance(drafter, Drafter):
-            raise TypeError(f"draft must be None, a specjax.Model or a drafter, got {type(draft).__name__}")
-        if not isinstance(drafter, SUPPORTED_DRAFTERS):
-            raise ValueError(f"the engine does not hold {type(drafter).__name__}'s state per row yet (it runs "
-                             f"{', '.join(t.__name__ for t in SUPPORTED_DRAFTERS)}, Eagle3): use generate for it")
-        return drafter
-
-    def _k_table(self, draft, num_draft_tokens, cost_profile) -> tuple[int, ...]:
-        drafter = self._base(draft)
+    def _k_table(self, drafter, num_draft_tokens, cost_profile) -> tuple[int, ...]:
         if drafter is None:
             if num_draft_tokens not in (None, 0):
                 raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
             return (0,) * self.slots
-        own = getattr(drafter, "tree", None)
-        if own is not None or drafter.fixed_shape:
+        if drafter.tree is not None or drafter.fixed_shape:
             if num_draft_tokens is not None:
                 raise ValueError(f"{type(drafter).__name__} fixes its own shape: leave num_draft_tokens unset")
             return (drafter.resolve(None).tree.nodes,) * self.slots
@@ -203,18 +204,10 @@ class Engine:
         # A drafter that reads the target's states catches up only from the last pass's: it drafts every step.
         return tuple(max(K, low) for K in table)
 
-    def _drafter(self, draft, K: int):
-        drafter = self._base(draft)
-        if drafter is None or K == 0:
-            return None
-        own = getattr(drafter, "tree", None) is not None or drafter.fixed_shape
-        return drafter.resolve(None if own else K).bind(self.target)
-
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
         state = self.programs.state_bytes()
-        weights = memory.nbytes(self.target.params) + sum(
-            memory.nbytes(d) for d in {id(d): d for d in self.programs.drafters.values() if d is not None}.values())
+        weights = memory.nbytes(self.target.params) + memory.nbytes(self.programs.deepest)  # K's drafters share it
         mesh = self.programs.mesh
         free = memory.device_free_bytes(mesh)
         if free is not None and mesh is not None:  # rows and heads are split over the mesh's devices
@@ -242,8 +235,7 @@ class Engine:
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         V = self.target.config.vocab_size
-        if prompt.min() < 0 or prompt.max() >= V:
-            raise ValueError(f"prompt token ids must lie in [0, {V}), got range [{prompt.min()}, {prompt.max()}]")
+        check_token_ids(prompt, V)
         if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if prompt.size + max_new_tokens > self.max_len:
@@ -257,7 +249,7 @@ class Engine:
         if any(not 0 <= i < V for i in stops):
             raise ValueError(f"stop ids must lie in [0, {V}), got {list(stops)}")
         if seed is None:
-            seed = secrets.randbits(32)
+            seed = fresh_seed()
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
         request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens),
@@ -368,17 +360,15 @@ class Engine:
                 request = self._waiting.popleft()
             slot = free[0]
             try:
-                temperature, top_k, top_p = request.sampling
                 stops = np.full((self.programs.stop_width,), -1, np.int32)
                 stops[:len(request.stop_token_ids)] = request.stop_token_ids
-                key = loop.row_keys(jax.random.key(request.seed), 1)[0]
-                rows = self.programs.prefill(np.asarray(request.prompt, np.int32),
-                                             len(request.prompt) + request.max_new_tokens,
-                                             Sampling.make(temperature, top_k, top_p), stops, key)
+                row = self.programs.prefill(np.asarray(request.prompt, np.int32),
+                                            len(request.prompt) + request.max_new_tokens, request.sampling, stops,
+                                            request.seed)
             except Exception as e:  # noqa: BLE001 - this request's preparation, not the engine
                 request._finish(None, e)
                 continue
-            self._state = self.programs.insert(self._state, slot, rows)
+            self._state = self.programs.insert(self._state, slot, row)
             with self._lock:
                 self._live[slot] = request
 

@@ -48,16 +48,18 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, plat
 
 
 @functools.partial(jax.jit, static_argnames=("cache_len", "platform", "portable"))
-def _prefill(target, drafter, prompts, lengths, limit, sampling, stop_ids, key, *, cache_len: int, platform,
+def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *, cache_len: int, platform,
              portable: bool):
+    """One request's row: prompt int32 [1, P], its length, limit and seed uint32 [1], its
+    settings [1] each, stop ids [1, M]; its key is generate's row 0 of key(seed)."""
     with layers.kernels_for(platform, portable=portable):
-        return loop.prefill(target, drafter, prompts, lengths, cache_len=cache_len, limit=limit,
-                            sampling=sampling, stop_ids=stop_ids, key=key)
+        return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
+                            stop_ids=stop_ids, key=loop.row_keys(jax.random.key(seed[0]), 1))
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
-def _insert(state, slots, rows, drafter, *, mesh, rules):
-    return loop.place(loop.insert(state, slots, rows), drafter, mesh, rules)
+def _insert(state, slot, row, holder, *, mesh, rules):
+    return loop.place(loop.insert(state, slot, row), holder, mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -66,14 +68,15 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "width", "platform", "mesh", "rules"), donate_argnums=2)
-def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, platform, mesh, rules):
+@functools.partial(jax.jit, static_argnames=("steps", "width", "platform", "mesh", "rules"), donate_argnums=3)
+def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: int, platform, mesh, rules):
     """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
     a step costs by its rows, so one live request does not pay for eight); fewer steps when
     those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
-    to the next call)."""
+    to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
+    the rows carry (the deepest), whose rules lay it out on a mesh whatever K runs."""
     state = jax.tree.map(lambda x: x[:width], full)  # copied in, written back once per call
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
@@ -86,7 +89,7 @@ def _run(target, drafter, full, threshold, hold, *, steps: int, width: int, plat
     def body(carry):
         state, i, tokens, counts = carry
         state, out = loop.step(target, drafter, state, threshold)
-        state = loop.place(state, drafter, mesh, rules)
+        state = loop.place(state, holder, mesh, rules)
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
     with layers.kernels_for(platform, portable=mesh is not None):
@@ -140,18 +143,21 @@ class Programs:
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
 
-    def prefill(self, prompt: np.ndarray, limit: int, sampling: Sampling, stop_ids: np.ndarray, key):
-        """One request's row: prompt int32 [P] in its bucket; key: its PRNG key []."""
+    def prefill(self, prompt: np.ndarray, limit: int, sampling: tuple, stop_ids: np.ndarray, seed: int):
+        """One request's row: prompt int32 [P] in its bucket; sampling (temperature, top_k,
+        top_p); stop_ids int32 [M]. Its arguments go as host arrays: nothing runs eagerly."""
         P = len(prompt)
         b = self.bucket(P)
         prompts = np.zeros((1, b), np.int32)
         prompts[0, :P] = prompt
-        return _prefill(self.target, self.deepest, prompts, np.array([P], np.int32), np.array([limit], np.int32),
-                        jax.tree.map(lambda x: jnp.reshape(x, (1,)), sampling), stop_ids[None].astype(np.int32),
-                        key[None], cache_len=b, platform=self.platform, portable=self.mesh is not None)
+        (temperature, top_k, top_p), one = sampling, lambda x, dtype: np.array([x], dtype)  # noqa: E731
+        settings = Sampling(one(temperature, np.float32), one(top_k, np.int32), one(top_p, np.float32))
+        return _prefill(self.target, self.deepest, prompts, one(P, np.int32), one(limit, np.int32), settings,
+                        stop_ids[None].astype(np.int32), one(seed, np.uint32), cache_len=b, platform=self.platform,
+                        portable=self.mesh is not None)
 
-    def insert(self, state, slot: int, rows):
-        return _insert(state, np.array([slot], np.int32), rows, self.deepest, mesh=self.mesh, rules=self.rules)
+    def insert(self, state, slot: int, row):
+        return _insert(state, np.int32(slot), row, self.deepest, mesh=self.mesh, rules=self.rules)
 
     def release(self, state, slots):
         free = np.zeros((self.slots,), bool)
@@ -161,10 +167,10 @@ class Programs:
     def compile_all(self):
         """Runs every program once on a throwaway state, so that none compiles while serving."""
         state = self.empty()
-        sampling, stops = Sampling.make(), np.full((self.stop_width,), -1, np.int32)
+        stops = np.full((self.stop_width,), -1, np.int32)
         for b in self.buckets:
-            rows = self.prefill(np.ones((b,), np.int32), min(b + 1, self.max_len), sampling, stops, jax.random.key(0))
-            state = self.insert(state, 0, rows)
+            row = self.prefill(np.ones((b,), np.int32), min(b + 1, self.max_len), (0.0, 0, 1.0), stops, 0)
+            state = self.insert(state, 0, row)
         state = self.release(state, [0])
         for K in self.drafters:
             for w in self.widths:
@@ -177,6 +183,6 @@ class Programs:
 
     def run(self, state, K: int, hold: bool, rows: int):
         """Steps at K over the narrowest width covering the first `rows` rows."""
-        return _run(self.target, self.drafters[K], state, self.threshold, jnp.bool_(hold),
+        return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
                     steps=self.steps_per_call, width=self.width(rows), platform=self.platform, mesh=self.mesh,
                     rules=self.rules)
