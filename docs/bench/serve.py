@@ -275,18 +275,18 @@ def main():
 def write(results, slots, out: Path):
     """serve.txt (the table and the goals), serve.json and serve.png into out."""
     lines = list(results["title"])
-    loads = [(load, None) for load in results if load not in ("title", "k_table")]
+    loads = [load for load in results if load not in ("title", "k_table")]
     header = (f"{'load':>16} {'system':>13} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
               f"{'ITL p50':>8} {'p99':>8}  steps by K")
     lines.append(header)
-    for load, _ in loads:
+    for load in loads:
         for name, row in results[load].items():
             lines.append(f"{load:>16} {name:>13} {row['tokens_per_s']:8.1f} {row['ttft_p50_ms']:9.1f} "
                          f"{row['ttft_p99_ms']:8.1f} {row['tpot_p50_ms']:9.2f} {row['tpot_p99_ms']:7.2f} "
                          f"{row['itl_p50_ms']:8.1f} {row['itl_p99_ms']:8.1f}  {row.get('steps_by_K', '')}")
     lines.append("")
     ratio = lambda load, a, b: results[load][a]["tokens_per_s"] / results[load][b]["tokens_per_s"]  # noqa: E731
-    have = lambda *names: all(n in results[loads[0][0]] for n in names)  # noqa: E731
+    have = lambda *names: all(n in results[loads[0]] for n in names)  # noqa: E731
     if have("engine spec", "engine plain"):
         lines.append(f"engine spec / plain, 1 client: {ratio('1 client', 'engine spec', 'engine plain'):.2f}x "
                      f"(goal >= 1.5x); {slots} clients: "
@@ -299,9 +299,9 @@ def write(results, slots, out: Path):
         engine = lambda load, key: [results[load][n][key] for n in ("engine plain", "engine spec")  # noqa: E731
                                     if n in results[load]]
         closed = min(max(engine(load, "tokens_per_s")) / results[load]["transformers"]["tokens_per_s"]
-                     for load, _ in loads[:2])
+                     for load in loads[:2])
         open_ = min(results[load]["transformers"]["tpot_p50_ms"] / min(engine(load, "tpot_p50_ms"))
-                    for load, _ in loads[2:])
+                    for load in loads[2:])
         lines.append(f"engine / transformers continuous batching (goal >= 2x): tokens/s, the least of the closed "
                      f"loops {closed:.2f}x; TPOT p50, the least of the Poisson rates {open_:.2f}x")
     if "k_table" in results:
@@ -311,7 +311,7 @@ def write(results, slots, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.txt").write_text(text)
     (out / "serve.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, [load for load, _ in loads if load.startswith("poisson")], out / "serve.png")
+    plot(results, [load for load in loads if load.startswith("poisson")], out / "serve.png")
 
 
 def plot(results, loads, path):
