@@ -46,7 +46,7 @@ from specjax import loop, models, sharding
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
-from specjax.drafters.base import DraftRequest
+from specjax.drafters.base import DraftRequest, verify_room
 from specjax.memory import GB, MB, device_nbytes, nbytes
 from specjax.models import Model, layers
 from specjax.request import prepare
@@ -288,6 +288,29 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
     must = nbytes(params) + _live_cache_bytes(target.config, batch, context, target.dtype)
     label = name or ("plain loop" if drafter is None else f"loop {type(drafter).__name__} {drafter.tree}")
     return Spec(label, loop.generate_loop, None, args, dict(static, stream=None), params, must, where.platform)
+
+
+def engine_program(target: Model, draft: Model | None, where: Placement, slots: int = 8, max_len: int = 2048,
+                   K: int = 4, steps: int = 8, name: str | None = None) -> Spec:
+    """One device call of `specjax.Engine` (serve/programs.py's run): `steps` steps at K (0: the
+    draft's state carried, not drafting) of all `slots` rows of a state sized for max_len."""
+    from specjax.serve import programs
+
+    if where.mesh is not None:
+        raise ValueError("engine_program builds the engine on one device")
+    placed = where.model(target)
+    holder = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
+    cache_len = loop.cache_length(max_len, 0, verify_room(holder))
+    state = where.replicated(jax.eval_shape(functools.partial(
+        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, platform=where.platform, mesh=None,
+        rules=None), placed, holder))
+    scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
+    params = (placed.params, drafter_params(holder))
+    must = nbytes(params) + _live_cache_bytes(target.config, slots, max_len, target.dtype)
+    return Spec(name or f"engine call K={K}, {slots} slots", programs._run, None,
+                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_)),
+                dict(steps=steps, width=slots, platform=where.platform, mesh=None, rules=None), params, must,
+                where.platform)
 
 
 def drafter_params(drafter):

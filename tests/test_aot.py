@@ -50,6 +50,8 @@ def _specs(where: aot.Placement, full: bool) -> list[aot.Spec]:
         if where.mesh is None:  # generate refuses deterministic=True on a mesh
             specs.append(aot.loop_program(TARGET, DRAFT, where, batch=B, num_draft_tokens=4, deterministic=True,
                                           name="loop deterministic"))
+            specs.append(aot.engine_program(TARGET, DRAFT, where, slots=2, max_len=256, K=4, steps=2,
+                                            name="engine call"))
     return specs
 
 
