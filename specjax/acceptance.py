@@ -18,7 +18,7 @@ target's own is drawn from r. Every output token is distributed exactly as the t
 At temperature 0 `sampling.warp` makes p one-hot, and the rule reduces to: a candidate is
 accepted iff it is the target's argmax at the current node, and the extra token is that
 argmax. `verify` takes that path (`accept_greedy`: no [B, V] distribution is built or
-walked) when the temperature is 0, and `accept` otherwise: the same tokens, cheaper.
+walked) in a program for greedy rows alone, and `accept` otherwise: the same tokens, cheaper.
 
 This module knows nothing about models, caches or how the tree was grown.
 """
@@ -147,10 +147,9 @@ def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
 def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
            logits: jax.Array, sampling: Sampling, max_depth: int):
     """`accept` against the target's float32 logits [B, N+1, V] under `sampling`: through
-    `accept_greedy` when every row is greedy (decided at run time: it is traced), else
-    through `accept` with p = warp(logits), where a greedy row's p is one-hot and `accept`
+    `accept_greedy` when every row is greedy (the sampling's static kind: p is never built),
+    else through `accept` with p = warp(logits), where a greedy row's p is one-hot and `accept`
     gives it what `accept_greedy` would. Returns (n, path, extra) as `accept` does."""
-    return jax.lax.cond(
-        sampling.all_greedy,
-        lambda: accept_greedy(tokens, parents, valid, argmax(logits), max_depth),
-        lambda: accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth))
+    if sampling.greedy:
+        return accept_greedy(tokens, parents, valid, argmax(logits), max_depth)
+    return accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth)

@@ -291,9 +291,10 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
 
 
 def engine_program(target: Model, draft: Model | None, where: Placement, slots: int = 8, max_len: int = 2048,
-                   K: int = 4, steps: int = 8, name: str | None = None) -> Spec:
+                   K: int = 4, steps: int = 8, kind: str = "greedy", name: str | None = None) -> Spec:
     """One device call of `specjax.Engine` (serve/programs.py's run): `steps` steps at K (0: the
-    draft's state carried, not drafting) of all `slots` rows of a state sized for max_len."""
+    draft's state carried, not drafting) of all `slots` rows of a state sized for max_len, for
+    rows whose sampling is of `kind` (specjax.sampling.KINDS)."""
     from specjax.serve import programs
 
     if where.mesh is not None:
@@ -309,7 +310,7 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     must = nbytes(params) + _live_cache_bytes(target.config, slots, max_len, target.dtype)
     return Spec(name or f"engine call K={K}, {slots} slots", programs._run, None,
                 (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_)),
-                dict(steps=steps, width=slots, platform=where.platform, mesh=None, rules=None), params, must,
+                dict(steps=steps, width=slots, kind=kind, platform=where.platform, mesh=None, rules=None), params, must,
                 where.platform)
 
 
@@ -554,6 +555,13 @@ def cuda_bytes(spec: Spec) -> float | None:
     spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
     CUDA plugin; without it attention takes the portable path); None where the lowering
     has no cost analysis."""
+    lowered = _trace_for_cuda(spec).lower(lowering_platforms=("cuda",))
+    costs = lowered.cost_analysis()
+    return None if not costs else float(costs.get("bytes accessed", 0.0))
+
+
+def _trace_for_cuda(spec: Spec):
+    """The spec's program traced as a CUDA device would run it (its static platform "gpu")."""
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(
         x, jax.ShapeDtypeStruct) else x, spec.args)
     kwargs = dict(spec.kwargs)
@@ -562,9 +570,47 @@ def cuda_bytes(spec: Spec) -> float | None:
         kwargs.update(platform="gpu", mesh=None, rules=None)
     else:
         fn = jax.jit(_with_kernels(spec.body, "gpu", False))
-    lowered = fn.trace(*unplaced, **kwargs).lower(lowering_platforms=("cuda",))
-    costs = lowered.cost_analysis()
-    return None if not costs else float(costs.get("bytes accessed", 0.0))
+    return fn.trace(*unplaced, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Branching:
+    """A data-dependent `while` or `cond` in a program: on a GPU each runs as a device-to-host
+    copy of its predicate and a wait (XLA's while and conditional thunks), and stops graph
+    capture. Loops of a static trip count (`fori_loop` over Python ints: a `scan`) are not
+    counted: they need no predicate."""
+
+    op: str  # "while" | "cond"
+    nested: int  # how many loops or conditionals enclose it (0: the program's own level)
+    source: str  # "specjax/loop.py:321" (the Python line that made it)
+
+    def __str__(self):
+        return f"{self.op} at {self.source}" + (f" (inside {self.nested})" if self.nested else "")
+
+
+def control_flow(spec: Spec) -> tuple[Branching, ...]:
+    """Every data-dependent loop and conditional in the spec's program as traced for CUDA,
+    outermost first (the jaxpr's: `while` and `cond` primitives, wherever they are nested)."""
+    from jax._src import source_info_util
+
+    found = []
+
+    def walk(jaxpr, nested):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in ("while", "cond"):
+                frame = source_info_util.user_frame(eqn.source_info.traceback)
+                where = "?" if frame is None else f"{_short(frame.file_name)}:{frame.start_line}"
+                found.append(Branching(name, nested, where))
+            inner = nested + (name in ("while", "cond", "scan"))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner)
+
+    walk(_trace_for_cuda(spec).jaxpr.jaxpr, 0)
+    return tuple(sorted(found, key=lambda b: b.nested))
 
 
 def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = False) -> Program:

@@ -46,7 +46,10 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         drafter with a dynamic Tree(depth, top_k, nodes): its node budget, at most `nodes`,
         by `theory.choose_tree_nodes` (see `auto_shape`).
     Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
-    and eos_token_id are traced, so changing them never recompiles.
+    and eos_token_id are traced. The program is built for the least sampling its settings
+    need (`specjax.sampling.kind_of`: greedy, sampled, or filtered by top-k/top-p), so a
+    greedy call holds no distribution or draw; changing the values within a kind never
+    recompiles (traced settings, under your own jit, get the filtered program).
     key: a PRNG key; row b samples from fold_in(key, b), and its step at length n from
         fold_in of that and n, so a row's samples depend on neither its neighbours nor the
         steps' K. None: a fresh key from the OS's entropy, returned as `out.key` (its data:

@@ -1,12 +1,14 @@
 """Logits -> the distribution that is sampled from, with transformers' semantics.
 
-`Sampling` holds temperature, top-k and top-p as traced values, one per row ([B]; changing
-them never recompiles, and rows of one batch may differ). `warp` applies them in
-transformers' order: temperature, then top-k, then top-p. Temperature 0 is greedy,
-expressed as a one-hot distribution on the argmax, so greedy decoding is the same
-arithmetic as sampling and needs no separate code path; a row's setting is applied by
-`where`, never by control flow on the row (only a whole batch's "all greedy" or "no
-filter" skips work). Random draws take one key per row (`uniform`, `sample`), so a
+`Sampling` holds temperature, top-k and top-p as traced values, one per row ([B]; rows of
+one batch may differ), and one static `kind`, the most any row asks for: "greedy" (every row
+at temperature 0), "sampled" (no row filters) or "filtered". A program is built for its
+kind (part of its jit key): a greedy one holds no distribution, draw or sort at all, a
+sampled one no sort, and changing the values within a kind never recompiles. `warp`
+applies them in transformers' order: temperature, then top-k, then top-p. Temperature 0
+is greedy, expressed as a one-hot distribution on the argmax, so that a greedy row in a
+sampled batch is the same arithmetic as sampling; a row's setting is applied by `where`,
+never by control flow. Random draws take one key per row (`uniform`, `sample`), so a
 row's samples do not depend on its neighbours.
 This module knows nothing about models, drafts or loops.
 """
@@ -15,7 +17,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+
+GREEDY, SAMPLED, FILTERED = "greedy", "sampled", "filtered"  # a `Sampling`'s kinds, least first
+KINDS = (GREEDY, SAMPLED, FILTERED)
+
+
+def kind_of(temperature, top_k, top_p) -> str:
+    """The least kind that serves these settings (host values, one per row or one for all)."""
+    temperature, top_k, top_p = np.broadcast_arrays(np.asarray(temperature, np.float32), np.asarray(top_k),
+                                                    np.asarray(top_p, np.float32))
+    sampled = temperature > 0
+    if not sampled.any():
+        return GREEDY
+    return FILTERED if (sampled & ((top_k > 0) | (top_p < 1.0))).any() else SAMPLED
 
 
 @struct.dataclass
@@ -23,20 +40,26 @@ class Sampling:
     temperature: jax.Array  # float32 [B] (or [] for every row); 0 means greedy
     top_k: jax.Array  # int32 [B] (or []); 0 means off
     top_p: jax.Array  # float32 [B] (or []); 1 means off
+    # Static, the most any row asks for (KINDS); a program holds no more than it needs. Values
+    # that ask for more than their kind are served as the kind (greedy: argmax; sampled: no filter).
+    kind: str = struct.field(pytree_node=False, default=FILTERED)
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, batch: int | None = None) -> "Sampling":
-        """The settings as arrays: [batch] each (one value for every row), or as given."""
+        """The settings as arrays: [batch] each (one value for every row), or as given; their
+        kind from their values where those are known (traced ones: FILTERED, which serves all)."""
+        traced = any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p))
+        kind = FILTERED if traced else kind_of(temperature, top_k, top_p)
         values = (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
                   jnp.asarray(top_p, jnp.float32))
         if batch is not None:
             values = (jnp.broadcast_to(x, (batch,)) for x in values)
-        return cls(*values)
+        return cls(*values, kind=kind)
 
     @property
-    def all_greedy(self) -> jax.Array:
-        """bool []: every row is greedy (whole-batch work may be skipped, never a row's)."""
-        return jnp.all(self.temperature == 0)
+    def greedy(self) -> bool:
+        """Every row is greedy (static): nothing is drawn, and no distribution is built."""
+        return self.kind == GREEDY
 
 
 def _rows(x: jax.Array, ndim: int) -> jax.Array:
@@ -73,32 +96,45 @@ def validate(temperature, top_k, top_p):
         raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
 
 
-def _pick(x: jax.Array, index) -> jax.Array:
-    """x[..., index] as [..., 1] (index int [] or [..., 1]) by a masked maximum, not a gather:
-    a gather along V made a TPU lay [B, K+1, V] logits out with K+1 in the lanes (padded to
-    128, a 25x larger buffer, three of them live in a speculative loop)."""
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.max(jnp.where(iota == index, x, -jnp.inf), axis=-1, keepdims=True)
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 x in the same order as x's values (-inf lowest; -0.0 just below
+    +0.0): the sign bit flipped for positive values, every bit for negative ones."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _lowest(keys: jax.Array, holds) -> jax.Array:
+    """uint32 [..., 1]: per row of keys [..., V], the lowest key t in [its min, its max] for
+    which holds(t) (bool [..., 1], monotone: false below some t, true from it on; true at the
+    max), found by bisection in 32 fixed halvings (a uint32 range) over the row: no sort,
+    and no step waits on the host."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        yes = holds(mid)
+        return jnp.where(yes, lo, mid + 1), jnp.where(yes, mid, hi)
+
+    bounds = (jnp.min(keys, axis=-1, keepdims=True), jnp.max(keys, axis=-1, keepdims=True))
+    return jax.lax.fori_loop(0, 32, halve, bounds)[1]
 
 
 def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Top-k then top-p (transformers' TopK/TopPLogitsWarper) by one ascending sort.
+    """Top-k then top-p (transformers' TopK/TopPLogitsWarper) without sorting the vocabulary.
 
-    scores [..., V] -> scores with filtered entries set to -inf."""
-    V = scores.shape[-1]
-    ascending = jnp.sort(scores, axis=-1)  # [..., V]
-    # top-k keeps every score >= the k-th largest (ties included, as transformers does).
-    k = jnp.clip(top_k, 1, V)
-    kth = _pick(ascending, V - k)
-    kth = jnp.where(top_k > 0, kth, -jnp.inf)
-    scores = jnp.where(scores < kth, -jnp.inf, scores)
-    ascending = jnp.where(ascending < kth, -jnp.inf, ascending)  # still sorted
-    # top-p removes the ascending prefix whose cumulative probability is <= 1 - top_p,
-    # always keeping the largest score.
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    removed = jnp.sum(cumulative[..., :-1] <= 1.0 - top_p, axis=-1, keepdims=True)
-    cutoff = _pick(ascending, removed)
-    return jnp.where(scores < cutoff, -jnp.inf, scores)
+    scores [..., V] -> scores with filtered entries set to -inf. Top-k keeps every score >=
+    the k-th largest (ties included, as transformers does): the lowest key t with fewer than
+    k scores above it. Top-p then removes the lowest scores whose probabilities sum to at
+    most 1 - top_p, always keeping the largest: it keeps the scores >= the lowest key t whose
+    scores <= t weigh more than 1 - top_p (a tie at that score is kept whole). Each cut is
+    found by `_lowest` (2 x 32 masked reductions over V against a sort's V log V)."""
+    keys = _order_keys(scores)
+    k = jnp.clip(top_k, 1, scores.shape[-1])
+    kth = _lowest(keys, lambda t: jnp.sum(keys > t, axis=-1, keepdims=True) < k)
+    scores = jnp.where((top_k > 0) & (keys < kth), -jnp.inf, scores)
+    keys = _order_keys(scores)
+    probs = jax.nn.softmax(scores, axis=-1)
+    cutoff = _lowest(keys, lambda t: jnp.sum(jnp.where(keys <= t, probs, 0.0), axis=-1, keepdims=True) > 1.0 - top_p)
+    return jnp.where((top_p < 1.0) & (keys < cutoff), -jnp.inf, scores)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -115,20 +151,16 @@ def argmax(x: jax.Array) -> jax.Array:
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
     logits = logits.astype(jnp.float32)
+    one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
+    if sampling.greedy:
+        return one_hot
     row = lambda x: _rows(x, logits.ndim)  # noqa: E731
-    temperature, top_k, top_p = row(sampling.temperature), row(sampling.top_k), row(sampling.top_p)
+    temperature = row(sampling.temperature)
     greedy = temperature == 0
-
-    def sampled(logits):
-        scores = logits / jnp.where(greedy, 1.0, temperature)
-        # The sort runs only when some sampled row filters (a batch-wide test: rows differ by `where`).
-        filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
-        scores = jax.lax.cond(filtering, _filter, lambda s, k, p: s, scores, top_k, top_p)
-        one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
-        return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
-
-    return jax.lax.cond(  # only the branch taken runs (both, under vmap)
-        sampling.all_greedy, lambda l: jax.nn.one_hot(argmax(l), l.shape[-1], dtype=jnp.float32), sampled, logits)
+    scores = logits / jnp.where(greedy, 1.0, temperature)
+    if sampling.kind == FILTERED:  # a row without filters passes through unchanged
+        scores = _filter(scores, row(sampling.top_k), row(sampling.top_p))
+    return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

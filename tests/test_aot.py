@@ -193,6 +193,36 @@ def test_cuda_lowering_reads_each_weight_about_once():
         assert 1.0 <= ratio < bound, (spec.name, ratio)
 
 
+def test_a_step_waits_on_the_host_for_no_predicate_but_its_loops():
+    """Traced for CUDA, generate's whole loop holds one data-dependent loop, its own, and no
+    conditional, for every kind of drafter and sampling: greedy and sampled are static
+    programs, drafting runs a static number of passes. The engine's call holds its loop and
+    the drafter's catch-up on steps it did not draft (`sync`), both outside the step. (The
+    blockwise attention of caches past layers.ATTENTION_BLOCK still loops to the longest row:
+    a decode kernel's work, not counted here at 384 slots.)"""
+    cpu = aot.on_device(jax.devices("cpu")[0])
+    eagle3 = jax.eval_shape(lambda: Eagle3.init(TARGET, jax.random.key(0)))
+    loops = {
+        "plain": aot.loop_program(TARGET, None, cpu),
+        "chain greedy": aot.loop_program(TARGET, DRAFT, cpu, num_draft_tokens=4),
+        "chain sampled, top-p": aot.loop_program(TARGET, DRAFT, cpu, num_draft_tokens=4, temperature=0.7, top_p=0.9),
+        "tree sampled": aot.loop_program(TARGET, DraftModel(DRAFT, Tree(3, 2, 6)), cpu, temperature=1.0),
+        "EAGLE-3": aot.loop_program(TARGET, eagle3, cpu, num_draft_tokens=3),
+        "early exit, top-k": aot.loop_program(TARGET, EarlyExit(1), cpu, num_draft_tokens=3, temperature=1.0,
+                                              top_k=5),
+    }
+    for name, spec in loops.items():
+        found = aot.control_flow(spec)
+        assert [(b.op, b.nested) for b in found] == [("while", 0)] and found[0].source.startswith(
+            "specjax/loop.py:"), (name, [str(b) for b in found])
+    for K in (0, 4):
+        found = aot.control_flow(aot.engine_program(TARGET, DRAFT, cpu, slots=2, max_len=256, K=K, steps=2,
+                                                    kind="filtered"))
+        sources = sorted(b.source.split(":")[0] for b in found)
+        assert all(b.op == "while" and b.nested == 0 for b in found), [str(b) for b in found]
+        assert sources == (["specjax/drafters/model.py"] if K else []) + ["specjax/serve/programs.py"], sources
+
+
 def test_eight_b_passes_on_one_v5e_chip_hold_no_weight_sized_copy():
     where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
     for spec in (aot.pass_program(EIGHT_B, where, context=1024), aot.verify_program(EIGHT_B, where, 4, context=1024)):

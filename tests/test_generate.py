@@ -98,7 +98,7 @@ def test_stream_receives_exactly_the_output(pair):
     assert out.num_tokens[1] < MAX_NEW  # a row stopped early: counts 0 after it is done
     assert calls[-1][1] == 0 or out.stats.steps[1] == len(calls)
     before = generate_loop._cache_size()
-    out2, got2, _ = collect(eos_token_id=[5, 6, 7], temperature=0.9, key=jax.random.key(3))
+    out2, got2, _ = collect(eos_token_id=[5, 6, 7], key=jax.random.key(3))
     assert got2 == _rows(out2)
     assert generate_loop._cache_size() == before, "another stream function or stop list recompiled"
 
@@ -177,26 +177,28 @@ def test_draft_equal_to_target_with_eos_cut(pair):
     assert out.stats.accepted[0] == 4 * (steps - 1) + min(last, 4)
 
 
-def test_compiles_once(pair):
-    """Other prompts of the bucket, other keys, temperatures, top-k/p and EOS: no recompile."""
+def test_compiles_once_per_sampling_kind(pair):
+    """Other prompts of the bucket, other keys, temperatures, top-k/p and EOS: one program per
+    sampling kind (greedy, sampled, filtered: each holds only what its rows need), and no
+    recompile within a kind."""
     target, drafts, _ = pair
-    calls = 0
 
     def run(seed, **kw):
-        nonlocal calls
         padded, lengths = specjax.pad_prompts(_prompts(3, seed=seed), bucket=16)
         specjax.generate(target, padded, lengths, draft=drafts["near"], key=jax.random.key(seed),
                          max_new_tokens=MAX_NEW, num_draft_tokens=4, **kw)
-        calls += 1
 
     run(0)
-    before = generate_loop._cache_size()
+    first = generate_loop._cache_size()
     run(1, temperature=0.8)
     run(2, temperature=1.3, top_k=5)
+    before = generate_loop._cache_size()
+    assert before - first <= 2, "more than one program per sampling kind"
     run(3, temperature=0.5, top_p=0.9, eos_token_id=3)
     run(4, eos_token_id=[3, 5, 7])  # up to 4 stop ids share one shape
     run(5)
-    assert generate_loop._cache_size() == before, "a call of the same shapes recompiled generate"
+    run(6, temperature=0.3)
+    assert generate_loop._cache_size() == before, "a call of the same shapes and kind recompiled generate"
 
 
 def test_vocabulary_padding_is_accepted(pair):

@@ -42,6 +42,43 @@ def test_warp_matches_transformers(temperature, top_k, top_p):
                                atol=1e-6)
 
 
+def _kept_whole_at_ties(logits, temperature, top_k, top_p):
+    """transformers' top-k then top-p by a sort, except that a tie at the top-p cut is kept
+    whole (transformers removes some of its members, in whatever order its sort leaves them)."""
+    scores = logits / temperature
+    if top_k:
+        scores = np.where(scores < np.sort(scores)[-top_k], -np.inf, scores)
+    if top_p < 1.0:
+        ascending = np.sort(scores)
+        probs = np.exp(ascending - ascending[-1])
+        cumulative = np.cumsum(probs / probs.sum())
+        cutoff = ascending[np.sum(cumulative[:-1] <= 1.0 - top_p)]
+        scores = np.where(scores < cutoff, -np.inf, scores)
+    probs = np.exp(scores - scores.max())
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_filters_match_transformers_per_row(ties):
+    """Rows of one batch with their own top-k/top-p (off in some), -inf entries (ids a draft
+    vocabulary lacks), a vocabulary of 5,000: the sort-free cuts keep what transformers'
+    warpers keep, row by row; with many ties, what its rule keeps when a tie at the top-p cut
+    is kept whole (specjax's rule: tied scores are never split)."""
+    rng = np.random.RandomState(3)
+    logits = (rng.randn(8, 5000) * 2).astype(np.float32)
+    if ties:
+        logits = np.round(logits, 1)  # ~100 distinct values
+    logits[:, rng.rand(5000) < 0.3] = -np.inf
+    settings = [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (1.0, 7, 0.5), (0.9, 4999, 0.99),
+                (1.0, 1, 1.0), (2.0, 0, 0.05), (1.0, 3000, 0.7)]
+    temperature, top_k, top_p = (np.array(x) for x in zip(*settings))
+    ours = np.asarray(jax.jit(warp)(jnp.asarray(logits), Sampling.make(temperature, top_k, top_p)))
+    for row, (t, k, p) in enumerate(settings):
+        want = (_kept_whole_at_ties(logits[row], t, k, p) if ties else
+                _transformers_probs(logits[row:row + 1], t, k, p)[0])
+        np.testing.assert_allclose(ours[row], want, atol=1e-6, err_msg=str((t, k, p)))
+
+
 def test_greedy_is_one_hot_argmax():
     logits = np.random.RandomState(1).randn(4, 30).astype(np.float32)
     probs = np.asarray(warp(jnp.asarray(logits), Sampling.make(0.0, 3, 0.5)))

@@ -103,6 +103,12 @@ class Drafter:
         """-> (state, the target's cache, a `Proposal`)."""
         raise NotImplementedError(f"{type(self).__name__} does not propose")
 
+    def sync(self, state, tokens: jax.Array, length: jax.Array, done: jax.Array):
+        """Its state brought up to date with final tokens it has not seen, after steps that did
+        not draft (tokens [B, S], length and done [B] as the loop holds them), so that the
+        next `propose` needs no loop of its own. Default: nothing to do."""
+        return state
+
     def observe(self, state, logits: jax.Array, active: jax.Array):
         """Reads the target's logits [B, X, V] for the `Branch` it proposed."""
         raise NotImplementedError(f"{type(self).__name__} proposed a Branch but does not observe its logits")
@@ -139,13 +145,17 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     one pass of W tokens, written at region slots start + d*W + w and each seeing its own
     ancestors. The deepest candidates are never fed. A row stops growing at its k_limit or
     when its frontier's best confidence (max probability at temperature 1) falls below the
-    threshold; the loop stops when no row grows. Returns (cache, Proposal)."""
+    threshold: its later candidates are invalid. The trip count is static (D - 1 passes,
+    whatever the rows do): no step waits on the host for a predicate. Returns (cache, Proposal)."""
     B, V = logits0.shape
     D, W, C, R = tree.depth, tree.width, tree.top_k, tree.region
     if C > V:
         raise ValueError(f"the tree takes up to {C} candidates per node (ranks 0..{C - 1}), but the "
                          f"vocabulary has {V} tokens")
-    sampled = tree.siblings == "sampled"
+    # Sampled siblings are drawn from q unless every row is greedy (static): then they are
+    # what drawing from the one-hot q gives, the argmax, and no q is built.
+    sampled = tree.siblings == "sampled" and not request.sampling.greedy
+    argmax_siblings = tree.siblings == "sampled" and request.sampling.greedy
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
     region_offsets = np.arange(R) // W  # region slot r holds a node of depth r // W + 1, at position start + r // W
     if tree.is_static:
@@ -155,14 +165,13 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         """Candidates of depth d+1 from the frontier at depth d (logits and their log_softmax
         logq [B, W, V]): tokens, log q, validity [B, W, C] and (sampled siblings) the
         distribution they were drawn from [B, W, V]."""
+        q = None
         if sampled:
             q = warp(logits, request.sampling)
-            tokens = jax.lax.cond(  # all greedy: what drawing from the one-hot q gives, without drawing
-                request.sampling.all_greedy,
-                lambda: jnp.broadcast_to(argmax(logits)[..., None], (B, W, C)),
-                lambda: sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V))))
+            tokens = sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V)))
+        elif argmax_siblings:
+            tokens = jnp.broadcast_to(argmax(logits)[..., None], (B, W, C))
         else:
-            q = None
             tokens = jax.lax.top_k(logits, C)[1]
         score = f_score[:, :, None] + jnp.take_along_axis(logq, tokens, axis=-1)
         valid = jnp.broadcast_to(f_valid[:, :, None] & going[:, None, None], (B, W, C))
@@ -180,48 +189,43 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         cells = jax.lax.top_k(ranked, W)[1]
         return cells, jnp.take_along_axis(flat_valid, cells, 1)
 
-    def go_on(carry):
-        d, going = carry[0], carry[-1]
-        return (d < D) & jnp.any(going)
-
-    def step(carry):
-        d, cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going = carry
+    def expand(d, carry):
+        """Depth d's candidates into the pool; returns the carry and the grid."""
+        cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going = carry
         logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
         tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, fold_in(request.key, d))
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
-        pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool,
-                            (tokens, score, valid, parent, q if sampled else None))
+        pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool, (tokens, score, valid, parent, q))
+        return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going), (tokens, score, valid)
 
-        def feed(frontier):
-            cache, feats = frontier[0], frontier[2]
-            cells, n_valid = next_frontier(d, score, valid)
-            take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
-            slots = start[:, None] + d * W + jnp.arange(W)[None]  # [B, W]
-            own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
-            sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
-            positions = jnp.broadcast_to(start[:, None] + d, (B, W))
-            placement = tree_placement(start, slots, region_offsets, sees, cache.max_len) if placed else None
-            parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
-            cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
-            return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees
-
-        frontier = (cache, logits, feats, f_valid, f_score, f_pool, f_sees)
-        cache, logits, feats, f_valid, f_score, f_pool, f_sees = jax.lax.cond(
-            (d + 1 < D) & jnp.any(going), feed, lambda f: f, frontier)
-        return d + 1, cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going
+    def step(d, carry):
+        """Expands depth d and feeds its chosen W candidates: the frontier of depth d+1."""
+        carry, (tokens, score, valid) = expand(d, carry)
+        cache, _, feats, _, _, _, f_sees, pool, going = carry
+        cells, n_valid = next_frontier(d, score, valid)
+        take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
+        slots = start[:, None] + d * W + jnp.arange(W)[None]  # [B, W]
+        own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
+        sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
+        positions = jnp.broadcast_to(start[:, None] + d, (B, W))
+        placement = tree_placement(start, slots, region_offsets, sees, cache.max_len) if placed else None
+        parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
+        cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
+        return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going
 
     pool = (jnp.zeros((B, D, W, C), jnp.int32), jnp.full((B, D, W, C), -jnp.inf),
             jnp.zeros((B, D, W, C), bool), jnp.full((B, D, W, C), -1, jnp.int32),
             jnp.zeros((B, D, W, V), jnp.float32) if sampled else None)
     first = jnp.arange(W)[None] == 0  # the root is the only frontier node at depth 0
     feats = None if features0 is None else jnp.broadcast_to(features0[:, None], (B, W) + features0.shape[1:])
-    carry = (jnp.zeros((), jnp.int32), cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
+    carry = (cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
              jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
-    carry = jax.lax.while_loop(go_on, step, carry)
-    cache, (tokens, score, valid, parent, q) = carry[1], carry[8]
+    carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan
+    carry, _ = expand(D - 1, carry)  # the deepest candidates, never fed
+    cache, (tokens, score, valid, parent, q) = carry[0], carry[7]
     return cache, _select(tree, tokens, score, valid, parent, q)
 
 

@@ -3,10 +3,10 @@ a `specjax.Tree`.
 
 It keeps its own KV cache and, per row, the length it had seen when it last proposed
 (its cache's `lengths`) and the chain drafts it fed past it (`ModelDraftState`). Each step
-it first catches up on every final token its cache lacks (`catch_up`: the last one or two
-after a chain step, up to depth + 1 after a tree step, more after steps that did not draft,
-at whatever K they ran), then grows the tree (`base.grow`). Of the tokens it catches up
-on, only the last one's logits are read out.
+it first catches up on the final tokens its cache lacks (`catch_up`, one window: the last
+one or two after a chain step at any K, up to depth + 1 after a tree step), then grows
+the tree (`base.grow`). Of the tokens it catches up on, only the last one's logits are read
+out. After steps that did not draft, `sync` feeds what one window cannot hold.
 
 With a reduced draft vocabulary (`with_vocab`, or `DraftModel.load` of a folder with a
 draft_vocab.json) its head is its columns for those ids alone, so a step reads Vd/V of
@@ -140,36 +140,59 @@ class DraftModel(Drafter):
         return ModelDraftState(cache.replace(lengths=request.length), fed), request.target_cache, proposal
 
     def catch_up(self, state: "ModelDraftState", request: DraftRequest, read):
-        """Feeds the final tokens its cache lacks, through the row's last, and returns (cache,
-        the draft's logits [B, V] after the last). Its cache holds what it had seen when it
-        last proposed (`lengths`; the prompt's, after `start`), and after a chain also the
-        drafts it fed past that (`fed`) that became final; it feeds from the first position
-        that holds neither, in windows of 2 for a chain (one window in the steady state) or
-        depth + 1 for a tree (whose drafts sit in a region apart), more windows after steps
-        that did not draft. Slots past the last final token get junk, stale by the
+        """Feeds the final tokens its cache lacks, through the row's last, in one window, and
+        returns (cache, the draft's logits [B, V] after the last). Its cache holds what it
+        had seen when it last proposed (`lengths`; the prompt's but the last token, after
+        `start`), and after a chain also the drafts it fed past that (`fed`) that became
+        final; the window starts at the first position that holds neither: 2 tokens for a
+        chain, depth + 1 for a tree (whose drafts sit in a region apart), which covers what
+        any drafting step leaves. After steps that did not draft, `sync` first brings the
+        cache within one window. Slots past the last final token get junk, stale by the
         invariant: grow overwrites them in position order."""
-        cache, length, tokens = state.cache, request.length, request.tokens
+        tokens, length = request.tokens, request.length
         B, S = tokens.shape
         rows = jnp.arange(B)[:, None]
-        seen = cache.lengths
+        seen = self._seen(state, tokens, length)
+        W = self._window
+        positions = seen[:, None] + jnp.arange(W)[None]  # [B, W]
+        _, hidden, cache = apply(self.model, tokens[rows, jnp.minimum(positions, S - 1)], positions, state.cache)
+        at = length - 1 - seen  # the last final token's place in the window (in it, for a row in step)
+        return cache, read(jnp.take_along_axis(hidden, jnp.clip(at, 0, W - 1)[:, None, None], axis=1))[:, 0]
+
+    @property
+    def _window(self) -> int:
+        return 2 if self.tree.is_chain else self.tree.depth + 1
+
+    @staticmethod
+    def _seen(state: "ModelDraftState", tokens, length):
+        """int32 [B]: positions its cache holds: those it had seen, and the fed chain drafts
+        after them that became final."""
+        seen = state.cache.lengths
         if state.fed.shape[1]:
+            B, S = tokens.shape
             at = seen[:, None] + jnp.arange(state.fed.shape[1])[None]  # [B, D-1]
-            final = (state.fed == tokens[rows, jnp.minimum(at, S - 1)]) & (at < length[:, None] - 1)
+            final = (state.fed == tokens[jnp.arange(B)[:, None], jnp.minimum(at, S - 1)]) & (at < length[:, None] - 1)
             seen = seen + leading(final)
-        W = 2 if self.tree.is_chain else self.tree.depth + 1
+        return seen
+
+    def sync(self, state: "ModelDraftState", tokens, length, done) -> "ModelDraftState":
+        """Feeds every final token but each live row's last, in windows, until one window
+        covers what is left: after steps that did not draft (the engine's K = 0 calls), or
+        never in the steady state (its loop's predicate is read once). tokens [B, S],
+        length and done [B] as the loop's state holds them."""
+        B, S = tokens.shape
+        rows = jnp.arange(B)[:, None]
+        W = self._window
 
         def feed(carry):
-            cache, seen, last = carry
+            cache, seen = carry
             positions = seen[:, None] + jnp.arange(W)[None]  # [B, W]
-            _, hidden, cache = apply(self.model, tokens[rows, jnp.minimum(positions, S - 1)], positions, cache)
-            at = length - 1 - seen  # the last final token's place in this window
-            here = read(jnp.take_along_axis(hidden, jnp.clip(at, 0, W - 1)[:, None, None], axis=1))[:, 0]
-            return cache, seen + W, jnp.where(((at >= 0) & (at < W))[:, None], here, last)
+            _, _, cache = apply(self.model, tokens[rows, jnp.minimum(positions, S - 1)], positions, cache)
+            return cache, jnp.minimum(seen + W, jnp.maximum(length - 1, seen))
 
-        lagging = lambda carry: jnp.any(~request.done & (carry[1] < length))  # noqa: E731
-        V = request.target.config.vocab_size
-        cache, _, last = jax.lax.while_loop(lagging, feed, (cache, seen, jnp.zeros((B, V), jnp.float32)))
-        return cache, last
+        behind = lambda carry: jnp.any(~done & (carry[1] + W < length))  # noqa: E731
+        cache, seen = jax.lax.while_loop(behind, feed, (state.cache, self._seen(state, tokens, length)))
+        return ModelDraftState(cache.replace(lengths=seen), jnp.full_like(state.fed, -1))
 
 
 @struct.dataclass

@@ -29,7 +29,7 @@ from specjax.drafters import DraftModel, Eagle, EarlyExit, PromptLookup
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
-from specjax.sampling import validate
+from specjax.sampling import kind_of, validate
 from specjax.serve.programs import Programs
 
 DEFAULT_K = 4  # the chain's length where no cost profile chooses it
@@ -379,8 +379,9 @@ class Engine:
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
+        kind = kind_of(*zip(*(r.sampling for r in owners.values())))  # greedy rows alone: a greedy program
         # New requests take the lowest free slot, so live rows gather at the front.
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1)
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind)
         self.calls[K] += 1
         return owners, K, tokens, counts, taken, done, hold
 

@@ -2,7 +2,7 @@
 prefill per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
 `step` at one static K per device call, over the state's first rows (a few widths: a step
 costs by its rows). Their number is bounded and fixed at construction (`Programs.listing`):
-one prefill per bucket, one run per K and width, never one per request.
+one prefill per bucket, one run per K, width and sampling kind, never one per request.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
@@ -20,7 +20,7 @@ from specjax import loop
 from specjax.drafters.base import verify_room
 from specjax.memory import nbytes
 from specjax.models import layers
-from specjax.sampling import Sampling
+from specjax.sampling import FILTERED, KINDS, Sampling
 
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
 
@@ -35,6 +35,12 @@ def buckets(max_len: int) -> tuple[int, ...]:
     return tuple(out) + (last,)
 
 
+def _stored(sampling: Sampling, kind: str = FILTERED) -> Sampling:
+    """The state holds its rows' settings as FILTERED (its structure never changes); a run
+    program reads them as the kind its live rows need (a static argument)."""
+    return sampling.replace(kind=kind)
+
+
 @functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "platform", "mesh", "rules"))
 def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform, mesh, rules):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
@@ -42,7 +48,7 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, plat
     with layers.kernels_for(platform, portable=mesh is not None):
         state = loop.prefill(
             target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
-            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=Sampling.make(batch=slots),
+            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_stored(Sampling.make(batch=slots)),
             stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, mesh, rules)
 
@@ -68,16 +74,21 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "width", "platform", "mesh", "rules"), donate_argnums=3)
-def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: int, platform, mesh, rules):
+@functools.partial(jax.jit, static_argnames=("steps", "width", "kind", "platform", "mesh", "rules"),
+                   donate_argnums=3)
+def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: int, kind: str, platform, mesh,
+         rules):
     """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
     a step costs by its rows, so one live request does not pay for eight); fewer steps when
     those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
+    kind: the sampling kind its live rows need (`sampling.kind_of`); the drafter first
+    catches up on steps it did not draft (`Drafter.sync`), so its steps need no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
     to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
     the rows carry (the deepest), whose rules lay it out on a mesh whatever K runs."""
     state = jax.tree.map(lambda x: x[:width], full)  # copied in, written back once per call
+    state = state.replace(sampling=_stored(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
 
@@ -93,9 +104,12 @@ def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: i
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
     with layers.kernels_for(platform, portable=mesh is not None):
+        if drafter is not None:
+            state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
+    state = state.replace(sampling=_stored(state.sampling))
     if width < full.tokens.shape[0]:
         full = jax.tree.map(lambda big, rows: big.at[:width].set(rows), full, state)
     else:
@@ -125,8 +139,8 @@ class Programs:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
                 + [f"{name} [1, {b}]" for b in self.buckets for name in ("prefill", "insert")]
-                + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}"
-                   for K in sorted(self.drafters) for w in self.widths])
+                + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
+                   for K in sorted(self.drafters) for w in self.widths for kind in KINDS])
 
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
@@ -151,7 +165,7 @@ class Programs:
         prompts = np.zeros((1, b), np.int32)
         prompts[0, :P] = prompt
         (temperature, top_k, top_p), one = sampling, lambda x, dtype: np.array([x], dtype)  # noqa: E731
-        settings = Sampling(one(temperature, np.float32), one(top_k, np.int32), one(top_p, np.float32))
+        settings = Sampling(one(temperature, np.float32), one(top_k, np.int32), one(top_p, np.float32), FILTERED)
         return _prefill(self.target, self.deepest, prompts, one(P, np.int32), one(limit, np.int32), settings,
                         stop_ids[None].astype(np.int32), one(seed, np.uint32), cache_len=b, platform=self.platform,
                         portable=self.mesh is not None)
@@ -174,15 +188,17 @@ class Programs:
         state = self.release(state, [0])
         for K in self.drafters:
             for w in self.widths:
-                state = self.run(state, K, False, w)[0]
+                for kind in KINDS:
+                    state = self.run(state, K, False, w, kind)[0]
         jax.block_until_ready(state)
 
     def width(self, rows: int) -> int:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)
 
-    def run(self, state, K: int, hold: bool, rows: int):
-        """Steps at K over the narrowest width covering the first `rows` rows."""
+    def run(self, state, K: int, hold: bool, rows: int, kind: str):
+        """Steps at K over the narrowest width covering the first `rows` rows, for rows that
+        need sampling of `kind` (`sampling.kind_of` their settings)."""
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
-                    steps=self.steps_per_call, width=self.width(rows), platform=self.platform, mesh=self.mesh,
-                    rules=self.rules)
+                    steps=self.steps_per_call, width=self.width(rows), kind=kind, platform=self.platform,
+                    mesh=self.mesh, rules=self.rules)
