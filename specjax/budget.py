@@ -89,26 +89,33 @@ def _kv_bytes(model, batch: int, slots: int) -> int:
     return 2 * c.num_layers * batch * slots * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
 
 
-def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: int) -> dict[str, int]:
+def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: int,
+                sampled: bool = False) -> dict[str, int]:
     """Bytes a generate call of these shapes needs at the least, by part, from the shapes
-    alone (nothing traced): the weights, the KV caches, and one verification pass's logits
-    [B, T, V] and attention mask [B, T, S], T = 1 + the tree's nodes (or the drafter's
-    writes). XLA's program needs these and more."""
+    alone (nothing traced): the weights, the KV caches, and one verification pass's float32
+    logits [B, T, V] and attention mask [B, T, S], T = 1 + the tree's nodes (or the drafter's
+    writes); sampled (any row not greedy): also the target's distributions p [B, T, V] and
+    the drafts' q [B, N, V], float32. XLA's program needs these and more."""
     room = verify_room(drafter)
     S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
+    V = target.config.vocab_size
     caches = _kv_bytes(target, batch, S)
     if isinstance(drafter, DraftModel):
         caches += _kv_bytes(drafter.model, batch, grow_cache_length(drafter.tree, S))
-    return {"weights": nbytes(target.params) + nbytes(drafter), "caches": caches,
-            "logits": batch * T * target.config.vocab_size * jnp.dtype(target.dtype).itemsize,
-            "mask": batch * T * S}
+    need = {"weights": nbytes(target.params) + nbytes(drafter), "caches": caches,
+            "logits": batch * T * V * 4, "mask": batch * T * S}
+    if sampled:
+        drafted = 0 if drafter is None or drafter.tree.siblings != "sampled" else drafter.tree.nodes
+        need["distributions"] = batch * (T + drafted) * V * 4
+    return need
 
 
-def check_shapes(target, drafter, batch: int, prompt_len: int, max_new_tokens: int, mesh=None):
+def check_shapes(target, drafter, batch: int, prompt_len: int, max_new_tokens: int, mesh=None,
+                 sampled: bool = False):
     """Raises InsufficientMemoryError, before anything is traced, when `shape_bound` alone
     exceeds `memory_capacity`: such a request cannot run, whatever the program."""
     capacity = memory.memory_capacity(mesh)
-    need = shape_bound(target, drafter, batch, prompt_len, max_new_tokens)
+    need = shape_bound(target, drafter, batch, prompt_len, max_new_tokens, sampled)
     if capacity is None or sum(need.values()) <= capacity:
         return
     nodes = "" if drafter is None else f" and {drafter.tree.nodes} draft tokens per step"

@@ -99,8 +99,10 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     values = None if abstract else _host_values(prompts, lengths)
     drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
                              temperature, top_k, top_p, eos_token_id, draft_threshold)
+    sampling = Sampling.make(temperature, top_k, top_p)
     if not abstract:  # (a program built for devices that are not here is measured against theirs: plan.py)
-        budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh)  # nothing traced yet
+        budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh,
+                            sampled=not sampling.greedy)  # nothing traced yet
     if mesh is not None:  # from host data, each process supplies the shards its devices hold
         prompts, lengths = (sharding.place_rows(x, mesh, rules) for x in (prompts, lengths))
     if abstract:  # shapes only (a program built for devices that need not be here): see aot.py
@@ -116,7 +118,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
     args = (target, drafter, prompts, lengths, key,
-            Sampling.make(temperature, top_k, top_p), eos, jnp.asarray(draft_threshold, jnp.float32))
+            sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
                   adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules,
                   platform=sharding.platform_of(target.params, mesh))

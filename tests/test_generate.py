@@ -310,11 +310,19 @@ def test_the_shape_bound_is_a_lower_bound_of_xlas_accounting(pair):
     target, drafts, _ = pair
     tree = specjax.Tree(depth=3, top_k=2, nodes=6)
     draft = specjax.DraftModel(drafts["near"], tree)
-    bound = budget.shape_bound(target, draft, 2, 16, 32)
     c = target.config
-    estimate = specjax.estimate_memory(target, draft, batch=2, prompt_len=16, max_new_tokens=32)
-    assert sum(bound.values()) <= estimate.total
-    assert bound["logits"] == 2 * 7 * c.vocab_size * 4 and bound["caches"] <= estimate.caches
+    for temperature in (0.0, 1.0):
+        bound = budget.shape_bound(target, draft, 2, 16, 32, sampled=temperature > 0)
+        estimate = specjax.estimate_memory(target, draft, batch=2, prompt_len=16, max_new_tokens=32,
+                                           temperature=temperature)
+        assert sum(bound.values()) <= estimate.total, temperature
+        assert bound["logits"] == 2 * 7 * c.vocab_size * 4 and bound["caches"] <= estimate.caches
+    assert bound["distributions"] == 2 * 7 * c.vocab_size * 4  # p at 7 tokens (top-k siblings: q is one-hot)
+    chain = budget.shape_bound(target, specjax.DraftModel(drafts["near"]).resolve(4), 2, 16, 32, sampled=True)
+    assert chain["distributions"] == 2 * (5 + 4) * c.vocab_size * 4  # and q at the 4 sampled drafts
+    bf16 = budget.shape_bound(target.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params)),
+                              None, 2, 16, 32)
+    assert bf16["logits"] == 2 * c.vocab_size * 4  # float32 logits whatever the weights' dtype
 
 
 def test_nothing_is_read_back_from_the_device_before_the_loop(pair, monkeypatch):
