@@ -8,13 +8,15 @@ descriptions, XLA's real TPU compiler), each program compiles as it would on tha
 of HBM is an error at compile time. For GPUs a program is lowered for "cuda" (no GPU and no
 CUDA plugin needed): before XLA optimises it, its cost analysis counts every operand once.
 
-What a program costs is read three ways (`Program`):
+What a program costs is read four ways (`Program`):
 - its temporaries as a fraction of the weights (a decode step should need little beyond
   them and its caches);
 - the weight- or cache-sized copies, transposes and converts in the optimised TPU program,
   named with the Python line that made them (`large_copies`; the target: none);
 - the CUDA lowering's bytes accessed over the bytes a step must read (weights plus the live
-  cache: `cuda_bytes`).
+  cache: `cuda_bytes`);
+- its data-dependent loops and conditionals, traced for CUDA (`control_flow`: on a GPU each
+  reads a predicate back to the host; a loop's own is the one it needs).
 XLA's TPU "bytes accessed" is not HBM traffic (it counts on-chip prefetch too), so it is
 not used; a loop body is counted once; Pallas kernels' flops are not counted.
 
@@ -415,6 +417,7 @@ class Program:
     weights: int  # bytes of parameters per device (among the arguments)
     copies: tuple[Copy, ...]  # weight- or cache-sized copies/transposes/converts (`large_copies`)
     cuda_ratio: float | None = None  # CUDA lowering's bytes accessed / bytes that must be read
+    branching: tuple | None = None  # its data-dependent loops and conditionals traced for CUDA (`control_flow`)
 
     @property
     def total(self) -> int:
@@ -617,20 +620,22 @@ def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = F
     """Compiles the spec for its devices and reads its figures (per device). copies_threshold:
     the bytes from which a copy counts as large (default: the smallest weight matrix a
     device holds, so that a copy of any weight counts); cuda: also lower for CUDA and give
-    the bytes-accessed ratio (`Program.cuda_ratio`)."""
+    the bytes-accessed ratio (`Program.cuda_ratio`) and its data-dependent control flow
+    (`Program.branching`)."""
     start = time.perf_counter()
     compiled = spec.fn.lower(*spec.args, **spec.kwargs).compile()
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     weights = device_nbytes(spec.params)
     threshold = copies_threshold or _default_threshold(spec.params)
-    ratio = None
+    ratio = branching = None
     if cuda:
         accessed = cuda_bytes(spec)
         ratio = None if accessed is None else accessed / spec.must_read
+        branching = control_flow(spec)
     return Program(spec.name, spec.platform, seconds, int(analysis.argument_size_in_bytes),
                    int(analysis.output_size_in_bytes), int(analysis.temp_size_in_bytes), weights,
-                   large_copies(compiled.as_text(), threshold), ratio)
+                   large_copies(compiled.as_text(), threshold), ratio, branching)
 
 
 def _default_threshold(params) -> int:
@@ -643,13 +648,14 @@ def report(programs, title: str = "") -> str:
     """A table of programs' figures, per device."""
     lines = [title] if title else []
     lines.append(f"{'program':<34} {'compile':>8} {'weights':>10} {'temps':>10} {'temps/w':>8} {'cuda/ideal':>10}"
-                 f"  large copies")
+                 f" {'branch':>6}  large copies")
     for p in programs:
         cuda = "-" if p.cuda_ratio is None else f"{p.cuda_ratio:.2f}"
+        branch = "-" if p.branching is None else str(len(p.branching))
         copies = "none" if not p.copies else "; ".join(map(str, p.copies[:4])) + (
             f"; +{len(p.copies) - 4} more" if len(p.copies) > 4 else "")
         lines.append(f"{p.name:<34} {p.compile_seconds:7.1f}s {p.weights / MB:9.1f}M {p.temporaries / MB:9.1f}M "
-                     f"{p.temporaries_over_weights:8.3f} {cuda:>10}  {copies}")
+                     f"{p.temporaries_over_weights:8.3f} {cuda:>10} {branch:>6}  {copies}")
     return "\n".join(lines)
 
 

@@ -197,14 +197,15 @@ def test_a_step_waits_on_the_host_for_no_predicate_but_its_loops():
     """Traced for CUDA, generate's whole loop holds one data-dependent loop, its own, and no
     conditional, for every kind of drafter and sampling: greedy and sampled are static
     programs, drafting runs a static number of passes. The engine's call holds its loop and
-    the drafter's catch-up on steps it did not draft (`sync`), both outside the step. (The
-    blockwise attention of caches past layers.ATTENTION_BLOCK still loops to the longest row:
-    a decode kernel's work, not counted here at 384 slots.)"""
+    the drafter's catch-up on steps it did not draft (`sync`), both outside the step. Over a
+    cache past layers.ATTENTION_BLOCK slots (the blockwise attention) too."""
     cpu = aot.on_device(jax.devices("cpu")[0])
     eagle3 = jax.eval_shape(lambda: Eagle3.init(TARGET, jax.random.key(0)))
     loops = {
         "plain": aot.loop_program(TARGET, None, cpu),
         "chain greedy": aot.loop_program(TARGET, DRAFT, cpu, num_draft_tokens=4),
+        "chain greedy, 640 slots": aot.loop_program(TARGET, DRAFT, cpu, num_draft_tokens=4, prompt_len=64,
+                                                    max_new_tokens=448),
         "chain sampled, top-p": aot.loop_program(TARGET, DRAFT, cpu, num_draft_tokens=4, temperature=0.7, top_p=0.9),
         "tree sampled": aot.loop_program(TARGET, DraftModel(DRAFT, Tree(3, 2, 6)), cpu, temperature=1.0),
         "EAGLE-3": aot.loop_program(TARGET, eagle3, cpu, num_draft_tokens=3),

@@ -46,6 +46,9 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         got = layers.attention(q, k, v, mask, 0.3, cap, kv_limit=limit, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the limit re-reading
+            got = jax.jit(lambda *a: layers.attention(*a, 0.3, cap, kv_limit=limit, block=block))(q, k, v, mask)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     if cap is None:  # cuDNN's path (it has no soft-cap), through the same call with "xla"
         got = layers.dot_product_attention(q, k, v, mask, 0.3, implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)

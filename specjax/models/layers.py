@@ -229,8 +229,10 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     [B, H, T, block] scores live at once; results agree with the dense path to float32
     rounding. kv_limit (int32 [B], traced): no query of row b sees a slot at or beyond
     kv_limit[b]. Blockwise, blocks starting at or beyond the largest are not read at all (a
-    decode step reads only up to its longest live row); without it every block is visited
-    in a fixed-length loop, which reverse-mode autodiff can differentiate. cuDNN takes it as
+    decode step reads only up to its longest live row; traced for a GPU, where a loop's
+    data-dependent predicate would wait on the host, the loop is fixed-length and re-reads
+    the last live block instead); without it every block is visited in a fixed-length loop,
+    which reverse-mode autodiff can differentiate. cuDNN takes it as
     each row's key/value length and reads no block past it. A query that sees no slot at all gets zeros (the dense path's output
     for it, a uniform average, is equally meaningless).
 
@@ -262,7 +264,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 
     num_blocks = -(-S // block)
 
-    def visit(i, carry):
+    def visit(i, carry, live=True):
         m, l, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, D] float32
         # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
         # shares with the previous block are masked out so that none is counted twice.
@@ -270,7 +272,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)  # [B, block, G, D]
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
         mb = jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2)  # [B, T, block]
-        mb = mb & (start + jnp.arange(block) >= i * block)[None, None, :]
+        mb = mb & (start + jnp.arange(block) >= i * block)[None, None, :] & live
         mb = mb[:, None, None]  # [B, 1, 1, T, block]
         s = jnp.where(mb, scores_of(kb), neg)
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -286,7 +288,16 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
         _, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init_state)
     else:
         upto = jnp.clip((jnp.max(kv_limit) + block - 1) // block, 0, num_blocks)
-        _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
+        if target_platform() == "gpu":
+            # A GPU reads a data-dependent loop's predicate back on the host, every pass: the
+            # loop visits every block, those past the longest row as its last live block again,
+            # all masked (their flops are the price; whether the re-read stays in L2 is not
+            # measured yet). TPU and CPU test the predicate where they compute.
+            last = jnp.maximum(upto - 1, 0)
+            _, l, acc = jax.lax.fori_loop(0, num_blocks, lambda i, c: visit(jnp.minimum(i, last), c, i < upto),
+                                          init_state)
+        else:
+            _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
 
