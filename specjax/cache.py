@@ -48,13 +48,23 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes new[b, t] into buffer[b, positions[b, t]]: each row at its own offset.
+def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
+    """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset.
 
-    buffer [B, S, G, D] (one layer's), new [B, T, G, D], positions int32 [B, T]. One scatter
-    into the carried buffer (in place inside a loop). Writes at positions >= S are dropped."""
-    rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
-    return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
+    buffer [B, S, G, D] (one layer's), new [B, T, G, D], slots int32 [B, T]. One scatter
+    into the carried buffer (in place inside a loop); writes at slots >= S are dropped.
+    consecutive: every row's T slots follow one another (all of specjax's passes write so:
+    a chunk, a chain, a tree's verification block, a draft frontier) and end within S; then
+    each row is one dynamic_update_slice of T entries from slots[b, 0], B of them. A TPU
+    program wants that form: around a point scatter XLA copies the whole buffer (each layer's
+    K and V, every speculative step: docs/bench/engine_aot.txt)."""
+    new = new.astype(buffer.dtype)
+    if not consecutive:
+        rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
+        return buffer.at[rows, slots].set(new, mode="drop")
+    for b in range(buffer.shape[0]):
+        buffer = jax.lax.dynamic_update_slice(buffer, new[b:b + 1], (b, slots[b, 0]) + (0,) * (buffer.ndim - 2))
+    return buffer
 
 
 @struct.dataclass

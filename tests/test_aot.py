@@ -8,6 +8,7 @@ each allows more: conftest.py does). Models are tiny except where a real shape i
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu]: the test extra on Linux x86-64)")
@@ -119,10 +120,8 @@ def test_no_program_copies_a_weight(compiled):
     """Every program reads each weight where it lies: no copy, transpose or convert of a
     weight's shape in the optimised TPU program: the passes, and the loops, where XLA once
     kept a relaid copy of every gate_up [E, 2, F] and qkv [E, G, R+2, D] kernel through the
-    loop (their layout since is [2, E, F] and [G, R+2, D, E]). (Cache buffers are another
-    matter: the portable attention's layout makes XLA copy each layer's K and V in the
-    verification pass, which the instrument names at cache.py; the decode-attention work
-    removes them.) Nor converts: a trained drafter's float32 weights (EAGLE-3's) are cast to
+    loop (their layout since is [2, E, F] and [G, R+2, D, E]). (Cache buffers: the next
+    test.) Nor converts: a trained drafter's float32 weights (EAGLE-3's) are cast to
     the target's dtype once, when bound, where its draft step once converted them every step."""
     _, _, specs, programs = compiled
     for spec in specs:
@@ -132,6 +131,22 @@ def test_no_program_copies_a_weight(compiled):
                            else map(str, w.shape)) for w in jax.tree.leaves(spec.params)}
         copies = [c for c in programs[spec.name].copies if c.shape.split("[")[1].rstrip("]") in shapes]
         assert copies == [], (spec.name, copies)
+
+
+def test_no_step_copies_the_targets_cache_on_a_tpu():
+    """A TPU program writes each row's new cache entries as one slice (cache.write, consecutive):
+    around a point scatter XLA copied every layer's K and V, in generate's speculative loop and
+    in every engine call (docs/bench/engine_aot.txt: 64-76 cache-sized copies a call, 1.1-1.4 GB
+    of temporaries, gone). Checked for the engine's call at K=0 and K=4 and generate's chain."""
+    where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    specs = [aot.engine_program(TARGET, DRAFT, where, slots=4, max_len=256, K=K, steps=2) for K in (0, 4)]
+    specs.append(aot.loop_program(TARGET, DRAFT, where, batch=4, num_draft_tokens=4))
+    for spec in specs:
+        caches = [x for x in jax.tree.leaves(spec.args[3] if "engine" in spec.name else ()) if x.ndim == 4]
+        buffer = (caches[0].shape if caches else (4, 384, 2, 32))  # the target's [B, S, G, D]
+        program = aot.compile_spec(spec, copies_threshold=int(np.prod(buffer)) * 2)
+        copies = [c for c in program.copies if c.shape.startswith("bf16[" + ",".join(map(str, buffer)))]
+        assert copies == [], (spec.name, [str(c) for c in copies])
 
 
 def test_large_copies_are_found_and_named_by_their_line():

@@ -364,3 +364,28 @@ def test_trace_records_tokens_per_step(pair):
     np.testing.assert_array_equal((trace > 0).sum(axis=1), out.stats.steps)
     assert trace.max() <= 5
     assert specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).trace is None
+
+
+def test_a_program_traced_for_a_tpu_gives_the_same_tokens(pair):
+    """The loop as a TPU program holds it (each row's cache entries written as one
+    consecutive slice, not a point scatter; the 4-D qkv matmul), run here on the CPU: the
+    same tokens as the CPU's program, for a chain and a tree. And the two writes agree."""
+    from specjax import cache
+    from specjax.request import prepare
+
+    target, drafts, _ = pair
+    padded, lengths = specjax.pad_prompts(_prompts(3, seed=21), bucket=16)
+    for draft in (drafts["near"], specjax.DraftModel(drafts["near"], specjax.Tree(3, 2, 6))):
+        kwargs = dict(draft=draft, key=jax.random.key(0), max_new_tokens=MAX_NEW, num_draft_tokens=None,
+                      temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None, return_trace=False,
+                      adaptive_k=False, draft_threshold=0.0, mesh=None, rules=None, stream=None,
+                      cost_profile=None, deterministic=False)
+        args, static, _ = prepare(target, padded, lengths, **kwargs)
+        cpu = generate_loop(*args, **dict(static, platform="cpu"))
+        tpu = generate_loop(*args, **dict(static, platform="tpu"))
+        np.testing.assert_array_equal(tpu.tokens, cpu.tokens)
+        np.testing.assert_array_equal(tpu.stats.accepted, cpu.stats.accepted)
+    rng = np.random.default_rng(0)
+    buffer, new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((3, 20, 2, 4), (3, 5, 2, 4)))
+    slots = jnp.asarray([0, 7, 15])[:, None] + jnp.arange(5)[None]
+    np.testing.assert_array_equal(cache.write(buffer, new, slots, consecutive=True), cache.write(buffer, new, slots))

@@ -30,7 +30,7 @@ from flax import linen as nn
 
 from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
+from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap, target_platform
 from specjax.quant import Int8
 
 
@@ -47,8 +47,9 @@ class Block(nn.Module):
         Returns (x, cache_kv with the T new entries written)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
-        if cache_kv is not None:
-            cache_kv = (write(cache_kv[0], k, slots), write(cache_kv[1], v, slots))
+        if cache_kv is not None:  # a row's slots are consecutive; a TPU wants them written so
+            consecutive = target_platform() == "tpu"
+            cache_kv = tuple(write(buf, x, slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
             k, v = cache_kv
         x = x + attn.attend(q, k, v, mask, kv_limit)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
