@@ -30,7 +30,7 @@ from flax import linen as nn
 
 from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap, target_platform
+from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap, kernel_platform
 from specjax.quant import Int8
 
 
@@ -47,8 +47,8 @@ class Block(nn.Module):
         Returns (x, cache_kv with the T new entries written)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
-        if cache_kv is not None:  # a row's slots are consecutive; a TPU wants them written so
-            consecutive = target_platform() == "tpu"
+        if cache_kv is not None:  # a row's slots are consecutive; one TPU wants them written so
+            consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
             cache_kv = tuple(write(buf, x, slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
             k, v = cache_kv
         x = x + attn.attend(q, k, v, mask, kv_limit)
