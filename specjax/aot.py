@@ -553,16 +553,6 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
-def cuda_bytes(spec: Spec) -> float | None:
-    """The CUDA lowering's bytes accessed (before optimisation: every operand once) for the
-    spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
-    CUDA plugin; without it attention takes the portable path); None where the lowering
-    has no cost analysis."""
-    lowered = _trace_for_cuda(spec).lower(lowering_platforms=("cuda",))
-    costs = lowered.cost_analysis()
-    return None if not costs else float(costs.get("bytes accessed", 0.0))
-
-
 def _trace_for_cuda(spec: Spec):
     """The spec's program traced as a CUDA device would run it (its static platform "gpu")."""
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(
@@ -574,6 +564,16 @@ def _trace_for_cuda(spec: Spec):
     else:
         fn = jax.jit(_with_kernels(spec.body, "gpu", False))
     return fn.trace(*unplaced, **kwargs)
+
+
+def cuda_bytes(spec: Spec) -> float | None:
+    """The CUDA lowering's bytes accessed (before optimisation: every operand once) for the
+    spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
+    CUDA plugin; without it attention takes the portable path); None where the lowering
+    has no cost analysis."""
+    lowered = _trace_for_cuda(spec).lower(lowering_platforms=("cuda",))
+    costs = lowered.cost_analysis()
+    return None if not costs else float(costs.get("bytes accessed", 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,7 +594,7 @@ class Branching:
 def control_flow(spec: Spec) -> tuple[Branching, ...]:
     """Every data-dependent loop and conditional in the spec's program as traced for CUDA,
     outermost first (the jaxpr's: `while` and `cond` primitives, wherever they are nested)."""
-    from jax._src import source_info_util
+    from jax.extend import source_info_util
 
     found = []
 
@@ -602,9 +602,9 @@ def control_flow(spec: Spec) -> tuple[Branching, ...]:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name in ("while", "cond"):
-                frame = source_info_util.user_frame(eqn.source_info.traceback)
-                where = "?" if frame is None else f"{_short(frame.file_name)}:{frame.start_line}"
-                found.append(Branching(name, nested, where))
+                frame = source_info_util.summarize(eqn.source_info).split(" (")[0]  # "path:line:column"
+                path, line = frame.rsplit(":", 2)[:2] if frame.count(":") >= 2 else ("?", "")
+                found.append(Branching(name, nested, f"{_short(path)}:{line}"))
             inner = nested + (name in ("while", "cond", "scan"))
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):

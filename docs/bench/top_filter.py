@@ -6,14 +6,12 @@ temporaries and its sort ops. Median of 20 runs after a warm-up; both in one pro
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python docs/bench/top_filter.py
 """
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
+from specjax.measure import median_time
 
 
 def _pick(x, index):
@@ -32,16 +30,6 @@ def sorted_filter(scores, top_k, top_p):
     cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
     removed = jnp.sum(cumulative[..., :-1] <= 1.0 - top_p, axis=-1, keepdims=True)
     return jnp.where(scores < _pick(ascending, removed), -jnp.inf, scores)
-
-
-def median_ms(fn, *args, n=20):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def tpu_figures(fn, shape):
@@ -65,7 +53,8 @@ for shape in ((1, 4096), (8, 4096), (8, 5, 4096), (1, 128256), (8, 128256), (8, 
     top_p = jnp.full(shape[:-1] + (1,), 0.9, jnp.float32)
     old, new = jax.jit(sorted_filter), jax.jit(sampling._filter)
     np.testing.assert_array_equal(np.isinf(old(scores, top_k, top_p)), np.isinf(new(scores, top_k, top_p)))
-    t_old, t_new = median_ms(old, scores, top_k, top_p), median_ms(new, scores, top_k, top_p)
+    t_old, t_new = (1e3 * median_time(lambda f=f: jax.block_until_ready(f(scores, top_k, top_p)), 20)
+                    for f in (old, new))
     try:
         (m_old, s_old), (m_new, s_new) = tpu_figures(sorted_filter, shape), tpu_figures(sampling._filter, shape)
         tpu = f"{m_old:7.1f} / {m_new:7.1f}, {s_old} / {s_new}"
