@@ -171,6 +171,8 @@ class Engine:
         self._cancelled: set[Request] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draft_behind = False  # a call ran at K = 0 since the draft's state last caught up
+        self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
 
@@ -380,6 +382,10 @@ class Engine:
             return None
         K = self.k_table[len(owners) - 1]
         kind = kind_of(*zip(*(r.sampling for r in owners.values())))  # greedy rows alone: a greedy program
+        if K and self._draft_behind:  # the steps at K hold one window of catch-up: feed what K = 0 left
+            self._state = self.programs.sync(self._state, K)
+            self.syncs += 1
+        self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
         self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind)
         self.calls[K] += 1
@@ -403,7 +409,7 @@ class Engine:
                 request._finish("stop" if stopped else "length")
 
     def stats(self) -> dict:
-        """Device calls and steps per K so far."""
-        return {"calls": dict(self.calls), "steps": dict(self.steps), "k_table": list(self.k_table),
-                "programs": self.programs.listing(), **self.memory}
+        """Device calls and steps per K so far, and the draft's catch-ups after calls at K = 0."""
+        return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
+                "k_table": list(self.k_table), "programs": self.programs.listing(), **self.memory}
 

@@ -81,8 +81,8 @@ def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: i
     """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
     a step costs by its rows, so one live request does not pay for eight); fewer steps when
     those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
-    kind: the sampling kind its live rows need (`sampling.kind_of`); the drafter first
-    catches up on steps it did not draft (`Drafter.sync`), so its steps need no loop.
+    kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
+    be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
     to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
@@ -104,8 +104,6 @@ def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: i
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
     with layers.kernels_for(platform, portable=mesh is not None):
-        if drafter is not None:
-            state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
@@ -115,6 +113,15 @@ def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: i
     else:
         full = state
     return full, tokens, counts, taken, state.done
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("platform", "mesh", "rules"))
+def _sync(drafter, state, holder, *, platform, mesh, rules):
+    """The drafter's state brought within one window of its rows (`Drafter.sync`): run before
+    the first call that drafts after calls that did not."""
+    with layers.kernels_for(platform, portable=mesh is not None):
+        state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
+    return loop.place(state, holder, mesh, rules)
 
 
 class Programs:
@@ -140,7 +147,8 @@ class Programs:
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
                 + [f"{name} [1, {b}]" for b in self.buckets for name in ("prefill", "insert")]
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
-                   for K in sorted(self.drafters) for w in self.widths for kind in KINDS])
+                   for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
+                + [f"sync the draft for K={K}" for K in self._synced()])
 
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
@@ -187,6 +195,8 @@ class Programs:
             state = self.insert(state, 0, row)
         state = self.release(state, [0])
         for K in self.drafters:
+            if K in self._synced():
+                state = self.sync(state, K)
             for w in self.widths:
                 for kind in KINDS:
                     state = self.run(state, K, False, w, kind)[0]
@@ -202,3 +212,11 @@ class Programs:
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
                     steps=self.steps_per_call, width=self.width(rows), kind=kind, platform=self.platform,
                     mesh=self.mesh, rules=self.rules)
+
+    def _synced(self) -> list[int]:
+        """The Ks whose calls may follow calls at K = 0 (a draft that skipped steps)."""
+        return [K for K in sorted(self.drafters) if K] if 0 in self.drafters and self.deepest is not None else []
+
+    def sync(self, state, K: int):
+        """The draft's state caught up on calls that did not draft, before one at K (> 0)."""
+        return _sync(self.drafters[K], state, self.deepest, platform=self.platform, mesh=self.mesh, rules=self.rules)
