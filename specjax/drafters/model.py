@@ -177,9 +177,9 @@ class DraftModel(Drafter):
 
     def sync(self, state: "ModelDraftState", tokens, length, done) -> "ModelDraftState":
         """Feeds every final token but each live row's last, in windows, until one window
-        covers what is left: after steps that did not draft (the engine's K = 0 calls), or
-        never in the steady state (its loop's predicate is read once). tokens [B, S],
-        length and done [B] as the loop's state holds them."""
+        covers what is left: after steps that did not draft (the engine runs it before its
+        first call that drafts after calls at K = 0). tokens [B, S], length and done [B] as
+        the loop's state holds them."""
         B, S = tokens.shape
         rows = jnp.arange(B)[:, None]
         W = self._window

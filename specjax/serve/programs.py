@@ -1,8 +1,9 @@
 """The engine's compiled programs over one `SlotState` of `slots` rows: the empty state,
 prefill per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
 `step` at one static K per device call, over the state's first rows (a few widths: a step
-costs by its rows). Their number is bounded and fixed at construction (`Programs.listing`):
-one prefill per bucket, one run per K, width and sampling kind, never one per request.
+costs by its rows), and `sync`: the draft's catch-up after calls at K = 0. Their number is
+bounded and fixed at construction (`Programs.listing`): one prefill per bucket, one run per
+K, width and sampling kind, never one per request.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
