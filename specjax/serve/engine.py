@@ -45,8 +45,8 @@ class Request:
     "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
 
     def __init__(self, engine: "Engine", prompt: tuple, max_new_tokens: int, sampling: tuple,
-                 stop_ids: tuple, seed: int):
-        self._engine = engine
+                 stop_ids: tuple, seed: int, listener=None):
+        self._engine, self._listener = engine, listener
         self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
         self.stop_token_ids, self.seed = stop_ids, seed
         self.tokens: list[int] = []
@@ -86,6 +86,7 @@ class Request:
         self.tokens.extend(tokens)
         self.chunk_times.append((time.perf_counter(), len(tokens)))
         self._chunks.put(tokens)
+        self._tell(tokens)
 
     def _finish(self, reason: str | None, error: BaseException | None = None):
         if self.finished:
@@ -93,6 +94,16 @@ class Request:
         self.finish_reason, self.error = reason, error
         self._finished.set()
         self._chunks.put(_END)
+        self._tell(None)
+
+    def _tell(self, tokens):
+        """The listener hears a chunk (or None: finished) on the engine's thread; what it
+        raises is its own business, never the engine's."""
+        if self._listener is not None:
+            try:
+                self._listener(tokens)
+            except Exception:  # noqa: BLE001 - e.g. the server's event loop has closed
+                pass
 
 
 def _supported(draft):
@@ -175,6 +186,13 @@ class Engine:
         self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
+        self.k_in_use = self.k_table[0]  # the K of the last device call
+        # Speculation as vLLM counts it: a draft is one row's drafted step; accepted tokens
+        # are the drafted tokens the target kept (a step's emitted tokens but its own one);
+        # accepted_per_position[i]: drafts whose (i+1)-th drafted token was kept.
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.accepted_per_position = collections.Counter()
+        self.failures = 0  # device calls that failed (their requests failed; the engine went on)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -228,11 +246,13 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
-               seed: int | None = None) -> Request:
+               seed: int | None = None, listener=None) -> Request:
         """Queues a request; refuses at once (ValueError) what cannot run. seed: its samples'
         seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
         depend on its slot or neighbours, and equals `generate` on it alone with
-        key=jax.random.key(seed)."""
+        key=jax.random.key(seed). listener: None, or a function the engine's thread calls
+        with each chunk (a list of token ids) and with None once the request has finished
+        (a server's bridge to its event loop; it must not block)."""
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
@@ -255,7 +275,7 @@ class Engine:
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
         request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens),
-                          (float(temperature), int(top_k), float(top_p)), stops, int(seed))
+                          (float(temperature), int(top_k), float(top_p)), stops, int(seed), listener)
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
@@ -312,14 +332,14 @@ class Engine:
 
     def _serve(self):
         pending = None
-        try:
-            while True:
-                with self._lock:
-                    while not (self._waiting or self._live or self._cancelled or pending or self._stopping):
-                        self._lock.wait()  # idle: blocks, using no CPU
-                    if self._stopping and not (self._waiting or self._live or pending):
-                        return
-                    cancelled, self._cancelled = self._cancelled, set()
+        while True:
+            with self._lock:
+                while not (self._waiting or self._live or self._cancelled or pending or self._stopping):
+                    self._lock.wait()  # idle: blocks, using no CPU
+                if self._stopping and not (self._waiting or self._live or pending):
+                    return
+                cancelled, self._cancelled = self._cancelled, set()
+            try:
                 self._release(cancelled)
                 self._admit()
                 out = self._dispatch()
@@ -331,14 +351,36 @@ class Engine:
                         self._deliver(out)
                     else:  # read while the next call runs
                         pending = out
-        except BaseException as e:  # noqa: BLE001 - the device failed: every request learns why
+            except Exception as e:  # noqa: BLE001 - a device call failed: its rows' requests learn why
+                pending = None
+                self._recover(e)
+            except BaseException as e:  # interpreter exit: every request learns why
+                self._fail(list(self._live.values()) + list(self._waiting), e)
+                raise
+
+    def _fail(self, requests: list[Request], error: BaseException):
+        with self._lock:
+            self._waiting = collections.deque(r for r in self._waiting if r not in requests)
+            self._live = {slot: r for slot, r in self._live.items() if r not in requests}
+        for request in requests:
+            request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
+
+    def _recover(self, error: Exception):
+        """A device call failed: the requests in the state (every live row) fail with it, the
+        state starts empty, and the engine serves the waiting requests. If even an empty state
+        cannot be made, every request fails and the thread stops."""
+        self.failures += 1
+        with self._lock:
+            live = list(self._live.values())
+        self._fail(live, error)
+        self._draft_behind = False
+        try:
+            self._state = self.programs.empty()
+        except Exception:
+            self._state = None
+            self._fail(list(self._waiting), error)
             with self._lock:
-                everyone = list(self._live.values()) + list(self._waiting)
-                self._live.clear()
-                self._waiting.clear()
-                self._state = None
-            for request in everyone:
-                request._finish(None, RuntimeError(f"the engine's device call failed: {e!r}"))
+                self._stopping = True
             raise
 
     def _release(self, cancelled: set[Request]):
@@ -395,6 +437,15 @@ class Engine:
         owners, K, *arrays, _ = out
         tokens, counts, taken, done = jax.device_get(arrays)
         self.steps[K] += int(taken)
+        self.k_in_use = K
+        if K:
+            emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
+            kept = emitted[emitted > 0] - 1  # drafted tokens the target kept, per drafted step
+            self.drafts += kept.size
+            self.draft_tokens += kept.size * K
+            self.accepted += int(kept.sum())
+            for position in range(int(kept.max(initial=0))):
+                self.accepted_per_position[position] += int((kept > position).sum())
         for slot, request in owners.items():
             if request.finished:
                 continue
@@ -408,8 +459,24 @@ class Engine:
                         del self._live[slot]
                 request._finish("stop" if stopped else "length")
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): requests in slots, and requests queued for one."""
+        with self._lock:
+            return len(self._live), len(self._waiting)
+
+    def cancel_all(self):
+        """Cancels every request, waiting or running (a server's bounded drain)."""
+        with self._lock:
+            everyone = list(self._waiting) + list(self._live.values())
+        for request in everyone:
+            request.cancel()
+
     def stats(self) -> dict:
-        """Device calls and steps per K so far, and the draft's catch-ups after calls at K = 0."""
+        """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, and
+        speculation's counts (drafts, draft tokens, accepted tokens, accepted per position)."""
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
-                "k_table": list(self.k_table), "programs": self.programs.listing(), **self.memory}
+                "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+                "accepted_per_position": [self.accepted_per_position[i] for i in range(len(self.accepted_per_position))],
+                "failures": self.failures, "programs": self.programs.listing(), **self.memory}
 
