@@ -271,6 +271,16 @@ def _bench(args):
                   dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
 
 
+def _serve(args):
+    from specjax.serve.server import serve
+
+    return serve(args.target, args.draft, host=args.host, port=args.port, slots=args.slots,
+                 max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                 api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
+                 mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
+                 warmup=not args.no_warmup)
+
+
 def _plan(args):
     """`specjax plan`: compile generate's program for a TPU slice here and say if it fits.
     Exit 0 when it fits, 1 when it does not (2: a usage error, from `entry`)."""
@@ -368,6 +378,33 @@ def main(argv=None):
     flags.add_distributed_args(p)  # in a job of several processes each benches its own devices; process 0 prints
     p.set_defaults(run=_bench)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions) on the "
+                                     "shipped pair (or any pair), with continuous batching")
+    p.add_argument("target", nargs="?", default=default_checkpoint("target"),
+                   help="the target's folder or hub id (default: the shipped target)")
+    p.add_argument("--draft", default=default_checkpoint("draft"), metavar="PATH|none|prompt-lookup|early-exit:N|eagle|eagle3",
+                   help="a draft model's folder (or trained heads', drafter.json), none (plain decoding), "
+                        "prompt-lookup, early-exit:N (the target's first N layers), eagle or eagle3 (the shipped "
+                        "heads); default: the shipped draft")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=8, help="requests decoded together (the engine's rows; default 8)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per request, prompt included (default: the target's positions, at most 2048)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests that may wait for a slot; past it, 503 at once (default: 4 x slots)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a request's output does not depend on its neighbours, bit for bit (slower)")
+    p.add_argument("--steps-per-call", type=int, default=4,
+                   help="speculative steps per device call: a stream's chunk (default 4)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
+    p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
+    flags.add_mesh_args(p, "; the draft model is replicated")
+    p.set_defaults(run=_serve, one_host="specjax serve")
+
     p = sub.add_parser("plan", help="before you rent a TPU: compile the program for a slice here and see if it fits")
     p.add_argument("target", nargs="?", default=default_checkpoint("target"),
                    help="the target's folder or hub id (only config.json is read; default: the shipped target)")
@@ -389,7 +426,9 @@ def main(argv=None):
     commands.add_commands(sub)
 
     args = parser.parse_args(argv)
-    if flags.start_distributed(args):
+    if getattr(args, "one_host", None):
+        flags.refuse_distributed(args, args.one_host)
+    elif flags.start_distributed(args):
         import contextlib
         import os
 

@@ -64,3 +64,12 @@ def start_distributed(args) -> bool:
     jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
     return jax.process_index() != 0
+
+
+def refuse_distributed(args, command: str):
+    """Raises (one line) when the flags of a jax.distributed job are given to a command that
+    runs on one host."""
+    given = [f"--{name.replace('_', '-')}" for name in ("coordinator", "num_processes", "process_id", "distributed")
+             if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{command} runs on one host; several hosts ({', '.join(given)}) are not supported yet")

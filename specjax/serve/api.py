@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP API on an `Engine`: FastAPI routes, their errors and streams.
+
+    POST /v1/completions        prompt: a string, token ids, or a list of either (one choice
+                                each, times n); echo; stream (server-sent events)
+    POST /v1/chat/completions   messages through the tokenizer's chat template
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+Every refusal is a 4xx with OpenAI's error body, raised before anything is submitted: bodies
+are read with a size bound and checked field by field (protocol.py); prompts longer than the
+server's context, token ids outside the vocabulary and unknown models are named. Past
+`max_queue` waiting choices a request is refused at once with 503 and Retry-After. A
+client that disconnects cancels its choices (streaming or not); an engine failure fails the
+requests it touched with a 500 and the server goes on. `api_key`: every /v1 route wants
+`Authorization: Bearer KEY` (compared in constant time).
+
+No request field reaches the file system or loads anything: the models, tokenizer and
+template are the server's, fixed at start. It knows HTTP and OpenAI's shapes; nothing of
+JAX (the engine computes; generation.py bridges its thread to the event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specjax.models import check_token_ids
+from specjax.serve.generation import EngineFailure, Generation, Settings
+from specjax.serve.metrics import Metrics
+from specjax.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from specjax.text import encode_prompts
+
+MAX_BODY = 1 << 20  # bytes of a request body (a 1,024-token prompt of ids is ~6 KB)
+DISCONNECT_POLL = 0.25  # seconds between checks that a waiting (non-streaming) client is still there
+
+
+class Server:
+    """What the routes share: the engine (started and stopped by whoever made it, or by the
+    app's lifespan when `owns_engine`), the tokenizer, and the server's limits."""
+
+    def __init__(self, engine, tokenizer, model_name: str, *, max_model_len: int | None = None,
+                 api_key: str | None = None, max_queue: int | None = None, stop_ids=(), max_body: int = MAX_BODY):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len = int(max_model_len or engine.max_len)
+        if self.max_model_len > engine.max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the engine's max_len ({engine.max_len})")
+        self.api_key = api_key
+        self.max_queue = 4 * engine.slots if max_queue is None else int(max_queue)
+        self.stop_ids = tuple(stop_ids or ())
+        self.max_body = max_body
+        self.vocab_size = engine.target.config.vocab_size
+        self.metrics = Metrics(engine, model_name)
+        self.created = int(time.time())
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def check_auth(self, request: Request):
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+
+    def check_model(self, model: str | None):
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def read(self, request: Request, kind):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise ApiError(413, f"the body has {length} bytes; the server takes up to {self.max_body}")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_body:
+                raise ApiError(413, f"the body exceeds {self.max_body} bytes")
+        return parse(bytes(raw), kind)
+
+    def settings(self, body, prompt_lens: list[int], default_max: int | None) -> Settings:
+        longest = max(prompt_lens)
+        if longest >= self.max_model_len:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                f"has {longest}", param="messages" if isinstance(body, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = body.max_tokens
+        if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = default_max or self.max_model_len - longest
+        if longest + max_tokens > self.max_model_len:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens; {longest} in "
+                                f"the prompt and max_tokens={max_tokens} exceed it", param="max_tokens",
+                           code="context_length_exceeded")
+        stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+        extra = tuple(body.stop_token_ids or ())
+        for i in extra:
+            if not 0 <= i < self.vocab_size:
+                raise ApiError(400, f"stop_token_ids: {i} is outside the vocabulary [0, {self.vocab_size})",
+                               param="stop_token_ids")
+        stop_ids = tuple(dict.fromkeys(extra + (() if body.ignore_eos else self.stop_ids)))
+        width = self.engine.programs.stop_width
+        if len(stop_ids) > width:
+            raise ApiError(400, f"{len(stop_ids)} stop ids (the model's EOS included); this server takes {width}",
+                           param="stop_token_ids")
+        top_k = body.top_k or 0
+        return Settings(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
+                        top_k=0 if top_k < 0 else top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
+                        stop_ids=stop_ids, stop=stop, seed=body.seed)
+
+    def admit(self, choices: int):
+        """Refuses at once what neither a slot nor the queue has room for (a request waits in
+        the engine's queue until the device thread gives it a slot: a burst counts as waiting)."""
+        running, waiting = self.engine.load()
+        if running + waiting + choices > self.engine.slots + self.max_queue:
+            raise ApiError(503, f"the server is at capacity ({running} running, {waiting} waiting, queue of "
+                                f"{self.max_queue}): retry later", code="server_overloaded",
+                           headers={"Retry-After": "1"})
+
+    # ---- prompts ------------------------------------------------------------------------
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            return encode_prompts(self.tokenizer, texts)
+        rows = [prompt] if not prompt or isinstance(prompt[0], int) else prompt
+        for row in rows:
+            if not row:
+                raise ApiError(400, "prompt: a list of token ids must not be empty", param="prompt")
+            try:
+                check_token_ids(np.asarray(row, np.int64), self.vocab_size)
+            except ValueError as e:
+                raise ApiError(400, f"prompt: {e}", param="prompt") from None
+        return [list(row) for row in rows]
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, f"the model {self.model_name!r} has no chat template (its tokenizer_config.json or "
+                                f"chat_template.jinja): use /v1/completions", param="messages",
+                           code="chat_template_missing")
+        messages = []
+        for i, m in enumerate(body.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"messages.{i}.content: only text parts are supported, got "
+                                            f"{json.dumps(part)[:80]}", param="messages")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:  # the template is the checkpoint's, sandboxed by transformers; it may refuse a conversation
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+        except Exception as e:  # noqa: BLE001 -- jinja2's errors, or what the template raises
+            raise ApiError(400, f"the chat template refuses these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+        return list(ids) or [self.tokenizer.bos_token_id or 0]
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
+    """The FastAPI app of `server`. owns_engine: the app's lifespan starts the engine and, at
+    shutdown (after uvicorn has let in-flight requests finish, bounded), cancels what is left
+    and stops it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if owns_engine:
+            server.engine.start()
+        try:
+            yield
+        finally:
+            if owns_engine:
+                server.engine.cancel_all()
+                await asyncio.to_thread(server.engine.stop)
+
+    app = FastAPI(title="specjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return _error_response(ApiError(e.status_code, str(e.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    # A dependency of every /v1 route, not a middleware: Starlette's middleware wraps `receive`
+    # and hides a client's disconnect from the route.
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_auth)])
+
+    @app.get("/health")
+    async def health():
+        thread = server.engine._thread
+        alive = thread is not None and thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "specjax", "max_model_len": server.max_model_len}]}
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await server.read(request, CompletionRequest)
+        server.check_model(body.model)
+        prompts = server.completion_prompts(body)
+        settings = server.settings(body, [len(p) for p in prompts], default_max=16)
+        echoes = [server.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+        return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes)
+
+    @v1.post("/chat/completions")
+    async def chat(request: Request):
+        body = await server.read(request, ChatRequest)
+        server.check_model(body.model)
+        prompt = server.chat_prompt(body)
+        settings = server.settings(body, [len(prompt)], default_max=None)
+        return await _respond(server, request, body, [prompt], settings, chat=True, echoes=[""])
+
+    app.include_router(v1)
+    return app
+
+
+async def _respond(server: Server, request: Request, body, prompts, settings: Settings, chat: bool, echoes):
+    server.admit(len(prompts) * body.n)
+    generation = Generation(server.engine, server.tokenizer, prompts, body.n, settings)
+    try:
+        generation.submit()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except RuntimeError as e:  # the engine is not running (stopping, or its thread failed)
+        raise ApiError(503, str(e), headers={"Retry-After": "1"}) from None
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    meta = {"id": ident, "created": int(time.time()), "model": server.model_name}
+    if body.stream:
+        return StreamingResponse(_stream(server, generation, body, meta, chat, echoes), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collect = asyncio.ensure_future(_collect(generation))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client left: nothing to answer
+            collect.cancel()
+            return Response(status_code=499)
+        collect.result()
+    except EngineFailure as e:
+        raise ApiError(500, f"the engine failed this request: {e}", type="server_error") from None
+    finally:
+        gone.cancel()
+        generation.close()
+        _record(server, generation)
+    choices = []
+    for c in generation.choices:
+        text = echoes[c.index // body.n] + "".join(c.text)
+        if chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": c.finish_reason})
+        else:
+            choices.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": _usage(generation, body.n)}
+
+
+async def _collect(generation: Generation):
+    async for _ in generation.events():
+        pass
+
+
+async def _disconnected(request: Request):
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
+
+
+def _usage(generation: Generation, n: int) -> dict:
+    prompt = sum(len(c.prompt) for c in generation.choices[::n])
+    completion = sum(c.tokens for c in generation.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _record(server: Server, generation: Generation):
+    end = time.perf_counter()
+    for c in generation.choices:
+        reason = c.finish_reason or ("error" if c.request is not None and c.request.error is not None else "abort")
+        server.metrics.finished(reason, len(c.prompt), c.chunk_times, generation.arrival, end)
+
+
+async def _stream(server: Server, generation: Generation, body, meta: dict, chat: bool, echoes):
+    """Server-sent events in OpenAI's chunk shapes, ending with `data: [DONE]`. The client
+    leaving cancels this generator (Starlette listens for the disconnect): `close` then
+    cancels the choices."""
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    extra = {"usage": None} if usage else {}
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index, text=None, finish=None, role=False):
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _sse({**meta, "object": obj, "choices": [choice], **extra})
+
+    try:
+        for c in generation.choices:
+            if chat:
+                yield chunk(c.index, role=True)
+            elif echoes[c.index // body.n]:
+                yield chunk(c.index, echoes[c.index // body.n])
+        try:
+            async for c, text in generation.events():
+                yield chunk(c.index, text) if text is not None else chunk(c.index, finish=c.finish_reason)
+        except EngineFailure as e:
+            yield _sse(ApiError(500, f"the engine failed this request: {e}", type="server_error").body())
+        else:
+            if usage:
+                yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(generation, body.n)})
+        yield "data: [DONE]\n\n"
+    finally:
+        generation.close()
+        _record(server, generation)

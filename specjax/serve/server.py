@@ -1,0 +1,110 @@
+"""`specjax serve`: models loaded, the engine built and compiled, the API served by uvicorn.
+
+uvicorn owns the process's signals: SIGTERM (or Ctrl-C) closes the listening socket, lets
+in-flight requests finish for up to `drain_timeout` seconds, then the app's lifespan cancels
+what is left and stops the engine, and the process exits 0.
+
+It knows where models come from (paths, the shipped pair) and how to start a server;
+nothing of routes (api.py) or of what the engine computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+
+DRAFT_CHOICES = "PATH|none|prompt-lookup|early-exit:N|eagle|eagle3"
+
+
+def load_draft(spec: str, target, tokenizer, target_path: str):
+    """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json),
+    none, prompt-lookup, early-exit:N, or eagle / eagle3 (the shipped heads)."""
+    import specjax
+    from specjax.drafters.vocab import read_vocab
+    from specjax.hf import check_tokenizers
+    from specjax.shipped import default_checkpoint
+
+    if spec == "none":
+        return None
+    if spec == "prompt-lookup":
+        return specjax.PromptLookup()
+    if spec.startswith("early-exit:"):
+        layers = spec.partition(":")[2]
+        if not layers.isdigit() or not 1 <= int(layers) < target.config.num_layers:
+            raise ValueError(f"--draft early-exit:N wants 1 <= N < {target.config.num_layers} (the target's "
+                             f"layers), got {spec!r}")
+        return specjax.EarlyExit(int(layers))
+    path = default_checkpoint(spec) if spec in ("eagle", "eagle3") else spec
+    if (Path(path) / "drafter.json").exists():
+        return specjax.load_drafter(path)
+    model = specjax.load_model(path)
+    draft = specjax.DraftModel(model)
+    if (vocab := read_vocab(path, model.config.vocab_size)) is not None:
+        draft = draft.with_vocab(vocab)
+    try:
+        draft_tokenizer = specjax.load_tokenizer(path)
+    except (OSError, ValueError):
+        print(f"note: {path} has no tokenizer; assuming it shares the target's", file=sys.stderr)
+    else:
+        check_tokenizers(tokenizer, draft_tokenizer, target_path, path)
+    return draft
+
+
+def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
+          max_model_len: int | None = None, served_model_name: str | None = None, api_key: str | None = None,
+          max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
+          drain_timeout: float = 30.0, warmup: bool = True) -> int:
+    import uvicorn
+
+    import specjax
+    from specjax.serve.api import Server, create_app
+    from specjax.text import stop_ids
+
+    target = specjax.load_model(target_path, mesh=mesh)
+    tokenizer = specjax.load_tokenizer(target_path)
+    drafter = load_draft(draft, target, tokenizer, target_path)
+    if mesh is not None and drafter is not None and not isinstance(drafter, specjax.DraftModel):
+        raise ValueError("--mesh shards the target and a draft model; other drafters run on one device")
+    if mesh is not None and drafter is not None:  # small: a copy on every device, rows over data
+        drafter = specjax.DraftModel(specjax.shard_model(drafter.model, mesh, rules=(("batch", "data"),)))
+    length = int(max_model_len or min(target.config.max_position_embeddings, 2048))
+    engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
+                            deterministic=deterministic, steps_per_call=steps_per_call)
+    name = served_model_name or Path(target_path).name
+    server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
+                    stop_ids=stop_ids(target, tokenizer) or ())
+    if warmup:
+        programs = engine.stats()["programs"]
+        print(f"specjax serve: compiling {len(programs)} programs ({slots} slots x {length} tokens, "
+              f"K by live rows {list(engine.k_table)})...", file=sys.stderr, flush=True)
+        engine.compile_all()
+    print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=drain_timeout)
+    _server_class()(config).run()
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGTERM and SIGINT start uvicorn's graceful shutdown (a second one forces it).
+            uvicorn's own capture raises the signal again once drained, and the process then
+            dies of it (exit -15); a server that drained as asked exits 0."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server

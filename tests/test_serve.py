@@ -1,0 +1,471 @@
+"""`specjax serve`: the OpenAI-compatible API against live servers on loopback ports.
+
+One engine for the module (a tiny random Llama with the shipped byte-level tokenizer's
+4,096 ids, and a noisy copy of it as the draft), served by several apps (with a chat
+template, without one, with an API key, with a tiny queue) from threads of this process;
+one `specjax serve` subprocess for SIGTERM. Greedy outputs are compared with `generate` on
+each prompt alone."""
+
+import asyncio
+import json
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers as tr
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import specjax
+from specjax.serve.api import Server, create_app
+from specjax.serve.detokenize import Detokenizer
+from tests import tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TOKENIZER = ROOT / "checkpoints" / "target"
+MAX_LEN = 96
+SLOTS = 4
+EOS = 0
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random Llama over the shipped tokenizer's 4,096 ids, saved with that tokenizer."""
+    config = tr.LlamaConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=48, max_position_embeddings=128,
+                            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=None)
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.15)
+            if "norm" in name:
+                p.add_(1.0)
+    out = tmp_path_factory.mktemp("served")
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_TOKENIZER / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    target = specjax.load_model(folder)
+    draft = tiny.noisy(target, 0.002, 1)
+    engine = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=(3, 2, 1, 0),
+                            steps_per_call=2)
+    with engine:
+        yield engine
+
+
+class Live:
+    """A server in a thread of this process, on a free loopback port."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             **kwargs)
+
+    def stop(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def servers(engine, folder):
+    """servers(name) -> a Live server on the module's engine: "main" (a chat template),
+    "plain" (none), "key" (an API key), "small" (a queue of 2)."""
+    made = {}
+
+    def make(name):
+        if name not in made:
+            tokenizer = specjax.load_tokenizer(folder)
+            if name == "main":
+                tokenizer.chat_template = CHAT
+            options = {"key": {"api_key": "sekret"}, "small": {"max_queue": 2}}.get(name, {})
+            made[name] = Live(Server(engine, tokenizer, "tiny", stop_ids=(EOS,), **options))
+        return made[name]
+
+    yield make
+    for live in made.values():
+        live.stop()
+
+
+def _alone(engine, prompt, max_tokens, eos=(EOS,)):
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=max_tokens, eos_token_id=list(eos) or None)
+    return [int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])]
+
+
+def _text(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+PROMPTS = [[5, 900, 17, 3000], [44] * 9, list(range(100, 130)), [7], [2048, 11, 12, 13, 14, 15]]
+
+
+def test_concurrent_greedy_completions_equal_generate_alone(engine, servers):
+    live = servers("main")
+    client = live.client()
+    budgets = [20, 7, 33, 12, 25]
+    results = [None] * len(PROMPTS)
+
+    def one(i):
+        results[i] = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=budgets[i], temperature=0)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    tokenizer = live.server.tokenizer
+    for prompt, budget, got in zip(PROMPTS, budgets, results):
+        ids = _alone(engine, prompt, budget)
+        assert got.choices[0].text == _text(tokenizer, ids)
+        assert got.choices[0].finish_reason == ("stop" if ids[-1] == EOS else "length")
+        assert got.usage.completion_tokens == len(ids) and got.usage.prompt_tokens == len(prompt)
+
+
+def test_a_text_prompt_is_encoded_as_the_tokenizer_does(engine, servers):
+    live = servers("main")
+    got = live.client().completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=10, temperature=0,
+                                           echo=True)
+    ids = live.server.tokenizer("def fibonacci(n):")["input_ids"]
+    assert got.choices[0].text == "def fibonacci(n):" + _text(live.server.tokenizer, _alone(engine, ids, 10))
+
+
+def test_streamed_deltas_join_to_the_text_and_end_with_done(engine, servers):
+    """(A random model emits invalid UTF-8 too: its U+FFFD are the text's own. Characters
+    split across tokens are held back whole: test_the_detokenizer_never_emits_a_broken_character.)"""
+    live = servers("main")
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    whole = live.client().completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=40, temperature=0)
+    assert text == whole.choices[0].text == _text(live.server.tokenizer, _alone(engine, PROMPTS[2], 40))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens
+    # The openai client reads the same stream.
+    streamed = live.client().completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                                stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+
+
+def test_chat_completions_use_the_chat_template(engine, servers):
+    live = servers("main")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    got = live.client().chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    ids = live.server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == _text(live.server.tokenizer, _alone(engine, list(ids), 12))
+    stream = live.client().chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                   stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == got.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        servers("plain").client().chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+
+
+def test_stop_strings_end_the_text_and_are_not_returned(servers):
+    live = servers("main")
+    client = live.client()
+    full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop, "\x00"],
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_several_prompts_and_n_give_one_choice_each(servers):
+    client = servers("main").client()
+    got = client.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=5, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert got.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+    sampled = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7)
+    again = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in sampled.choices}) > 1  # each choice its own seed
+
+
+BAD = [  # (body, status, param)
+    (b"not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"prompt": "x", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "x", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "x", "temperature": true}', 400, "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "x", "n": 0}', 400, "n"),
+    (b'{"prompt": "x", "seed": -3}', 400, "seed"),
+    (b'{"prompt": {"a": 1}}', 400, "prompt"),
+    (b'{"prompt": [1, "a"]}', 400, "prompt"),
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{"prompt": [1, 4096]}', 400, "prompt"),
+    (b'{"prompt": [-1]}', 400, "prompt"),
+    (b'{"max_tokens": 3}', 400, "prompt"),
+    (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
+    (b'{"prompt": [1, 2], "max_tokens": 95}', 400, "max_tokens"),
+    (json.dumps({"prompt": [5] * MAX_LEN}).encode(), 400, "prompt"),
+    (b'{"prompt": "x", "logprobs": 1}', 400, "logprobs"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "stop_token_ids": [99999]}', 400, "stop_token_ids"),
+    (b'{"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}', 400, "stop_token_ids"),
+    (b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413, None),
+    ('{"prompt": "\udcff"}'.encode("utf-8", "surrogatepass"), 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_requests_get_openai_errors_quickly(servers, body, status, param):
+    live = servers("main")
+    start = time.perf_counter()
+    r = httpx.post(live.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=10)
+    assert time.perf_counter() - start < 2
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_bad_chat_requests_and_routes(servers):
+    live = servers("main")
+    for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+                         "messages"), ({"messages": "hi"}, "messages")]:
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.get(live.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(live.url + "/v1/completions", timeout=10).status_code == 405
+
+
+def test_models_and_health(servers):
+    live = servers("main")
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_an_api_key_guards_every_v1_route(servers):
+    live = servers("key")
+    with pytest.raises(openai.AuthenticationError):
+        live.client(api_key="wrong").models.list()
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+        r = httpx.request("GET" if path == "/v1/models" else "POST", live.url + path, json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    got = live.client(api_key="sekret").completions.create(model="tiny", prompt=[5], max_tokens=3, temperature=0)
+    assert got.usage.completion_tokens >= 1
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # not an API route
+
+
+def _wait_idle(engine, seconds=20):
+    deadline = time.time() + seconds
+    while engine.load() != (0, 0):
+        assert time.time() < deadline, f"slots not freed: {engine.load()}"
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_frees_its_slot(engine, servers, monkeypatch):
+    """Device calls slowed to 0.1 s each, so that a request of 80 tokens runs for seconds:
+    the client leaves after its first chunk (streaming) or 0.5 s (waiting), and its engine
+    request is cancelled, not run to its end."""
+    live = servers("main")
+    run, submit, submitted = engine.programs.run, engine.submit, []
+    monkeypatch.setattr(engine.programs, "run", lambda *a, **k: (time.sleep(0.1), run(*a, **k))[1])
+    monkeypatch.setattr(engine, "submit", lambda *a, **k: submitted.append(submit(*a, **k)) or submitted[-1])
+    body = {"prompt": PROMPTS[1], "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+    _wait_idle(engine, 5)
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
+    _wait_idle(engine, 5)
+    assert [r.finish_reason for r in submitted] == ["cancelled", "cancelled"]
+    assert all(len(r.tokens) < 80 for r in submitted)
+
+
+def test_overload_refuses_at_once_and_loses_nothing(engine, servers):
+    live = servers("small")
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*[client.post(live.url + "/v1/completions", json=body) for _ in range(16)])
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503} and codes.count(200) >= SLOTS + 2 and 503 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_overloaded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 30
+    _wait_idle(engine)
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(engine, servers, monkeypatch):
+    live = servers("main")
+    run = engine.programs.run
+    calls = []
+
+    def failing(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected device failure")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(engine.programs, "run", failing)
+    failures = engine.failures
+    with pytest.raises(openai.InternalServerError, match="injected device failure"):
+        live.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert engine.failures == failures + 1
+    got = live.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert got.choices[0].text == _text(live.server.tokenizer, _alone(engine, PROMPTS[0], 5))
+
+
+def _scrape(live) -> dict:
+    text = httpx.get(live.url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_move_with_requests(servers):
+    live = servers("main")
+    before = _scrape(live)
+    live.client().completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    after = _scrape(live)
+
+    def moved(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert moved("specjax:generation_tokens_total") == 20
+    assert moved("specjax:prompt_tokens_total") == len(PROMPTS[4])
+    assert moved("specjax:time_to_first_token_seconds_count") == 1
+    assert moved("specjax:e2e_request_latency_seconds_count") == 1
+    assert moved("specjax:inter_token_latency_seconds_count") > 0
+    assert moved("specjax:request_success_total", (("finished_reason", "length"),)) == 1
+    drafts, drafted = moved("specjax:spec_decode_num_drafts_total"), moved("specjax:spec_decode_num_draft_tokens_total")
+    assert drafts > 0 and drafted == 3 * drafts  # alone in the engine: K = 3
+    accepted = moved("specjax:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= drafted
+    assert moved("specjax:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) <= drafts
+    assert after[("specjax:num_slots", ())] == SLOTS
+    assert after[("specjax:num_requests_running", ())] == 0
+
+
+def test_an_idle_server_uses_no_cpu(engine, servers):
+    servers("main")
+    _wait_idle(engine)
+    time.sleep(0.5)
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(2.0)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    used = (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)
+    assert used < 0.1, f"{used:.3f} s of CPU in 2 s idle"
+
+
+def test_the_detokenizer_never_emits_a_broken_character():
+    tokenizer = specjax.load_tokenizer(SHIPPED_TOKENIZER)
+    text = "naïve café 🙂 日本 — done"
+    ids = tokenizer(text)["input_ids"]
+    for stop in ((), ("日本",), ("🙂 ",)):
+        d = Detokenizer(tokenizer, stop)
+        pieces = [d.push([i]) for i in ids] + [d.finish()]
+        assert all("\ufffd" not in p for p in pieces)
+        expected = text if not stop else text[:text.index(stop[0])]
+        assert "".join(pieces) == expected and d.stopped == bool(stop)
+
+
+def test_serve_refuses_several_hosts_in_one_line(capsys):
+    from specjax.cli import entry
+
+    assert entry(["serve", "--distributed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "one host" in err[0]
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", str(folder), "--draft", "none",
+                             "--port", str(port), "--slots", "2", "--max-model-len", "64", "--no-warmup"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.2)
+        body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        httpx.post(url + "/v1/completions", json=body, timeout=120)  # compiles what the next one runs
+        result = {}
+
+        def request():
+            result["r"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        assert proc.wait(60) == 0
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 40
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
