@@ -382,7 +382,9 @@ def main(argv=None):
                                      "shipped pair (or any pair), with continuous batching")
     p.add_argument("target", nargs="?", default=default_checkpoint("target"),
                    help="the target's folder or hub id (default: the shipped target)")
-    p.add_argument("--draft", default=default_checkpoint("draft"), metavar="PATH|none|prompt-lookup|early-exit:N|eagle|eagle3",
+    from specjax.serve.server import DRAFT_CHOICES
+
+    p.add_argument("--draft", default=default_checkpoint("draft"), metavar=DRAFT_CHOICES,
                    help="a draft model's folder (or trained heads', drafter.json), none (plain decoding), "
                         "prompt-lookup, early-exit:N (the target's first N layers), eagle or eagle3 (the shipped "
                         "heads); default: the shipped draft")

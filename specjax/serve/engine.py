@@ -477,6 +477,6 @@ class Engine:
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
                 "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted": self.accepted,
-                "accepted_per_position": [self.accepted_per_position[i] for i in range(len(self.accepted_per_position))],
+                "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
                 "failures": self.failures, "programs": self.programs.listing(), **self.memory}
 
