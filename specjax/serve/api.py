@@ -214,8 +214,7 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        thread = server.engine._thread
-        alive = thread is not None and thread.is_alive()
+        alive = server.engine.running
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")

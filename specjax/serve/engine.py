@@ -459,6 +459,13 @@ class Engine:
                         del self._live[slot]
                 request._finish("stop" if stopped else "length")
 
+    @property
+    def running(self) -> bool:
+        """Whether the device thread runs (it stops with `stop`, or when even an empty state
+        cannot be made after a failure)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def load(self) -> tuple[int, int]:
         """(running, waiting): requests in slots, and requests queued for one."""
         with self._lock:
