@@ -74,30 +74,39 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
 @struct.dataclass
 class Placement:
     """Where a pass's T tokens go in the cache and what each of them sees, when that is not
-    "slot = position, causal" (token trees)."""
+    "slot = position, causal" (token trees). Every query sees the committed prefix (slots <
+    start, which hold their own positions) and, of the R region slots from `start` on, those
+    that `sees` marks; no [B, T, S] mask is ever built from it (see layers.cached_attention)."""
 
     slots: jax.Array  # int32 [B, T]: where each token's key/value is written
-    kv_positions: jax.Array  # int32 [B, S]: the position of the token each slot holds
-    visible: jax.Array  # bool [B, T, S]: the slots each token attends to
+    start: jax.Array  # int32 [B]: the region's first slot; the committed prefix lies below it
+    region_positions: jax.Array  # int32 [B, R]: the position of the token each region slot holds
+    sees: jax.Array  # bool [B, T, R]: the region slots each token attends to
+
+    def dense(self, max_len: int) -> tuple[jax.Array, jax.Array]:
+        """(kv_positions int32 [B, S], visible bool [B, T, S]) over a cache of max_len slots:
+        the placement as one mask, for the passes that want it whole (models/exact.py)."""
+        R = self.sees.shape[-1]
+        s = jnp.arange(max_len)[None, :]  # [1, S]
+        r = s - self.start[:, None]  # [B, S]: the slot's index in the region
+        in_region = (r >= 0) & (r < R)
+        r = jnp.clip(r, 0, R - 1)
+        kv_positions = jnp.where(in_region, jnp.take_along_axis(self.region_positions, r, axis=1), s)
+        seen = jnp.take_along_axis(self.sees, jnp.broadcast_to(r[:, None, :], self.sees.shape[:2] + r.shape[1:]),
+                                   axis=2)
+        visible = (s < self.start[:, None])[:, None, :] | (in_region[:, None, :] & seen)
+        return kv_positions, visible
 
 
-def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array,
-                   max_len: int) -> Placement:
+def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array) -> Placement:
     """Tokens that see the whole prefix (slots < start) and, of the R slots from `start` on
     (a tree region), those that `sees` marks.
 
     start int32 [B]; slots int32 [B, T]; region_offsets int [R] or [B, R]: the position of
     region slot r minus start; sees bool [B, T, R]."""
     R = sees.shape[-1]
-    s = jnp.arange(max_len)[None, :]  # [1, S]
-    r = s - start[:, None]  # [B, S]: the slot's index in the region
-    in_region = (r >= 0) & (r < R)
-    r = jnp.clip(r, 0, R - 1)
     offsets = jnp.broadcast_to(jnp.asarray(region_offsets, jnp.int32), (start.shape[0], R))
-    kv_positions = jnp.where(in_region, start[:, None] + jnp.take_along_axis(offsets, r, axis=1), s)
-    seen = jnp.take_along_axis(sees, jnp.broadcast_to(r[:, None, :], sees.shape[:2] + r.shape[1:]), axis=2)
-    visible = (s < start[:, None])[:, None, :] | (in_region[:, None, :] & seen)
-    return Placement(slots=slots, kv_positions=kv_positions, visible=visible)
+    return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees)
 
 
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -121,12 +130,4 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,
     mask = kv <= q
     if window is not None:
         mask &= q - kv < window
-    return mask
-
-
-def placement_mask(q_positions: jax.Array, placement: Placement, window: int | None = None) -> jax.Array:
-    """bool [B, T, S]: what a `Placement` lets each query see, within the window if any."""
-    mask = placement.visible
-    if window is not None:
-        mask &= q_positions[:, :, None] - placement.kv_positions[:, None, :] < window
     return mask

@@ -214,7 +214,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     start = length - 1  # the root's slot
     slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
     placement = None if chain else tree_placement(
-        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), S)
+        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)))
     logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
                                   taps=None if drafter is None else drafter.feature_layers)
     if branch is not None:  # the drafter reads the target's logits for its branch

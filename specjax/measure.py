@@ -54,12 +54,12 @@ def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, ex
     @jax.jit
     def loop(model, cache):
         def one(i, cache):
-            placement = None
+            placement, at = None, positions
             if tree:  # the mask's content does not change the cost; a chain's shape serves
                 anc = ancestors(np.arange(T - 1, dtype=np.int32))
-                placement = tree_placement(start + i % 2, positions, depths(anc),
-                                           jnp.broadcast_to(anc, (batch, T, T)), cache_len)
-            logits, _, cache = apply(model, tokens, positions, cache, exit_layer=exit_layer,
+                at = positions + i % 2  # a start that moves: nothing of the placement is loop-invariant
+                placement = tree_placement(at[:, 0], at, depths(anc), jnp.broadcast_to(anc, (batch, T, T)))
+            logits, _, cache = apply(model, tokens, at, cache, exit_layer=exit_layer,
                                      placement=placement)
             return cache.replace(lengths=cache.lengths + (logits[:, 0, 0] > jnp.inf))  # keep it live
         return jax.lax.fori_loop(0, passes, one, cache)

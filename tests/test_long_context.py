@@ -57,6 +57,49 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("cap", [None, 3.0])
+@pytest.mark.parametrize("kind", ["causal", "window", "tree"])
+def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
+    """A cached pass's attention over the committed prefix (read in place, per-row lengths)
+    and its in-flight keys (own mask), merged by log-sum-exp, equals one softmax over the
+    written cache under the whole mask: dense and blockwise (the last block slid back), with
+    the predicate loop and a GPU's fixed-length one."""
+    rng = np.random.RandomState(3)
+    B, T, S, H, G, D = 2, 5, 37, 4, 2, 8
+    q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32) * 2
+    cache_k, cache_v = (jnp.asarray(rng.randn(B, S, G, D), jnp.float32) for _ in range(2))
+    new_k, new_v = (jnp.asarray(rng.randn(B, T, G, D), jnp.float32) for _ in range(2))
+    start = np.array([20, 3])  # each row's committed prefix; the pass writes slots start .. start+T-1
+    slots = start[:, None] + np.arange(T)
+    rows = np.arange(B)[:, None]
+    k_all, v_all = cache_k.at[rows, slots].set(new_k), cache_v.at[rows, slots].set(new_v)
+    if kind == "tree":  # nodes at depths 0 1 1 2 2 (two branches), each seeing its ancestors
+        positions = start[:, None] + np.array([0, 1, 1, 2, 2])
+        own = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+    else:
+        positions = slots
+        own = np.tril(np.ones((T, T), bool))
+    own = np.broadcast_to(own, (B, T, T))
+    window = 6 if kind == "window" else None
+    floor = None if window is None else jnp.asarray(positions - window)
+    if window:
+        own = own & (positions[:, :, None] - positions[:, None, :] < window)
+    s = np.arange(S)
+    whole = s[None, None, :] < start[:, None, None]  # [B, T, S]
+    if window:
+        whole = whole & (positions[:, :, None] - s[None, None, :] < window)
+    whole = np.broadcast_to(whole, (B, T, S)).copy()
+    whole[rows[:, :, None], np.arange(T)[None, :, None], slots[:, None, :]] = own
+    want = _dense(q, k_all, v_all, jnp.asarray(whole), 0.3, cap)
+    for block in (4, 7, 16, 64):
+        args = (q, new_k, new_v, jnp.asarray(own), k_all, v_all, jnp.asarray(start), floor, 0.3, cap)
+        got = layers.cached_attention(*args, block=block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
+            got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
 def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
     f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
     pick = layers.attention_kernel

@@ -97,7 +97,7 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     depth = depths(anc)
     verify = np.concatenate([prefix[np.arange(B), prefix_lengths - 1][:, None], nodes], axis=1)
     placement = tree_placement(start, start[:, None] + jnp.arange(N + 1), depth,
-                               jnp.broadcast_to(anc, (B, N + 1, N + 1)), S)
+                               jnp.broadcast_to(anc, (B, N + 1, N + 1)))
     logits, _, _ = apply(target, jnp.asarray(verify), start[:, None] + depth, cache, placement=placement)
     sequences = [list(prefix[b, : prefix_lengths[b] - 1]) + list(verify[b, anc[i]])  # root .. node i
                  for b in range(B) for i in range(N + 1)]

@@ -210,7 +210,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
         sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
         positions = jnp.broadcast_to(start[:, None] + d, (B, W))
-        placement = tree_placement(start, slots, region_offsets, sees, cache.max_len) if placed else None
+        placement = tree_placement(start, slots, region_offsets, sees) if placed else None
         parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
         cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
         return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going

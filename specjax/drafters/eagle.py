@@ -31,7 +31,7 @@ from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length
 from specjax.layouts import from_layout2_layer, fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.layers import init as normal_init
-from specjax.models.transformer import Block, embed_tokens, init_layer, rotary_tables, slots_and_masks
+from specjax.models.transformer import Block, embed_tokens, init_layer, pass_view, rotary_tables
 from specjax.tree import Tree
 
 
@@ -72,11 +72,11 @@ def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCa
               placement=None):
     """The drafter's one decoder layer over x [B, T, E] at positions [B, T], writing its
     one-layer cache (if given) -> (x [B, T, E], cache). Shared by EAGLE and EAGLE-3."""
-    slots, masks, kv_limit = slots_and_masks(config, positions, cache, placement)
+    view = pass_view(config, positions, cache, placement, x.dtype)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
-    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], slots,
-                                masks[False], kv_limit, kv)
+    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
+                                False, kv)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
     return x, cache

@@ -71,8 +71,9 @@ def _slot_of_position(positions, cache_len: int, placement: Placement | None):
     if placement is None:
         return jnp.broadcast_to(base, (B, T, padded))
     slots = jnp.arange(S, dtype=jnp.int32)
-    moved = placement.visible & (placement.kv_positions[:, None, :] != slots)  # [B, T, S]
-    stands_for = jnp.where(moved, placement.kv_positions[:, None, :], padded)  # out of range: dropped
+    kv_positions, visible = placement.dense(S)
+    moved = visible & (kv_positions[:, None, :] != slots)  # [B, T, S]
+    stands_for = jnp.where(moved, kv_positions[:, None, :], padded)  # out of range: dropped
 
     def one(target):  # [S] -> [S']
         return base.at[target].set(slots, mode="drop")

@@ -181,13 +181,6 @@ class Attention(nn.Module):
             q, k = rotary(q, cos_sin), rotary(k, cos_sin)
         return q, k, v
 
-    def attend(self, q, k, v, mask, kv_limit=None):
-        """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, E].
-
-        kv_limit: None, or int32 [B]: no query of row b sees a slot at or beyond
-        kv_limit[b] (a cache pass: see `attention`)."""
-        return self.project_out(attention(q, k, v, mask, self.scale, self.cap, kv_limit))
-
     @property
     def scale(self) -> float:
         c = self.config
@@ -216,6 +209,7 @@ class Attention(nn.Module):
 # at a time; shorter ones (the tests' models, decode steps of short contexts) take the
 # dense path. A module constant so that tests can shrink it.
 ATTENTION_BLOCK = 512
+_NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None):
@@ -227,18 +221,14 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     materialised (the reference computation). Beyond, keys are visited in blocks of `block`
     slots with an online softmax (running max and sum, float32), so no more than
     [B, H, T, block] scores live at once; results agree with the dense path to float32
-    rounding. kv_limit (int32 [B], traced): no query of row b sees a slot at or beyond
-    kv_limit[b]. Blockwise, blocks starting at or beyond the largest are not read at all (a
-    decode step reads only up to its longest live row; traced for a GPU, where a loop's
-    data-dependent predicate would wait on the host, the loop is fixed-length and re-reads
-    the last live block instead); without it every block is visited in a fixed-length loop,
-    which reverse-mode autodiff can differentiate. cuDNN takes it as
-    each row's key/value length and reads no block past it. A query that sees no slot at all gets zeros (the dense path's output
-    for it, a uniform average, is equally meaningless).
+    rounding, and reverse-mode autodiff differentiates it (a fixed-length loop). kv_limit
+    (int32 [B], or None): each row's live key length, which only a kernel reads (the mask
+    already hides what lies past it). A query that sees no slot at all gets zeros (the
+    dense path's output for it, a uniform average, is equally meaningless).
 
     Where an accelerator kernel applies (`attention_kernel`: cuDNN on GPU, Pallas splash
     attention on TPU) it computes the same thing instead; this jnp code is the portable
-    default and the fallback.
+    default and the fallback. A cached pass attends by `cached_attention`.
 
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
@@ -248,58 +238,126 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
         return dot_product_attention(q, k, v, mask, scale, kv_limit)
     if kernel == "splash":
         return splash_attention(q, k, v, mask, scale, cap)
-    R = H // G
     block = block or ATTENTION_BLOCK
-    q = q.reshape(B, T, G, R, D)  # [B, T, G, R, D], R query heads per kv head
-    neg = jnp.finfo(jnp.float32).min
-
-    def scores_of(kb):
-        s = jnp.einsum("btgrd,bsgd->bgrts", q, kb, preferred_element_type=jnp.float32) * scale
-        return s if cap is None else softcap(s, cap)
-
+    qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D], R query heads per kv head
     if S <= block:
-        scores = jnp.where(mask[:, None, None], scores_of(k), neg)
+        scores = jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, H, D)
+    state = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
+                          _empty_state(qg), scale, cap, block)
+    return _normalise(state, v.dtype)
 
+
+def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
+                     cap: float | None = None, block: int | None = None):
+    """Attention of a cached pass, over two key sets merged by their log-sum-exp (one online
+    softmax): the committed prefix, read in place from the cache, and the pass's in-flight
+    keys, under their own mask. No [B, T, S] mask is built, nor any key copied but the
+    in-flight ones.
+
+    q [B, T, H, D]; k/v [B, N, G, D]: the in-flight keys (the pass's own, or a tree's region),
+    mask bool [B, T, N]; cache_k/cache_v [B, S, G, D]: the layer's cache; prefix int32 [B]:
+    every query of row b sees the cache's slots < prefix[b], and, with floor (int32 [B, T]: a
+    sliding window's), only those above floor[b, t]. -> [B, T, H, D] in v's dtype.
+
+    Up to `block` slots of cache (and of in-flight keys) the scores are materialised in one
+    softmax; beyond, the in-flight keys are visited first, then the prefix in blocks of `block`
+    slots up to the longest row's prefix: blocks past it are not read (traced for a GPU,
+    where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
+    and re-reads the last live block instead, masked). The prefix is where a decode kernel
+    (per-row lengths, split over the cache) would take over.
+
+    It knows nothing about positions: what the in-flight keys see is the mask's business."""
+    B, T, H, D = q.shape
+    S, G, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
+    block = block or ATTENTION_BLOCK
+    qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
+
+    def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
+        slots = start + jnp.arange(n)
+        seen = slots[None, None, :] < prefix[:, None, None]
+        return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
+
+    if S <= block and N <= block:
+        scores = jnp.concatenate([jnp.where(prefix_seen(0, S)[:, None, None], _scores(qg, cache_k, scale, cap), _NEG),
+                                  jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)], axis=-1)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, G, R, T, S + N]
+        out = (jnp.einsum("bgrts,bsgd->btgrd", probs[..., :S], cache_v, preferred_element_type=jnp.float32)
+               + jnp.einsum("bgrts,bsgd->btgrd", probs[..., S:], v, preferred_element_type=jnp.float32))
+        return out.reshape(B, T, H, D).astype(v.dtype)
+    if N <= block:
+        state = _accumulate(_empty_state(qg), jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG),
+                            mask[:, None, None], v)
+    else:
+        state = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
+                              _empty_state(qg), scale, cap, block)
+    upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
+    state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto)
+    return _normalise(state, v.dtype)
+
+
+def _scores(qg, kb, scale: float, cap: float | None):
+    """float32 scores [B, G, R, T, n] of queries qg [B, T, G, R, D] against keys kb [B, n, G, D]."""
+    s = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+    return s if cap is None else softcap(s, cap)
+
+
+def _empty_state(qg):
+    """The online softmax's running (max, sum, output) before any key: [B, G, R, T] twice,
+    [B, G, R, T, D], float32."""
+    B, T, G, R, D = qg.shape
+    return (jnp.full((B, G, R, T), _NEG, jnp.float32), jnp.zeros((B, G, R, T), jnp.float32),
+            jnp.zeros((B, G, R, T, D), jnp.float32))
+
+
+def _accumulate(state, s, seen, vb):
+    """The online softmax's state after n more keys: scores s [B, G, R, T, n] (masked), seen
+    bool (broadcasting to s), their values vb [B, n, G, D]."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # [B, G, R, T, n]
+    correction = jnp.exp(m - m_new)
+    pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
+
+
+def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None):
+    """The online softmax's state after the keys k/v [B, S, G, D], visited `block` slots at
+    a time; seen_of(start, n) -> bool [B, T or 1, n]: what each query sees of slots start ..
+    start+n-1. upto: None (every block, a fixed-length loop), or a traced count of blocks to
+    visit (see `cached_attention` for a GPU's)."""
+    S = k.shape[1]
     num_blocks = -(-S // block)
 
-    def visit(i, carry, live=True):
-        m, l, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, D] float32
+    def visit(i, state, live=True):
         # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
         # shares with the previous block are masked out so that none is counted twice.
         start = jnp.minimum(i * block, S - block)
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)  # [B, block, G, D]
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
-        mb = jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2)  # [B, T, block]
-        mb = mb & (start + jnp.arange(block) >= i * block)[None, None, :] & live
-        mb = mb[:, None, None]  # [B, 1, 1, T, block]
-        s = jnp.where(mb, scores_of(kb), neg)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mb, jnp.exp(s - m_new[..., None]), 0.0)  # [B, G, R, T, block]
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
-        return m_new, l, acc * correction[..., None] + pv
+        seen = seen_of(start, block) & (start + jnp.arange(block) >= i * block) & live
+        seen = seen[:, None, None]  # [B, 1, 1, T or 1, block]
+        return _accumulate(state, jnp.where(seen, _scores(qg, kb, scale, cap), _NEG), seen, vb)
 
-    init_state = (jnp.full((B, G, R, T), neg, jnp.float32), jnp.zeros((B, G, R, T), jnp.float32),
-                  jnp.zeros((B, G, R, T, D), jnp.float32))
-    if kv_limit is None:
-        _, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init_state)
-    else:
-        upto = jnp.clip((jnp.max(kv_limit) + block - 1) // block, 0, num_blocks)
-        if target_platform() == "gpu":
-            # A GPU reads a data-dependent loop's predicate back on the host, every pass: the
-            # loop visits every block, those past the longest row as its last live block again,
-            # all masked (their flops are the price; whether the re-read stays in L2 is not
-            # measured yet). TPU and CPU test the predicate where they compute.
-            last = jnp.maximum(upto - 1, 0)
-            _, l, acc = jax.lax.fori_loop(0, num_blocks, lambda i, c: visit(jnp.minimum(i, last), c, i < upto),
-                                          init_state)
-        else:
-            _, l, acc = jax.lax.fori_loop(0, upto, visit, init_state)
+    if upto is None:
+        return jax.lax.fori_loop(0, num_blocks, visit, state)
+    if target_platform() == "gpu":
+        # A GPU reads a data-dependent loop's predicate back on the host, every pass: the
+        # loop visits every block, those past the longest row as its last live block again,
+        # all masked (their flops are the price; whether the re-read stays in L2 is not
+        # measured yet). TPU and CPU test the predicate where they compute.
+        last = jnp.maximum(upto - 1, 0)
+        return jax.lax.fori_loop(0, num_blocks, lambda i, c: visit(jnp.minimum(i, last), c, i < upto), state)
+    return jax.lax.fori_loop(0, upto, visit, state)
+
+
+def _normalise(state, dtype):
+    """The online softmax's output [B, T, H, D] in dtype (zeros for a query that saw nothing)."""
+    _, l, acc = state
+    B, G, R, T, D = acc.shape
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, G * R, D).astype(dtype)
 
 
 # ---- accelerator kernels ---------------------------------------------------------------

@@ -23,14 +23,16 @@ whoever drives it (the decoding loop). It knows nothing about checkpoints or sam
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from specjax.cache import KVCache, Placement, attention_mask, placement_mask, write
+from specjax.cache import KVCache, Placement, attention_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap, kernel_platform
+from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
+                                   kernel_platform, matmul, rotary_angles, softcap)
 from specjax.quant import Int8
 
 
@@ -41,17 +43,26 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos_sin, slots, mask, kv_limit, cache_kv=None):
-        """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); slots int32
-        [B, T]; mask bool [B, T, S]; cache_kv: None, or this layer's (k, v) buffers [B, S, G, D].
-        Returns (x, cache_kv with the T new entries written)."""
+    def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None):
+        """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
+        pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
+        cache_kv: None, or this layer's (k, v) buffers [B, S, G, D]. Returns (x, cache_kv
+        with the T new entries written)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
-        if cache_kv is not None:  # a row's slots are consecutive; one TPU wants them written so
+        if cache_kv is None:  # a full pass: its own keys, causal
+            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap)
+        else:  # a row's slots are consecutive; one TPU wants them written so
             consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
-            cache_kv = tuple(write(buf, x, slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
-            k, v = cache_kv
-        x = x + attn.attend(q, k, v, mask, kv_limit)
+            cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
+            if view.dense is not None:  # a kernel's pass: the whole cache under one mask
+                out = attention(q, *cache_kv, view.dense[sliding], attn.scale, attn.cap, view.kv_limit)
+            else:
+                if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
+                    k, v = (jnp.take_along_axis(buf, view.region[:, :, None, None], axis=1) for buf in cache_kv)
+                out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
+                                       attn.scale, attn.cap)
+        x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache_kv
 
@@ -67,15 +78,14 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
-    slots, masks, kv_limit = slots_and_masks(c, positions, cache, placement)
+    view = pass_view(c, positions, cache, placement, x.dtype)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
     tapped = {}  # layer number -> the residual stream after it, for `taps`
     for i in range(c.num_layers if num_layers is None else num_layers):
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
-        x, kv = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], slots, masks[sliding],
-                               kv_limit, kv)
+        x, kv = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view, sliding, kv)
         if cache is not None:
             k[i], v[i] = kv
         if taps and i + 1 in taps:
@@ -109,9 +119,8 @@ def init_layer(c: ModelConfig, key: jax.Array) -> dict:
     """One layer's random params (compiled once per config, run once per layer)."""
     x = jnp.zeros((1, 1, c.hidden_size), jnp.float32)
     positions = jnp.zeros((1, 1), jnp.int32)
-    slots, masks, kv_limit = slots_and_masks(c, positions, None, None)
     angles = rotary_tables(c, positions)
-    return Block(c).init(key, x, angles[False], slots, masks[False], kv_limit)["params"]
+    return Block(c).init(key, x, angles[False], pass_view(c, positions, None, None), False)["params"]
 
 
 def embed_tokens(c: ModelConfig, embedding, tokens):
@@ -134,28 +143,59 @@ def rotary_tables(c: ModelConfig, positions) -> dict:
     return {False: full, True: rotary_angles(positions, jnp.asarray(rope_inv_freq(c, local=True), jnp.float32))}
 
 
-def slots_and_masks(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None):
-    """Where T tokens at positions [B, T] are written in the cache (slots [B, T]), what they
-    see ({sliding: mask bool [B, T, S]}, S the cache's length, or T without a cache: the
-    full-attention layers' mask and the sliding-window layers') and kv_limit (int32 [B], with
-    a cache; None without): one past the highest slot any query of row b sees, so that
-    attention reads no block beyond it (see layers.attention). Without a placement, slot =
-    position and attention is causal."""
+class View(NamedTuple):
+    """What the T queries of one pass see, for full-attention layers (key False of each
+    dict) and sliding-window ones (True; None where the model has none)."""
+
+    slots: jax.Array  # int32 [B, T]: where the pass writes its keys in the cache (its positions without one)
+    masks: dict  # {sliding: bool [B, T, N]}: what each query sees of the N in-flight keys
+    prefix: jax.Array | None  # int32 [B]: every query of row b sees the cache's slots below it (None: no cache)
+    floors: dict  # {sliding: int32 [B, T] or None}: a window's query sees only prefix slots above its floor
+    region: jax.Array | None  # int32 [B, N]: the cache slots holding the in-flight keys (None: the pass's own)
+    dense: dict | None  # {sliding: bool [B, T, S]}: the same as one mask over the cache, where a kernel reads it
+    kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
+
+
+def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None,
+              dtype=None) -> View:
+    """What T tokens at positions [B, T] see. Without a cache: each other, causally. With
+    one: the committed prefix (slots below the first position, or the placement's start),
+    read in place, and the in-flight keys under their own mask: the pass's own, causally by
+    position, or a placement's region of R slots (a tree: what `sees` marks). A sliding
+    window bounds both by position. Where an attention kernel takes the pass (dtype: the
+    activations', to ask `attention_kernel`; None: none does) the view also holds the
+    [B, T, S] mask of the whole cache that kernel reads."""
     window = next((w for w in c.layer_windows() if w is not None), None)
-    if placement is not None:
-        full = placement_mask(positions, placement)
-        windowed = None if window is None else placement_mask(positions, placement, window)
+    kinds = (False,) if window is None else (False, True)
+
+    def within(mask, kv_positions, sliding):  # the window's bound on a [B, T, N] mask
+        return mask & (positions[:, :, None] - kv_positions[:, None, :] < window) if sliding else mask
+
+    if placement is None:
+        causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
+        masks = {w: within(causal, positions, w) for w in kinds}
+        region_positions, region, prefix = positions, None, positions[:, 0]
     else:
-        kv_positions = positions if cache is None else jnp.arange(cache.max_len)[None, :]
-        full = attention_mask(positions, kv_positions)
-        windowed = None if window is None else attention_mask(positions, kv_positions, window)
-    masks = {False: full, True: windowed}
-    slots = positions if placement is None else placement.slots
+        masks = {w: within(placement.sees, placement.region_positions, w) for w in kinds}
+        R = placement.sees.shape[-1]
+        region_positions, prefix = placement.region_positions, placement.start
+        region = jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
     if cache is None:
-        return slots, masks, None
-    seen = full.any(axis=1)  # [B, S]: slots some query of the row sees
-    kv_limit = jnp.max(jnp.where(seen, jnp.arange(full.shape[-1], dtype=jnp.int32) + 1, 0), axis=1)
-    return slots, masks, kv_limit
+        return View(positions, masks, None, {}, None, None, None)
+    floors = {w: positions - window if w else None for w in kinds}
+    dense, kv_limit = None, None
+    cap = c.gemma.attn_softcap if c.gemma else None
+    if dtype is not None and attention_kernel(kernel_platform(), dtype, positions.shape[1], cache.max_len,
+                                              c.head_dim, cap) != "portable":
+        if placement is None:
+            kv_positions, visible = jnp.arange(cache.max_len)[None, :], attention_mask(positions, jnp.arange(
+                cache.max_len)[None, :])
+        else:
+            kv_positions, visible = placement.dense(cache.max_len)
+        dense = {w: within(visible, kv_positions, w) for w in kinds}
+        seen = visible.any(axis=1)  # [B, S]: slots some query of the row sees
+        kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
+    return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
