@@ -26,7 +26,7 @@ import numpy as np
 from specjax import quant, sharding
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.layouts import Concat, expected_tensors, layout
-from specjax.models import Model, default_dtype, layers
+from specjax.models import ATTENTION, Model, default_dtype, layers
 
 # Buffers some checkpoints carry that hold no weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -466,7 +466,7 @@ def _placement(shape, path, mesh, rules):
 
 def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
                progress: bool | None = None, quantize: str | None = None,
-               duplicate_kv_heads: bool = True) -> Model:
+               duplicate_kv_heads: bool = True, attention: str = "portable") -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
     dtype: parameter dtype (with quantize: of the scales, norms and activations); default
@@ -478,6 +478,8 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     splits head_dim instead).
     progress: a progress bar (None: for checkpoints of 1 GiB or more).
     quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none.
+    attention: "portable" (default) or "kernels": whether its passes take the fused attention
+    kernel of the platform a program is built for, where one applies (see Model.attention).
 
     Everything is checked before anything is allocated: config.json's values, that the
     weights are safetensors (pickle is refused), every tensor's name and shape. Then the
@@ -487,6 +489,8 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating-point type (activations take it), got {jnp.dtype(dtype)}; "
                          f"for int8 weights pass quantize='int8'")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
     folder = resolve(path)
     hf_config = _read_hf_config(folder)
     config = ModelConfig.from_hf_config(hf_config)
@@ -497,7 +501,7 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize, repeat)
     if repeat > 1:
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat)
-    return Model(config, params, generation, rules=rules)
+    return Model(config, params, generation, rules=rules, attention=attention)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -42,16 +42,19 @@ def random_model(seed, base=None, std=0.1, config=CONFIG):
 
 
 def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(op, element type, result shape) of every collective in compiled HLO text."""
+    """(op, element type, result shape) of every collective in compiled HLO text, each
+    result of a combined one (XLA joins collectives into one of a tuple) on its own."""
     ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
-    return [(op, dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims, op in
-            re.findall(rf"= (\w+)\[([\d,]*)\][^=]*? ({ops})(?:-start)?\(", hlo)]
+    found = []
+    for results, op in re.findall(rf"= (\(?[\w\[\]{{}},\d ]*?\)?) ({ops})(?:-start)?\(", hlo):
+        found += [(op, dtype, tuple(int(d) for d in dims.split(",") if d))
+                  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", results)]
+    return found
 
 
 def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """Result shapes of every all-gather in compiled HLO text."""
-    return [tuple(int(d) for d in m.split(",") if d) for m in
-            re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+    """Result shapes of every all-gather in compiled HLO text (each of a combined one's)."""
+    return [shape for op, _, shape in collectives(hlo) if op == "all-gather"]
 
 
 def detector_sees_a_whole_weight_gather() -> bool:

@@ -169,19 +169,28 @@ def test_large_copies_are_found_and_named_by_their_line():
     assert {c.source for c in found} <= {f"tests/test_aot.py:{line}", "w"}, found
 
 
-def test_attention_kernels_follow_the_platform_compiled_for():
-    """A prefill chunk of 128-multiples with head_dim 128, compiled here for one TPU chip,
-    holds Pallas' splash attention kernel (a Mosaic custom call); traced for this CPU the
-    same program has none."""
+def test_attention_kernels_are_opt_in_and_follow_the_platform_compiled_for():
+    """A prefill chunk of 128-multiples with head_dim 128, compiled here for one TPU chip by
+    a model that opts in (Model.attention="kernels"), holds Pallas' splash attention kernel
+    (a Mosaic custom call); by default (never run on a TPU) it attends portably, and traced
+    for this CPU it has no kernel either way."""
     config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                              hidden_size=256, max_position_embeddings=1024))
     model = aot.abstract_model(config)
+    kernels = model.replace(attention="kernels")
     tpu = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
-    spec = aot.pass_program(model, tpu, batch=1, context=256, tokens=128)
-    hlo = spec.fn.lower(*spec.args).compile().as_text()
-    assert "tpu_custom_call" in hlo
-    cpu = aot.pass_program(model, aot.on_device(jax.devices("cpu")[0]), batch=1, context=256, tokens=128)
-    assert "tpu_custom_call" not in cpu.fn.lower(*cpu.args).as_text()
+    cpu = aot.on_device(jax.devices("cpu")[0])
+    for where, m, held in ((tpu, kernels, True), (tpu, model, False), (cpu, kernels, False)):
+        spec = aot.pass_program(m, where, batch=1, context=256, tokens=128)
+        assert ("tpu_custom_call" in spec.fn.lower(*spec.args).as_text()) == held, (where, m.attention)
+    # Traced for a GPU, a verification pass's prefix takes the Pallas (Triton) prefix kernel
+    # when the model opts in, and the portable path by default.
+    for m, held in ((kernels, True), (model, False)):
+        spec = aot.verify_program(m, cpu, 4, batch=1, context=256)
+        text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("specjax_prefix_attention" in text) == held, m.attention
+    with pytest.raises(ValueError, match="attention must be one of 'portable', 'kernels', got 'fast'"):
+        model.replace(attention="fast")
 
 
 def test_a_program_larger_than_the_chip_fails_at_compile_time():

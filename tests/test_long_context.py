@@ -3,6 +3,8 @@ tree placements, soft-cap, GQA, a key limit); chunked prefill + blockwise attent
 generate's output unchanged (greedy against transformers, trees, trained heads, sampling
 exactness); an 8,192-token prompt compiles to under 512 MB of temporaries."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,19 +59,16 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("cap", [None, 3.0])
-@pytest.mark.parametrize("kind", ["causal", "window", "tree"])
-def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
-    """A cached pass's attention over the committed prefix (read in place, per-row lengths)
-    and its in-flight keys (own mask), merged by log-sum-exp, equals one softmax over the
-    written cache under the whole mask: dense and blockwise (the last block slid back), with
-    the predicate loop and a GPU's fixed-length one."""
+def _split_case(kind: str, cap, S: int, D: int):
+    """A cached pass of 5 queries per row (heads 4 over 2 kv heads) over a cache of S slots:
+    (cached_attention's arguments, the output of one softmax over the written cache under the
+    whole [B, T, S] mask)."""
     rng = np.random.RandomState(3)
-    B, T, S, H, G, D = 2, 5, 37, 4, 2, 8
+    B, T, H, G = 2, 5, 4, 2
     q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32) * 2
     cache_k, cache_v = (jnp.asarray(rng.randn(B, S, G, D), jnp.float32) for _ in range(2))
     new_k, new_v = (jnp.asarray(rng.randn(B, T, G, D), jnp.float32) for _ in range(2))
-    start = np.array([20, 3])  # each row's committed prefix; the pass writes slots start .. start+T-1
+    start = np.array([S - 17, 3])  # each row's committed prefix; the pass writes slots start .. start+T-1
     slots = start[:, None] + np.arange(T)
     rows = np.arange(B)[:, None]
     k_all, v_all = cache_k.at[rows, slots].set(new_k), cache_v.at[rows, slots].set(new_v)
@@ -91,13 +90,27 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     whole = np.broadcast_to(whole, (B, T, S)).copy()
     whole[rows[:, :, None], np.arange(T)[None, :, None], slots[:, None, :]] = own
     want = _dense(q, k_all, v_all, jnp.asarray(whole), 0.3, cap)
+    return (q, new_k, new_v, jnp.asarray(own), k_all, v_all, jnp.asarray(start), floor, 0.3, cap), want
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+@pytest.mark.parametrize("kind", ["causal", "window", "tree"])
+def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
+    """A cached pass's attention over the committed prefix (read in place, per-row lengths)
+    and its in-flight keys (own mask), merged by log-sum-exp, equals one softmax over the
+    written cache under the whole mask: dense and blockwise (the last block slid back), with
+    the predicate loop and a GPU's fixed-length one; and through the GPU's prefix kernel (in
+    Pallas' interpreter)."""
+    args, want = _split_case(kind, cap, S=37, D=8)
     for block in (4, 7, 16, 64):
-        args = (q, new_k, new_v, jnp.asarray(own), k_all, v_all, jnp.asarray(start), floor, 0.3, cap)
         got = layers.cached_attention(*args, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    args, want = _split_case(kind, cap, S=256, D=16)  # the kernel's shapes: 4 splits of 64 slots
+    got = jax.jit(lambda *a: layers.cached_attention(*a, 0.3, cap, interpret=True))(*args[:-2])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
 def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
@@ -129,6 +142,11 @@ def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
             assert layers.kernel_platform() == "gpu"
         with layers.kernels_for(None):
             assert layers.kernel_platform() == "tpu"
+        seen = []  # another thread (the engine's device thread beside a caller) traces under its own
+        thread = threading.Thread(target=lambda: seen.append(layers.kernel_platform()))
+        thread.start()
+        thread.join()
+        assert seen == [jax.default_backend()]
     assert layers.kernel_platform() == jax.default_backend()
 
 

@@ -21,6 +21,7 @@ from specjax.models.transformer import decode, init_params, read_out
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
 # array (see transformer.py for why layers are not stacked).
 Params = Any
+ATTENTION = ("portable", "kernels")  # Model.attention's choices
 
 
 @struct.dataclass
@@ -37,6 +38,16 @@ class Model:
     # True: every pass computes each token by fixed-shape bodies (models/exact.py), so that
     # its bits do not depend on the pass; what `generate(deterministic=True)` sets.
     exact: bool = struct.field(pytree_node=False, default=False)
+    # How its passes attend (static: part of every program's jit key). "portable": the jnp
+    # path on every backend (the default). "kernels": where the platform a program is built
+    # for has a fused kernel for a pass, it takes it (cuDNN flash attention on a GPU, Pallas
+    # splash attention on a TPU: layers.attention_kernel says where each applies). Opt-in:
+    # neither kernel has run on its hardware yet; a sharded program attends portably anyway.
+    attention: str = struct.field(pytree_node=False, default="portable")
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.attention!r}")
 
     @property
     def dtype(self):
@@ -66,8 +77,11 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     position, causal" (a token tree; see cache.Placement).
     taps: None, or layer numbers (1..L) whose output states make `hidden` instead,
     concatenated: [B, T, len(taps) E] (EAGLE-3's features)."""
-    run = exact.decode if model.exact else decode
-    return run(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps)
+    if model.exact:
+        return exact.decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer,
+                            taps=taps)
+    return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps,
+                  kernels=model.attention == "kernels")
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

@@ -14,12 +14,14 @@ float32. They know nothing about checkpoints, caches' bookkeeping or decoding.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from specjax.config import ModelConfig
+from specjax.models import prefix_kernel
 from specjax.quant import Int8
 
 init = nn.initializers.normal(stddev=0.02)
@@ -212,7 +214,8 @@ ATTENTION_BLOCK = 512
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None):
+def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None,
+              kernels: bool = False):
     """Softmax attention with grouped key/value heads: q [B, T, H, D], k/v [B, S, G, D],
     mask bool [B, T, S] (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
     Scores are float32 and scaled by `scale`, then soft-capped by `cap` if given (Gemma 2).
@@ -226,14 +229,15 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     already hides what lies past it). A query that sees no slot at all gets zeros (the
     dense path's output for it, a uniform average, is equally meaningless).
 
-    Where an accelerator kernel applies (`attention_kernel`: cuDNN on GPU, Pallas splash
-    attention on TPU) it computes the same thing instead; this jnp code is the portable
-    default and the fallback. A cached pass attends by `cached_attention`.
+    With kernels=True (a model's opt-in: Model.attention), where an accelerator kernel
+    applies (`attention_kernel`: cuDNN on GPU, Pallas splash attention on TPU) it computes
+    the same thing instead; this jnp code is the default and the fallback. A cached pass
+    attends by `cached_attention` unless a kernel takes it.
 
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
-    kernel = attention_kernel(kernel_platform(), q.dtype, T, S, D, cap)
+    kernel = attention_kernel(kernel_platform(), q.dtype, T, S, D, cap) if kernels else "portable"
     if kernel == "cudnn":
         return dot_product_attention(q, k, v, mask, scale, kv_limit)
     if kernel == "splash":
@@ -250,7 +254,8 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 
 
 def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
-                     cap: float | None = None, block: int | None = None):
+                     cap: float | None = None, block: int | None = None, kernels: bool = False,
+                     interpret: bool = False):
     """Attention of a cached pass, over two key sets merged by their log-sum-exp (one online
     softmax): the committed prefix, read in place from the cache, and the pass's in-flight
     keys, under their own mask. No [B, T, S] mask is built, nor any key copied but the
@@ -265,27 +270,38 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     softmax; beyond, the in-flight keys are visited first, then the prefix in blocks of `block`
     slots up to the longest row's prefix: blocks past it are not read (traced for a GPU,
     where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
-    and re-reads the last live block instead, masked). The prefix is where a decode kernel
-    (per-row lengths, split over the cache) would take over.
+    and re-reads the last live block instead, masked).
+
+    kernels=True (a model's opt-in: Model.attention): traced for a GPU, where it applies
+    (`prefix_kernel.applies`), the prefix goes through a Pallas kernel (per-row lengths,
+    split over the cache, read in place); interpret=True runs that kernel in Pallas'
+    interpreter whatever the platform (the tests').
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
     S, G, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
+    if (interpret or kernels and kernel_platform() == "gpu") and prefix_kernel.applies(T, H // G, S, D):
+        flight = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
+                               _empty_state(qg), scale, cap, min(block, N))
+        held = prefix_kernel.prefix_state(qg, cache_k, cache_v, prefix, floor, scale, cap, interpret=interpret)
+        return _normalise(_merge(flight, held), v.dtype)
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
         slots = start + jnp.arange(n)
         seen = slots[None, None, :] < prefix[:, None, None]
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
-    if S <= block and N <= block:
-        scores = jnp.concatenate([jnp.where(prefix_seen(0, S)[:, None, None], _scores(qg, cache_k, scale, cap), _NEG),
-                                  jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)], axis=-1)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, G, R, T, S + N]
-        out = (jnp.einsum("bgrts,bsgd->btgrd", probs[..., :S], cache_v, preferred_element_type=jnp.float32)
-               + jnp.einsum("bgrts,bsgd->btgrd", probs[..., S:], v, preferred_element_type=jnp.float32))
-        return out.reshape(B, T, H, D).astype(v.dtype)
+    if S <= block and N <= block:  # one softmax over both key sets, without joining them
+        seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
+        scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
+        top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1))[..., None]  # [B, G, R, T, 1]
+        p = [jnp.where(m, jnp.exp(s - top), 0.0) for m, s in zip(seen, scores)]
+        total = p[0].sum(axis=-1) + p[1].sum(axis=-1)  # [B, G, R, T]
+        out = sum(jnp.einsum("bgrts,bsgd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
+                  for pi, vi in zip(p, (cache_v, v)))
+        return _normalise((None, total, out), v.dtype)
     if N <= block:
         state = _accumulate(_empty_state(qg), jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG),
                             mask[:, None, None], v)
@@ -352,6 +368,13 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
     return jax.lax.fori_loop(0, upto, visit, state)
 
 
+def _merge(a, b):
+    """One online softmax state from two over disjoint keys (by their log-sum-exp)."""
+    m = jnp.maximum(a[0], b[0])
+    wa, wb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+
+
 def _normalise(state, dtype):
     """The online softmax's output [B, T, H, D] in dtype (zeros for a query that saw nothing)."""
     _, l, acc = state
@@ -363,7 +386,7 @@ def _normalise(state, dtype):
 # ---- accelerator kernels ---------------------------------------------------------------
 #
 # Honest status: neither kernel has run on its hardware here (this project was built on CPU
-# only). Their selection, their mask and layout handling and (splash) the kernel itself in
+# only), so a model takes them only when it opts in (Model.attention="kernels"). Their selection, their mask and layout handling and (splash) the kernel itself in
 # Pallas' interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
 # dot_product_attention through implementation="xla", which takes the same arguments as
 # "cudnn"; splash_attention(interpret=True)). The constraints below are those the kernels
@@ -371,33 +394,32 @@ def _normalise(state, dtype):
 # splash kernel's 128-lane blocks).
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
-# While tracing a program for a platform (`kernels_for`): that platform ("cpu", "gpu", "tpu");
-# None: the default backend's. And whether attention takes the portable path there. Programs
-# built ahead of time for devices this host lacks (aot.py) are traced here for their platform,
-# so they hold the kernels and matmul forms it runs.
-_platform: str | None = None
-_portable = False
+# While tracing a program for a platform (`kernels_for`): (that platform: "cpu", "gpu", "tpu",
+# None for the default backend's; whether attention must take the portable path there).
+# Programs built ahead of time for devices this host lacks (aot.py) are traced here for their
+# platform, so they hold the kernels and matmul forms it runs. A context variable: each thread
+# (the engine's device thread, a caller compiling beside it) traces under its own setting.
+_tracing_for: contextvars.ContextVar = contextvars.ContextVar("specjax_tracing_for", default=(None, False))
 
 
 @contextlib.contextmanager
 def kernels_for(platform: str | None, portable: bool | None = None):
-    """While tracing inside it, layers pick the kernels of `platform` (a device's
+    """While tracing inside it (in this thread), layers pick the matmul forms, cache writes and
+    (where the model opts in: Model.attention) attention kernels of `platform` (a device's
     `.platform`: "cpu", "gpu", "tpu"; "cuda" and "rocm" count as "gpu"), the platform the
     program is built for, which need not be this host's; portable=True makes attention take
     the jnp path on it (a sharded program's). None leaves either as it was (the default
-    backend's and False, unless an enclosing context set them). `generate` traces its loop
-    under the platform of the devices its arguments live on (a static argument of the loop,
-    so part of its jit key)."""
-    global _platform, _portable
-    previous = _platform, _portable
+    backend's and False, unless an enclosing context set them). Every program that enters it
+    has both as static arguments of its jit (`generate` traces its loop under the platform
+    of the devices its arguments live on), so they are part of its key."""
+    platform_now, portable_now = _tracing_for.get()
     if platform is not None:
-        _platform = "gpu" if platform in ("cuda", "rocm") else platform
-    if portable is not None:
-        _portable = portable
+        platform_now = "gpu" if platform in ("cuda", "rocm") else platform
+    token = _tracing_for.set((platform_now, portable_now if portable is None else portable))
     try:
         yield
     finally:
-        _platform, _portable = previous
+        _tracing_for.reset(token)
 
 
 def portable_attention(on: bool = True):
@@ -409,12 +431,12 @@ def portable_attention(on: bool = True):
 
 def target_platform() -> str:
     """The platform the program being traced is built for (see `kernels_for`)."""
-    return _platform or jax.default_backend()
+    return _tracing_for.get()[0] or jax.default_backend()
 
 
 def kernel_platform() -> str:
     """The platform whose kernels attention picks now, or "portable" (see `kernels_for`)."""
-    return "portable" if _portable else target_platform()
+    return "portable" if _tracing_for.get()[1] else target_platform()
 
 
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:

@@ -51,25 +51,29 @@ class Block(nn.Module):
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
         if cache_kv is None:  # a full pass: its own keys, causal
-            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap)
+            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
         else:  # a row's slots are consecutive; one TPU wants them written so
             consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
             cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
-                out = attention(q, *cache_kv, view.dense[sliding], attn.scale, attn.cap, view.kv_limit)
+                out = attention(q, *cache_kv, view.dense[sliding], attn.scale, attn.cap, view.kv_limit, kernels=True)
             else:
                 if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
                     k, v = (jnp.take_along_axis(buf, view.region[:, :, None, None], axis=1) for buf in cache_kv)
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
-                                       attn.scale, attn.cap)
+                                       attn.scale, attn.cap, kernels=view.kernels)
         x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache_kv
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
-           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None):
+           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
+           kernels: bool = False):
     """Activations take the parameters' dtype; logits are always float32.
+
+    kernels: attention takes the fused kernel of the platform being traced for where one
+    applies (`layers.attention_kernel`; Model.attention == "kernels"); otherwise the jnp path.
 
     num_layers: run only the first num_layers layers, then the final norm and head (early
     exit; the cache's other layers are returned untouched).
@@ -78,7 +82,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
-    view = pass_view(c, positions, cache, placement, x.dtype)
+    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
     tapped = {}  # layer number -> the residual stream after it, for `taps`
@@ -154,6 +158,7 @@ class View(NamedTuple):
     region: jax.Array | None  # int32 [B, N]: the cache slots holding the in-flight keys (None: the pass's own)
     dense: dict | None  # {sliding: bool [B, T, S]}: the same as one mask over the cache, where a kernel reads it
     kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
+    kernels: bool  # whether the pass may take a kernel (the model opts in: Model.attention)
 
 
 def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None,
@@ -162,9 +167,9 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     one: the committed prefix (slots below the first position, or the placement's start),
     read in place, and the in-flight keys under their own mask: the pass's own, causally by
     position, or a placement's region of R slots (a tree: what `sees` marks). A sliding
-    window bounds both by position. Where an attention kernel takes the pass (dtype: the
-    activations', to ask `attention_kernel`; None: none does) the view also holds the
-    [B, T, S] mask of the whole cache that kernel reads."""
+    window bounds both by position. dtype: the activations', where the pass may take an
+    attention kernel (None: it attends portably); where one takes a cached pass
+    (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     kinds = (False,) if window is None else (False, True)
 
@@ -181,7 +186,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         region_positions, prefix = placement.region_positions, placement.start
         region = jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
     if cache is None:
-        return View(positions, masks, None, {}, None, None, None)
+        return View(positions, masks, None, {}, None, None, None, dtype is not None)
     floors = {w: positions - window if w else None for w in kinds}
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
@@ -195,7 +200,8 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         dense = {w: within(visible, kv_positions, w) for w in kinds}
         seen = visible.any(axis=1)  # [B, S]: slots some query of the row sees
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
-    return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit)
+    return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit,
+                dtype is not None)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
