@@ -6,6 +6,8 @@ Every TPU compile happens in this one process (libtpu admits one loader at a tim
 each allows more: conftest.py does). Models are tiny except where a real shape is the point
 (a Llama-3-8B-shaped layer pair for the cost figures; the Colab notebooks' pair)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,12 +185,22 @@ def test_attention_kernels_are_opt_in_and_follow_the_platform_compiled_for():
     for where, m, held in ((tpu, kernels, True), (tpu, model, False), (cpu, kernels, False)):
         spec = aot.pass_program(m, where, batch=1, context=256, tokens=128)
         assert ("tpu_custom_call" in spec.fn.lower(*spec.args).as_text()) == held, (where, m.attention)
-    # Traced for a GPU, a verification pass's prefix takes the Pallas (Triton) prefix kernel
-    # when the model opts in, and the portable path by default.
+    # A verification pass's prefix takes the Pallas prefix kernel when the model opts in, and
+    # the portable path by default: traced for a GPU (Triton), and compiled for a TPU (Mosaic),
+    # where the kernel reads the cache as it lies (no cache-sized copy, no temporaries).
     for m, held in ((kernels, True), (model, False)):
         spec = aot.verify_program(m, cpu, 4, batch=1, context=256)
         text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
         assert ("specjax_prefix_attention" in text) == held, m.attention
+    grouped = aot.abstract_model(dataclasses.replace(config, num_heads=4, num_kv_heads=2))  # the TPU kernel's G > 1
+    temps = {}
+    for m in (grouped, grouped.replace(attention="kernels")):
+        spec = aot.verify_program(m, tpu, 4, batch=2, context=1024)
+        compiled = spec.fn.lower(*spec.args).compile()
+        assert ("specjax_prefix_attention" in compiled.as_text()) == (m.attention == "kernels")
+        assert aot.large_copies(compiled.as_text(), 2**18) == (), m.attention  # a layer's K: 1 MB
+        temps[m.attention] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["kernels"] <= temps["portable"], temps
     with pytest.raises(ValueError, match="attention must be one of 'portable', 'kernels', got 'fast'"):
         model.replace(attention="fast")
 

@@ -99,8 +99,8 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     """A cached pass's attention over the committed prefix (read in place, per-row lengths)
     and its in-flight keys (own mask), merged by log-sum-exp, equals one softmax over the
     written cache under the whole mask: dense and blockwise (the last block slid back), with
-    the predicate loop and a GPU's fixed-length one; and through the GPU's prefix kernel (in
-    Pallas' interpreter)."""
+    the predicate loop and a GPU's fixed-length one; and through the GPU's and the TPU's prefix
+    kernels (in Pallas' interpreter)."""
     args, want = _split_case(kind, cap, S=37, D=8)
     for block in (4, 7, 16, 64):
         got = layers.cached_attention(*args, block=block)
@@ -108,9 +108,11 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
         with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-    args, want = _split_case(kind, cap, S=256, D=16)  # the kernel's shapes: 4 splits of 64 slots
-    got = jax.jit(lambda *a: layers.cached_attention(*a, 0.3, cap, interpret=True))(*args[:-2])
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    args, want = _split_case(kind, cap, S=256, D=128)  # the kernels' shapes: 4 GPU splits, 2 TPU blocks
+    for platform in ("gpu", "tpu"):
+        with layers.kernels_for(platform):
+            got = jax.jit(lambda *a: layers.cached_attention(*a, 0.3, cap, kernels=True, interpret=True))(*args[:-2])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0, err_msg=platform)
 
 
 def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):

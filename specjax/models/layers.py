@@ -272,20 +272,20 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
     and re-reads the last live block instead, masked).
 
-    kernels=True (a model's opt-in: Model.attention): traced for a GPU, where it applies
-    (`prefix_kernel.applies`), the prefix goes through a Pallas kernel (per-row lengths,
-    split over the cache, read in place); interpret=True runs that kernel in Pallas'
-    interpreter whatever the platform (the tests').
+    kernels=True (a model's opt-in: Model.attention): traced for a GPU or a TPU, where it
+    applies (`prefix_kernel.applies`), the prefix goes through that platform's Pallas kernel
+    (per-row lengths, read in place); interpret=True runs it in Pallas' interpreter, on any
+    backend (the tests').
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
     S, G, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
-    if (interpret or kernels and kernel_platform() == "gpu") and prefix_kernel.applies(T, H // G, S, D):
+    if kernels and prefix_kernel.applies(kernel_platform(), S, G, D):
         flight = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
                                _empty_state(qg), scale, cap, min(block, N))
-        held = prefix_kernel.prefix_state(qg, cache_k, cache_v, prefix, floor, scale, cap, interpret=interpret)
+        held = prefix_kernel.state(kernel_platform(), qg, cache_k, cache_v, prefix, floor, scale, cap, interpret)
         return _normalise(_merge(flight, held), v.dtype)
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees

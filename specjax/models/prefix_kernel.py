@@ -1,5 +1,6 @@
-"""A Pallas kernel for the committed prefix of a cached pass on a GPU: each row's queries
-against the cache's slots below its own prefix length, read in place.
+"""Pallas kernels for the committed prefix of a cached pass, on a GPU (Triton) and a TPU
+(Mosaic): each row's queries against the cache's slots below its own prefix length, read in
+place.
 
 `layers.cached_attention` splits a cached pass's attention into the committed prefix and
 the in-flight keys, merged by their log-sum-exp. This kernel computes the prefix's part
@@ -12,9 +13,17 @@ live slots; every query head of the group and every in-flight query of the row s
 read of each key (they are the rows of one matmul). The splits are merged by their
 log-sum-exp outside the kernel.
 
-Honest status: it has not run on a GPU. It is tested in Pallas' interpret mode on CPU
-against the portable path (tests/test_long_context.py) and taken only by a model that opts
-in (Model.attention="kernels"). It knows nothing about models, positions or trees.
+On a TPU (`tpu_prefix_state`) a program is one (row, block of the cache) and holds every kv
+head of the row: a block [block, G, D] keeps the cache's (G, D) tiles as they lie (a
+[B, S, G D] view of the cache would be a relaid copy of it), and kv head g is one sublane of
+each tile, read strided. The row's blocks run in order, accumulating into its output, and blocks past the row's prefix
+map to its last live block, which the pipeline does not fetch again, so a row reads only
+its live slots (the ragged trick of JAX's TPU paged attention kernels).
+
+Honest status: neither has run on its hardware. Both are tested in Pallas' interpret mode
+on CPU against the portable path (tests/test_long_context.py), lowered for CUDA and compiled
+for a TPU here (tests/test_aot.py), and taken only by a model that opts in
+(Model.attention="kernels"). They know nothing about models, positions or trees.
 """
 
 from __future__ import annotations
@@ -24,24 +33,37 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-BLOCK = 64  # key slots per step of a program's loop (a power of two: Triton's blocks are)
+BLOCK = 64  # key slots per step of a GPU program's loop (a power of two: Triton's blocks are)
+TPU_BLOCK = 128  # key slots per TPU program
 SPLITS = 8  # programs per (row, kv head) along the cache, at most
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def applies(T: int, R: int, S: int, D: int) -> bool:
-    """Whether the kernel takes a pass of T queries with R query heads per kv head over S cache
-    slots of head dim D: Triton's matmuls want D a power of two >= 16, and the cache a whole
-    number of blocks."""
-    return D >= 16 and D & (D - 1) == 0 and S % BLOCK == 0
+def applies(platform: str, S: int, G: int, D: int) -> bool:
+    """Whether `platform`'s kernel takes a pass over S cache slots of G kv heads of head dim D:
+    Triton's matmuls want D a power of two >= 16; on a TPU, D a multiple of 128 and G > 1,
+    where XLA lays the cache out as the kernel reads it (compiled here for a v5e: with D = 64
+    or G = 1 it lays a cache buffer out otherwise and copies every layer's around the kernel,
+    each pass); both, the cache a whole number of blocks."""
+    if platform == "gpu":
+        return D >= 16 and D & (D - 1) == 0 and S % BLOCK == 0
+    return platform == "tpu" and D % 128 == 0 and G > 1 and S % TPU_BLOCK == 0
 
 
 def _split(S: int) -> int:
     """Slots per program along the cache: a whole number of blocks, at most SPLITS programs."""
     blocks = S // BLOCK
     return BLOCK * -(-blocks // min(SPLITS, blocks))
+
+
+def state(platform: str, qg, cache_k, cache_v, prefix, floor, scale: float, cap: float | None,
+          interpret: bool = False):
+    """`platform`'s kernel ("gpu" or "tpu"; see `applies`): `prefix_state` or `tpu_prefix_state`."""
+    run = prefix_state if platform == "gpu" else tpu_prefix_state
+    return run(qg, cache_k, cache_v, prefix, floor, scale, cap, interpret=interpret)
 
 
 def prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: float | None, interpret: bool = False):
@@ -122,3 +144,83 @@ def _kernel(q_ref, k_ref, v_ref, hi_ref, lo_ref, o_ref, m_ref, l_ref, *, split: 
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+
+
+def tpu_prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: float | None,
+                     interpret: bool = False):
+    """`prefix_state` by the TPU kernel: the same arguments and results."""
+    B, T, G, R, D = qg.shape
+    S = cache_k.shape[1]
+    M = -(-T * R // 16) * 16  # query rows of a kv head: t R + r, padded to whole sublane tiles
+    q = jnp.pad(qg.transpose(0, 2, 1, 3, 4).reshape(B, G, T * R, D), ((0, 0), (0, 0), (0, M - T * R), (0, 0)))
+    lo = jnp.full((B, T), -1, jnp.int32) if floor is None else floor.astype(jnp.int32)
+    lo = jnp.pad(jnp.repeat(lo, R, axis=1), ((0, 0), (0, M - T * R)), constant_values=-1)[..., None]  # [B, M, 1]
+
+    def live_block(b, j, prefix_ref):  # past the row's prefix: its last live block (not fetched again)
+        live = jax.lax.div(prefix_ref[b] + TPU_BLOCK - 1, TPU_BLOCK)  # (prefix >= 0: no floor division's sign test)
+        return b, jnp.minimum(j, jnp.maximum(live - 1, 0)), 0, 0
+
+    kernel = functools.partial(_tpu_kernel, heads=G, scale=scale, cap=cap)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, S // TPU_BLOCK),
+            in_specs=[pl.BlockSpec((None, G, M, D), lambda b, j, prefix_ref: (b, 0, 0, 0)),  # q
+                      pl.BlockSpec((None, M, 1), lambda b, j, prefix_ref: (b, 0, 0)),  # lo
+                      pl.BlockSpec((None, TPU_BLOCK, G, D), live_block),  # k, as it lies
+                      pl.BlockSpec((None, TPU_BLOCK, G, D), live_block)],  # v
+            out_specs=[pl.BlockSpec((None, G, M, D), lambda b, j, prefix_ref: (b, 0, 0, 0)),
+                       pl.BlockSpec((None, G, M, 128), lambda b, j, prefix_ref: (b, 0, 0, 0)),
+                       pl.BlockSpec((None, G, M, 128), lambda b, j, prefix_ref: (b, 0, 0, 0))]),
+        out_shape=[jax.ShapeDtypeStruct((B, G, M, D), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, M, 128), jnp.float32),  # max and sum, along lanes
+                   jax.ShapeDtypeStruct((B, G, M, 128), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="specjax_prefix_attention",
+    )(prefix.astype(jnp.int32), q, lo, cache_k, cache_v)
+
+    def rows(x):  # [B, G, M, ...] -> [B, G, R, T, ...]
+        x = x[:, :, : T * R].reshape(B, G, T, R, *x.shape[3:])
+        return jnp.swapaxes(x, 2, 3)
+
+    return rows(m[..., 0]), rows(l[..., 0]), rows(o)
+
+
+def _tpu_kernel(prefix_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, heads: int, scale: float,
+                cap: float | None):
+    """One (row, cache block) program: q_ref [G, M, D]; lo_ref [M, 1]; k_ref/v_ref [block, G D]
+    -> o_ref [G, M, D], m_ref/l_ref [G, M, 128]: the row's state so far, carried across its
+    blocks in the output blocks (they stay resident while the row's blocks run)."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    hi = prefix_ref[b]
+    M, D = q_ref.shape[1], q_ref.shape[2]
+
+    @pl.when(j == 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+    @pl.when(j * TPU_BLOCK < hi)
+    def _():
+        slots = j * TPU_BLOCK + jax.lax.broadcasted_iota(jnp.int32, (M, TPU_BLOCK), 1)
+        seen = (slots < hi) & (slots > lo_ref[...])  # [M, block]
+        for g in range(heads):
+            kb = k_ref[:, g, :]  # [block, D]: kv head g's, one sublane of each (G, D) tile
+            vb = v_ref[:, g, :]
+            s = jax.lax.dot_general(q_ref[g], kb, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale  # [M, block]
+            if cap is not None:
+                s = cap * jnp.tanh(s / cap)
+            s = jnp.where(seen, s, _NEG)
+            m_prev, l_prev = m_ref[g][:, :1], l_ref[g][:, :1]  # [M, 1]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
+            correction = jnp.exp(m_prev - m_new)
+            pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [M, D]
+            o_ref[g] = o_ref[g] * correction + pv
+            m_ref[g] = jnp.broadcast_to(m_new, (M, 128))
+            l_ref[g] = jnp.broadcast_to(l_prev * correction + p.sum(axis=1, keepdims=True), (M, 128))
