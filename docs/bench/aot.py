@@ -7,8 +7,10 @@ temporaries over weights, the weight- or cache-sized copies found in the optimis
 program, and the CUDA lowering's bytes accessed over the bytes the program must read.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python docs/bench/aot.py [--pairs 1b,8b]
-        [--slices v5e:1x1,v5e:2x2,v6e:2x2] [--layers N] > docs/bench/aot.txt
+        [--slices v5e:1x1,v5e:2x2,v6e:2x2] [--layers N] [--attention kernels] > docs/bench/aot.txt
 
+--attention kernels: both models opt in to the attention kernels (Model.attention; a sharded
+program attends portably whatever it asks).
 --layers N compiles N target layers (the draft keeps its own) to bound the time: every
 layer is the same program, so weights and temporaries per layer scale, the head does not.
 The loop's CUDA figure counts its while body once and its prefill too, so read it as a
@@ -29,7 +31,7 @@ from specjax.config import ModelConfig  # noqa: E402
 from tests import real_configs as rc  # noqa: E402
 
 
-def pair(name: str, layers: int | None):
+def pair(name: str, layers: int | None, attention: str = "portable"):
     if name == "1b":
         target, draft = rc.LLAMA_3_2_1B, rc.with_layers(rc.LLAMA_3_2_1B, 2)
     elif name == "8b":
@@ -38,7 +40,7 @@ def pair(name: str, layers: int | None):
         raise SystemExit(f"unknown pair {name!r}: 1b or 8b")
     if layers:
         target = rc.with_layers(target, layers)
-    return tuple(aot.abstract_model(ModelConfig.from_hf_config(c)) for c in (target, draft))
+    return tuple(aot.abstract_model(ModelConfig.from_hf_config(c)).replace(attention=attention) for c in (target, draft))
 
 
 def main():
@@ -47,11 +49,13 @@ def main():
     parser.add_argument("--slices", default="v5e:1x1,v5e:2x2,v6e:2x2")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--context", type=int, default=512, help="prompt + new tokens")
+    parser.add_argument("--attention", default="portable", choices=("portable", "kernels"))
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; bf16; batch 1 on one chip, "
-          f"2 on a slice (mesh data 2 x model 2, the draft replicated); prompt 128, context {args.context}")
+          f"2 on a slice (mesh data 2 x model 2, the draft replicated); prompt 128, context {args.context}; "
+          f"attention {args.attention}")
     for name in args.pairs.split(","):
-        target, draft = pair(name, args.layers)
+        target, draft = pair(name, args.layers, args.attention)
         for slice_name in args.slices.split(","):
             slice_ = aot.tpu_slice(slice_name)
             title = (f"\n## {name} pair ({target.config.num_layers} target layers, {draft.config.num_layers}-layer "

@@ -282,32 +282,31 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     S, G, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
-    if kernels and prefix_kernel.applies(kernel_platform(), S, G, D):
-        flight = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
-                               _empty_state(qg), scale, cap, min(block, N))
-        held = prefix_kernel.state(kernel_platform(), qg, cache_k, cache_v, prefix, floor, scale, cap, interpret)
-        return _normalise(_merge(flight, held), v.dtype)
+    kernel = kernels and prefix_kernel.applies(kernel_platform(), S, G, D)
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
         slots = start + jnp.arange(n)
         seen = slots[None, None, :] < prefix[:, None, None]
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
-    if S <= block and N <= block:  # one softmax over both key sets, without joining them
+    if not kernel and S <= block and N <= block:  # one softmax over both key sets, without joining them
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
-        top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1))[..., None]  # [B, G, R, T, 1]
+        top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1, initial=_NEG))[..., None]  # [B, G, R, T, 1]
         p = [jnp.where(m, jnp.exp(s - top), 0.0) for m, s in zip(seen, scores)]
         total = p[0].sum(axis=-1) + p[1].sum(axis=-1)  # [B, G, R, T]
         out = sum(jnp.einsum("bgrts,bsgd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
                   for pi, vi in zip(p, (cache_v, v)))
         return _normalise((None, total, out), v.dtype)
-    if N <= block:
+    if N <= block:  # the in-flight keys first
         state = _accumulate(_empty_state(qg), jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG),
                             mask[:, None, None], v)
     else:
         state = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
                               _empty_state(qg), scale, cap, block)
+    if kernel:  # then the prefix's state from the kernel, merged
+        held = prefix_kernel.state(kernel_platform(), qg, cache_k, cache_v, prefix, floor, scale, cap, interpret)
+        return _normalise(_merge(state, held), v.dtype)
     upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
     state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto)
     return _normalise(state, v.dtype)
@@ -331,7 +330,7 @@ def _accumulate(state, s, seen, vb):
     """The online softmax's state after n more keys: scores s [B, G, R, T, n] (masked), seen
     bool (broadcasting to s), their values vb [B, n, G, D]."""
     m, l, acc = state
-    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_new = jnp.maximum(m, s.max(axis=-1, initial=_NEG))  # (n may be 0: a pass that sees no in-flight key)
     p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # [B, G, R, T, n]
     correction = jnp.exp(m - m_new)
     pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
