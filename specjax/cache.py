@@ -2,14 +2,14 @@
 
 Slot s of row b holds the key/value of the token at position s of that row. A row's
 entries at slots < lengths[b] are valid; entries at or beyond it are stale and are never
-cleared: attention masks are derived from positions (a query at position t sees slots
-<= t), and every pass writes its own positions before attending, so a stale slot is always
-overwritten before any query can see it. Rolling back rejected draft tokens is therefore
-only a matter of lowering `lengths`.
+cleared: a pass sees the committed prefix below its first position and its own in-flight
+tokens (layers.cached_attention), and writes its own positions before attending, so a stale
+slot is always overwritten before any query can see it. Rolling back rejected draft tokens
+is therefore only a matter of lowering `lengths`.
 
 A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
-have the same depth), so they are written at consecutive slots after the prefix and each
-sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
+have the same depth), so they are written at consecutive slots after the prefix (a region)
+and each sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
 accepted path's entries to the slots of their positions, and the rest of the tree is
 stale like any rejected draft.
 

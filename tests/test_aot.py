@@ -219,14 +219,17 @@ EIGHT_B = aot.abstract_model(ModelConfig.from_hf_config(real_configs.with_layers
 
 
 def test_cuda_lowering_reads_each_weight_about_once():
-    """Before XLA optimises it, the CUDA program of the one-token pass accesses 1.0-1.2x the
-    bytes it must read (the weights a pass reads and the live cache), a verification pass of
-    6 tokens a little more; a pass that read a weight twice would be at 2x."""
+    """Before XLA optimises it, the CUDA program of the one-token pass over a 1K cache
+    accesses 1.0-1.1x the bytes it must read (the weights a pass reads and the live cache), a
+    verification pass of 6 tokens at most 1.15x, with attention portable or the prefix kernel;
+    a pass that read a weight twice would be at 2x (the output projection's weight reshaped
+    for a GPU counted 1.13x on the 1B shape)."""
     cpu = aot.on_device(jax.devices("cpu")[0])
-    for spec, bound in ((aot.pass_program(EIGHT_B, cpu, context=512), 1.2),
-                        (aot.verify_program(EIGHT_B, cpu, 5, context=512), 1.35)):
-        ratio = aot.cuda_bytes(spec) / spec.must_read
-        assert 1.0 <= ratio < bound, (spec.name, ratio)
+    for model in (EIGHT_B, EIGHT_B.replace(attention="kernels")):
+        for spec, bound in ((aot.pass_program(model, cpu, context=1024), 1.1),
+                            (aot.verify_program(model, cpu, 5, context=1024), 1.15)):
+            ratio = aot.cuda_bytes(spec) / spec.must_read
+            assert 1.0 <= ratio < bound, (spec.name, model.attention, ratio)
 
 
 def test_a_step_waits_on_the_host_for_no_predicate_but_its_loops():

@@ -366,10 +366,12 @@ def test_trace_records_tokens_per_step(pair):
     assert specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW).trace is None
 
 
-def test_a_program_traced_for_a_tpu_gives_the_same_tokens(pair):
+def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
     """The loop as a TPU program holds it (each row's cache entries written as one
-    consecutive slice, not a point scatter; the 4-D qkv matmul), run here on the CPU: the
-    same tokens as the CPU's program, for a chain and a tree. And the two writes agree."""
+    consecutive slice, not a point scatter; the 4-D qkv matmul) and as a GPU program (the 4-D
+    qkv matmul, the output projection contracted over (h, d), attention's fixed-length loop),
+    run here on the CPU: the same tokens as the CPU's program, for a chain and a tree. And
+    the two writes agree."""
     from specjax import cache
     from specjax.request import prepare
 
@@ -382,9 +384,10 @@ def test_a_program_traced_for_a_tpu_gives_the_same_tokens(pair):
                       cost_profile=None, deterministic=False)
         args, static, _ = prepare(target, padded, lengths, **kwargs)
         cpu = generate_loop(*args, **dict(static, platform="cpu"))
-        tpu = generate_loop(*args, **dict(static, platform="tpu"))
-        np.testing.assert_array_equal(tpu.tokens, cpu.tokens)
-        np.testing.assert_array_equal(tpu.stats.accepted, cpu.stats.accepted)
+        for platform in ("tpu", "gpu"):
+            other = generate_loop(*args, **dict(static, platform=platform))
+            np.testing.assert_array_equal(other.tokens, cpu.tokens, err_msg=platform)
+            np.testing.assert_array_equal(other.stats.accepted, cpu.stats.accepted, err_msg=platform)
     rng = np.random.default_rng(0)
     buffer, new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((3, 20, 2, 4), (3, 5, 2, 4)))
     slots = jnp.asarray([0, 7, 15])[:, None] + jnp.arange(5)[None]

@@ -108,6 +108,8 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
         with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    if (kind, cap) not in (("causal", None), ("tree", None), ("window", 3.0)):
+        return  # the kernels' cases (interpreted, they take a while)
     args, want = _split_case(kind, cap, S=256, D=128)  # the kernels' shapes: 4 GPU splits, 2 TPU blocks
     for platform in ("gpu", "tpu"):
         with layers.kernels_for(platform):
