@@ -60,7 +60,7 @@ def _generate(args):
     if not prompts:
         raise ValueError("give a PROMPT or --batch-file")
     mesh = flags.mesh(args)
-    target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh)
+    target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh, attention=args.attention)
     tokenizer = specjax.load_tokenizer(args.target)
     tree = _parse_tree(args.tree)
     if mesh is not None and (args.early_exit is not None or args.prompt_lookup or args.lookahead or args.retrieval
@@ -87,7 +87,7 @@ def _generate(args):
         draft = specjax.load_drafter(path, tree)
         drafter_name = f"{type(draft).__name__} heads {path}"
     else:
-        model = specjax.load_model(args.draft, quantize=args.quantize)
+        model = specjax.load_model(args.draft, quantize=args.quantize, attention=args.attention)
         if mesh is not None:  # small: a copy on every device, rows still over data
             model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
         draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
@@ -278,7 +278,7 @@ def _serve(args):
                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
-                 warmup=not args.no_warmup)
+                 warmup=not args.no_warmup, attention=args.attention)
 
 
 def _plan(args):
@@ -359,6 +359,7 @@ def main(argv=None):
                         "greedy output bit for bit in any dtype, whatever the drafter and batch (slower; CPU)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weight-only quantisation of the target and the draft, each on its own")
+    flags.add_attention_arg(p)
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("datastore", help="datastores for retrieval drafting (specjax.Retrieval)")
@@ -404,6 +405,7 @@ def main(argv=None):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
+    flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")
 

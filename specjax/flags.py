@@ -40,6 +40,13 @@ def add_mesh_args(p, more: str = ""):
     add_distributed_args(p)
 
 
+def add_attention_arg(p):
+    p.add_argument("--attention", choices=["portable", "kernels"], default="portable",
+                   help="kernels: attend through the platform's fused kernels where they apply (Pallas prefix "
+                        "kernels, cuDNN, splash; not yet run on their hardware); portable (default): jnp on "
+                        "every backend")
+
+
 def add_distributed_args(p):
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="join a jax.distributed job of several processes (one per host) at this coordinator; "

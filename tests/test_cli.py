@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import specjax
 from specjax.cli import main
 
 ROOT = Path(__file__).parent.parent
@@ -104,6 +105,20 @@ def tiny_target(hf_folder, tmp_path_factory):
 def _run_json(capsys, *argv):
     main(["generate", *argv, "--no-draft", "--json", "--max-new-tokens", "12"])
     return json.loads(capsys.readouterr().out)
+
+
+def test_attention_kernels_are_a_flag(tiny_target, capsys):
+    """`--attention kernels` opts the models in to the platform's attention kernels: on this
+    CPU none applies, so the output is portable's; an unknown choice is refused."""
+    folder, _ = tiny_target
+    portable = _run_json(capsys, "hello", "--target", str(folder))
+    kernels = _run_json(capsys, "hello", "--target", str(folder), "--attention", "kernels")
+    assert kernels["outputs"] == portable["outputs"]
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hello", "--target", str(folder), "--attention", "fast"])
+    assert e.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="attention must be one of 'portable', 'kernels', got 'fast'"):
+        specjax.load_model(folder, attention="fast")
 
 
 def test_generate_uses_bos_and_the_models_stop_ids(tiny_target, capsys):

@@ -444,7 +444,8 @@ def kernel_platform() -> str:
 
 
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:
-    """Which implementation attention over q [B, T, H, D] and S key slots takes:
+    """Which implementation attention over q [B, T, H, D] and S key slots takes, for a model
+    that opts in to kernels (Model.attention == "kernels"; every other model's is portable):
 
     - "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, flash attention): on
       GPU, for float16/bfloat16, head_dim <= 128 and a multiple of 8, no soft-cap (cuDNN has

@@ -40,7 +40,7 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
     path = default_checkpoint(spec) if spec in ("eagle", "eagle3") else spec
     if (Path(path) / "drafter.json").exists():
         return specjax.load_drafter(path)
-    model = specjax.load_model(path)
+    model = specjax.load_model(path, attention=target.attention)
     draft = specjax.DraftModel(model)
     if (vocab := read_vocab(path, model.config.vocab_size)) is not None:
         draft = draft.with_vocab(vocab)
@@ -56,14 +56,14 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
 def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           max_model_len: int | None = None, served_model_name: str | None = None, api_key: str | None = None,
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
-          drain_timeout: float = 30.0, warmup: bool = True) -> int:
+          drain_timeout: float = 30.0, warmup: bool = True, attention: str = "portable") -> int:
     import uvicorn
 
     import specjax
     from specjax.serve.api import Server, create_app
     from specjax.text import stop_ids
 
-    target = specjax.load_model(target_path, mesh=mesh)
+    target = specjax.load_model(target_path, mesh=mesh, attention=attention)
     tokenizer = specjax.load_tokenizer(target_path)
     drafter = load_draft(draft, target, tokenizer, target_path)
     if mesh is not None and drafter is not None and not isinstance(drafter, specjax.DraftModel):
