@@ -593,7 +593,8 @@ class Branching:
 
 def control_flow(spec: Spec) -> tuple[Branching, ...]:
     """Every data-dependent loop and conditional in the spec's program as traced for CUDA,
-    outermost first (the jaxpr's: `while` and `cond` primitives, wherever they are nested)."""
+    outermost first (the jaxpr's: `while` and `cond` primitives, wherever they are nested,
+    but inside a Pallas kernel, whose loops run on the device and wait on no host)."""
     from jax.extend import source_info_util
 
     found = []
@@ -605,6 +606,8 @@ def control_flow(spec: Spec) -> tuple[Branching, ...]:
                 frame = source_info_util.summarize(eqn.source_info).split(" (")[0]  # "path:line:column"
                 path, line = frame.rsplit(":", 2)[:2] if frame.count(":") >= 2 else ("?", "")
                 found.append(Branching(name, nested, f"{_short(path)}:{line}"))
+            if name == "pallas_call":
+                continue
             inner = nested + (name in ("while", "cond", "scan"))
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):

@@ -250,7 +250,12 @@ def test_a_step_waits_on_the_host_for_no_predicate_but_its_loops():
         "EAGLE-3": aot.loop_program(TARGET, eagle3, cpu, num_draft_tokens=3),
         "early exit, top-k": aot.loop_program(TARGET, EarlyExit(1), cpu, num_draft_tokens=3, temperature=1.0,
                                               top_k=5),
+        # the prefix kernel's loop runs inside the kernel, on the device
+        "chain greedy, prefix kernel": aot.loop_program(TARGET.replace(attention="kernels"),
+                                                        DRAFT.replace(attention="kernels"), cpu, num_draft_tokens=4),
     }
+    spec = loops["chain greedy, prefix kernel"]
+    assert "specjax_prefix_attention" in aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
     for name, spec in loops.items():
         found = aot.control_flow(spec)
         assert [(b.op, b.nested) for b in found] == [("while", 0)] and found[0].source.startswith(
