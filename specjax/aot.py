@@ -569,11 +569,27 @@ def _trace_for_cuda(spec: Spec):
 def cuda_bytes(spec: Spec) -> float | None:
     """The CUDA lowering's bytes accessed (before optimisation: every operand once) for the
     spec's program, traced with GPU kernels where they can be traced here (cuDNN needs jax's
-    CUDA plugin; without it attention takes the portable path); None where the lowering
-    has no cost analysis."""
+    CUDA plugin; without it attention takes the portable path; the Pallas prefix kernel where
+    the model opts in); None where the lowering has no cost analysis. XLA's analysis does
+    not cost a custom call (a Pallas kernel): each counts its operands and results once here."""
     lowered = _trace_for_cuda(spec).lower(lowering_platforms=("cuda",))
     costs = lowered.cost_analysis()
-    return None if not costs else float(costs.get("bytes accessed", 0.0))
+    if not costs:
+        return None
+    return float(costs.get("bytes accessed", 0.0)) + sum(map(_custom_call_bytes, re.findall(
+        r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(.*\} : (\(.*\)) -> (.*)$", lowered.as_text(),
+        flags=re.MULTILINE)))
+
+
+_MLIR_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i8": 1, "i1": 1, "f64": 8, "i64": 8}
+
+
+def _custom_call_bytes(signature: tuple[str, str]) -> int:
+    """Bytes of a custom call's operand and result tensors, from its MLIR type signature."""
+    total = 0
+    for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", " ".join(signature)):
+        total += int(np.prod([int(d) for d in dims.split("x") if d] or [1])) * _MLIR_BYTES.get(dtype, 4)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

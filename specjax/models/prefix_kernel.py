@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 BLOCK = 64  # key slots per step of a GPU program's loop (a power of two: Triton's blocks are)
 TPU_BLOCK = 128  # key slots per TPU program
 SPLITS = 8  # programs per (row, kv head) along the cache, at most
+PROGRAMS = 256  # enough programs to fill a GPU (an H100 has 132 SMs): rows x kv heads x splits
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
@@ -53,10 +54,12 @@ def applies(platform: str, S: int, G: int, D: int) -> bool:
     return platform == "tpu" and D % 128 == 0 and G > 1 and S % TPU_BLOCK == 0
 
 
-def _split(S: int) -> int:
-    """Slots per program along the cache: a whole number of blocks, at most SPLITS programs."""
+def _split(S: int, pairs: int) -> int:
+    """Slots per program along the cache for `pairs` (row, kv head) pairs: a whole number of
+    blocks, as few programs per pair as fill the device (each split's partial output is
+    written out and merged: more cost traffic), at most SPLITS."""
     blocks = S // BLOCK
-    return BLOCK * -(-blocks // min(SPLITS, blocks))
+    return BLOCK * -(-blocks // max(1, min(SPLITS, blocks, -(-PROGRAMS // pairs))))
 
 
 def state(platform: str, qg, cache_k, cache_v, prefix, floor, scale: float, cap: float | None,
@@ -74,7 +77,7 @@ def prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: float |
     B, T, G, R, D = qg.shape
     S = cache_k.shape[1]
     M = max(16, 1 << (T * R - 1).bit_length())  # query rows of a program: t R + r, padded to a power of two
-    split = _split(S)
+    split = _split(S, B * G)
     splits = -(-S // split)
     q = jnp.pad(qg.transpose(0, 2, 1, 3, 4).reshape(B, G, T * R, D), ((0, 0), (0, 0), (0, M - T * R), (0, 0)))
     hi = jnp.broadcast_to(prefix[:, None], (B, M)).astype(jnp.int32)  # [B, M]
