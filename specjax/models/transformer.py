@@ -10,8 +10,10 @@ into the program: on a GPU a matmul whose weight is a slice of a stacked [L, ...
 becomes a fusion that reads it at a third of the memory bandwidth, while a weight of its
 own is read at full speed (measured: docs/bench/gpu/README.md). The price is compile
 time that grows with depth (docs/bench/compile_time.txt). With a cache, each layer writes
-its new keys/values at each row's own positions into its own buffer and attends over it,
-masked by position; without one, it attends over the T tokens given (a full causal pass).
+its new keys/values at each row's own positions into its own buffer and attends to the
+committed prefix below the pass (read in place) and to the pass's in-flight keys under
+their own mask (`pass_view`, layers.cached_attention); without one, it attends over the T
+tokens given (a full causal pass).
 
 A `Placement` (cache.py) overrides "slot = position, causal" for one pass: token trees
 write their nodes at consecutive slots and let each see only its ancestors.
