@@ -253,9 +253,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
         scores = jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, H, D)
-    state = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
-                          _empty_state(qg), scale, cap, block)
-    return _normalise(state, v.dtype)
+    return _normalise(_masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block), v.dtype)
 
 
 def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
@@ -303,12 +301,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         out = sum(jnp.einsum("bgrts,bsgd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
                   for pi, vi in zip(p, (cache_v, v)))
         return _normalise((None, total, out), v.dtype)
-    if N <= block:  # the in-flight keys first
-        state = _accumulate(_empty_state(qg), jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG),
-                            mask[:, None, None], v)
-    else:
-        state = _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2),
-                              _empty_state(qg), scale, cap, block)
+    state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)  # the in-flight keys first
     if kernel:  # then the prefix's state from the kernel, merged
         held = prefix_kernel.state(kernel_platform(), qg, cache_k, cache_v, prefix, floor, scale, cap, interpret)
         return _normalise(_merge(state, held), v.dtype)
@@ -372,6 +365,16 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
     return jax.lax.fori_loop(0, upto, visit, state)
 
 
+def _masked_state(qg, k, v, mask, state, scale: float, cap: float | None, block: int):
+    """The online softmax's state after the keys k/v [B, N, G, D] under mask bool [B, T, N]:
+    in one step up to `block` keys, else `block` at a time (a fixed-length loop)."""
+    if k.shape[1] <= block:
+        seen = mask[:, None, None]
+        return _accumulate(state, jnp.where(seen, _scores(qg, k, scale, cap), _NEG), seen, v)
+    return _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2), state,
+                         scale, cap, block)
+
+
 def _merge(a, b):
     """One online softmax state from two over disjoint keys (by their log-sum-exp)."""
     m = jnp.maximum(a[0], b[0])
@@ -390,8 +393,8 @@ def _normalise(state, dtype):
 # ---- accelerator kernels ---------------------------------------------------------------
 #
 # Honest status: neither kernel has run on its hardware here (this project was built on CPU
-# only), so a model takes them only when it opts in (Model.attention="kernels"). Their selection, their mask and layout handling and (splash) the kernel itself in
-# Pallas' interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
+# only), so a model takes them only when it opts in (Model.attention="kernels"). Their
+# selection, their mask and layout handling and (splash) the kernel itself in Pallas' interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
 # dot_product_attention through implementation="xla", which takes the same arguments as
 # "cudnn"; splash_attention(interpret=True)). The constraints below are those the kernels
 # document or check (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention; the

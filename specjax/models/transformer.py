@@ -195,8 +195,8 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     if dtype is not None and attention_kernel(kernel_platform(), dtype, positions.shape[1], cache.max_len,
                                               c.head_dim, cap) != "portable":
         if placement is None:
-            kv_positions, visible = jnp.arange(cache.max_len)[None, :], attention_mask(positions, jnp.arange(
-                cache.max_len)[None, :])
+            kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
+            visible = attention_mask(positions, kv_positions)
         else:
             kv_positions, visible = placement.dense(cache.max_len)
         dense = {w: within(visible, kv_positions, w) for w in kinds}
