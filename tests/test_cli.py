@@ -107,12 +107,16 @@ def _run_json(capsys, *argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_attention_kernels_are_a_flag(tiny_target, capsys):
-    """`--attention kernels` opts the models in to the platform's attention kernels: on this
-    CPU none applies, so the output is portable's; an unknown choice is refused."""
+def test_attention_kernels_are_a_flag(tiny_target, capsys, monkeypatch):
+    """`--attention kernels` opts the models in to the platform's attention kernels (the
+    loaded model carries it): on this CPU none applies, so the output is portable's; an
+    unknown choice is refused."""
     folder, _ = tiny_target
+    loaded, load = [], specjax.load_model
+    monkeypatch.setattr(specjax, "load_model", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     portable = _run_json(capsys, "hello", "--target", str(folder))
     kernels = _run_json(capsys, "hello", "--target", str(folder), "--attention", "kernels")
+    assert [m.attention for m in loaded] == ["portable", "kernels"]
     assert kernels["outputs"] == portable["outputs"]
     with pytest.raises(SystemExit) as e:
         main(["generate", "hello", "--target", str(folder), "--attention", "fast"])
