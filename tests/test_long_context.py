@@ -99,7 +99,8 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     """A cached pass's attention over the committed prefix (read in place, per-row lengths)
     and its in-flight keys (own mask), merged by log-sum-exp, equals one softmax over the
     written cache under the whole mask: dense and blockwise (the last block slid back), with
-    the predicate loop and a GPU's fixed-length one; and through the GPU's and the TPU's prefix
+    the predicate loop (a CPU's in blocks smaller than its dense limit) and a GPU's
+    fixed-length one; and through the GPU's and the TPU's prefix
     kernels (in Pallas' interpreter)."""
     args, want = _split_case(kind, cap, S=37, D=8)
     for block in (4, 7, 16, 64):
@@ -107,6 +108,11 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    with pytest.MonkeyPatch.context() as patch:  # a CPU visits the prefix in smaller blocks than it goes dense at
+        patch.setattr(layers, "CPU_PREFIX_BLOCK", 5)
+        with layers.kernels_for("cpu"):
+            got = jax.jit(lambda *a: layers.cached_attention(*a, block=16))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     if (kind, cap) not in (("causal", None), ("tree", None), ("window", 3.0)):
         return  # the kernels' cases (interpreted, they take a while)
