@@ -116,7 +116,7 @@ class TreeBudgets:
 class CostProfile:
     """Measured costs of one loop step, and how often one drafter's drafts are accepted.
 
-    step_ms[b][K] is one whole step of `generate`'s loop at batch size batches[b] with K
+    `step_ms[b][K]` is one whole step of `generate`'s loop at batch size `batches[b]` with K
     drafts per row (K = 0: plain decoding), measured in the compiled loop."""
 
     batches: tuple[int, ...]  # batch sizes measured, ascending
