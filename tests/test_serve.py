@@ -7,7 +7,10 @@ one `specjax serve` subprocess for SIGTERM. Greedy outputs are compared with `ge
 each prompt alone."""
 
 import asyncio
+import contextlib
+import io
 import json
+import re
 import resource
 import shutil
 import signal
@@ -468,3 +471,17 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_readmes_client_example_runs_against_a_server(servers):
+    """The README's `openai` example, as written but for the address and the model's name."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if "OpenAI(" in b)
+    live = servers("main")
+    code = code.replace("http://127.0.0.1:8000", live.url).replace('model="target"', 'model="tiny"')
+    assert live.url in code and 'model="tiny"' in code
+    out = io.StringIO()  # (not capsys: a server started under it would log to a stream it closes)
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    printed = out.getvalue()
+    assert "completion_tokens=" in printed and len(printed) > 40

@@ -36,9 +36,10 @@ PROMPTS, PROMPT_TOKENS, NEW, ROUNDS = 8, 64, 96, 7
 
 def main():
     target = specjax.load_model(f"{ROOT}/target", dtype=jnp.float32)
-    draft = specjax.load_model(f"{ROOT}/draft", dtype=jnp.float32)
     prompts = held_out_prompts(specjax.load_tokenizer(f"{ROOT}/target"), PROMPTS, PROMPT_TOKENS, seed=11)
-    drafters = {"draft model": specjax.DraftModel(draft), "EAGLE": specjax.load_drafter(f"{ROOT}/eagle")}
+    # The draft model drafts from the vocabulary saved beside it, as `specjax generate` does.
+    drafters = {"draft model": specjax.DraftModel.load(f"{ROOT}/draft", dtype=jnp.float32),
+                "EAGLE": specjax.load_drafter(f"{ROOT}/eagle")}
     if os.path.exists(f"{ROOT}/eagle3/drafter.json"):
         drafters["EAGLE-3"] = specjax.load_drafter(f"{ROOT}/eagle3")
     for arg in sys.argv[1:]:
