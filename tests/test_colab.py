@@ -19,11 +19,11 @@ ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
 
 
-def test_the_notebooks_are_the_three_the_readme_lists():
+def test_the_notebooks_are_the_three_the_docs_list():
     assert [p.name for p in NOTEBOOKS] == ["drafters.ipynb", "quickstart.ipynb", "train_draft.ipynb"]
-    readme = (ROOT / "README.md").read_text()
+    guide = (ROOT / "docs/guides/notebooks.md").read_text()
     for p in NOTEBOOKS:
-        assert f"colab/{p.name}" in readme
+        assert f"colab/{p.name}" in guide
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
