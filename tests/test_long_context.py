@@ -59,7 +59,7 @@ def test_blockwise_attention_equals_dense(kind, cap):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-def _split_case(kind: str, cap, S: int, D: int):
+def _split_case(kind: str, cap, S: int, D: int, late: bool = False):
     """A cached pass of 5 queries per row (heads 4 over 2 kv heads) over a cache of S slots:
     (cached_attention's arguments, the output of one softmax over the written cache under the
     whole [B, T, S] mask)."""
@@ -68,7 +68,7 @@ def _split_case(kind: str, cap, S: int, D: int):
     q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32) * 2
     cache_k, cache_v = (jnp.asarray(rng.randn(B, S, G, D), jnp.float32) for _ in range(2))
     new_k, new_v = (jnp.asarray(rng.randn(B, T, G, D), jnp.float32) for _ in range(2))
-    start = np.array([S - 17, 3])  # each row's committed prefix; the pass writes slots start .. start+T-1
+    start = np.array([S - 17, S - 12 if late else 3])  # each row's committed prefix; the pass writes start .. start+T-1
     slots = start[:, None] + np.arange(T)
     rows = np.arange(B)[:, None]
     k_all, v_all = cache_k.at[rows, slots].set(new_k), cache_v.at[rows, slots].set(new_v)
@@ -114,6 +114,12 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
         with layers.kernels_for("cpu"):
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=16))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    if kind == "window":  # every row far past its window: the blocks below every floor are skipped
+        late, want_late = _split_case(kind, cap, S=37, D=8, late=True)
+        for platform in ("cpu", "gpu"):
+            with layers.kernels_for(platform, portable=True):
+                got = jax.jit(lambda *a: layers.cached_attention(*a, block=4))(*late)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want_late), atol=2e-5, rtol=0, err_msg=platform)
     if (kind, cap) not in (("causal", None), ("tree", None), ("window", 3.0)):
         return  # the kernels' cases (interpreted, they take a while)
     args, want = _split_case(kind, cap, S=256, D=128)  # the kernels' shapes: 4 GPU splits, 2 TPU blocks

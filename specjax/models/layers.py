@@ -276,7 +276,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
 
     Up to `block` slots of cache (and of in-flight keys) the scores are materialised in one
     softmax; beyond, the in-flight keys are visited first, then the prefix in blocks of `block`
-    slots up to the longest row's prefix: blocks past it are not read (traced for a GPU,
+    slots (a CPU's: at most CPU_PREFIX_BLOCK) from the block of the lowest sliding-window floor
+    up to the longest row's prefix: blocks outside are not read (traced for a GPU,
     where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
     and re-reads the last live block instead, masked).
 
@@ -313,7 +314,9 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     if target_platform() == "cpu":
         block = min(block, CPU_PREFIX_BLOCK)
     upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
-    state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto)
+    # A sliding window: blocks wholly below every query's floor are not read.
+    first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)
+    state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first)
     return _normalise(state, v.dtype)
 
 
@@ -342,11 +345,12 @@ def _accumulate(state, s, seen, vb):
     return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
 
 
-def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None):
+def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None):
     """The online softmax's state after the keys k/v [B, S, G, D], visited `block` slots at
     a time; seen_of(start, n) -> bool [B, T or 1, n]: what each query sees of slots start ..
     start+n-1. upto: None (every block, a fixed-length loop), or a traced count of blocks to
-    visit (see `cached_attention` for a GPU's)."""
+    visit (see `cached_attention` for a GPU's); first: None, or the traced index of the first
+    block to visit (those before it hold no key any query sees)."""
     S = k.shape[1]
     num_blocks = -(-S // block)
 
@@ -367,9 +371,10 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
         # loop visits every block, those past the longest row as its last live block again,
         # all masked (their flops are the price; whether the re-read stays in L2 is not
         # measured yet). TPU and CPU test the predicate where they compute.
-        last = jnp.maximum(upto - 1, 0)
-        return jax.lax.fori_loop(0, num_blocks, lambda i, c: visit(jnp.minimum(i, last), c, i < upto), state)
-    return jax.lax.fori_loop(0, upto, visit, state)
+        last, first = jnp.maximum(upto - 1, 0), 0 if first is None else first
+        return jax.lax.fori_loop(0, num_blocks, lambda i, c: visit(jnp.minimum(first + i, last), c, first + i < upto),
+                                 state)
+    return jax.lax.fori_loop(0 if first is None else first, upto, visit, state)
 
 
 def _masked_state(qg, k, v, mask, state, scale: float, cap: float | None, block: int):
