@@ -1,8 +1,9 @@
 """specjax: speculative decoding for JAX/Flax programs.
 
-The public API, re-exports only.
+The public API, re-exports only (and transformers' advisory about torch silenced: quiet.py).
 """
 
+import specjax.quiet  # noqa: F401 -- first, before anything imports transformers
 from specjax.cache import KVCache
 from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
                               PromptLookup, Retrieval, load_drafter)
