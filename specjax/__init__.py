@@ -19,12 +19,13 @@ from specjax.serve import Engine, Request
 from specjax.sharding import gather, make_mesh, shard_model
 from specjax.theory import CostProfile
 from specjax.tree import Tree
+from specjax.version import __version__
 
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit", "Engine",
     "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
     "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Request", "Retrieval", "Stats",
-    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "draft_vocabulary",
+    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
     "pad_prompts", "quantize", "save_model", "shard_model",
 ]

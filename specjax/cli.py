@@ -296,14 +296,41 @@ def _plan(args):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2."""
+    """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2;
+    an unknown flag is named by the (sub)command that met it, with the closest known one."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("-") and a != "-" and not _is_number(a)]
+        if unknown:  # the words after an unknown flag were read as positionals: name the flag alone
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown[0], self)}")
+        return namespace, extras
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _did_you_mean(flag: str, parser: argparse.ArgumentParser) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(flag.partition("=")[0], list(parser._option_string_actions), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
 
 def main(argv=None):
+    import specjax
+
     parser = _Parser(prog="specjax", description="Speculative decoding in JAX.")
+    parser.add_argument("--version", action="version", version=f"specjax {specjax.__version__}",
+                        help="print specjax's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")

@@ -4,7 +4,13 @@ help and one-line refusals (no model is compiled here, or only a tiny one)."""
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
+
+import pytest
+
+import specjax
+from specjax.cli import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -26,3 +32,32 @@ def test_no_torch_advisory_without_torch():
                    "logging.get_logger('transformers').warning('another warning')\n")
     assert done.returncode == 0, done.stderr
     assert "PyTorch" not in done.stderr and "another warning" in done.stderr, done.stderr
+
+
+def test_the_version_is_the_packages(capsys, monkeypatch):
+    """specjax.__version__ is the installed metadata's, else pyproject.toml's (from source);
+    `specjax --version` prints it."""
+    from specjax import version
+
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    try:
+        installed = metadata.version("specjax")
+    except metadata.PackageNotFoundError:
+        installed = declared
+    assert specjax.__version__ == installed
+    monkeypatch.setattr(metadata, "version", lambda name: (_ for _ in ()).throw(metadata.PackageNotFoundError(name)))
+    assert version.version() == declared
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"specjax {specjax.__version__}\n"
+
+
+def test_a_misspelled_flag_is_named_not_the_words_after_it(capsys):
+    for argv, named in ((["generate", "--max-new-tokns", "5", "hi"], "--max-new-tokns"),
+                        (["generate", "hi", "--max-new-tokns=5"], "--max-new-tokns=5")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert f"unrecognized arguments: {named} (did you mean --max-new-tokens?)" in err, err
