@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specjax import flags
 from specjax.shipped import default_checkpoint
-from specjax.text import TextStream, encode_prompts, stop_ids
+from specjax.text import TextStream, encode_prompts, read_prompts, stop_ids
 from specjax.train import commands
 
 
@@ -51,14 +51,7 @@ def _generate(args):
     import specjax
     from specjax.drafters.vocab import read_vocab
 
-    prompts = [args.prompt] if args.prompt is not None else []
-    if args.batch_file:
-        from specjax.hf import check_regular  # a FIFO or /dev/zero would be read forever
-
-        prompts += [line.rstrip("\n").replace("\\n", "\n")
-                    for line in check_regular(Path(args.batch_file)).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError("give a PROMPT or --batch-file")
+    prompts = read_prompts(args.prompt, args.batch_file)
     mesh = flags.mesh(args)
     target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh, attention=args.attention)
     tokenizer = specjax.load_tokenizer(args.target)

@@ -61,3 +61,20 @@ def test_a_misspelled_flag_is_named_not_the_words_after_it(capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, err
         assert f"unrecognized arguments: {named} (did you mean --max-new-tokens?)" in err, err
+
+
+def test_text_that_is_not_utf8_is_refused_naming_where(tmp_path, capsys):
+    """A prompt of bytes that are not UTF-8 (in argv: surrogate escapes, as a shell's
+    $'\\xff\\xfe' arrives) and a --batch-file line of them: one line naming the argument, or
+    the file and line, and exit code 2 (before any model is loaded)."""
+    from specjax.cli import entry
+
+    batch = tmp_path / "prompts.txt"
+    batch.write_bytes(b"fine\n\nalso fine \xc3\xa9\nnot \xff\xfe fine\n")
+    for argv, message in (
+            (["generate", "\udcff\udcfe"], "the PROMPT argument is not valid UTF-8 text (byte 0xff at character 1)"),
+            (["generate", "--batch-file", str(batch)],
+             f"--batch-file {batch}: line 4 is not valid UTF-8 text (byte 0xff at byte 5 of the line)")):
+        assert entry([*argv, "--target", str(tmp_path / "never-read")]) == 2
+        err = capsys.readouterr().err
+        assert err == f"specjax: error: {message}\n", err
