@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specjax import flags
 from specjax.shipped import default_checkpoint
-from specjax.text import TextStream, encode_prompts, read_prompts, stop_ids
+from specjax.text import TextStream, encode_prompts, read_prompts, stop_ids, target_tokenizer
 from specjax.train import commands
 
 
@@ -54,7 +54,7 @@ def _generate(args):
     prompts = read_prompts(args.prompt, args.batch_file)
     mesh = flags.mesh(args)
     target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh, attention=args.attention)
-    tokenizer = specjax.load_tokenizer(args.target)
+    tokenizer = target_tokenizer(args.target, args.tokenizer)
     tree = _parse_tree(args.tree)
     if mesh is not None and (args.early_exit is not None or args.prompt_lookup or args.lookahead or args.retrieval
                              or args.drafter):
@@ -248,6 +248,9 @@ def _parse_tree(text):
 
 def _bench(args):
     """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
+    if args.tokenizer is not None and (args.synthetic or args.aot):
+        raise ValueError("--tokenizer encodes the held-out prompts of a checkpoint pair; --synthetic and --aot "
+                         "read none: leave it out")
     if not args.synthetic or args.aot:
         from specjax import bench
 
@@ -256,12 +259,24 @@ def _bench(args):
         raise ValueError("--synthetic runs in the backend's default dtype; leave out --dtype")
     import jax
 
+    from specjax import synthetic
     from specjax.models import default_dtype
-    from specjax.synthetic import run_synthetic
 
-    run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)), batches=tuple(args.batches),
-                  max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                  dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
+    runs = synthetic.run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
+                                   batches=tuple(args.batches), max_new_tokens=args.max_new_tokens,
+                                   repeats=args.repeats, dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
+    if args.out is not None:
+        _write_synthetic(args, runs)
+
+
+def _write_synthetic(args, runs):
+    """--synthetic's timed runs as OUT/synthetic.json."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"synthetic": args.synthetic, "draft_layers": args.draft_layers, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "runs": [r.as_dict() for r in runs]}
+    (out / "synthetic.json").write_text(json.dumps(report, indent=2, default=lambda x: x.tolist()) + "\n")
+    print(f"wrote {out / 'synthetic.json'}")
 
 
 def _serve(args):
@@ -327,13 +342,20 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
-    p.add_argument("path")
+    p.add_argument("path", help="a model's folder or hub id")
     p.set_defaults(run=_info)
 
     p = sub.add_parser("generate", help="speculative decoding on the shipped pair (or any pair)")
-    p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file)")
-    p.add_argument("--target", default=default_checkpoint("target"))
-    p.add_argument("--draft", default=default_checkpoint("draft"))
+    p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file; with both, this prompt is the "
+                                             "batch's first row, before the file's)")
+    p.add_argument("--target", default=default_checkpoint("target"),
+                   help="the target model's folder or hub id (default: the shipped target)")
+    p.add_argument("--draft", default=default_checkpoint("draft"),
+                   help="the draft model's folder or hub id, drafting from the vocabulary saved beside it "
+                        "(draft_vocab.json) if any (default: the shipped draft)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the target's tokenizer: a folder or hub id (default: the target's own folder; needed "
+                        "for a folder that specjax.save_model wrote without one)")
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     drafters.add_argument("--drafter", metavar="PATH|medusa|eagle|eagle3",
@@ -351,7 +373,8 @@ def main(argv=None):
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
     flags.add_mesh_args(p, "; the draft model is replicated")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt at most "
+                                                                   "(default 128)")
     p.add_argument("-k", "--num-draft-tokens", type=_draft_tokens, default=None,
                    help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
                         "node budget, at most N) from the shipped cost profile")
@@ -363,8 +386,10 @@ def main(argv=None):
                    help="0 is off (default: generation_config.json's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None,
                    help="1 is off (default: generation_config.json's, else 1)")
-    p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
+    p.add_argument("--seed", type=_seed, default=0, help="the sampling seed, an int in [0, 2**32) (default 0)")
+    p.add_argument("--batch-file", metavar="FILE",
+                   help="one prompt per line (\\n for newlines; blank lines skipped), run as one batch; a PROMPT "
+                        "given too runs with them, as the batch's first row")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn of the tokenizer's chat template")
     stops = p.add_mutually_exclusive_group()
@@ -410,7 +435,7 @@ def main(argv=None):
                         "prompt-lookup, early-exit:N (the target's first N layers), eagle or eagle3 (the shipped "
                         "heads); default: the shipped draft")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (the engine's rows; default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per request, prompt included (default: the target's positions, at most 2048)")

@@ -1,7 +1,8 @@
 """Text at the edges of decoding, shared by `specjax generate` and the notebooks: the
-command's prompts read (and refused, named, where they are not UTF-8), prompts encoded as
-transformers encodes them (chat template included), the ids a reply stops at, and a
-streamed-text printer for `generate(stream=...)`.
+command's prompts read (and refused, named, where they are not UTF-8), the target's
+tokenizer (--tokenizer's, else the one beside it), prompts encoded as transformers encodes
+them (chat template included), the ids a reply stops at, and a streamed-text printer for
+`generate(stream=...)`.
 
 It knows tokenizers and a model's generation config; nothing of the loop, drafters or
 timing.
@@ -51,6 +52,21 @@ def _read_utf8(path: str) -> str:
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         raise ValueError(f"--batch-file {path}: line {line} is not valid UTF-8 text (byte 0x{data[e.start]:02x} "
                          f"at byte {column} of the line)") from None
+
+
+def target_tokenizer(target, tokenizer=None):
+    """The tokenizer in `tokenizer` (a folder or hub id: the commands' --tokenizer), else the
+    one beside the target; a target folder that holds none (as `save_model` writes without
+    one) is refused with a sentence saying to pass --tokenizer."""
+    from specjax.hf import NoTokenizerError, load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    try:
+        return load_tokenizer(target)
+    except NoTokenizerError as e:
+        raise NoTokenizerError(e.folder, "pass --tokenizer PATH, a folder or hub id holding the target's "
+                                         "tokenizer") from None
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """What a new user meets first: the package without torch, its version, the command's flags,
 help and one-line refusals (no model is compiled here, or only a tiny one)."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -78,3 +79,90 @@ def test_text_that_is_not_utf8_is_refused_naming_where(tmp_path, capsys):
         assert entry([*argv, "--target", str(tmp_path / "never-read")]) == 2
         err = capsys.readouterr().err
         assert err == f"specjax: error: {message}\n", err
+
+
+def _parsers():
+    """Every (sub)command's parser of `specjax`, by its prog."""
+    from specjax import cli
+
+    captured = []
+
+    class Stop(Exception):
+        pass
+
+    def grab(self, args=None, namespace=None):
+        captured.append(self)
+        raise Stop
+
+    original = cli._Parser.parse_args
+    cli._Parser.parse_args = grab
+    try:
+        main([])
+    except Stop:
+        pass
+    finally:
+        cli._Parser.parse_args = original
+    found, todo = {}, captured
+    while todo:
+        parser = todo.pop()
+        found[parser.prog] = parser
+        todo += [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
+    return found
+
+
+def test_every_flag_of_every_command_has_help():
+    parsers = _parsers()
+    assert {"specjax generate", "specjax bench", "specjax serve", "specjax datastore build", "specjax export"} \
+        <= set(parsers)
+    subcommands = argparse._SubParsersAction
+    actions = [(prog, a) for prog, p in parsers.items() for a in p._actions if not isinstance(a, subcommands)]
+    commands = [(prog, a) for prog, p in parsers.items() for s in p._actions if isinstance(s, subcommands)
+                for a in s._choices_actions]  # each subcommand's line in its parent's help
+    assert [f"{prog} {' '.join(a.option_strings) or a.dest}" for prog, a in actions + commands if not a.help] == []
+    generate = " ".join(parsers["specjax generate"].format_help().split())
+    assert "with both, this prompt is the batch's first row, before the file's" in generate
+    assert "a PROMPT given too runs with them, as the batch's first row" in generate
+
+
+def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_path, capsys):
+    """A folder of weights alone (as save_model writes without a tokenizer) is refused in one
+    whole sentence naming it and --tokenizer; with --tokenizer it runs. A PROMPT given with
+    --batch-file runs as the batch's first row (as --help says)."""
+    import json
+
+    from specjax.cli import entry
+    from tests import tiny
+
+    folder = hf_folder("llama")[0]  # config.json and model.safetensors only
+    tiny.save_tokenizer(tmp_path / "tok", ["the cat sat on the mat"] * 20)
+    capsys.readouterr()  # the fixture's progress bars
+    assert entry(["generate", "the cat", "--target", str(folder), "--no-draft"]) == 2
+    assert capsys.readouterr().err == (f"specjax: error: {folder} has no tokenizer (no tokenizer.json, "
+                                       f"tokenizer_config.json or the like): pass --tokenizer PATH, a folder or hub "
+                                       f"id holding the target's tokenizer\n")
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("the mat\n")
+    main(["generate", "the cat", "--batch-file", str(batch), "--target", str(folder), "--tokenizer",
+          str(tmp_path / "tok"), "--no-draft", "--max-new-tokens", "2", "--json"])
+    assert [row["prompt"] for row in json.loads(capsys.readouterr().out)["outputs"]] == ["the cat", "the mat"]
+
+
+def test_bench_synthetic_honours_out(tmp_path, monkeypatch, capsys):
+    """`bench --synthetic --out DIR` writes DIR/synthetic.json (without --out, nothing, as
+    before); --tokenizer, which it would not read, is refused."""
+    import json
+
+    from specjax import synthetic
+    from specjax.cli import entry
+    from specjax.measure import Run
+
+    run = Run("small", 2, 0.0, 1, 0.5, 16, 8, 14, 7, tokens_per_s=32.0)
+    monkeypatch.setattr(synthetic, "run_synthetic", lambda *a, **k: [run])
+    monkeypatch.chdir(tmp_path)
+    main(["bench", "--synthetic", "tiny"])
+    assert list(tmp_path.iterdir()) == []
+    main(["bench", "--synthetic", "tiny", "--out", "runs"])
+    report = json.loads((tmp_path / "runs" / "synthetic.json").read_text())
+    assert report["synthetic"] == "tiny" and report["runs"] == [run.as_dict()]
+    assert entry(["bench", "--synthetic", "tiny", "--tokenizer", "x"]) == 2
+    assert "--tokenizer encodes the held-out prompts" in capsys.readouterr().err
