@@ -76,25 +76,40 @@ def check_regular(file: Path) -> Path:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A local folder, or a hub id resolved (downloaded) with huggingface_hub."""
+    """A local folder, or else a hub id ("gpt2", "org/name") resolved (downloaded) with
+    huggingface_hub: any name that is no local path and is a valid repo id is tried as one."""
     folder = Path(path)
     if folder.is_dir():
         return folder
     if folder.exists():
         raise CheckpointError(f"{folder} is a file; expected a folder with config.json and *.safetensors")
     name = str(path)
-    if name.count("/") != 1 or name.startswith((".", "/")):
+    if not _is_hub_id(name):
         raise CheckpointError(f"checkpoint folder {name} does not exist")
     from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:  # offline, the refusal below says it all
         print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
-
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:  # offline, unknown repo, no access: say which and why
-        raise CheckpointError(f"{name} is not a local folder and could not be fetched from the "
-                              f"Hugging Face hub: {type(e).__name__}: {e}") from e
+    except Exception as e:  # offline and not cached, unknown repo, no access: say which and why
+        offline = constants.HF_HUB_OFFLINE and isinstance(e, LocalEntryNotFoundError)
+        why = "it is not in the local cache, and HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{name} is not a local folder, and tried as a Hugging Face hub id it could not be "
+                              f"fetched: {why}") from e
+
+
+def _is_hub_id(name: str) -> bool:
+    """True for a name the hub could hold ("gpt2", "org/name"); not for paths such as
+    "./x", "/abs" or "a/b/c"."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _read_json(file: Path) -> dict:

@@ -125,6 +125,19 @@ def test_hub_id_offline_says_so():
         specjax.load_model("specjax-test/does-not-exist")
 
 
+@pytest.mark.parametrize("name", ["specjax-test-does-not-exist", "specjax-test/does-not-exist"])
+def test_a_name_that_is_no_local_path_is_tried_as_a_hub_id(name, capsys):
+    """With a slash or without one (as "gpt2"): offline, the refusal says it was tried as a
+    hub id and is not in the local cache. A path the hub cannot hold is a missing folder."""
+    with pytest.raises(CheckpointError, match=f"^{name} is not a local folder, and tried as a Hugging Face hub id it "
+                                              f"could not be fetched: it is not in the local cache, and "
+                                              f"HF_HUB_OFFLINE is set$"):
+        specjax.load_model(name)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CheckpointError, match="^checkpoint folder specjax-test/does/not-exist does not exist$"):
+        specjax.load_model("specjax-test/does/not-exist")
+
+
 def test_missing_weights(llama_copy):
     (llama_copy / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
