@@ -49,7 +49,6 @@ def _generate(args):
     import jax
 
     import specjax
-    from specjax.drafters.vocab import read_vocab
 
     prompts = read_prompts(args.prompt, args.batch_file)
     mesh = flags.mesh(args)
@@ -62,36 +61,7 @@ def _generate(args):
                          "--mesh, or draft with a draft model (--draft) or none (--no-draft)")
     if tree is not None and (args.no_draft or args.prompt_lookup or args.lookahead):
         raise ValueError("--tree needs a draft model, heads, --early-exit or --retrieval")
-    if args.no_draft:
-        draft, drafter_name = None, "none"
-    elif args.early_exit is not None:
-        draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
-    elif args.prompt_lookup:
-        draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
-    elif args.lookahead:
-        window, ngram, guesses = args.lookahead
-        draft = specjax.Lookahead(window=window, ngram=ngram, guesses=guesses)
-        drafter_name = f"lookahead (window {window}, {ngram}-grams, {guesses} guesses)"
-    elif args.retrieval:
-        draft = specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree)
-        drafter_name = f"retrieval from {args.retrieval}"
-    elif args.drafter:
-        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle", "eagle3") else args.drafter
-        draft = specjax.load_drafter(path, tree)
-        drafter_name = f"{type(draft).__name__} heads {path}"
-    else:
-        model = specjax.load_model(args.draft, quantize=args.quantize, attention=args.attention)
-        if mesh is not None:  # small: a copy on every device, rows still over data
-            model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
-        draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
-        if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
-            draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
-        try:
-            draft_tokenizer = specjax.load_tokenizer(args.draft)
-        except (OSError, ValueError):
-            print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
-        else:
-            specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    draft, drafter_name = _drafter(args, target, tokenizer, tree, mesh)
     num_draft_tokens = args.num_draft_tokens
     if num_draft_tokens == "auto":  # chosen here, so that the summary names the choice
         from specjax.generate import auto_shape
@@ -99,8 +69,9 @@ def _generate(args):
         draft, num_draft_tokens = auto_shape(len(prompts), draft, max_new_tokens=args.max_new_tokens)
         tree = getattr(draft, "tree", None)
         drafter_name = "none (auto: speculation off at this batch size)" if draft is None else drafter_name + " (auto)"
-    if tree is not None:
-        drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
+    shape = tree if tree is not None else draft.resolve(None).tree if args.lookahead else None  # a tree's shape
+    if shape is not None:
+        drafter_name += f", tree of {shape.nodes} nodes, depth {shape.depth}"
     ids = encode_prompts(tokenizer, prompts, args.chat)
     padded, lengths = specjax.pad_prompts(ids)
     stop, sampling = _decoding(args, target, tokenizer)
@@ -127,8 +98,8 @@ def _generate(args):
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
-        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
-            draft.resolve(None).tree.nodes if args.lookahead else num_draft_tokens or 4),
+        "num_draft_tokens": 0 if draft is None else shape.nodes if shape else num_draft_tokens or 4,
+        "tree": None if shape is None else {"depth": shape.depth, "nodes": shape.nodes},
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
         "eos_token_id": stop, **sampling,
@@ -148,11 +119,69 @@ def _generate(args):
         for p, t in zip(prompts, texts):
             print(p + t)
             print("-" * 40)
-    acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
-    print(f"{generated} tokens in {seconds:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | acceptance "
-          f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
-          f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
-          f"(not included)")
+    print(_summary(stats))
+
+
+def _summary(stats: dict) -> str:
+    """generate's last line. A chain's: its acceptance rate and K. A tree's (and lookahead's):
+    the mean accepted length (tokens per step), its shape being in the drafter's name; a
+    rate over all its nodes, most of them siblings that cannot all be kept, says nothing."""
+    if stats["tree"] is not None:
+        speculation = f"mean accepted length {stats['tokens_per_target_pass']:.2f} tokens per step"
+        drafter = stats["drafter"]
+    else:
+        acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
+        speculation = f"acceptance {acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass"
+        drafter = f"{stats['drafter']}, K={stats['num_draft_tokens']}"
+    return (f"{stats['tokens']} tokens in {stats['seconds']:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | "
+            f"{speculation} | drafter: {drafter} | compile {stats['compile_seconds']:.1f} s (not included)")
+
+
+def _drafter(args, target, tokenizer, tree, mesh):
+    """(the drafter the flags name or None, its name for the summary)."""
+    import specjax
+
+    if args.no_draft:
+        return None, "none"
+    if args.early_exit is not None:
+        return specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
+    if args.prompt_lookup:
+        return specjax.PromptLookup(), "prompt lookup"
+    if args.lookahead:
+        window, ngram, guesses = args.lookahead
+        return (specjax.Lookahead(window=window, ngram=ngram, guesses=guesses),
+                f"lookahead (window {window}, {ngram}-grams, {guesses} guesses)")
+    if args.retrieval:
+        return specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree), f"retrieval from {args.retrieval}"
+    if args.drafter:
+        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle", "eagle3") else args.drafter
+        draft = specjax.load_drafter(path, tree)
+        return draft, f"{type(draft).__name__} heads {path}"
+    return _draft_model(args, target, tokenizer, tree, mesh)
+
+
+def _draft_model(args, target, tokenizer, tree, mesh):
+    """--draft's model as a DraftModel (with the vocabulary saved beside it, if any), after
+    checking that it shares the target's tokenizer and noting a vocabulary of another size."""
+    import specjax
+    from specjax.drafters.model import vocabulary_note
+    from specjax.drafters.vocab import read_vocab
+
+    model = specjax.load_model(args.draft, quantize=args.quantize, attention=args.attention)
+    if (note := vocabulary_note(target.config.vocab_size, model)) is not None:
+        print(f"note: {note}", file=sys.stderr)
+    if mesh is not None:  # small: a copy on every device, rows still over data
+        model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
+    draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
+    if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
+        draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
+    try:
+        draft_tokenizer = specjax.load_tokenizer(args.draft)
+    except (OSError, ValueError):
+        print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
+    else:
+        specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    return draft, drafter_name
 
 
 def _text_files(paths):

@@ -166,3 +166,28 @@ def test_bench_synthetic_honours_out(tmp_path, monkeypatch, capsys):
     assert report["synthetic"] == "tiny" and report["runs"] == [run.as_dict()]
     assert entry(["bench", "--synthetic", "tiny", "--tokenizer", "x"]) == 2
     assert "--tokenizer encodes the held-out prompts" in capsys.readouterr().err
+
+
+def test_a_tree_reports_its_accepted_length_and_a_smaller_draft_vocabulary_is_noted(hf_folder, tmp_path, capsys):
+    """A tree's summary gives the mean accepted length and the tree's shape, no acceptance
+    rate over its nodes and no K; a draft with a few ids fewer than the target's (padding
+    of another size) gets a one-line note saying which ids it never proposes."""
+    import dataclasses
+
+    from tests import tiny
+
+    target = specjax.load_model(hf_folder("llama")[0])
+    params = {**target.params, "embedding": target.params["embedding"][:94],
+              "lm_head": target.params["lm_head"][:, :94]}
+    draft = specjax.Model(dataclasses.replace(target.config, vocab_size=94), params)
+    specjax.save_model(draft, tmp_path / "draft")
+    tiny.save_tokenizer(tmp_path / "tok", ["the cat sat on the mat"] * 20)
+    capsys.readouterr()
+    main(["generate", "the cat", "--target", str(hf_folder("llama")[0]), "--tokenizer", str(tmp_path / "tok"),
+          "--draft", str(tmp_path / "draft"), "--tree", "3,2,4", "--max-new-tokens", "6"])
+    out, err = capsys.readouterr()
+    summary = out.splitlines()[-1]
+    assert "mean accepted length" in summary and "tokens per step" in summary, summary
+    assert "tree of 4 nodes, depth 3" in summary and "acceptance" not in summary and "K=" not in summary, summary
+    assert ("note: the draft's vocabulary has 94 tokens, the target's 97: the draft never proposes the target's ids "
+            "94..96\n") in err, err
