@@ -1,8 +1,9 @@
 """specjax: speculative decoding for JAX/Flax programs.
 
-The public API, re-exports only.
+The public API, re-exports only (and transformers' advisory about torch silenced: quiet.py).
 """
 
+import specjax.quiet  # noqa: F401 -- first, before anything imports transformers
 from specjax.cache import KVCache
 from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
                               PromptLookup, Retrieval, load_drafter)
@@ -18,12 +19,13 @@ from specjax.serve import Engine, Request
 from specjax.sharding import gather, make_mesh, shard_model
 from specjax.theory import CostProfile
 from specjax.tree import Tree
+from specjax.version import __version__
 
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit", "Engine",
     "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
     "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "Request", "Retrieval", "Stats",
-    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "compile_generate", "draft_vocabulary",
+    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
     "pad_prompts", "quantize", "save_model", "shard_model",
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specjax import flags
 from specjax.shipped import default_checkpoint
-from specjax.text import TextStream, encode_prompts, stop_ids
+from specjax.text import TextStream, encode_prompts, read_prompts, stop_ids, target_tokenizer
 from specjax.train import commands
 
 
@@ -49,19 +49,11 @@ def _generate(args):
     import jax
 
     import specjax
-    from specjax.drafters.vocab import read_vocab
 
-    prompts = [args.prompt] if args.prompt is not None else []
-    if args.batch_file:
-        from specjax.hf import check_regular  # a FIFO or /dev/zero would be read forever
-
-        prompts += [line.rstrip("\n").replace("\\n", "\n")
-                    for line in check_regular(Path(args.batch_file)).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError("give a PROMPT or --batch-file")
+    prompts = read_prompts(args.prompt, args.batch_file)
     mesh = flags.mesh(args)
     target = specjax.load_model(args.target, quantize=args.quantize, mesh=mesh, attention=args.attention)
-    tokenizer = specjax.load_tokenizer(args.target)
+    tokenizer = target_tokenizer(args.target, args.tokenizer)
     tree = _parse_tree(args.tree)
     if mesh is not None and (args.early_exit is not None or args.prompt_lookup or args.lookahead or args.retrieval
                              or args.drafter):
@@ -69,36 +61,7 @@ def _generate(args):
                          "--mesh, or draft with a draft model (--draft) or none (--no-draft)")
     if tree is not None and (args.no_draft or args.prompt_lookup or args.lookahead):
         raise ValueError("--tree needs a draft model, heads, --early-exit or --retrieval")
-    if args.no_draft:
-        draft, drafter_name = None, "none"
-    elif args.early_exit is not None:
-        draft, drafter_name = specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
-    elif args.prompt_lookup:
-        draft, drafter_name = specjax.PromptLookup(), "prompt lookup"
-    elif args.lookahead:
-        window, ngram, guesses = args.lookahead
-        draft = specjax.Lookahead(window=window, ngram=ngram, guesses=guesses)
-        drafter_name = f"lookahead (window {window}, {ngram}-grams, {guesses} guesses)"
-    elif args.retrieval:
-        draft = specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree)
-        drafter_name = f"retrieval from {args.retrieval}"
-    elif args.drafter:
-        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle", "eagle3") else args.drafter
-        draft = specjax.load_drafter(path, tree)
-        drafter_name = f"{type(draft).__name__} heads {path}"
-    else:
-        model = specjax.load_model(args.draft, quantize=args.quantize, attention=args.attention)
-        if mesh is not None:  # small: a copy on every device, rows still over data
-            model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
-        draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
-        if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
-            draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
-        try:
-            draft_tokenizer = specjax.load_tokenizer(args.draft)
-        except (OSError, ValueError):
-            print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
-        else:
-            specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    draft, drafter_name = _drafter(args, target, tokenizer, tree, mesh)
     num_draft_tokens = args.num_draft_tokens
     if num_draft_tokens == "auto":  # chosen here, so that the summary names the choice
         from specjax.generate import auto_shape
@@ -106,8 +69,9 @@ def _generate(args):
         draft, num_draft_tokens = auto_shape(len(prompts), draft, max_new_tokens=args.max_new_tokens)
         tree = getattr(draft, "tree", None)
         drafter_name = "none (auto: speculation off at this batch size)" if draft is None else drafter_name + " (auto)"
-    if tree is not None:
-        drafter_name += f", tree of {tree.nodes} nodes, depth {tree.depth}"
+    shape = tree if tree is not None else draft.resolve(None).tree if args.lookahead else None  # a tree's shape
+    if shape is not None:
+        drafter_name += f", tree of {shape.nodes} nodes, depth {shape.depth}"
     ids = encode_prompts(tokenizer, prompts, args.chat)
     padded, lengths = specjax.pad_prompts(ids)
     stop, sampling = _decoding(args, target, tokenizer)
@@ -134,8 +98,8 @@ def _generate(args):
         "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
         "compile_seconds": compile_seconds, "batch": len(prompts),
         "drafter": drafter_name,
-        "num_draft_tokens": 0 if draft is None else tree.nodes if tree else (
-            draft.resolve(None).tree.nodes if args.lookahead else num_draft_tokens or 4),
+        "num_draft_tokens": 0 if draft is None else shape.nodes if shape else num_draft_tokens or 4,
+        "tree": None if shape is None else {"depth": shape.depth, "nodes": shape.nodes},
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_target_pass": generated / steps,  # per row: target passes it took part in
         "eos_token_id": stop, **sampling,
@@ -155,11 +119,69 @@ def _generate(args):
         for p, t in zip(prompts, texts):
             print(p + t)
             print("-" * 40)
-    acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
-    print(f"{generated} tokens in {seconds:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | acceptance "
-          f"{acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass | drafter: "
-          f"{stats['drafter']}, K={stats['num_draft_tokens']} | compile {stats['compile_seconds']:.1f} s "
-          f"(not included)")
+    print(_summary(stats))
+
+
+def _summary(stats: dict) -> str:
+    """generate's last line. A chain's: its acceptance rate and K. A tree's (and lookahead's):
+    the mean accepted length (tokens per step), its shape being in the drafter's name; a
+    rate over all its nodes, most of them siblings that cannot all be kept, says nothing."""
+    if stats["tree"] is not None:
+        speculation = f"mean accepted length {stats['tokens_per_target_pass']:.2f} tokens per step"
+        drafter = stats["drafter"]
+    else:
+        acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
+        speculation = f"acceptance {acc} | {stats['tokens_per_target_pass']:.2f} tokens per target pass"
+        drafter = f"{stats['drafter']}, K={stats['num_draft_tokens']}"
+    return (f"{stats['tokens']} tokens in {stats['seconds']:.3f} s: {stats['tokens_per_s']:.1f} tokens/s | "
+            f"{speculation} | drafter: {drafter} | compile {stats['compile_seconds']:.1f} s (not included)")
+
+
+def _drafter(args, target, tokenizer, tree, mesh):
+    """(the drafter the flags name or None, its name for the summary)."""
+    import specjax
+
+    if args.no_draft:
+        return None, "none"
+    if args.early_exit is not None:
+        return specjax.EarlyExit(args.early_exit, tree), f"early exit after {args.early_exit} layers"
+    if args.prompt_lookup:
+        return specjax.PromptLookup(), "prompt lookup"
+    if args.lookahead:
+        window, ngram, guesses = args.lookahead
+        return (specjax.Lookahead(window=window, ngram=ngram, guesses=guesses),
+                f"lookahead (window {window}, {ngram}-grams, {guesses} guesses)")
+    if args.retrieval:
+        return specjax.Retrieval(specjax.Datastore.load(args.retrieval), tree=tree), f"retrieval from {args.retrieval}"
+    if args.drafter:
+        path = default_checkpoint(args.drafter) if args.drafter in ("medusa", "eagle", "eagle3") else args.drafter
+        draft = specjax.load_drafter(path, tree)
+        return draft, f"{type(draft).__name__} heads {path}"
+    return _draft_model(args, target, tokenizer, tree, mesh)
+
+
+def _draft_model(args, target, tokenizer, tree, mesh):
+    """--draft's model as a DraftModel (with the vocabulary saved beside it, if any), after
+    checking that it shares the target's tokenizer and noting a vocabulary of another size."""
+    import specjax
+    from specjax.drafters.model import vocabulary_note
+    from specjax.drafters.vocab import read_vocab
+
+    model = specjax.load_model(args.draft, quantize=args.quantize, attention=args.attention)
+    if (note := vocabulary_note(target.config.vocab_size, model)) is not None:
+        print(f"note: {note}", file=sys.stderr)
+    if mesh is not None:  # small: a copy on every device, rows still over data
+        model = specjax.shard_model(model, mesh, rules=(("batch", "data"),))
+    draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
+    if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
+        draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
+    try:
+        draft_tokenizer = specjax.load_tokenizer(args.draft)
+    except (OSError, ValueError):
+        print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
+    else:
+        specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    return draft, drafter_name
 
 
 def _text_files(paths):
@@ -255,6 +277,9 @@ def _parse_tree(text):
 
 def _bench(args):
     """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
+    if args.tokenizer is not None and (args.synthetic or args.aot):
+        raise ValueError("--tokenizer encodes the held-out prompts of a checkpoint pair; --synthetic and --aot "
+                         "read none: leave it out")
     if not args.synthetic or args.aot:
         from specjax import bench
 
@@ -263,12 +288,24 @@ def _bench(args):
         raise ValueError("--synthetic runs in the backend's default dtype; leave out --dtype")
     import jax
 
+    from specjax import synthetic
     from specjax.models import default_dtype
-    from specjax.synthetic import run_synthetic
 
-    run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)), batches=tuple(args.batches),
-                  max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                  dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
+    runs = synthetic.run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
+                                   batches=tuple(args.batches), max_new_tokens=args.max_new_tokens,
+                                   repeats=args.repeats, dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
+    if args.out is not None:
+        _write_synthetic(args, runs)
+
+
+def _write_synthetic(args, runs):
+    """--synthetic's timed runs as OUT/synthetic.json."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"synthetic": args.synthetic, "draft_layers": args.draft_layers, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "runs": [r.as_dict() for r in runs]}
+    (out / "synthetic.json").write_text(json.dumps(report, indent=2, default=lambda x: x.tolist()) + "\n")
+    print(f"wrote {out / 'synthetic.json'}")
 
 
 def _serve(args):
@@ -296,24 +333,58 @@ def _plan(args):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2."""
+    """argparse, with a bad flag reported in one line (not the whole usage) and exit code 2;
+    an unknown flag is named by the (sub)command that met it, with the closest known one."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("-") and a != "-" and not _is_number(a)]
+        if unknown:  # the words after an unknown flag were read as positionals: name the flag alone
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown[0], self)}")
+        return namespace, extras
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _did_you_mean(flag: str, parser: argparse.ArgumentParser) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(flag.partition("=")[0], list(parser._option_string_actions), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
 
 def main(argv=None):
+    import specjax
+
     parser = _Parser(prog="specjax", description="Speculative decoding in JAX.")
+    parser.add_argument("--version", action="version", version=f"specjax {specjax.__version__}",
+                        help="print specjax's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="describe a Hugging Face checkpoint folder")
-    p.add_argument("path")
+    p.add_argument("path", help="a model's folder or hub id")
     p.set_defaults(run=_info)
 
     p = sub.add_parser("generate", help="speculative decoding on the shipped pair (or any pair)")
-    p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file)")
-    p.add_argument("--target", default=default_checkpoint("target"))
-    p.add_argument("--draft", default=default_checkpoint("draft"))
+    p.add_argument("prompt", nargs="?", help="prompt text (or use --batch-file; with both, this prompt is the "
+                                             "batch's first row, before the file's)")
+    p.add_argument("--target", default=default_checkpoint("target"),
+                   help="the target model's folder or hub id (default: the shipped target)")
+    p.add_argument("--draft", default=default_checkpoint("draft"),
+                   help="the draft model's folder or hub id, drafting from the vocabulary saved beside it "
+                        "(draft_vocab.json) if any (default: the shipped draft)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the target's tokenizer: a folder or hub id (default: the target's own folder; needed "
+                        "for a folder that specjax.save_model wrote without one)")
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     drafters.add_argument("--drafter", metavar="PATH|medusa|eagle|eagle3",
@@ -331,7 +402,8 @@ def main(argv=None):
     p.add_argument("--adaptive-k", action="store_true",
                    help="move each row's draft length in 1..K by its acceptance")
     flags.add_mesh_args(p, "; the draft model is replicated")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt at most "
+                                                                   "(default 128)")
     p.add_argument("-k", "--num-draft-tokens", type=_draft_tokens, default=None,
                    help="chain length K (default 4), or auto: K for the batch size (with --tree D,C,N: the "
                         "node budget, at most N) from the shipped cost profile")
@@ -343,8 +415,10 @@ def main(argv=None):
                    help="0 is off (default: generation_config.json's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None,
                    help="1 is off (default: generation_config.json's, else 1)")
-    p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--batch-file", help="one prompt per line (\\n for newlines), run as one batch")
+    p.add_argument("--seed", type=_seed, default=0, help="the sampling seed, an int in [0, 2**32) (default 0)")
+    p.add_argument("--batch-file", metavar="FILE",
+                   help="one prompt per line (\\n for newlines; blank lines skipped), run as one batch; a PROMPT "
+                        "given too runs with them, as the batch's first row")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn of the tokenizer's chat template")
     stops = p.add_mutually_exclusive_group()
@@ -390,7 +464,7 @@ def main(argv=None):
                         "prompt-lookup, early-exit:N (the target's first N layers), eagle or eagle3 (the shipped "
                         "heads); default: the shipped draft")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (the engine's rows; default 8)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per request, prompt included (default: the target's positions, at most 2048)")

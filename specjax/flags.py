@@ -51,8 +51,9 @@ def add_distributed_args(p):
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="join a jax.distributed job of several processes (one per host) at this coordinator; "
                         "with --num-processes and --process-id (on TPU pods and SLURM, --distributed finds all three)")
-    p.add_argument("--num-processes", type=int, metavar="N")
-    p.add_argument("--process-id", type=int, metavar="I")
+    p.add_argument("--num-processes", type=int, metavar="N", help="the job's processes (with --coordinator)")
+    p.add_argument("--process-id", type=int, metavar="I",
+                   help="this process's index in the job, 0..N-1 (with --coordinator)")
     p.add_argument("--distributed", action="store_true",
                    help="jax.distributed.initialize() with JAX's own detection of the job (TPU pods, SLURM)")
 

@@ -39,6 +39,7 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         subclass of `specjax.Drafter`).
     num_draft_tokens: K, the length of a drafter's chain (default 4). A drafter given a
         `specjax.Tree` proposes that tree instead: leave it unset (a different K is an error).
+        Without a draft it must be None or 0 (any other K is refused: nothing drafts it).
         "auto": the static K for this batch size, chosen on the host before compiling by
         `specjax.theory.choose_num_draft_tokens` from `cost_profile` (a `CostProfile`, a
         profile.json path written by `specjax bench --profile`, or None: the profile

@@ -76,25 +76,40 @@ def check_regular(file: Path) -> Path:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A local folder, or a hub id resolved (downloaded) with huggingface_hub."""
+    """A local folder, or else a hub id ("gpt2", "org/name") resolved (downloaded) with
+    huggingface_hub: any name that is no local path and is a valid repo id is tried as one."""
     folder = Path(path)
     if folder.is_dir():
         return folder
     if folder.exists():
         raise CheckpointError(f"{folder} is a file; expected a folder with config.json and *.safetensors")
     name = str(path)
-    if name.count("/") != 1 or name.startswith((".", "/")):
+    if not _is_hub_id(name):
         raise CheckpointError(f"checkpoint folder {name} does not exist")
     from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:  # offline, the refusal below says it all
         print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
-
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:  # offline, unknown repo, no access: say which and why
-        raise CheckpointError(f"{name} is not a local folder and could not be fetched from the "
-                              f"Hugging Face hub: {type(e).__name__}: {e}") from e
+    except Exception as e:  # offline and not cached, unknown repo, no access: say which and why
+        offline = constants.HF_HUB_OFFLINE and isinstance(e, LocalEntryNotFoundError)
+        why = "it is not in the local cache, and HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{name} is not a local folder, and tried as a Hugging Face hub id it could not be "
+                              f"fetched: {why}") from e
+
+
+def _is_hub_id(name: str) -> bool:
+    """True for a name the hub could hold ("gpt2", "org/name"); not for paths such as
+    "./x", "/abs" or "a/b/c"."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _read_json(file: Path) -> dict:
@@ -504,16 +519,36 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     return Model(config, params, generation, rules=rules, attention=attention)
 
 
+# The files a tokenizer is saved as (fast, sentencepiece, GPT-2's BPE, WordPiece): a folder
+# with none of them holds no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+class NoTokenizerError(CheckpointError):
+    """A model's folder holds no tokenizer (as one `save_model` wrote without a tokenizer);
+    `folder` is the folder."""
+
+    def __init__(self, folder, remedy: str = "load the tokenizer from a folder that has it, or save one beside "
+                                             "the weights with specjax.save_model(..., tokenizer=...)"):
+        self.folder = folder
+        super().__init__(f"{folder} has no tokenizer (no tokenizer.json, tokenizer_config.json or the like): "
+                         f"{remedy}")
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer stored beside the weights. Code shipped in the folder never
-    runs: transformers is told not to trust remote code, so a tokenizer that needs its own
-    Python (an auto_map naming a class transformers lacks) is refused, never prompted for."""
+    """The transformers tokenizer stored beside the weights (NoTokenizerError where the folder
+    holds none). Code shipped in the folder never runs: transformers is told not to trust
+    remote code, so a tokenizer that needs its own Python (an auto_map naming a class
+    transformers lacks) is refused, never prompted for."""
     from transformers import AutoTokenizer
 
     folder = resolve(path)
     for file in folder.iterdir():  # transformers would read a FIFO forever
         if not file.is_dir():
             check_regular(file)
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise NoTokenizerError(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).exists():
             _read_json(folder / name)  # JSON objects, named if not, before transformers reads them
@@ -524,7 +559,8 @@ def load_tokenizer(path: str | os.PathLike):
                              f"an integer >= 1")
         return tokenizer
     except Exception as e:  # noqa: BLE001 -- whatever the files make transformers raise
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        words = " ".join(str(e).split())
+        first = words if len(words) <= 300 else words[:300] + " ..."  # one line, and visibly cut if cut
         if isinstance(e, ValueError) and "trust_remote_code" in str(e):
             raise UnsafeCheckpointError(f"the tokenizer in {folder} needs Python code shipped in the folder, which "
                                         f"specjax never runs: use a checkpoint whose tokenizer transformers ships "
@@ -573,14 +609,23 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
+def save_model(model: Model, path: str | os.PathLike, dtype=None, tokenizer=None) -> Path:
     """Writes config.json + model.safetensors (+ generation_config.json when the model has
-    one) that specjax and transformers both load.
+    one) that specjax and transformers both load; files get the usual mode (0644 under a
+    022 umask).
 
     dtype: storage dtype (default: the params' own; an int8 model is written dequantised,
-    in its scales' dtype, so what loads back computes what the int8 model computed)."""
+    in its scales' dtype, so what loads back computes what the int8 model computed).
+    tokenizer: also save this tokenizer beside the weights (a transformers tokenizer, e.g.
+    `load_tokenizer(...)`'s, or the folder or hub id to load it from), so that the folder
+    is whole for `specjax generate --target FOLDER`; None saves none."""
     from safetensors.numpy import save_file
 
+    if tokenizer is not None and isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)  # refused before anything is written
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, a folder or a hub id, got "
+                        f"{type(tokenizer).__name__}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = tensors_from_params(model)
@@ -593,7 +638,21 @@ def save_model(model: Model, path: str | os.PathLike, dtype=None) -> Path:
         (folder / "generation_config.json").write_text(
             json.dumps(model.generation_config.to_hf(), indent=2) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(folder / "model.safetensors", 0o666 & ~_umask())  # save_file renames a private (0600) temp file
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def _umask() -> int:
+    """This process's umask (read without changing it where Linux tells it)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 # ---- helpers ---------------------------------------------------------------------------

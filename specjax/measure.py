@@ -106,6 +106,14 @@ class Run:
         return {**dataclasses.asdict(self), "acceptance": self.acceptance, "tokens_per_pass": self.tokens_per_pass}
 
 
+def _num_draft_tokens(drafter, K):
+    """generate's num_draft_tokens for time_generate's K: None or "auto" as they are; without
+    a drafter, 0 is none at all (generate refuses a K it would have nothing to draft with)."""
+    if K in (None, "auto"):
+        return K
+    return (K or None) if drafter is None else max(K, 1)
+
+
 def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, drafter=None, K=0,
                   name="none", temperature=0.0, max_new_tokens=64, eos_token_id=None, seed=0, warm=True,
                   **options) -> tuple[Run, list]:
@@ -119,7 +127,7 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     def call():
         result["outs"] = [jax.block_until_ready(generate(
             target, p, l, draft=drafter, key=jax.random.key(seed), max_new_tokens=max_new_tokens,
-            num_draft_tokens=K if K in (None, "auto") else max(K, 1), temperature=temperature,
+            num_draft_tokens=_num_draft_tokens(drafter, K), temperature=temperature,
             eos_token_id=eos_token_id,
             return_trace=True, **options)) for p, l in padded]
 

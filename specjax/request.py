@@ -220,6 +220,8 @@ def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_
     _check_stop_ids(eos_token_id, c.vocab_size)
 
     if draft is None:
+        if num_draft_tokens not in (None, 0):  # as the Engine says it (serve/engine.py)
+            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
         drafter = None
     else:
         if num_draft_tokens is not None and (

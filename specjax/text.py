@@ -1,6 +1,8 @@
-"""Text at the edges of decoding, shared by `specjax generate` and the notebooks: prompts
-encoded as transformers encodes them (chat template included), the ids a reply stops at,
-and a streamed-text printer for `generate(stream=...)`.
+"""Text at the edges of decoding, shared by `specjax generate` and the notebooks: the
+command's prompts read (and refused, named, where they are not UTF-8), the target's
+tokenizer (--tokenizer's, else the one beside it), prompts encoded as transformers encodes
+them (chat template included), the ids a reply stops at, and a streamed-text printer for
+`generate(stream=...)`.
 
 It knows tokenizers and a model's generation config; nothing of the loop, drafters or
 timing.
@@ -9,6 +11,62 @@ timing.
 from __future__ import annotations
 
 import numpy as np
+
+
+def read_prompts(prompt: str | None, batch_file: str | None) -> list[str]:
+    """`specjax generate`'s prompts: PROMPT (if given) first, then --batch-file's non-blank
+    lines (a literal \\n in a line is a newline), all in one batch. Text that is not UTF-8
+    (a shell passes such bytes to argv as surrogate escapes) is refused, naming where."""
+    prompts = [] if prompt is None else [_utf8(prompt, "the PROMPT argument")]
+    if batch_file:
+        prompts += [line.rstrip("\n").replace("\\n", "\n")
+                    for line in _read_utf8(batch_file).splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give a PROMPT or --batch-file")
+    return prompts
+
+
+def _utf8(text: str, what: str) -> str:
+    """text, unless it holds characters that cannot be UTF-8 (lone surrogates: undecodable
+    bytes of argv); those raise ValueError naming `what` and the first such byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start].encode("utf-8", "surrogateescape") if "\udc80" <= text[e.start] <= "\udcff" else None
+        found = f"byte 0x{raw[0]:02x}" if raw else f"{text[e.start]!r}"
+        raise ValueError(f"{what} is not valid UTF-8 text ({found} at character {e.start + 1})") from None
+    return text
+
+
+def _read_utf8(path: str) -> str:
+    """The file's text; a file that is not UTF-8 raises ValueError naming it and the line."""
+    from pathlib import Path
+
+    from specjax.hf import check_regular  # a FIFO or /dev/zero would be read forever
+
+    data = check_regular(Path(path)).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"--batch-file {path}: line {line} is not valid UTF-8 text (byte 0x{data[e.start]:02x} "
+                         f"at byte {column} of the line)") from None
+
+
+def target_tokenizer(target, tokenizer=None):
+    """The tokenizer in `tokenizer` (a folder or hub id: the commands' --tokenizer), else the
+    one beside the target; a target folder that holds none (as `save_model` writes without
+    one) is refused with a sentence saying to pass --tokenizer."""
+    from specjax.hf import NoTokenizerError, load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    try:
+        return load_tokenizer(target)
+    except NoTokenizerError as e:
+        raise NoTokenizerError(e.folder, "pass --tokenizer PATH, a folder or hub id holding the target's "
+                                         "tokenizer") from None
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:

@@ -207,7 +207,8 @@ def test_the_command_reports_user_errors_in_one_line(tmp_path, capsys):
             (["generate", "x", "--target", str(tmp_path / "nope")], "does not exist"),
             (["generate", "x", "-k", "0", "--target", str(TARGET), "--draft", str(DRAFT)], "num_draft_tokens"),
             (["generate", "x", "--early-exit", "0", "--target", str(TARGET)], "EarlyExit(0)"),
-            (["generate", "--batch-file", str(bad_batch), "--target", str(TARGET), "--draft", str(DRAFT)], "utf-8"),
+            (["generate", "--batch-file", str(bad_batch), "--target", str(TARGET), "--draft", str(DRAFT)],
+             "line 1 is not valid UTF-8"),
             # shapes past what the model verifies: refused before anything is traced
             (["generate", "x", "--tree", "100000,2,100000", "--target", str(TARGET), "--draft", str(DRAFT)],
              "a step would verify 100001 tokens"),

@@ -191,6 +191,30 @@ def test_a_saved_draft_vocabulary_is_loaded_beside_its_model(pair, tmp_path):
         specjax.DraftModel.load(folder)
 
 
+def test_load_drafter_of_a_draft_models_folder_drafts_from_its_saved_vocabulary():
+    """The Python call for the shipped recipe: specjax.load_drafter("checkpoints/draft") is
+    the DraftModel that `specjax generate` drafts with (its 1024-token draft_vocab.json, read
+    out by those head columns alone: its `read`), load_model's keywords passed on."""
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from specjax.drafters.vocab import head_columns, read_vocab
+
+    shipped = Path(__file__).parent.parent / "checkpoints"
+    drafter = specjax.load_drafter(shipped / "draft")
+    model = specjax.load_model(shipped / "draft")
+    saved = read_vocab(shipped / "draft", model.config.vocab_size)
+    assert isinstance(drafter, specjax.DraftModel) and drafter.tree is None and len(saved) == 1024
+    np.testing.assert_array_equal(np.asarray(drafter.vocab), saved)
+    np.testing.assert_array_equal(np.asarray(drafter.head), np.asarray(head_columns(model, saved)))
+    tree = specjax.Tree(3, 2, 4)
+    as_tree = specjax.load_drafter(shipped / "draft", tree, dtype=jnp.bfloat16)
+    assert as_tree.tree == tree and as_tree.model.dtype == jnp.bfloat16 and as_tree.vocab.shape == (1024,)
+    with pytest.raises(TypeError, match="dtype apply to a draft model's folder"):
+        specjax.load_drafter(shipped / "medusa", dtype=jnp.bfloat16)
+
+
 def test_early_exit_holds_no_copy_of_the_weights():
     """The compiled loop with EarlyExit(2) needs no more scratch memory than plain decoding
     beyond a small fraction of the two layers it drafts with: it reads them in place."""

@@ -246,6 +246,17 @@ def test_bad_requests(pair, kwargs, message):
         specjax.generate(target, padded, lengths, draft=drafts["near"], **kwargs)
 
 
+def test_num_draft_tokens_without_a_draft_is_refused(pair):
+    """A K with nothing to draft it is refused (as the Engine refuses it), not ignored; None
+    and 0 mean plain decoding, as before."""
+    target, _, _ = pair
+    padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)
+    with pytest.raises(ValueError, match="^num_draft_tokens=3 needs a draft$"):
+        specjax.generate(target, padded, lengths, num_draft_tokens=3)
+    plain = [specjax.generate(target, padded, lengths, max_new_tokens=4, num_draft_tokens=K).tokens for K in (None, 0)]
+    np.testing.assert_array_equal(*plain)
+
+
 def test_a_draft_that_is_no_drafter_is_named(pair):
     target, drafts, _ = pair
     padded, lengths = specjax.pad_prompts([[3, 4, 5]], bucket=16)

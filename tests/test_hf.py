@@ -33,6 +33,37 @@ def test_save_load_round_trip_and_transformers_reads_it(arch, hf_folder, tmp_pat
                                atol=1e-6, rtol=0)
 
 
+def test_save_model_files_take_the_umask_and_a_tokenizer_may_go_beside_them(hf_folder, tmp_path):
+    """model.safetensors gets the mode any new file gets (0644 under a 022 umask, not the
+    0600 of the temporary file it is renamed from); save_model(tokenizer=) saves one beside
+    the weights (an object or a folder), and without one, loading it says so in a sentence."""
+    import os
+    import stat
+
+    from specjax.hf import NoTokenizerError
+
+    model = specjax.load_model(hf_folder("llama")[0])
+    tok = tiny.save_tokenizer(tmp_path / "tok", ["the cat sat on the mat"] * 20)
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(umask)
+        try:
+            folder = specjax.save_model(model, tmp_path / f"bare{umask:o}")
+        finally:
+            os.umask(old)
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {
+            "config.json": mode, "generation_config.json": mode, "model.safetensors": mode}
+    with pytest.raises(NoTokenizerError, match=f"^{folder} has no tokenizer .*: load the tokenizer from a folder "
+                                               r"that has it, or save one beside the weights with "
+                                               r"specjax.save_model\(..., tokenizer=...\)$"):
+        specjax.load_tokenizer(folder)
+    for given in (tok, tmp_path / "tok"):
+        folder = specjax.save_model(model, tmp_path / "whole", tokenizer=given)
+        assert specjax.load_tokenizer(folder)("the mat")["input_ids"] == tok("the mat")["input_ids"]
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer"):
+        specjax.save_model(model, tmp_path / "never", tokenizer=5)
+    assert not (tmp_path / "never").exists()
+
+
 def test_bfloat16_storage_loads_as_requested_dtype(hf_folder, tmp_path):
     folder, _ = hf_folder("llama")
     model = specjax.load_model(folder)
@@ -92,6 +123,19 @@ def test_missing_folder(tmp_path):
 def test_hub_id_offline_says_so():
     with pytest.raises(CheckpointError, match="could not be fetched"):
         specjax.load_model("specjax-test/does-not-exist")
+
+
+@pytest.mark.parametrize("name", ["specjax-test-does-not-exist", "specjax-test/does-not-exist"])
+def test_a_name_that_is_no_local_path_is_tried_as_a_hub_id(name, capsys):
+    """With a slash or without one (as "gpt2"): offline, the refusal says it was tried as a
+    hub id and is not in the local cache. A path the hub cannot hold is a missing folder."""
+    with pytest.raises(CheckpointError, match=f"^{name} is not a local folder, and tried as a Hugging Face hub id it "
+                                              f"could not be fetched: it is not in the local cache, and "
+                                              f"HF_HUB_OFFLINE is set$"):
+        specjax.load_model(name)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CheckpointError, match="^checkpoint folder specjax-test/does/not-exist does not exist$"):
+        specjax.load_model("specjax-test/does/not-exist")
 
 
 def test_missing_weights(llama_copy):

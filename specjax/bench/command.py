@@ -10,6 +10,7 @@ from specjax.bench.pair import PROFILE_TREE, PROFILE_TREE_NODES, measure_profile
 from specjax.shipped import default_checkpoint
 from specjax.tree import Tree
 
+DEFAULT_OUT = "bench"  # --out, where not given (--synthetic writes nothing then)
 DESCRIPTION = ("Benchmarks behind `specjax bench`: autoregressive vs speculative `generate`, timed side "
                "by side in one run, with the speedup theory predicts set beside the measured one.")
 
@@ -25,19 +26,29 @@ def main(argv=None):
 
 def add_arguments(parser):
     """The bench's flags, on `specjax bench`'s parser or main's."""
-    parser.add_argument("--target", default=default_checkpoint("target"))
-    parser.add_argument("--draft", default=default_checkpoint("draft"))
+    parser.add_argument("--target", default=default_checkpoint("target"),
+                        help="the target model's folder or hub id (default: the shipped target)")
+    parser.add_argument("--draft", default=default_checkpoint("draft"),
+                        help="the draft model's folder or hub id (default: the shipped draft)")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="the target's tokenizer, which encodes the held-out prompts: a folder or hub id "
+                             "(default: the target's own folder)")
     parser.add_argument("--synthetic", choices=["tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama-8b"],
                         help="benchmark a random pair instead, in the backend's default dtype (see specjax.synthetic)")
     parser.add_argument("--draft-layers", type=int, default=2, help="--synthetic: the draft's depth")
     parser.add_argument("-k", "--ks", type=int, nargs="+", default=None, help="K values (default 1..8)")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench", help="folder for bench.json and the plots")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                        help="sampling temperatures to time (default 0 1; 0, greedy, is always run)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16],
+                        help="batch sizes to time (default 1 4 16)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="held-out prompts (default 16)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, the median "
+                                                                 "reported (default 3)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help=f"folder for the JSON reports and the plots (default {DEFAULT_OUT}; with --synthetic: "
+                             f"synthetic.json, written only when --out is given)")
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate (needs torch)")
     parser.add_argument("--trees-only", action="store_true",
                         help="only the chains-vs-trees comparison (writes trees.json)")
@@ -119,6 +130,8 @@ def run_aot(args):
 def run_from_args(args):
     """Runs what the parsed flags ask for (--synthetic aside, but with --aot: specjax.cli runs
     specjax.synthetic)."""
+    if args.out is None:
+        args.out = DEFAULT_OUT
     if args.aot:
         others = ("profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
         if args.dtype != "float32" or any(getattr(args, name) for name in others):
@@ -132,13 +145,14 @@ def run_from_args(args):
                              + ", ".join("--" + name.replace("_", "-") for name in sections))
         run_divergence(args.target, args.draft, args.dtype, args.out, ks=tuple(args.ks or (1, 2, 4, 6, 8)),
                        batches=tuple(args.batches), num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
-                       max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, tokenizer=args.tokenizer)
         return
     if args.profile:
         measure_profile(args.target, args.draft, args.out, max_k=max(args.ks or [8]), batches=tuple(args.batches),
                         num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
                         max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                        tree_family=_tree_family(args.profile_tree), tree_nodes=tuple(args.tree_nodes))
+                        tree_family=_tree_family(args.profile_tree), tree_nodes=tuple(args.tree_nodes),
+                        tokenizer=args.tokenizer)
         return
     run_pair(args.target, args.draft, args.out, ks=tuple(args.ks or range(1, 9)),
              temperatures=tuple(args.temperatures), batches=tuple(args.batches),
@@ -147,4 +161,4 @@ def run_from_args(args):
              only=next((name for name in ("trees", "heads", "training_free", "auto_k")
                         if getattr(args, f"{name}_only")), None),
              medusa=args.medusa, eagle=args.eagle, eagle3=args.eagle3, datastore=args.datastore,
-             cost_profile=args.cost_profile)
+             cost_profile=args.cost_profile, tokenizer=args.tokenizer)

@@ -23,6 +23,7 @@ from specjax.generate import generate, pad_prompts
 from specjax.measure import (Run, depth_acceptance, first_divergence, fmt, held_out_prompts, pass_time,
                              per_position_acceptance, predict, print_runs, row_traces, run_transformers,
                              time_generate)
+from specjax.text import target_tokenizer
 from specjax.tree import Tree
 
 
@@ -33,16 +34,17 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
              max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, only: str | None = None,
              medusa: str | None = None, eagle: str | None = None, eagle3: str | None = None,
-             datastore: str | None = None, cost_profile: str | None = None, log=print) -> dict:
-    """The whole bench, or one section of it: only = "trees", "heads", "training_free" or "auto_k"."""
-    from specjax.hf import load_model, load_tokenizer
+             datastore: str | None = None, cost_profile: str | None = None, tokenizer: str | None = None,
+             log=print) -> dict:
+    """The whole bench, or one section of it: only = "trees", "heads", "training_free" or "auto_k".
+    tokenizer: the folder (or hub id) of the target's tokenizer (default: the target's)."""
+    from specjax.hf import load_model
 
     if only not in (None, "trees", "heads", "training_free", "auto_k"):
         raise ValueError(f"unknown bench section {only!r}")
     temperatures = tuple(sorted(set(temperatures) | {0.0}))  # greedy is the reference run
     target, draft = load_model(target_path), load_model(draft_path)
-    tokenizer = load_tokenizer(target_path)
-    prompts = held_out_prompts(tokenizer, num_prompts, prompt_tokens)
+    prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens)
     cache_len = pad_prompts(prompts)[0].shape[1] + max_new_tokens + max(ks)
     t_target = pass_time(target, 1, 1, cache_len, repeats)
     t_draft = pass_time(draft, 1, 1, cache_len, repeats)
@@ -152,7 +154,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
 
 def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", out_dir: str | None = "bench",
                    ks=(1, 2, 4, 6, 8), batches=(1,), num_prompts=16, prompt_tokens=64, max_new_tokens=64,
-                   repeats=3, log=print) -> dict:
+                   repeats=3, tokenizer: str | None = None, log=print) -> dict:
     """Greedy speculative decoding against greedy autoregressive decoding of the same pair
     loaded in `dtype`, per K and batch size: how many rows differ, and where each first does.
 
@@ -162,12 +164,12 @@ def run_divergence(target_path: str, draft_path: str, dtype: str = "bfloat16", o
     the argmax can flip, and the rows go separate ways from there. Each row is still the
     target's own greedy choice at every position, given its rounding. Both with and without
     generate's deterministic=True (which closes this), for the draft model and for the
-    target drafting for itself."""
-    from specjax.hf import load_model, load_tokenizer
+    target drafting for itself. tokenizer: as run_pair's."""
+    from specjax.hf import load_model
 
     target, draft = load_model(target_path, dtype=dtype), load_model(draft_path, dtype=dtype)
     itself = load_model(target_path, dtype=dtype)  # the sharpest probe: every rejection is arithmetic
-    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens)
+    prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens)
     log(f"{jax.default_backend()} {dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each, greedy; speculative rows compared with autoregressive rows "
         f"of the same batch size and the same deterministic flag")
@@ -206,7 +208,7 @@ PROFILE_TREE, PROFILE_TREE_NODES = (4, 2), (2, 4, 6, 8, 12)  # the tree family a
 def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "bench", max_k: int = 8,
                     batches=(1, 4, 16), num_prompts=16, prompt_tokens=64, max_new_tokens=64, repeats=3,
                     tree_family: tuple[int, int] | None = PROFILE_TREE, tree_nodes=PROFILE_TREE_NODES,
-                    log=print) -> theory.CostProfile:
+                    tokenizer: str | None = None, log=print) -> theory.CostProfile:
     """The cost profile that `generate(num_draft_tokens="auto")` reads: one whole loop step
     with K = 0..max_k drafts of the draft model per batch size ((the time of generate - the
     time of its prefill) / the loop's steps, greedy), and the draft's per-position
@@ -215,11 +217,11 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
     accepted paths reach. Acceptance and reach come from the timed runs' own traces at the
     first batch size. Held-out prompts other than the bench's (seed 1), so that
     `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
-    as profile.json in out_dir."""
-    from specjax.hf import load_model, load_tokenizer
+    as profile.json in out_dir. tokenizer: as run_pair's."""
+    from specjax.hf import load_model
 
     target, draft = load_model(target_path), load_model(draft_path)
-    prompts = held_out_prompts(load_tokenizer(target_path), num_prompts, prompt_tokens, seed=1)
+    prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens, seed=1)
     shapes = [(draft if K else None, K) for K in range(max_k + 1)]
     if tree_family is not None:
         shapes += [(DraftModel(draft, Tree(*tree_family, n)), None) for n in tree_nodes]

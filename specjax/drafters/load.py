@@ -1,6 +1,7 @@
 """`load_drafter`: a trained drafter's folder (drafter.json + drafter.safetensors) read back
-as the drafter its record names. It dispatches on the record's kind; the file format and its
-checks live in trained.py, each drafter's own reading in medusa.py / eagle.py."""
+as the drafter its record names, or a draft model's folder as a `DraftModel` (with its saved
+vocabulary). It dispatches on the record's kind; the file format and its checks live in
+trained.py, each drafter's own reading in medusa.py / eagle.py, a draft model's in model.py."""
 
 from __future__ import annotations
 
@@ -11,21 +12,47 @@ import jax
 from specjax.drafters.eagle import Eagle
 from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.medusa import Medusa
+from specjax.drafters.model import DraftModel
 from specjax.drafters.trained import READABLE_FORMATS, RECORD, WEIGHTS, read_params, read_signature
 from specjax.hf import CheckpointError, _read_json, check_regular
 
 
-def load_drafter(path, tree=None):
-    """A trained drafter saved with `drafter.save(path)`: a `specjax.Medusa`, `specjax.Eagle`
-    or `specjax.Eagle3`, drafting `tree` (None: a chain). Its weights are float32 on the default
-    device; they take the target's dtype when used. Bad files raise CheckpointError."""
+def load_drafter(path, tree=None, **model_kwargs):
+    """The drafter saved in a folder, drafting `tree` (None: a chain). Bad files raise
+    CheckpointError.
+
+    - Trained heads saved with `drafter.save(path)` (drafter.json + drafter.safetensors): a
+      `specjax.Medusa`, `specjax.Eagle` or `specjax.Eagle3`. Their weights are float32 on
+      the default device; they take the target's dtype when used.
+    - A draft model's Hugging Face folder (config.json + *.safetensors, e.g. the shipped
+      checkpoints/draft): `DraftModel.load(path, tree, **model_kwargs)`, which drafts from
+      the vocabulary saved beside it (draft_vocab.json, written by `specjax distill
+      --draft-vocab`), as `specjax generate --draft` does; model_kwargs are load_model's
+      (dtype, quantize, attention, ...). `specjax.load_model(path)` given as a draft drafts
+      from the model's whole vocabulary instead (slower where the head is a large share of a
+      draft step)."""
     folder = Path(path)
+    if folder.is_dir() and not _exists(folder / RECORD) and (folder / "config.json").exists():
+        return DraftModel.load(path, tree, **model_kwargs)
+    if model_kwargs:
+        raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
+                        f"(load_model's arguments); {folder} is not one")
+    return _load_trained(folder, tree)
+
+
+def _exists(file: Path) -> bool:
+    return file.exists() or file.is_symlink()  # a dangling link too: _load_trained names it
+
+
+def _load_trained(folder: Path, tree):
+    """Trained heads from their drafter.json and drafter.safetensors."""
     record_file, weights_file = folder / RECORD, folder / WEIGHTS
     for file in (record_file, weights_file) if folder.is_dir() else ():
         check_regular(file)  # a FIFO or a dangling link is refused as such, not read or called missing
     missing = [f.name for f in (record_file, weights_file) if not f.is_file()]
     if missing:
-        raise CheckpointError(f"{folder} is not a saved drafter: {', '.join(missing)} missing")
+        raise CheckpointError(f"{folder} is not a saved drafter: {', '.join(missing)} missing (nor is it a draft "
+                              f"model's folder: no config.json)")
     record = _read_json(record_file)
     version, kind = record.get("format"), record.get("kind")
     if type(version) is not int or version not in READABLE_FORMATS:

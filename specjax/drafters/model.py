@@ -44,6 +44,20 @@ def check_vocabularies(target_vocab: int, draft: Model):
             f"tokens) differ by more than padding: they cannot share token ids")
 
 
+def vocabulary_note(target_vocab: int, draft: Model) -> str | None:
+    """One line on how a draft whose vocabulary differs in size from the target's (by padding
+    at most; more is refused) is used, or None where the sizes agree."""
+    check_vocabularies(target_vocab, draft)
+    size = draft.config.vocab_size
+    if size < target_vocab:
+        return (f"the draft's vocabulary has {size} tokens, the target's {target_vocab}: the draft never proposes "
+                f"the target's ids {size}..{target_vocab - 1}")
+    if size > target_vocab:
+        return (f"the draft's vocabulary has {size} tokens, the target's {target_vocab}: its ids "
+                f"{target_vocab}..{size - 1} are taken as padding and never proposed")
+    return None
+
+
 @struct.dataclass
 class DraftModel(Drafter):
     model: Model
@@ -57,7 +71,8 @@ class DraftModel(Drafter):
     def load(cls, path, tree: Tree | None = None, **kwargs) -> "DraftModel":
         """The draft model in a folder (`specjax.load_model(path, **kwargs)`) as a drafter of
         `tree` (None: a chain), drafting from the vocabulary saved beside it (draft_vocab.json,
-        written by `specjax distill --draft-vocab`) if it has one."""
+        written by `specjax distill --draft-vocab`) if it has one. `specjax.load_drafter(path)`
+        returns the same for a draft model's folder."""
         model = load_model(path, **kwargs)
         drafter = cls(model, tree)
         ids = read_vocab(path, model.config.vocab_size)

@@ -24,13 +24,15 @@ def add_commands(sub):
     p.set_defaults(run=_train)
 
     p = sub.add_parser("distill", help="distill a small draft from a target folder")
-    p.add_argument("--target", default="checkpoints/target")
+    p.add_argument("--target", default="checkpoints/target",
+                   help="the teacher: the target's folder, with its tokenizer (default: checkpoints/target)")
     _add_train_args(p, steps=1000, lr=3e-3)
     flags.add_mesh_args(p)
     _add_model_args(p, hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384)
-    p.add_argument("--loss", default="kl", choices=["kl", "tv"])
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--ce-weight", type=float, default=0.0)
+    _add_loss_args(p)
+    p.add_argument("--ce-weight", type=float, default=0.0,
+                   help="weight of a cross-entropy loss on the corpus' next tokens, added to the distillation "
+                        "loss (default 0)")
     p.add_argument("--on-policy", type=int, default=0, metavar="N",
                    help="also train on N continuations of training windows written by the target (batches of 64, "
                         "greedy and temperature 1 in turn); 0: the corpus only")
@@ -44,14 +46,14 @@ def add_commands(sub):
     for kind in ("medusa", "eagle"):
         p = sub.add_parser(f"train-{kind}", help=f"train {kind.capitalize()} draft heads on a frozen target "
                                                  f"(self-distillation on the stdlib)")
-        p.add_argument("--target", default="checkpoints/target")
+        p.add_argument("--target", default="checkpoints/target",
+                       help="the frozen target's folder, with its tokenizer (default: checkpoints/target)")
         if kind == "medusa":
             _add_train_args(p, steps=1000, lr=1e-3)
         else:  # EAGLE-3's steps each unroll --ttt-steps drafting steps: its recipe takes fewer, larger ones
             _add_train_args(p, steps=None, lr=None, defaults="(default: 1000, or 500 with --eagle3)",
                             lr_defaults="(default: 1e-3, or 1.5e-3 with --eagle3)")
-        p.add_argument("--loss", default="kl", choices=["kl", "tv"])
-        p.add_argument("--temperature", type=float, default=1.0)
+        _add_loss_args(p)
         p.add_argument("--probe-prompts", type=int, default=4,
                        help="held-out prompts on which each evaluation runs the real loop")
         flags.add_mesh_args(p, "; the heads are replicated")
@@ -71,9 +73,10 @@ def add_commands(sub):
         p.set_defaults(run=_train_heads, kind=kind)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
-    p.add_argument("run_dir", metavar="RUN")
-    p.add_argument("out")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("run_dir", metavar="RUN", help="the run directory (a train, distill or train-* --out)")
+    p.add_argument("out", help="the Hugging Face folder to write")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="storage dtype of the weights (default bfloat16)")
     p.set_defaults(run=_export_run)
 
 
@@ -246,24 +249,33 @@ def _export_run(args):
 
 
 def _add_model_args(p, hidden, layers, heads, kv_heads, intermediate):
-    p.add_argument("--hidden", type=int, default=hidden)
-    p.add_argument("--layers", type=int, default=layers)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--kv-heads", type=int, default=kv_heads)
-    p.add_argument("--intermediate", type=int, default=intermediate)
-    p.add_argument("--max-positions", type=int, default=1024)
-    p.add_argument("--init-seed", type=int, default=0)
+    """The new model's shape (a Llama with a tied head)."""
+    p.add_argument("--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})")
+    p.add_argument("--layers", type=int, default=layers, help=f"decoder layers (default {layers})")
+    p.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
+    p.add_argument("--kv-heads", type=int, default=kv_heads, help=f"key/value heads (default {kv_heads})")
+    p.add_argument("--intermediate", type=int, default=intermediate, help=f"MLP width (default {intermediate})")
+    p.add_argument("--max-positions", type=int, default=1024, help="max_position_embeddings (default 1024)")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the initial weights (default 0)")
+
+
+def _add_loss_args(p):
+    p.add_argument("--loss", default="kl", choices=["kl", "tv"],
+                   help="kl: forward KL(p || q) from the target's distribution p; tv: the total variation "
+                        "distance, exactly 1 - the acceptance rate (default kl)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the temperature at which both distributions are compared (default 1)")
 
 
 def _add_train_args(p, steps, lr, defaults=None, lr_defaults=None):
     p.add_argument("--out", required=True, help="run directory (checkpoints, data, export)")
-    p.add_argument("--steps", type=int, default=steps, help=defaults)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=lr, help=lr_defaults)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps " + (defaults or f"(default {steps})"))
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate " + (lr_defaults or f"(default {lr})"))
+    p.add_argument("--warmup", type=int, default=50, help="learning-rate warmup steps (default 50)")
     p.add_argument("--seed", type=int, default=0, help="data order")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (default 100)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="storage dtype of the exported Hugging Face folder")
