@@ -315,7 +315,7 @@ def _serve(args):
                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
-                 warmup=not args.no_warmup, attention=args.attention)
+                 warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer)
 
 
 def _plan(args):
@@ -463,6 +463,9 @@ def main(argv=None):
                    help="a draft model's folder (or trained heads', drafter.json), none (plain decoding), "
                         "prompt-lookup, early-exit:N (the target's first N layers), eagle or eagle3 (the shipped "
                         "heads); default: the shipped draft")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the target's tokenizer: a folder or hub id (default: the target's own folder; needed "
+                        "for a folder that specjax.save_model wrote without one)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (the engine's rows; default 8)")

@@ -124,9 +124,9 @@ def test_every_flag_of_every_command_has_help():
     assert "a PROMPT given too runs with them, as the batch's first row" in generate
 
 
-def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_path, capsys):
+def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_path, capsys, monkeypatch):
     """A folder of weights alone (as save_model writes without a tokenizer) is refused in one
-    whole sentence naming it and --tokenizer; with --tokenizer it runs. A PROMPT given with
+    whole sentence naming it and --tokenizer; with --tokenizer it runs (generate and serve). A PROMPT given with
     --batch-file runs as the batch's first row (as --help says)."""
     import json
 
@@ -145,6 +145,20 @@ def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_pa
     main(["generate", "the cat", "--batch-file", str(batch), "--target", str(folder), "--tokenizer",
           str(tmp_path / "tok"), "--no-draft", "--max-new-tokens", "2", "--json"])
     assert [row["prompt"] for row in json.loads(capsys.readouterr().out)["outputs"]] == ["the cat", "the mat"]
+    # specjax serve too: refused in the same sentence, and served with --tokenizer (its uvicorn stubbed).
+    import specjax.serve.api as api
+    import specjax.serve.server as server
+
+    served = []
+    monkeypatch.setattr(api, "create_app", lambda app_server, owns_engine: served.append(app_server.tokenizer))
+    monkeypatch.setattr(server, "_server_class", lambda: lambda config: type("Run", (), {"run": lambda self: None})())
+    monkeypatch.setattr("uvicorn.Config", lambda *a, **k: None)  # (its logging would write to capsys' stream)
+    args = ["serve", str(folder), "--draft", "none", "--slots", "1", "--max-model-len", "32", "--no-warmup"]
+    assert entry(args) == 2
+    assert "has no tokenizer (no tokenizer.json, tokenizer_config.json or the like): pass --tokenizer PATH" in \
+        capsys.readouterr().err
+    assert entry(args + ["--tokenizer", str(tmp_path / "tok")]) == 0
+    assert served and served[0].encode("the cat") == specjax.load_tokenizer(tmp_path / "tok").encode("the cat")
 
 
 def test_bench_synthetic_honours_out(tmp_path, monkeypatch, capsys):

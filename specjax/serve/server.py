@@ -56,15 +56,18 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
 def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           max_model_len: int | None = None, served_model_name: str | None = None, api_key: str | None = None,
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
-          drain_timeout: float = 30.0, warmup: bool = True, attention: str = "portable") -> int:
+          drain_timeout: float = 30.0, warmup: bool = True, attention: str = "portable",
+          tokenizer: str | None = None) -> int:
+    """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
+    target's own folder's)."""
     import uvicorn
 
     import specjax
     from specjax.serve.api import Server, create_app
-    from specjax.text import stop_ids
+    from specjax.text import stop_ids, target_tokenizer
 
     target = specjax.load_model(target_path, mesh=mesh, attention=attention)
-    tokenizer = specjax.load_tokenizer(target_path)
+    tokenizer = target_tokenizer(target_path, tokenizer)
     drafter = load_draft(draft, target, tokenizer, target_path)
     if mesh is not None and drafter is not None and not isinstance(drafter, specjax.DraftModel):
         raise ValueError("--mesh shards the target and a draft model; other drafters run on one device")
