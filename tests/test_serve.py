@@ -474,7 +474,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
 
 
 def test_the_readmes_client_example_runs_against_a_server(servers):
-    """The README's `openai` example, as written but for the address and the model's name."""
+    """The README's `openai` and curl examples, as written but for the address and the model's name."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = next(b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if "OpenAI(" in b)
     live = servers("main")
@@ -485,3 +485,9 @@ def test_the_readmes_client_example_runs_against_a_server(servers):
         exec(compile(code, "README.md", "exec"), {})
     printed = out.getvalue()
     assert "completion_tokens=" in printed and len(printed) > 40
+    # Its curl example: the same body, streamed.
+    curl = next(b for b in re.findall(r"^```bash\n(.*?)^```", readme, re.S | re.M) if b.startswith("curl "))
+    body = json.loads(re.search(r"-d '(.*?)'", curl, re.S).group(1))
+    assert body.pop("model") == "target" and body["stream"] is True
+    with httpx.stream("POST", live.url + "/v1/completions", json={**body, "model": "tiny"}, timeout=60) as r:
+        assert r.status_code == 200 and [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
