@@ -75,16 +75,40 @@ def test_staggered_requests_equal_generate_alone(pair, engines, name):
         stopped = bool(stops) and got[-1] in stops
         assert request.finish_reason == ("stop" if stopped else "length")
         assert len(got) == budget or stopped
+    if name == "draft":  # and two that start together (K=1 beside each other, then K=3 alone)
+        pair_of = REQUESTS[:2]
+        with engine:
+            with engine._lock:
+                two = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in pair_of]
+            assert [r.result(timeout=300) for r in two] == [_alone(target, None, *r) for r in pair_of]
     stats = engine.stats()
     if name == "draft":  # every K of the table ran: drafting alone, at K=1 beside another, and not at all
         assert set(stats["steps"]) == {0, 1, 3}, stats
         assert stats["syncs"] >= 1, stats  # the draft caught up after calls at K = 0 before drafting again
-    # Bounded: empty, release; prefill and insert per bucket (16, 32, 64); a run per K, width (1, 2, 3)
-    # and sampling kind (greedy, sampled, filtered); where K = 0 is in the table beside a draft,
-    # the draft's catch-up per K that drafts.
+    # Bounded: empty, release; prefill and insert per bucket (16, 32, 64) and group size (1, 2, 3);
+    # a run per K, width (1, 2, 3) and sampling kind (greedy, sampled, filtered); where K = 0 is in
+    # the table beside a draft, the draft's catch-up per K that drafts.
     Ks = set(engine.k_table)
     synced = len(Ks - {0}) if 0 in Ks else 0
-    assert len(stats["programs"]) == 2 + 2 * 3 + len(Ks) * 3 * 3 + synced
+    assert len(stats["programs"]) == 2 + 2 * 3 * 3 + len(Ks) * 3 * 3 + synced
+
+
+@pytest.mark.parametrize("name", ["plain", "draft"])
+def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, monkeypatch, name):
+    """Requests that wait together (of different lengths, budgets and stops) take the free
+    slots in one prefill call; each still gives what it gives alone."""
+    engine = engines(name)
+    calls = []
+    real = engine.programs.prefill
+    monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
+    burst = REQUESTS[2:2 + SLOTS]
+    with engine:
+        with engine._lock:  # the device thread admits none of them before all wait
+            submitted = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in burst]
+        outputs = [r.result(timeout=300) for r in submitted]
+    assert calls == [SLOTS]
+    for (prompt, budget, stops), got in zip(burst, outputs):
+        assert got == _alone(pair[0], None, prompt, budget, stops)
 
 
 def test_chunks_come_as_the_device_emits_them(pair, engines):
@@ -207,15 +231,16 @@ def test_a_failed_preparation_fails_that_request_only(engines, monkeypatch):
     engine = engines("plain")
     real = engine.programs.prefill
 
-    def prefill(prompt, *args):
-        if len(prompt) == 2:
+    def prefill(prompts, *args):
+        if any(len(p) == 2 for p in prompts):
             raise RuntimeError("broken preparation")
-        return real(prompt, *args)
+        return real(prompts, *args)
 
     monkeypatch.setattr(engine.programs, "prefill", prefill)
     with engine:
-        bad = engine.submit([4, 5], max_new_tokens=3)
-        good = engine.submit([4, 5, 6], max_new_tokens=3)
+        with engine._lock:  # both wait, and are prepared together first
+            bad = engine.submit([4, 5], max_new_tokens=3)
+            good = engine.submit([4, 5, 6], max_new_tokens=3)
         with pytest.raises(RuntimeError, match="broken preparation"):
             bad.result(timeout=300)
         assert len(good.result(timeout=300)) == 3

@@ -1,5 +1,6 @@
-"""One admission into the engine, timed: the prefill of a 50-token prompt (bucket 64) and its
-insert into an 8-slot state, the shipped pair, float32; the median of 40 after 3 warm-ups.
+"""Admissions into the engine, timed: the prefill of 50-token prompts (bucket 64) and their
+insert into an 8-slot state, one request per call and eight together (a burst), the shipped
+pair, float32; the median of 40 after 3 warm-ups, per request.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python docs/bench/engine_admission.py
 """
@@ -21,13 +22,15 @@ for name, d in (("plain", None), ("draft", draft)):
     state, prompt = programs.empty(), np.arange(5, 55, dtype=np.int32)
     stops = np.full((programs.stop_width,), -1, np.int32)
 
-    def admit(state):
-        row = programs.prefill(prompt, 60, (0.0, 0, 1.0), stops, 7)
-        return jax.block_until_ready(programs.insert(state, 3, row))
+    def admit(state, n):
+        rows = programs.prefill([prompt] * n, [60] * n, [(0.0, 0, 1.0)] * n, np.stack([stops] * n), [7] * n)
+        return jax.block_until_ready(programs.insert(state, list(range(n)), rows))
 
-    times = []
-    for i in range(43):
-        start = time.perf_counter()
-        state = admit(state)
-        times.append(time.perf_counter() - start)
-    print(f"{name}: one admission (prefill + insert) {1e3 * statistics.median(times[3:]):.2f} ms median")
+    for n in (1, 8):
+        times = []
+        for i in range(43):
+            start = time.perf_counter()
+            state = admit(state, n)
+            times.append(time.perf_counter() - start)
+        print(f"{name}: {n} admitted per call (prefill + insert): {1e3 * statistics.median(times[3:]) / n:.2f} ms "
+              f"per request, median")

@@ -1,9 +1,9 @@
 """`Engine`: continuous batching with speculation kept on the device.
 
 A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized for
-`max_len` and the deepest draft the engine runs). One host thread owns it: a free slot takes
-the next waiting request (prefill in the prompt's length bucket, then insert into that row;
-nothing else moves), and the live rows advance by loop.py's `step`, several steps per device
+`max_len` and the deepest draft the engine runs). One host thread owns it: free slots take
+the waiting requests (prefilled together, a few per call, in the longest prompt's length
+bucket, then inserted into their rows; nothing else moves), and the live rows advance by loop.py's `step`, several steps per device
 call. A call returns after `steps_per_call` steps, or as soon as a row finishes while
 requests wait for a slot. When none wait, the host reads a call's tokens while the next one
 runs. K follows the number of live rows (a table fixed at construction from the backend's
@@ -173,7 +173,7 @@ class Engine:
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
                     for K in sorted(set(self.k_table))}
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
-                                 int(steps_per_call), draft_threshold, mesh, rules)
+                                 int(steps_per_call), draft_threshold, mesh, rules, deterministic)
         self.memory = self._check_memory()
         self._state = None
         self._lock = threading.Condition()
@@ -394,27 +394,39 @@ class Engine:
             request._finish("cancelled")
 
     def _admit(self):
-        """Free slots take waiting requests: prefill, insert. A request whose preparation
-        fails fails alone."""
-        while True:
-            with self._lock:
-                free = [s for s in range(self.slots) if s not in self._live]
-                if not free or not self._waiting:
-                    return
-                request = self._waiting.popleft()
-            slot = free[0]
-            try:
-                stops = np.full((self.programs.stop_width,), -1, np.int32)
-                stops[:len(request.stop_token_ids)] = request.stop_token_ids
-                row = self.programs.prefill(np.asarray(request.prompt, np.int32),
-                                            len(request.prompt) + request.max_new_tokens, request.sampling, stops,
-                                            request.seed)
-            except Exception as e:  # noqa: BLE001 - this request's preparation, not the engine
-                request._finish(None, e)
-                continue
-            self._state = self.programs.insert(self._state, slot, row)
-            with self._lock:
-                self._live[slot] = request
+        """Free slots take waiting requests, prefilled together in groups of the programs'
+        sizes (a burst's prompts in one call each), then inserted."""
+        with self._lock:
+            free = [s for s in range(self.slots) if s not in self._live]
+            taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
+        while taken:
+            n = max(size for size in self.programs.prefill_sizes if size <= len(taken))
+            self._place(taken[:n], free)
+            taken = taken[n:]
+
+    def _place(self, group: list[Request], free: list[int]):
+        """Prefills `group` in one call and inserts its rows into the first of the `free`
+        slots (taken from the list). A request whose preparation fails fails alone: a group
+        that fails is prepared again one request at a time."""
+        stops = np.full((len(group), self.programs.stop_width), -1, np.int32)
+        for i, request in enumerate(group):
+            stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
+        try:
+            rows = self.programs.prefill([np.asarray(r.prompt, np.int32) for r in group],
+                                         [len(r.prompt) + r.max_new_tokens for r in group],
+                                         [r.sampling for r in group], stops, [r.seed for r in group])
+        except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
+            if len(group) == 1:
+                group[0]._finish(None, e)
+            else:
+                for request in group:
+                    self._place([request], free)
+            return
+        slots = [free.pop(0) for _ in group]
+        self._state = self.programs.insert(self._state, slots, rows)
+        with self._lock:
+            self._live.update(zip(slots, group))
 
     def _dispatch(self):
         with self._lock:

@@ -1,9 +1,9 @@
 """The engine's compiled programs over one `SlotState` of `slots` rows: the empty state,
-prefill per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
+prefill of a group of waiting requests per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
 `step` at one static K per device call, over the state's first rows (a few widths: a step
 costs by its rows), and `sync`: the draft's catch-up after calls at K = 0. Their number is
-bounded and fixed at construction (`Programs.listing`): one prefill per bucket, one run per
-K, width and sampling kind, never one per request.
+bounded and fixed at construction (`Programs.listing`): one prefill per bucket and group
+size, one run per K, width and sampling kind, never one per request.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
@@ -57,16 +57,21 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, plat
 @functools.partial(jax.jit, static_argnames=("cache_len", "platform", "portable"))
 def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *, cache_len: int, platform,
              portable: bool):
-    """One request's row: prompt int32 [1, P], its length, limit and seed uint32 [1], its
-    settings [1] each, stop ids [1, M]; its key is generate's row 0 of key(seed)."""
+    """n requests' rows: prompts int32 [n, P], their lengths and limits int32 [n], seeds
+    uint32 [n], settings [n] each, stop ids [n, M]; row i's key is generate's row 0 of
+    key(seed[i]), as if it were prefilled alone."""
+    keys = jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
     with layers.kernels_for(platform, portable=portable):
         return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
-                            stop_ids=stop_ids, key=loop.row_keys(jax.random.key(seed[0]), 1))
+                            stop_ids=stop_ids, key=keys)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
-def _insert(state, slot, row, holder, *, mesh, rules):
-    return loop.place(loop.insert(state, slot, row), holder, mesh, rules)
+def _insert(state, slots, rows, holder, *, mesh, rules):
+    """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n])."""
+    for i in range(slots.shape[0]):
+        state = loop.insert(state, slots[i], jax.tree.map(lambda x: x[i:i + 1], rows))
+    return loop.place(state, holder, mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -130,7 +135,7 @@ class Programs:
     none), and the state's sizes. drafters: {K: a resolved, bound drafter, or None for 0}."""
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
-                 steps_per_call: int, threshold: float, mesh=None, rules=None):
+                 steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
         self.threshold = jnp.float32(threshold)
@@ -140,13 +145,18 @@ class Programs:
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
         self.widths = (slots,) if mesh is not None else tuple(
             sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
+        # Requests that wait together are prefilled together, in groups of these sizes (one
+        # at a time on a mesh, and where a row must not depend on its neighbours' prefill).
+        self.prefill_sizes = (1,) if mesh is not None or deterministic else tuple(
+            sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
         self.mesh, self.rules = mesh, rules
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
-                + [f"{name} [1, {b}]" for b in self.buckets for name in ("prefill", "insert")]
+                + [f"{name} [{n}, {b}]" for b in self.buckets for n in self.prefill_sizes
+                   for name in ("prefill", "insert")]
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + [f"sync the draft for K={K}" for K in self._synced()])
@@ -166,21 +176,26 @@ class Programs:
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
 
-    def prefill(self, prompt: np.ndarray, limit: int, sampling: tuple, stop_ids: np.ndarray, seed: int):
-        """One request's row: prompt int32 [P] in its bucket; sampling (temperature, top_k,
-        top_p); stop_ids int32 [M]. Its arguments go as host arrays: nothing runs eagerly."""
-        P = len(prompt)
-        b = self.bucket(P)
-        prompts = np.zeros((1, b), np.int32)
-        prompts[0, :P] = prompt
-        (temperature, top_k, top_p), one = sampling, lambda x, dtype: np.array([x], dtype)  # noqa: E731
-        settings = Sampling(one(temperature, np.float32), one(top_k, np.int32), one(top_p, np.float32), FILTERED)
-        return _prefill(self.target, self.deepest, prompts, one(P, np.int32), one(limit, np.int32), settings,
-                        stop_ids[None].astype(np.int32), one(seed, np.uint32), cache_len=b, platform=self.platform,
-                        portable=self.mesh is not None)
+    def prefill(self, prompts: list, limits: list, samplings: list, stop_ids: np.ndarray, seeds: list):
+        """n requests' rows (n in `prefill_sizes`), in the bucket of the longest prompt:
+        prompts int32 [P_i] each; samplings (temperature, top_k, top_p) each; stop_ids int32
+        [n, M]. Its arguments go as host arrays: nothing runs eagerly."""
+        n, b = len(prompts), self.bucket(max(len(p) for p in prompts))
+        if n not in self.prefill_sizes:
+            raise ValueError(f"{n} rows: this engine prefills {self.prefill_sizes} at a time")
+        tokens = np.zeros((n, b), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        temperature, top_k, top_p = zip(*samplings)
+        settings = Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32),
+                            np.array(top_p, np.float32), FILTERED)
+        return _prefill(self.target, self.deepest, tokens, np.array([len(p) for p in prompts], np.int32),
+                        np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
+                        np.array(seeds, np.uint32), cache_len=b, platform=self.platform, portable=self.mesh is not None)
 
-    def insert(self, state, slot: int, row):
-        return _insert(state, np.int32(slot), row, self.deepest, mesh=self.mesh, rules=self.rules)
+    def insert(self, state, slots: list, rows):
+        """`state` with `prefill`'s rows written into its rows `slots`."""
+        return _insert(state, np.array(slots, np.int32), rows, self.deepest, mesh=self.mesh, rules=self.rules)
 
     def release(self, state, slots):
         free = np.zeros((self.slots,), bool)
@@ -192,9 +207,11 @@ class Programs:
         state = self.empty()
         stops = np.full((self.stop_width,), -1, np.int32)
         for b in self.buckets:
-            row = self.prefill(np.ones((b,), np.int32), min(b + 1, self.max_len), (0.0, 0, 1.0), stops, 0)
-            state = self.insert(state, 0, row)
-        state = self.release(state, [0])
+            for n in self.prefill_sizes:
+                rows = self.prefill([np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n,
+                                    [(0.0, 0, 1.0)] * n, np.stack([stops] * n), [0] * n)
+                state = self.insert(state, list(range(n)), rows)
+        state = self.release(state, range(max(self.prefill_sizes)))
         for K in self.drafters:
             if K in self._synced():
                 state = self.sync(state, K)
