@@ -9,7 +9,8 @@ from pathlib import Path
 
 from specjax import flags
 from specjax.shipped import default_checkpoint
-from specjax.text import TextStream, encode_prompts, read_prompts, stop_ids, target_tokenizer
+from specjax.text import (TextStream, check_draft_tokenizer, encode_prompts, read_prompts, stop_ids,
+                          target_tokenizer)
 from specjax.train import commands
 
 
@@ -175,12 +176,8 @@ def _draft_model(args, target, tokenizer, tree, mesh):
     draft, drafter_name = specjax.DraftModel(model, tree), f"draft model {args.draft}"
     if (vocab := read_vocab(args.draft, model.config.vocab_size)) is not None:  # distill --draft-vocab's
         draft, drafter_name = draft.with_vocab(vocab), drafter_name + f" ({len(vocab)}-token draft vocabulary)"
-    try:
-        draft_tokenizer = specjax.load_tokenizer(args.draft)
-    except (OSError, ValueError):
-        print(f"note: {args.draft} has no tokenizer; assuming it shares the target's", file=sys.stderr)
-    else:
-        specjax.hf.check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
+    if (note := check_draft_tokenizer(tokenizer, args.target, args.draft)) is not None:
+        print(f"note: {note}", file=sys.stderr)
     return draft, drafter_name
 
 

@@ -69,6 +69,19 @@ def target_tokenizer(target, tokenizer=None):
                                          "tokenizer") from None
 
 
+def check_draft_tokenizer(tokenizer, target_name: str, draft_path) -> str | None:
+    """Refuses (TokenizerMismatchError) a draft whose folder's tokenizer gives other ids than
+    the target's; a folder without one is assumed to share it: the note saying so, or None."""
+    from specjax.hf import check_tokenizers, load_tokenizer
+
+    try:
+        draft_tokenizer = load_tokenizer(draft_path)
+    except (OSError, ValueError):
+        return f"{draft_path} has no tokenizer; assuming it shares the target's"
+    check_tokenizers(tokenizer, draft_tokenizer, target_name, draft_path)
+    return None
+
+
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
     """Token ids as transformers builds them: the tokenizer's special tokens included (BOS
     where the model expects one); with chat, each prompt is a user turn of the tokenizer's

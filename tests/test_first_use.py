@@ -205,3 +205,20 @@ def test_a_tree_reports_its_accepted_length_and_a_smaller_draft_vocabulary_is_no
     assert "tree of 4 nodes, depth 3" in summary and "acceptance" not in summary and "K=" not in summary, summary
     assert ("note: the draft's vocabulary has 94 tokens, the target's 97: the draft never proposes the target's ids "
             "94..96\n") in err, err
+
+
+def test_serve_drafts_from_the_saved_vocabulary_on_a_mesh_too(monkeypatch, capsys):
+    """The served draft model is the shipped recipe (its saved 1,024-token vocabulary), also
+    when --mesh shards it (its model replaced, not rebuilt without the vocabulary)."""
+    import specjax.serve.api as api
+    import specjax.serve.server as server
+    from specjax.cli import entry
+
+    drafts = []
+    monkeypatch.setattr(api, "create_app", lambda app_server, owns_engine: drafts.append(
+        app_server.engine.programs.deepest))
+    monkeypatch.setattr(server, "_server_class", lambda: lambda config: type("Run", (), {"run": lambda self: None})())
+    monkeypatch.setattr("uvicorn.Config", lambda *a, **k: None)  # (its logging would write to capsys' stream)
+    args = ["serve", "--slots", "1", "--max-model-len", "64", "--no-warmup"]
+    assert entry(args) == 0 and entry(args + ["--mesh", "1,1"]) == 0
+    assert [int(d.vocab.shape[0]) for d in drafts] == [1024, 1024]

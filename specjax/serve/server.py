@@ -23,9 +23,8 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
     """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json),
     none, prompt-lookup, early-exit:N, or eagle / eagle3 (the shipped heads)."""
     import specjax
-    from specjax.drafters.vocab import read_vocab
-    from specjax.hf import check_tokenizers
     from specjax.shipped import default_checkpoint
+    from specjax.text import check_draft_tokenizer
 
     if spec == "none":
         return None
@@ -40,16 +39,9 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
     path = default_checkpoint(spec) if spec in ("eagle", "eagle3") else spec
     if (Path(path) / "drafter.json").exists():
         return specjax.load_drafter(path)
-    model = specjax.load_model(path, attention=target.attention)
-    draft = specjax.DraftModel(model)
-    if (vocab := read_vocab(path, model.config.vocab_size)) is not None:
-        draft = draft.with_vocab(vocab)
-    try:
-        draft_tokenizer = specjax.load_tokenizer(path)
-    except (OSError, ValueError):
-        print(f"note: {path} has no tokenizer; assuming it shares the target's", file=sys.stderr)
-    else:
-        check_tokenizers(tokenizer, draft_tokenizer, target_path, path)
+    draft = specjax.DraftModel.load(path, attention=target.attention)  # with its saved vocabulary
+    if (note := check_draft_tokenizer(tokenizer, target_path, path)) is not None:
+        print(f"note: {note}", file=sys.stderr)
     return draft
 
 
@@ -72,7 +64,7 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     if mesh is not None and drafter is not None and not isinstance(drafter, specjax.DraftModel):
         raise ValueError("--mesh shards the target and a draft model; other drafters run on one device")
     if mesh is not None and drafter is not None:  # small: a copy on every device, rows over data
-        drafter = specjax.DraftModel(specjax.shard_model(drafter.model, mesh, rules=(("batch", "data"),)))
+        drafter = drafter.replace(model=specjax.shard_model(drafter.model, mesh, rules=(("batch", "data"),)))
     length = int(max_model_len or min(target.config.max_position_embeddings, 2048))
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
                             deterministic=deterministic, steps_per_call=steps_per_call)
