@@ -218,8 +218,9 @@ class Attention(nn.Module):
 ATTENTION_BLOCK = 512
 # A CPU visits a long cache's prefix in blocks of this many slots: rows shorter than the
 # cache then read less of it, for a few more loop trips (the engine's 8 slots of 1,024 on
-# this 2-core CPU: 955 -> 1,162 output tokens/s at 8 rows, the same at one; 128 lost to
-# the trips). Measured only on CPU; other platforms visit ATTENTION_BLOCK slots at a time.
+# a 2-core CPU, 8 clients: 954-1,006 output tokens/s with 512, 1,148-1,263 with 256;
+# docs/bench/engine_clients.py). Measured only on CPU; other platforms visit
+# ATTENTION_BLOCK slots at a time.
 CPU_PREFIX_BLOCK = 256
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -406,7 +407,8 @@ def _normalise(state, dtype):
 #
 # Honest status: neither kernel has run on its hardware here (this project was built on CPU
 # only), so a model takes them only when it opts in (Model.attention="kernels"). Their
-# selection, their mask and layout handling and (splash) the kernel itself in Pallas' interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
+# selection, their mask and layout handling and (splash) the kernel itself in Pallas'
+# interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
 # dot_product_attention through implementation="xla", which takes the same arguments as
 # "cudnn"; splash_attention(interpret=True)). The constraints below are those the kernels
 # document or check (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention; the

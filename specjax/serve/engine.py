@@ -3,11 +3,12 @@
 A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized for
 `max_len` and the deepest draft the engine runs). One host thread owns it: free slots take
 the waiting requests (prefilled together, a few per call, in the longest prompt's length
-bucket, then inserted into their rows; nothing else moves), and the live rows advance by loop.py's `step`, several steps per device
-call. A call returns after `steps_per_call` steps, or as soon as a row finishes while
-requests wait for a slot. When none wait, the host reads a call's tokens while the next one
-runs. K follows the number of live rows (a table fixed at construction from the backend's
-cost profile), among a few programs compiled over the same state.
+bucket, then inserted into their rows; nothing else moves), and the live rows advance by
+loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
+steps, or as soon as a row finishes while requests wait for a slot. When none wait, the host
+reads a call's tokens while the next one runs. K follows the number of live rows (a table
+fixed at construction from the backend's cost profile), among a few programs compiled over
+the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
 and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).

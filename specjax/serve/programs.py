@@ -1,9 +1,10 @@
 """The engine's compiled programs over one `SlotState` of `slots` rows: the empty state,
-prefill of a group of waiting requests per prompt-length bucket, insert, release, and `run`: several steps of loop.py's
-`step` at one static K per device call, over the state's first rows (a few widths: a step
-costs by its rows), and `sync`: the draft's catch-up after calls at K = 0. Their number is
-bounded and fixed at construction (`Programs.listing`): one prefill per bucket and group
-size, one run per K, width and sampling kind, never one per request.
+prefill of a group of waiting requests per prompt-length bucket, insert, release, and `run`:
+several steps of loop.py's `step` at one static K per device call, over the state's first
+rows (a few widths: a step costs by its rows), and `sync`: the draft's catch-up after calls
+at K = 0. Their number is bounded and fixed at construction (`Programs.listing`): one
+prefill per bucket and group size, one run per K, width and sampling kind, never one per
+request.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
@@ -142,13 +143,12 @@ class Programs:
         self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
         self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
         self.buckets = buckets(max_len)
+        doubling = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))  # 1, 2, 4, .. slots
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
-        self.widths = (slots,) if mesh is not None else tuple(
-            sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
+        self.widths = (slots,) if mesh is not None else doubling
         # Requests that wait together are prefilled together, in groups of these sizes (one
         # at a time on a mesh, and where a row must not depend on its neighbours' prefill).
-        self.prefill_sizes = (1,) if mesh is not None or deterministic else tuple(
-            sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
+        self.prefill_sizes = (1,) if mesh is not None or deterministic else doubling
         self.mesh, self.rules = mesh, rules
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
