@@ -4,6 +4,7 @@ python gpubench.py shipped            # the shipped pair in bfloat16: AR vs draf
 python gpubench.py synth --size 1b    # a Llama-shaped random pair: roofline, pass-cost curve,
                                       # AR/spec tok/s, batch, and transformers on the same weights
 python gpubench.py selfdraft          # the shipped target drafting for itself (greedy)
+python gpubench.py attention --size 1b  # Model.attention portable vs kernels: passes, generation
 Prints a table last; writes JSON to $OUT (or /tmp) when set.
 
 Adapted from /work/shared/gpu/gpubench.py (written for f58689a, stacked [L, ...] layers) to
@@ -156,6 +157,46 @@ def synth(args):
         log("%-22s %4s %8s %10.1f %8.2f %7.2f %6s" % r)
     log(f"roofline (weights only, batch 1): {roof:.0f} tok/s")
 
+ATTENTION_CASES = ((1, 1, 1024), (1, 6, 1024), (8, 1, 8192), (8, 6, 8192))  # (B, T, S): issue 37's bars
+
+
+def attention(args):
+    """Model.attention "portable" against "kernels" (the Pallas prefix kernel, cuDNN): each
+    pass of ATTENTION_CASES[:args.cases] (B rows, T tokens, an S-slot cache half full, as
+    measure.pass_time runs it) timed, over what it must read (the weights once, the live
+    cache once) at the measured bandwidth; then greedy generation (AR, draft K=5) in both
+    modes and the rows where kernels' output differs from the portable path's."""
+    from specjax.measure import pass_time
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    target, draft = build_pair(args.size, args.draft_layers, dtype)
+    c = target.config
+    W = nbytes(target)
+    bw = bandwidth()
+    R = RESULTS.setdefault(f"attention-{args.size}", {"bandwidth_GBps": bw / 1e9, "weights_GB": W / 1e9})
+    log(f"{args.size}: weights {W / 1e9:.2f} GB, measured bandwidth {bw / 1e12:.2f} TB/s")
+    for B, T, S in ATTENTION_CASES[:args.cases]:
+        live = B * (S // 2) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+        floor = (W + live) / bw
+        for mode in ("portable", "kernels"):
+            t = pass_time(target.replace(attention=mode), B, T, S, 3)
+            R[f"{mode}_b{B}_t{T}_s{S}"] = {"ms": t * 1e3, "over_bytes": t / floor}
+            log(f"{mode:8s} B={B} T={T} S={S}: {t * 1e3:.3f} ms, {t / floor:.2f}x the {floor * 1e3:.3f} ms "
+                f"to read weights + live cache ({live / 1e9:.2f} GB)")
+    if not args.max_new:
+        return
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, c.vocab_size, 32)) for _ in range(1)]
+    ref = None
+    for mode in ("portable", "kernels"):
+        t, d = target.replace(attention=mode), draft.replace(attention=mode)
+        ar = gen(t, prompts, max_new=args.max_new)
+        sp = gen(t, prompts, draft=d, K=5, max_new=args.max_new)
+        ref = ref or ar["rows"]
+        R[f"{mode}_gen"] = {"ar_tok_s": ar["tok_s"], "k5_tok_s": sp["tok_s"], "k5_tok_per_pass": sp["tok_per_pass"],
+                            "ar_diverged": diverged(ar["rows"], ref)[0], "k5_diverged": diverged(sp["rows"], ref)[0]}
+        log(f"{mode}: {R[f'{mode}_gen']}")
+
 
 def hf_compare(target, draft, args, R):
     import tempfile
@@ -273,7 +314,7 @@ def shipped_pair(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["shipped", "synth", "selfdraft"])
+    ap.add_argument("part", choices=["shipped", "synth", "selfdraft", "attention"])
     ap.add_argument("--size", default="1b", choices=sorted(set(SIZE_MAP) | set(SYNTHETIC_SIZES)))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--draft-layers", type=int, default=2)
@@ -285,6 +326,7 @@ def main():
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--ckpt", default="checkpoints")
     ap.add_argument("--prompts", type=int, default=8, help="shipped/selfdraft: use the first N of the 8 prompts")
+    ap.add_argument("--cases", type=int, default=len(ATTENTION_CASES), help="attention: the first N of ATTENTION_CASES")
     args = ap.parse_args()
     log(f"jax {jax.__version__} backend {jax.default_backend()} devices {jax.devices()}")
     try:
@@ -292,6 +334,8 @@ def main():
             synth(args)
         elif args.part == "selfdraft":
             selfdraft(args)
+        elif args.part == "attention":
+            attention(args)
         else:
             shipped_pair(args)
     finally:

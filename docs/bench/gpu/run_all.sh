@@ -18,7 +18,7 @@
 # SIGTERM, which the wrapper turns into SystemExit so that gpubench still writes the JSON of
 # what it measured (its `finally`), then SIGKILL 15 s later. Steps run in order of value: the
 # per-layer layout's numbers never measured on a GPU first (synth 1b --hf, synth 8b, shipped,
-# bench --profile, parts, selfdraft), then the XLA_FLAGS variants, then gemv.py (standalone:
+# bench --profile, attention portable vs kernels, parts, selfdraft), then the XLA_FLAGS variants, then gemv.py (standalone:
 # it measures no specjax code, and its default-flag numbers exist from "Before").
 #
 # Reduced from README.md's commands to fit 9 minutes (caps and sizes are estimates: no GPU was
@@ -94,6 +94,7 @@ if [ "$SMOKE" = 1 ]; then
   SELFDRAFT=(--prompts 2 --ks 2 --max-new 8)
   PROFILE=(--batches 1 -k 1 --num-prompts 1 --prompt-tokens 8 --max-new-tokens 4 --repeats 1
            --profile-tree 2,2 --tree-nodes 2)
+  ATTN_1B=(--size tiny --dtype float32 --cases 2 --max-new 8) ATTN_8B=(--size llama-tiny --dtype float32 --cases 1 --max-new 0)
   PARTS_1B=tiny PARTS_8B=tiny
   GEMV_1B=(tiny separate,fused,python) GEMV_8B=(tiny separate,fused,python)
   GEMV_1B_NT=(tiny separate,fused,python) GEMV_8B_NT=(tiny separate,fused,python)
@@ -106,6 +107,7 @@ else
   SELFDRAFT=(--ks 4 --max-new 128)
   PROFILE=(--batches 1 4 16 -k 6 --num-prompts 16 --repeats 3 --max-new-tokens 64
            --profile-tree 4,2 --tree-nodes 4 8 12)
+  ATTN_1B=(--size 1b --max-new 128) ATTN_8B=(--size 8b --cases 3 --max-new 0)
   PARTS_1B=1b PARTS_8B=8b
   GEMV_1B=(1b python,separate,fused) GEMV_8B=(8b python,separate,fused)
   GEMV_1B_NT=(1b scan,python,separate,fused) GEMV_8B_NT=(8b scan,python,separate,fused)
@@ -113,7 +115,7 @@ else
 fi
 
 # name | cap (s) | command (env ... python-wrapped script and arguments)
-STEPS=(synth-1b-hf synth-8b shipped bench-profile parts-1b parts-8b selfdraft
+STEPS=(synth-1b-hf synth-8b shipped bench-profile attention-1b attention-8b parts-1b parts-8b selfdraft
        synth-8b-notriton synth-1b-notriton gemv-1b gemv-8b gemv-1b-notriton gemv-8b-notriton)
 cmd_of() {
   local nt=(env XLA_FLAGS=$NOTRITON OUT="$OUT/xla-notriton")
@@ -122,6 +124,8 @@ cmd_of() {
     synth-8b)          CMD=("$B/gpubench.py" synth "${SYNTH_8B[@]}"); CAPS=$(CAP 150) ;;
     shipped)           CMD=("$B/gpubench.py" shipped "${SHIPPED[@]}"); CAPS=$(CAP 75) ;;
     bench-profile)     CMD=(-m specjax.cli bench --profile --out "$OUT" "${PROFILE[@]}"); CAPS=$(CAP 120) ;;
+    attention-1b)      CMD=("$B/gpubench.py" attention "${ATTN_1B[@]}"); CAPS=$(CAP 90) ;;
+    attention-8b)      CMD=("$B/gpubench.py" attention "${ATTN_8B[@]}"); CAPS=$(CAP 90) ;;
     parts-1b)          CMD=("$B/parts.py" "$PARTS_1B"); CAPS=$(CAP 45) ;;
     parts-8b)          CMD=("$B/parts.py" "$PARTS_8B"); CAPS=$(CAP 60) ;;
     selfdraft)         CMD=("$B/gpubench.py" selfdraft "${SELFDRAFT[@]}"); CAPS=$(CAP 50) ;;
