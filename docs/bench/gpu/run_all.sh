@@ -122,7 +122,7 @@ cmd_of() {
   case "$1" in
     synth-1b-hf)       CMD=("$B/gpubench.py" synth "${SYNTH_1B_HF[@]}"); CAPS=$(CAP 150) ;;
     synth-8b)          CMD=("$B/gpubench.py" synth "${SYNTH_8B[@]}"); CAPS=$(CAP 150) ;;
-    shipped)           CMD=("$B/gpubench.py" shipped "${SHIPPED[@]}"); CAPS=$(CAP 75) ;;
+    shipped)           CMD=("$B/gpubench.py" shipped "${SHIPPED[@]}"); CAPS=$(CAP 150) ;;
     bench-profile)     CMD=(-m specjax.cli bench --profile --out "$OUT" "${PROFILE[@]}"); CAPS=$(CAP 120) ;;
     attention-1b)      CMD=("$B/gpubench.py" attention "${ATTN_1B[@]}"); CAPS=$(CAP 90) ;;
     attention-8b)      CMD=("$B/gpubench.py" attention "${ATTN_8B[@]}"); CAPS=$(CAP 90) ;;
