@@ -41,10 +41,11 @@ def add_mesh_args(p, more: str = ""):
 
 
 def add_attention_arg(p):
-    p.add_argument("--attention", choices=["portable", "kernels"], default="portable",
-                   help="kernels: attend through the platform's fused kernels where they apply (Pallas prefix "
-                        "kernels, cuDNN, splash; not yet run on their hardware); portable (default): jnp on "
-                        "every backend")
+    p.add_argument("--attention", choices=["auto", "portable", "kernels"], default="auto",
+                   help="auto (default): the platform's fused attention kernels where they have been measured "
+                        "(a GPU, in bfloat16), jnp elsewhere; kernels: the kernels wherever they apply (Pallas "
+                        "prefix kernels, cuDNN, splash; the TPU's not yet run on a TPU); portable: jnp on every "
+                        "backend")
 
 
 def add_distributed_args(p):

@@ -481,7 +481,7 @@ def _placement(shape, path, mesh, rules):
 
 def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
                progress: bool | None = None, quantize: str | None = None,
-               duplicate_kv_heads: bool = True, attention: str = "portable") -> Model:
+               duplicate_kv_heads: bool = True, attention: str = "auto") -> Model:
     """Loads a Hugging Face folder (or hub id) of a supported architecture.
 
     dtype: parameter dtype (with quantize: of the scales, norms and activations); default
@@ -493,8 +493,9 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     splits head_dim instead).
     progress: a progress bar (None: for checkpoints of 1 GiB or more).
     quantize: "int8" for int8 weight-only quantisation (see specjax.quant), None for none.
-    attention: "portable" (default) or "kernels": whether its passes take the fused attention
-    kernel of the platform a program is built for, where one applies (see Model.attention).
+    attention: "auto" (default: the kernels where they have been measured, a GPU), "portable"
+    or "kernels": whether its passes take the fused attention kernels of the platform a
+    program is built for, where one applies (see Model.attention).
 
     Everything is checked before anything is allocated: config.json's values, that the
     weights are safetensors (pickle is refused), every tensor's name and shape. Then the

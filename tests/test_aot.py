@@ -171,11 +171,13 @@ def test_large_copies_are_found_and_named_by_their_line():
     assert {c.source for c in found} <= {f"tests/test_aot.py:{line}", "w"}, found
 
 
-def test_attention_kernels_are_opt_in_and_follow_the_platform_compiled_for():
+def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     """A prefill chunk of 128-multiples with head_dim 128, compiled here for one TPU chip by
     a model that opts in (Model.attention="kernels"), holds Pallas' splash attention kernel
-    (a Mosaic custom call); by default (never run on a TPU) it attends portably, and traced
-    for this CPU it has no kernel either way."""
+    (a Mosaic custom call); by default ("auto": the TPU's kernels never ran on a TPU) it
+    attends portably, and traced for this CPU it has no kernel either way. Traced for a GPU,
+    where the kernels were measured, "auto" takes the Pallas prefix kernel in bfloat16 and
+    not in float32; "portable" never."""
     config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                              hidden_size=256, max_position_embeddings=1024))
     model = aot.abstract_model(config)
@@ -188,20 +190,22 @@ def test_attention_kernels_are_opt_in_and_follow_the_platform_compiled_for():
     # A verification pass's prefix takes the Pallas prefix kernel when the model opts in, and
     # the portable path by default: traced for a GPU (Triton), and compiled for a TPU (Mosaic),
     # where the kernel reads the cache as it lies (no cache-sized copy, no temporaries).
-    for m, held in ((kernels, True), (model, False)):
+    f32 = aot.abstract_model(config, jnp.float32)
+    for m, held in ((kernels, True), (model, True), (model.replace(attention="portable"), False), (f32, False),
+                    (f32.replace(attention="kernels"), True)):
         spec = aot.verify_program(m, cpu, 4, batch=1, context=256)
         text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("specjax_prefix_attention" in text) == held, m.attention
+        assert ("specjax_prefix_attention" in text) == held, (m.attention, m.dtype)
     grouped = aot.abstract_model(dataclasses.replace(config, num_heads=4, num_kv_heads=2))  # the TPU kernel's G > 1
     temps = {}
-    for m in (grouped, grouped.replace(attention="kernels")):
+    for m in (grouped.replace(attention="portable"), grouped.replace(attention="kernels")):
         spec = aot.verify_program(m, tpu, 4, batch=2, context=1024)
         compiled = spec.fn.lower(*spec.args).compile()
         assert ("specjax_prefix_attention" in compiled.as_text()) == (m.attention == "kernels")
         assert aot.large_copies(compiled.as_text(), 2**18) == (), m.attention  # a layer's K: 1 MB
         temps[m.attention] = compiled.memory_analysis().temp_size_in_bytes
     assert temps["kernels"] <= temps["portable"], temps
-    with pytest.raises(ValueError, match="attention must be one of 'portable', 'kernels', got 'fast'"):
+    with pytest.raises(ValueError, match="attention must be one of 'auto', 'portable', 'kernels', got 'fast'"):
         model.replace(attention="fast")
 
 
@@ -225,7 +229,7 @@ def test_cuda_lowering_reads_each_weight_about_once():
     a pass that read a weight twice would be at 2x (the output projection's weight reshaped
     for a GPU counted 1.13x on the 1B shape)."""
     cpu = aot.on_device(jax.devices("cpu")[0])
-    for model in (EIGHT_B, EIGHT_B.replace(attention="kernels")):
+    for model in (EIGHT_B.replace(attention="portable"), EIGHT_B.replace(attention="kernels")):
         for spec, bound in ((aot.pass_program(model, cpu, context=1024), 1.1),
                             (aot.verify_program(model, cpu, 5, context=1024), 1.15)):
             ratio = aot.cuda_bytes(spec) / spec.must_read

@@ -109,19 +109,20 @@ def _run_json(capsys, *argv):
 
 def test_attention_kernels_are_a_flag(tiny_target, capsys, monkeypatch):
     """`--attention kernels` opts the models in to the platform's attention kernels (the
-    loaded model carries it): on this CPU none applies, so the output is portable's; an
-    unknown choice is refused."""
+    loaded model carries it; the default is auto): on this CPU none applies, so the output is
+    portable's; an unknown choice is refused."""
     folder, _ = tiny_target
     loaded, load = [], specjax.load_model
     monkeypatch.setattr(specjax, "load_model", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
-    portable = _run_json(capsys, "hello", "--target", str(folder))
+    portable = _run_json(capsys, "hello", "--target", str(folder), "--attention", "portable")
     kernels = _run_json(capsys, "hello", "--target", str(folder), "--attention", "kernels")
-    assert [m.attention for m in loaded] == ["portable", "kernels"]
-    assert kernels["outputs"] == portable["outputs"]
+    auto = _run_json(capsys, "hello", "--target", str(folder))
+    assert [m.attention for m in loaded] == ["portable", "kernels", "auto"]
+    assert kernels["outputs"] == auto["outputs"] == portable["outputs"]
     with pytest.raises(SystemExit) as e:
         main(["generate", "hello", "--target", str(folder), "--attention", "fast"])
     assert e.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="attention must be one of 'portable', 'kernels', got 'fast'"):
+    with pytest.raises(ValueError, match="attention must be one of 'auto', 'portable', 'kernels', got 'fast'"):
         specjax.load_model(folder, attention="fast")
 
 

@@ -2,7 +2,7 @@
 here (specjax/aot.py: `cuda_bytes`, before XLA optimises it: every operand once), for a
 Llama-3.1-8B-shaped target in bfloat16: the one-token pass and the verification pass of a
 chain of 5 (6 tokens), at batch 1 over a 1K cache and at batch 8 over an 8K cache (where
-the cache is about a third of the bytes), with attention portable (the default) and with
+the cache is about a third of the bytes), with attention portable and with
 the model's opt-in kernels (Model.attention="kernels": the prefix through the Pallas prefix
 kernel). Must read: every weight a pass reads once, plus the live cache.
 

@@ -16,12 +16,13 @@ from flax import struct
 from specjax.cache import KVCache, Placement
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import exact
+from specjax.models.layers import takes_kernels
 from specjax.models.transformer import decode, init_params, read_out
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
 # array (see transformer.py for why layers are not stacked).
 Params = Any
-ATTENTION = ("portable", "kernels")  # Model.attention's choices
+ATTENTION = ("auto", "portable", "kernels")  # Model.attention's choices
 
 
 @struct.dataclass
@@ -38,12 +39,15 @@ class Model:
     # True: every pass computes each token by fixed-shape bodies (models/exact.py), so that
     # its bits do not depend on the pass; what `generate(deterministic=True)` sets.
     exact: bool = struct.field(pytree_node=False, default=False)
-    # How its passes attend (static: part of every program's jit key). "portable": the jnp
-    # path on every backend (the default). "kernels": where the platform a program is built
-    # for has a fused kernel for a pass, it takes it (cuDNN flash attention on a GPU, Pallas
-    # splash attention on a TPU: layers.attention_kernel says where each applies). Opt-in:
-    # neither kernel has run on its hardware yet; a sharded program attends portably anyway.
-    attention: str = struct.field(pytree_node=False, default="portable")
+    # How its passes attend (static: part of every program's jit key). "kernels": where the
+    # platform a program is built for has a fused kernel for a pass, it takes it (cuDNN and
+    # the Pallas prefix kernel on a GPU, splash and the Pallas prefix kernel on a TPU:
+    # layers.attention_kernel and prefix_kernel.applies say where each applies). "portable":
+    # the jnp path on every backend. "auto" (the default): kernels where they have been
+    # measured on their hardware (a GPU, in bfloat16 or float16: layers.MEASURED_KERNELS),
+    # portable elsewhere (TPU kernels are opt-in until they run on one). A sharded program
+    # attends portably whatever this says.
+    attention: str = struct.field(pytree_node=False, default="auto")
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -81,7 +85,7 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
         return exact.decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer,
                             taps=taps)
     return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps,
-                  kernels=model.attention == "kernels")
+                  kernels=takes_kernels(model.attention, model.dtype))
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

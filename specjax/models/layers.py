@@ -240,7 +240,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     already hides what lies past it). A query that sees no slot at all gets zeros (the
     dense path's output for it, a uniform average, is equally meaningless).
 
-    With kernels=True (a model's opt-in: Model.attention), where an accelerator kernel
+    With kernels=True (`takes_kernels` of the model's Model.attention), where an accelerator kernel
     applies (`attention_kernel`: cuDNN on GPU, Pallas splash attention on TPU) it computes
     the same thing instead; this jnp code is the default and the fallback. A cached pass
     attends by `cached_attention` unless a kernel takes it.
@@ -282,7 +282,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
     and re-reads the last live block instead, masked).
 
-    kernels=True (a model's opt-in: Model.attention): traced for a GPU or a TPU, where it
+    kernels=True (`takes_kernels` of the model's Model.attention): traced for a GPU or a TPU, where it
     applies (`prefix_kernel.applies`), the prefix goes through that platform's Pallas kernel
     (per-row lengths, read in place); interpret=True runs it in Pallas' interpreter, on any
     backend (the tests').
@@ -405,14 +405,23 @@ def _normalise(state, dtype):
 
 # ---- accelerator kernels ---------------------------------------------------------------
 #
-# Honest status: neither kernel has run on its hardware here (this project was built on CPU
-# only), so a model takes them only when it opts in (Model.attention="kernels"). Their
-# selection, their mask and layout handling and (splash) the kernel itself in Pallas'
-# interpret mode are tested on CPU against the portable path (tests/test_long_context.py:
-# dot_product_attention through implementation="xla", which takes the same arguments as
-# "cudnn"; splash_attention(interpret=True)). The constraints below are those the kernels
-# document or check (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention; the
-# splash kernel's 128-lane blocks).
+# Status: the GPU's kernels (cuDNN, the Pallas prefix kernel through Triton) have run on
+# their hardware: one H200, 2026-11-26 (docs/bench/gpu/README.md, "After": 1.2-5x faster
+# than the portable path on 1B and 8B shapes, the same greedy tokens), so a model takes them
+# by default there (Model.attention="auto", `takes_kernels`). The TPU's (splash, the Pallas
+# prefix kernel through Mosaic) have only been compiled here: a model takes them when it
+# opts in (Model.attention="kernels"). Their selection, their mask and layout handling and
+# the kernels themselves in Pallas' interpret mode are tested on CPU against the portable
+# path (tests/test_long_context.py: dot_product_attention through implementation="xla",
+# which takes the same arguments as "cudnn"; splash_attention(interpret=True)). The
+# constraints below are those the kernels document or check
+# (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention; the splash kernel's
+# 128-lane blocks).
+
+# Where Model.attention="auto" takes the kernels: platforms whose kernels have been measured
+# on their hardware, in the dtypes measured (bfloat16 on the H200; float16 takes the same
+# kernels). float32 on a GPU attends portably: Triton's float32 dots round to TF32.
+MEASURED_KERNELS = {"gpu": (jnp.bfloat16, jnp.float16)}
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
 # While tracing a program for a platform (`kernels_for`): (that platform: "cpu", "gpu", "tpu",
@@ -460,9 +469,19 @@ def kernel_platform() -> str:
     return "portable" if _tracing_for.get()[1] else target_platform()
 
 
+def takes_kernels(attention: str, dtype) -> bool:
+    """Whether a model of Model.attention `attention` (its activations in `dtype`) may take
+    the kernels of the platform being traced for: "kernels" anywhere, "auto" where they were
+    measured (MEASURED_KERNELS), "portable" never. Which kernel, if any, applies to a pass is
+    `attention_kernel`'s and `prefix_kernel.applies`' business."""
+    if attention == "auto":
+        return jnp.dtype(dtype) in MEASURED_KERNELS.get(target_platform(), ())
+    return attention == "kernels"
+
+
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:
     """Which implementation attention over q [B, T, H, D] and S key slots takes, for a model
-    that opts in to kernels (Model.attention == "kernels"; every other model's is portable):
+    that takes kernels (`takes_kernels`; every other model's is portable):
 
     - "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, flash attention): on
       GPU, for float16/bfloat16, head_dim <= 128 and a multiple of 8, no soft-cap (cuDNN has

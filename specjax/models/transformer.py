@@ -75,7 +75,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     """Activations take the parameters' dtype; logits are always float32.
 
     kernels: attention takes the fused kernel of the platform being traced for where one
-    applies (`layers.attention_kernel`; Model.attention == "kernels"); otherwise the jnp path.
+    applies (`layers.attention_kernel`; `layers.takes_kernels` of Model.attention); otherwise
+    the jnp path.
 
     num_layers: run only the first num_layers layers, then the final norm and head (early
     exit; the cache's other layers are returned untouched).

@@ -48,7 +48,7 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
 def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           max_model_len: int | None = None, served_model_name: str | None = None, api_key: str | None = None,
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
-          drain_timeout: float = 30.0, warmup: bool = True, attention: str = "portable",
+          drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
           tokenizer: str | None = None) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
     target's own folder's)."""
