@@ -96,13 +96,22 @@ def weight_bytes(model: Model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(model.params))
 
 
+READS = {  # read-only reductions of a [n / 1024, 1024] bfloat16 array, each reading it once
+    "column sums": lambda x: jnp.sum(x.astype(jnp.float32), axis=0),
+    "row sums": lambda x: jnp.sum(x.astype(jnp.float32), axis=1),
+    "max": lambda x: jnp.max(x),
+}
+
+
 def read_bandwidth(repeats: int = 10) -> float:
-    """Bytes per second the default device reads, measured: a reduction over a large array
-    (2 GiB on an accelerator, 64 MiB on CPU), as a decoding pass reads its weights."""
+    """Bytes per second the default device reads, measured: the fastest of READS over a large
+    array (2 GiB on an accelerator, 64 MiB on CPU), as a decoding pass reads its weights. One
+    reduction alone can under-read a card: on an H200 the column sums read 2.4-2.9 TB/s in
+    four runs while the 8B weights-only chain read 4.2 TB/s (docs/bench/gpu/README.md)."""
     n = 2**30 if jax.default_backend() != "cpu" else 2**25
-    x = jnp.ones((n // 1024, 1024), jnp.bfloat16)
-    total = jax.jit(lambda x: jnp.sum(x.astype(jnp.float32), axis=0))
-    seconds = median_time(lambda: jax.block_until_ready(total(x)), repeats)
+    x = jax.random.normal(jax.random.key(1), (n // 1024, 1024), jnp.bfloat16)  # not constant: nothing to compress
+    seconds = min(median_time(lambda: jax.block_until_ready(read(x)), repeats)
+                  for read in map(jax.jit, READS.values()))
     return 2 * n / seconds
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import specjax
 from specjax.measure import median_time
 from specjax.synthetic import SIZES as SYNTHETIC_SIZES
-from specjax.synthetic import build_synthetic_pair, weights_only_time
+from specjax.synthetic import build_synthetic_pair, read_bandwidth, weights_only_time
 
 OUT = os.environ.get("OUT", "/tmp")
 RESULTS = {}
@@ -33,17 +33,6 @@ RESULTS = {}
 
 def log(*a):
     print(*a, flush=True)
-
-
-def bandwidth():
-    """Achieved device-memory read bandwidth: bytes per second of a big reduction (reads only),
-    the way decoding reads its weights."""
-    n = 2 ** 30 if jax.default_backend() == "gpu" else 2 ** 24  # 2 GiB on a GPU
-    x = jax.random.normal(jax.random.key(1), (n // 1024, 1024), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x.astype(jnp.float32), axis=0))
-    t = median_time(lambda: f(x).block_until_ready(), 10)
-    del x
-    return 2 * n / t
 
 
 def gen(target, prompts, draft=None, K=None, max_new=256, temperature=0.0, batch=None, **kw):
@@ -105,7 +94,7 @@ def synth(args):
     log(f"built {args.size} pair in {time.time() - t0:.1f}s: target {nbytes(target) / 1e9:.2f} GB, "
         f"draft {nbytes(draft) / 1e9:.2f} GB ({args.dtype})")
     R = RESULTS.setdefault(f"synth-{args.size}", {})
-    bw = bandwidth()
+    bw = read_bandwidth()
     R["bandwidth_GBps"] = bw / 1e9
     roof = bw / nbytes(target)
     R["roofline_tok_s_b1"] = roof
@@ -172,7 +161,7 @@ def attention(args):
     target, draft = build_pair(args.size, args.draft_layers, dtype)
     c = target.config
     W = nbytes(target)
-    bw = bandwidth()
+    bw = read_bandwidth()
     R = RESULTS.setdefault(f"attention-{args.size}", {"bandwidth_GBps": bw / 1e9, "weights_GB": W / 1e9})
     log(f"{args.size}: weights {W / 1e9:.2f} GB, measured bandwidth {bw / 1e12:.2f} TB/s")
     for B, T, S in ATTENTION_CASES[:args.cases]:
