@@ -111,6 +111,52 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
         assert got == _alone(pair[0], None, prompt, budget, stops)
 
 
+def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
+    """compile_all(groups_later=True) returns before the prefills of several requests are
+    compiled: until they are, a burst is prefilled one request at a time, and once they are,
+    together; each request still gives what it gives alone. A background compile that fails
+    leaves the groups unused and says why."""
+    engine = engines("plain")
+    gate, real_group = threading.Event(), engine.programs.compile_group
+    monkeypatch.setattr(engine.programs, "compile_group", lambda *a: gate.wait(60) and real_group(*a))
+    calls, real = [], engine.programs.prefill
+    monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
+    burst = REQUESTS[2:2 + SLOTS]
+    expected = [_alone(pair[0], None, *r) for r in burst]
+
+    def prefills_of_a_burst():
+        calls.clear()
+        with engine:
+            with engine._lock:  # the device thread admits none of them before all wait
+                submitted = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in burst]
+            assert [r.result(timeout=300) for r in submitted] == expected
+        return list(calls)
+
+    def settled():
+        deadline = time.monotonic() + 120
+        while engine.stats()["compiling"] and engine.compile_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    engine.compile_all(groups_later=True)
+    assert engine.stats()["compiling"] == len(engine.programs.groups()) == 2 * 3  # sizes 2, 3 x buckets 16, 32, 64
+    assert prefills_of_a_burst() == [1] * SLOTS
+    gate.set()
+    settled()
+    assert engine.stats()["compiling"] == 0 and engine.compile_error is None
+    assert prefills_of_a_burst() == [SLOTS]
+
+    def fail(*a):
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setattr(engine.programs, "compile_group", fail)
+    engine.compile_all(groups_later=True)
+    settled()
+    assert "out of memory, say" in str(engine.compile_error) and engine.stats()["compiling"] == 6
+    assert prefills_of_a_burst() == [1] * SLOTS
+    engine.compile_error = None
+    engine._compiling.clear()
+
+
 def test_chunks_come_as_the_device_emits_them(pair, engines):
     """Alone in a plain engine of 4 steps per call, a request of 16 tokens arrives in four
     chunks of four, which together are generate's output."""

@@ -194,6 +194,8 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_per_position = collections.Counter()
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
+        self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
+        self.compile_error: Exception | None = None  # why the background compile stopped, if it did
 
     # ---- construction -------------------------------------------------------------------
 
@@ -298,11 +300,33 @@ class Engine:
 
     # ---- the device thread --------------------------------------------------------------
 
-    def compile_all(self) -> "Engine":
+    def compile_all(self, groups_later: bool = False) -> "Engine":
         """Compiles every program the engine may run (`stats()["programs"]`) now, so that no
-        request waits for a compile; seconds to minutes, once per process and shape."""
-        self.programs.compile_all()
+        request waits for a compile; seconds to minutes, once per process and shape.
+
+        groups_later: the prefills of several waiting requests at once (and their inserts),
+        about half the programs, compile afterwards in a background thread instead, so that
+        the engine can serve sooner (docs/bench/serve_startup.txt); until a group size's
+        programs for a bucket are compiled, its requests are prefilled in the sizes that
+        are (one at a time at least). `stats()["compiling"]` counts those still to come."""
+        later = self.programs.groups() if groups_later else []
+        self._compiling = set(later)
+        layout = self.programs.compile_all(skip=self._compiling)
+        if later:
+            threading.Thread(target=self._compile_groups, args=(later, layout), name="specjax-compile",
+                             daemon=True).start()
         return self
+
+    def _compile_groups(self, groups, layout):
+        """The background thread of `compile_all(groups_later=True)`. A compile that fails
+        leaves its size and the rest unused (`compile_error` says why); the engine serves on."""
+        for n, b in groups:
+            try:
+                self.programs.compile_group(n, b, layout)
+            except Exception as e:  # noqa: BLE001 - those groups stay unused; requests go in smaller ones
+                self.compile_error = e
+                return
+            self._compiling.discard((n, b))
 
     def start(self) -> "Engine":
         with self._lock:
@@ -402,7 +426,8 @@ class Engine:
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
         while taken:
-            n = max(size for size in self.programs.prefill_sizes if size <= len(taken))
+            n = max(size for size in self.programs.prefill_sizes if size <= len(taken) and (
+                size, self.programs.bucket(len(taken[size - 1].prompt))) not in self._compiling)
             self._place(taken[:n], free)
             taken = taken[n:]
 
@@ -498,5 +523,6 @@ class Engine:
                 "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
-                "failures": self.failures, "programs": self.programs.listing(), **self.memory}
+                "failures": self.failures, "programs": self.programs.listing(),
+                "compiling": len(self._compiling), **self.memory}
 

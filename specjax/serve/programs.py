@@ -202,15 +202,26 @@ class Programs:
         free[list(slots)] = True
         return _release(state, free)
 
-    def compile_all(self):
-        """Runs every program once on a throwaway state, so that none compiles while serving."""
+    def groups(self) -> list[tuple[int, int]]:
+        """(n, bucket) of every prefill of more than one request, shortest bucket first."""
+        return [(n, b) for b in self.buckets for n in self.prefill_sizes if n > 1]
+
+    def _dummy_rows(self, n: int, b: int):
+        """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
+        stops = np.full((n, self.stop_width), -1, np.int32)
+        return self.prefill([np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [(0.0, 0, 1.0)] * n,
+                            stops, [0] * n)
+
+    def compile_all(self, skip=()):
+        """Runs every program once on a throwaway state, so that none compiles while serving,
+        but the prefills and inserts of `skip` ((n, bucket) pairs: `compile_group`'s). Returns
+        the state's layout (shapes, dtypes and shardings), which `compile_group` wants."""
         state = self.empty()
-        stops = np.full((self.stop_width,), -1, np.int32)
+        layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for b in self.buckets:
             for n in self.prefill_sizes:
-                rows = self.prefill([np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n,
-                                    [(0.0, 0, 1.0)] * n, np.stack([stops] * n), [0] * n)
-                state = self.insert(state, list(range(n)), rows)
+                if (n, b) not in skip:
+                    state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
         state = self.release(state, range(max(self.prefill_sizes)))
         for K in self.drafters:
             if K in self._synced():
@@ -219,6 +230,15 @@ class Programs:
                 for kind in KINDS:
                     state = self.run(state, K, False, w, kind)[0]
         jax.block_until_ready(state)
+        return layout
+
+    def compile_group(self, n: int, b: int, layout):
+        """Compiles the prefill of n requests in bucket b (by running it on a throwaway
+        prompt) and its insert (ahead of time against `layout`, `compile_all`'s: no state is
+        made), while the engine may be serving from its own state."""
+        rows = self._dummy_rows(n, b)
+        _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, mesh=self.mesh,
+                      rules=self.rules).compile()
 
     def width(self, rows: int) -> int:
         """The narrowest run that covers the state's first `rows` rows."""

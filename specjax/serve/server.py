@@ -72,10 +72,11 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())
     if warmup:
-        programs = engine.stats()["programs"]
-        print(f"specjax serve: compiling {len(programs)} programs ({slots} slots x {length} tokens, "
-              f"K by live rows {list(engine.k_table)})...", file=sys.stderr, flush=True)
-        engine.compile_all()
+        programs, later = len(engine.stats()["programs"]), 2 * len(engine.programs.groups())
+        print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
+              f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
+              f"compile in the background once serving...", file=sys.stderr, flush=True)
+        engine.compile_all(groups_later=True)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_timeout)
