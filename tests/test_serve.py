@@ -402,6 +402,7 @@ def test_metrics_move_with_requests(servers):
     assert moved("specjax:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) <= drafts
     assert after[("specjax:num_slots", ())] == SLOTS
     assert after[("specjax:num_requests_running", ())] == 0
+    assert after[("specjax:num_prefill_groups_compiling", ())] == 0
 
 
 def test_an_idle_server_uses_no_cpu(engine, servers):

@@ -68,8 +68,10 @@ def start(draft: str, slots: int) -> tuple[subprocess.Popen, str]:
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"specjax serve --draft {draft} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+        try:  # serving, and done compiling the grouped prefills in the background (the load measures steady state)
+            if httpx.get(url + "/health", timeout=1).status_code == 200 and next(
+                    line for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+                    if line.startswith("specjax:num_prefill_groups_compiling")).endswith(" 0.0"):
                 return proc, url
         except httpx.TransportError:
             pass

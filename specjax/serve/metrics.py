@@ -68,6 +68,8 @@ class _EngineCollector:
             per_position.add_metric([*labels.values(), str(position)], n)
         yield per_position
         yield counter("engine_failures", "Device calls that failed (their requests failed).", stats["failures"])
+        yield gauge("num_prefill_groups_compiling", "(group size, bucket) prefills still compiling in the background; "
+                    "until one is, its requests are prefilled in smaller groups.", stats["compiling"])
 
 
 class Metrics:
