@@ -1,8 +1,8 @@
 """The engine alone (no HTTP): output tokens/s of the shipped target, plain decoding, 8 slots
 of 1,024 positions, 4 steps per call, for 32 requests of 128 new tokens (the prompts of
 serve_load.py) with 1 and with 8 concurrent clients (threads, each submitting its next
-request when the last finished); then the ratio 8 clients / 1, the bar the server's issue
-set at 4x. --prefix-block sets `layers.CPU_PREFIX_BLOCK` (the slots a CPU reads a long
+request when the last finished), and the median time to each request's first token;
+then the ratio 8 clients / 1, the bar the server's issue set at 4x. --prefix-block sets `layers.CPU_PREFIX_BLOCK` (the slots a CPU reads a long
 cache's prefix in) before anything compiles, to compare values in separate processes:
 
     for b in 512 256; do python docs/bench/engine_clients.py --prefix-block $b; done
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -56,9 +57,16 @@ def main():
             for clients in (1, 8):
                 spent[0], gate = 0.0, threading.Semaphore(clients)
 
+                ttft = []
+
                 def one(prompt):
                     with gate:
-                        engine.submit(prompt, max_new_tokens=128).result()
+                        start = time.perf_counter()
+                        request = engine.submit(prompt, max_new_tokens=128)
+                        for _ in request:  # the first chunk: the first token's arrival
+                            ttft.append(time.perf_counter() - start)
+                            break
+                        request.result()
 
                 threads = [threading.Thread(target=one, args=(prompt,)) for prompt in ids]
                 start = time.perf_counter()
@@ -67,7 +75,8 @@ def main():
                 seconds = time.perf_counter() - start
                 rates[clients].append(32 * 128 / seconds)
                 print(f"prefix block {args.prefix_block}: {clients} client(s) {rates[clients][-1]:.0f} tok/s "
-                      f"({seconds:.2f} s, prefill {spent[0]:.2f} s)", flush=True)
+                      f"({seconds:.2f} s, prefill {spent[0]:.2f} s, TTFT p50 {1e3 * statistics.median(ttft):.0f} ms)",
+                      flush=True)
     best = {c: max(r) for c, r in rates.items()}
     print(f"prefix block {args.prefix_block}: 8 clients / 1 = {best[8] / best[1]:.2f}x (best of {args.rounds} rounds each)")
 
