@@ -311,7 +311,8 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     params = (placed.params, drafter_params(holder))
     must = nbytes(params) + _live_cache_bytes(target.config, slots, max_len, target.dtype)
     return Spec(name or f"engine call K={K}, {slots} slots", programs._run, None,
-                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_)),
+                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_),
+                 scalar(jnp.bool_)),
                 dict(steps=steps, width=slots, kind=kind, platform=where.platform, mesh=None, rules=None), params, must,
                 where.platform)
 

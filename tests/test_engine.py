@@ -158,13 +158,14 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
 
 
 def test_chunks_come_as_the_device_emits_them(pair, engines):
-    """Alone in a plain engine of 4 steps per call, a request of 16 tokens arrives in four
-    chunks of four, which together are generate's output."""
+    """Alone in a plain engine of 4 steps per call, a request of 16 tokens arrives as its
+    first token alone (the call after a row is inserted steps once), then chunks of four,
+    which together are generate's output."""
     engine = engines("plain")
     prompt = REQUESTS[0][0]
     with engine:
         chunks = list(engine.submit(prompt, max_new_tokens=16))
-    assert [len(c) for c in chunks] == [4, 4, 4, 4]
+    assert [len(c) for c in chunks] == [1, 4, 4, 4, 3]
     assert [t for c in chunks for t in c] == _alone(pair[0], None, prompt, 16, ())
 
 

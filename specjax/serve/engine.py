@@ -5,8 +5,9 @@ A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized 
 the waiting requests (prefilled together, a few per call, in the longest prompt's length
 bucket, then inserted into their rows; nothing else moves), and the live rows advance by
 loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
-steps, or as soon as a row finishes while requests wait for a slot. When none wait, the host
-reads a call's tokens while the next one runs. K follows the number of live rows (a table
+steps, as soon as a row finishes while requests wait for a slot, or after one step when
+rows were just inserted (their first tokens go out at once). Otherwise the host reads a
+call's tokens while the next one runs. K follows the number of live rows (a table
 fixed at construction from the backend's cost profile), among a few programs compiled over
 the same state.
 
@@ -184,6 +185,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draft_behind = False  # a call ran at K = 0 since the draft's state last caught up
+        self._fresh = False  # rows were inserted since the last call: the next one steps once
         self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
@@ -372,8 +374,8 @@ class Engine:
                     self._deliver(pending)
                     pending = None
                 if out is not None:
-                    if out[-1]:  # requests wait: read now, so that a finished row's slot is refilled next
-                        self._deliver(out)
+                    if out[-1]:  # requests wait, or rows are new: read now, so that a finished row's
+                        self._deliver(out)  # slot is refilled next, and a first token goes out
                     else:  # read while the next call runs
                         pending = out
             except Exception as e:  # noqa: BLE001 - a device call failed: its rows' requests learn why
@@ -451,6 +453,7 @@ class Engine:
             return
         slots = [free.pop(0) for _ in group]
         self._state = self.programs.insert(self._state, slots, rows)
+        self._fresh = True
         with self._lock:
             self._live.update(zip(slots, group))
 
@@ -467,9 +470,11 @@ class Engine:
             self.syncs += 1
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind)
+        fresh, self._fresh = self._fresh, False
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind,
+                                                                     fresh)
         self.calls[K] += 1
-        return owners, K, tokens, counts, taken, done, hold
+        return owners, K, tokens, counts, taken, done, hold or fresh
 
     def _deliver(self, out):
         owners, K, *arrays, _ = out

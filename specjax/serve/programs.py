@@ -83,11 +83,13 @@ def _release(state, free):
 
 @functools.partial(jax.jit, static_argnames=("steps", "width", "kind", "platform", "mesh", "rules"),
                    donate_argnums=3)
-def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: int, kind: str, platform, mesh,
-         rules):
+def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, width: int, kind: str, platform,
+         mesh, rules):
     """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
     a step costs by its rows, so one live request does not pay for eight); fewer steps when
-    those rows are all done, or when `hold` (requests wait for a slot) and a row finished.
+    those rows are all done, when `hold` (requests wait for a slot) and a row finished, or
+    after one step when `fresh` (rows inserted since the last call: their first token goes
+    out at once, not after the call's other steps).
     kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
@@ -102,7 +104,7 @@ def _run(target, drafter, holder, full, threshold, hold, *, steps: int, width: i
     def go_on(carry):
         state, i = carry[0], carry[1]
         finished = jnp.any(state.done & ~was_done)
-        return (i < steps) & ~jnp.all(state.done) & ~(hold & finished)
+        return (i < steps) & ~jnp.all(state.done) & ~(hold & finished) & ~(fresh & (i >= 1))
 
     def body(carry):
         state, i, tokens, counts = carry
@@ -244,11 +246,11 @@ class Programs:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)
 
-    def run(self, state, K: int, hold: bool, rows: int, kind: str):
+    def run(self, state, K: int, hold: bool, rows: int, kind: str, fresh: bool = False):
         """Steps at K over the narrowest width covering the first `rows` rows, for rows that
-        need sampling of `kind` (`sampling.kind_of` their settings)."""
+        need sampling of `kind` (`sampling.kind_of` their settings); one step when `fresh`."""
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
-                    steps=self.steps_per_call, width=self.width(rows), kind=kind, platform=self.platform,
+                    np.bool_(fresh), steps=self.steps_per_call, width=self.width(rows), kind=kind, platform=self.platform,
                     mesh=self.mesh, rules=self.rules)
 
     def _synced(self) -> list[int]:
