@@ -1,0 +1,32 @@
+"""Whether a token tree's speculative loop copies the cache on a TPU: the 1B pair (Llama-3.2-1B
+shape, a 2-layer draft, bf16) drafting a dynamic Tree(4, 2, 8), its whole `generate` loop
+compiled here for one v5e chip (prompt 128, 384 new tokens), beside the draft chain at K=4;
+temporaries, and every weight- or cache-sized copy in the optimised program. The tree's
+verification writes its nodes to a region after the prefix and `cache.move` copies the
+accepted path's entries to their positions afterwards (point scatters): does XLA's TPU
+compiler copy whole cache buffers around them?
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python docs/bench/aot_tree.py > docs/bench/aot_tree.txt
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+from aot import pair  # noqa: E402  (docs/bench/aot.py)
+from specjax import aot  # noqa: E402
+from specjax.drafters import DraftModel  # noqa: E402
+from specjax.tree import Tree  # noqa: E402
+
+target, draft = pair("1b", None)
+where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+print(f"# {' '.join(sys.argv)}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; 1b pair on v5e:1x1, bf16, "
+      f"batch 1, prompt 128 + 384 new; attention portable")
+programs = [aot.compile_spec(aot.loop_program(target, d, where, name=name, max_new_tokens=384, **kw))
+            for name, d, kw in (("loop chain K=4", draft, dict(num_draft_tokens=4)),
+                                ("loop Tree(4, 2, 8)", DraftModel(draft, tree=Tree(4, 2, 8)), {}))]
+print(aot.report(programs))
