@@ -16,10 +16,14 @@
 # Time: each step has its own `timeout` (its cap below, cut to what is left of the budget; a
 # step with less than MIN_STEP seconds left is skipped, not started). A timed-out step gets
 # SIGTERM, which the wrapper turns into SystemExit so that gpubench still writes the JSON of
-# what it measured (its `finally`), then SIGKILL 15 s later. Steps run in order of value: the
-# per-layer layout's numbers never measured on a GPU first (synth 1b --hf, synth 8b, shipped,
-# bench --profile, attention portable vs kernels, parts, selfdraft), then the XLA_FLAGS variants, then gemv.py (standalone:
-# it measures no specjax code, and its default-flag numbers exist from "Before").
+# what it measured (its `finally`), then SIGKILL 15 s later. Steps run in order of value: what
+# no GPU run has measured yet first (bench --profile: a GPU cost profile; parts: where a pass's
+# time goes, for the verification pass at batch 8 that README.md's "After" leaves unexplained;
+# selfdraft), then what the H200 run at 975b50f measured (attention portable vs kernels,
+# synth 1b --hf, synth 8b, shipped), then the XLA_FLAGS variants, then gemv.py (standalone: it
+# measures no specjax code, and its default-flag numbers exist from "Before").
+# Last, everything under $OUT is also packed into $OUT/00-all.tgz (the name sorts first: the
+# device tool brings back a limited number of files).
 #
 # Reduced from README.md's commands to fit 9 minutes (caps and sizes are estimates: no GPU was
 # available to write this; a GPU compile of the 8B pair's programs takes on the order of a
@@ -115,7 +119,7 @@ else
 fi
 
 # name | cap (s) | command (env ... python-wrapped script and arguments)
-STEPS=(synth-1b-hf synth-8b shipped bench-profile attention-1b attention-8b parts-1b parts-8b selfdraft
+STEPS=(bench-profile parts-1b parts-8b selfdraft attention-1b attention-8b synth-1b-hf synth-8b shipped
        synth-8b-notriton synth-1b-notriton gemv-1b gemv-8b gemv-1b-notriton gemv-8b-notriton)
 cmd_of() {
   local nt=(env XLA_FLAGS=$NOTRITON OUT="$OUT/xla-notriton")
@@ -123,7 +127,7 @@ cmd_of() {
     synth-1b-hf)       CMD=("$B/gpubench.py" synth "${SYNTH_1B_HF[@]}"); CAPS=$(CAP 150) ;;
     synth-8b)          CMD=("$B/gpubench.py" synth "${SYNTH_8B[@]}"); CAPS=$(CAP 150) ;;
     shipped)           CMD=("$B/gpubench.py" shipped "${SHIPPED[@]}"); CAPS=$(CAP 150) ;;
-    bench-profile)     CMD=(-m specjax.cli bench --profile --out "$OUT" "${PROFILE[@]}"); CAPS=$(CAP 120) ;;
+    bench-profile)     CMD=(-m specjax.cli bench --profile --out "$OUT" "${PROFILE[@]}"); CAPS=$(CAP 240) ;;
     attention-1b)      CMD=("$B/gpubench.py" attention "${ATTN_1B[@]}"); CAPS=$(CAP 90) ;;
     attention-8b)      CMD=("$B/gpubench.py" attention "${ATTN_8B[@]}"); CAPS=$(CAP 90) ;;
     parts-1b)          CMD=("$B/parts.py" "$PARTS_1B"); CAPS=$(CAP 45) ;;
@@ -193,3 +197,4 @@ say ""
 say "summary ($(secs $(( $(now_ms) - T0 )))s in all, budget ${BUDGET}s):"
 for l in "${SUMMARY[@]}"; do say "  $l"; done
 say "passed $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' passed '), failed $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' failed '), timed out $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' timed out '), skipped $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' skipped')"
+tar czf "$OUT/00-all.tgz.part" -C "$OUT" --exclude 00-all.tgz --exclude 00-all.tgz.part . && mv "$OUT/00-all.tgz.part" "$OUT/00-all.tgz"
