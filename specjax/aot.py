@@ -216,10 +216,6 @@ def _carry(tree, batch: int, where: Placement, cache_rules=None):
     return sharding.place_carry(tree, batch, where.mesh, where.rules, cache_rules)
 
 
-def _live_cache_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
-    return 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
-
-
 def pass_reads(model: Model) -> int:
     """Bytes of weights one pass reads: all of them but an untied embedding, of which a pass
     gathers only its tokens' rows."""
@@ -245,7 +241,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
     fn = jax.jit(_with_kernels(run, where.platform, where.mesh is not None), donate_argnums=3)
     return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn, run,
                 (placed, ids, ids, cache), {}, placed.params,
-                pass_reads(target) + _live_cache_bytes(target.config, batch, context, target.dtype), where.platform)
+                pass_reads(target) + KVCache.nbytes(target.config, batch, context, target.dtype), where.platform)
 
 
 def verify_program(target: Model, where: Placement, K: int, batch: int = 1, context: int = 512) -> Spec:
@@ -287,7 +283,7 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
     drafter = args[1]
     params = (args[0].params, drafter_params(drafter))
     context = prompt_len + max_new_tokens
-    must = nbytes(params) + _live_cache_bytes(target.config, batch, context, target.dtype)
+    must = nbytes(params) + KVCache.nbytes(target.config, batch, context, target.dtype)
     label = name or ("plain loop" if drafter is None else f"loop {type(drafter).__name__} {drafter.tree}")
     return Spec(label, loop.generate_loop, None, args, dict(static, stream=None), params, must, where.platform)
 
@@ -309,7 +305,7 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
         rules=None), placed, holder))
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
     params = (placed.params, drafter_params(holder))
-    must = nbytes(params) + _live_cache_bytes(target.config, slots, max_len, target.dtype)
+    must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
     return Spec(name or f"engine call K={K}, {slots} slots", programs._run, None,
                 (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_),
                  scalar(jnp.bool_)),
@@ -358,7 +354,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
 
     fn = jax.jit(_with_kernels(step, platform, portable))
     params = drafter_params(drafter)
-    must = nbytes(params) + (_live_cache_bytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
+    must = nbytes(params) + (KVCache.nbytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
                              if isinstance(drafter, DraftModel) else 0)
     return Spec(name or f"draft step {type(drafter).__name__} {drafter.tree}", fn, step,
                 (target_placed, drafter, state, key, sampling, threshold), {}, params, must, platform)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import grow_cache_length, verify_room
+from specjax.cache import KVCache
 from specjax.drafters.model import DraftModel
 from specjax import loop, memory, sharding
 from specjax.loop import cache_length, initial_state
@@ -84,11 +85,6 @@ def estimate(args, static, stream) -> MemoryEstimate:
                           total=arguments + outputs + temp)
 
 
-def _kv_bytes(model, batch: int, slots: int) -> int:
-    c = model.config
-    return 2 * c.num_layers * batch * slots * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
-
-
 def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: int,
                 sampled: bool = False) -> dict[str, int]:
     """Bytes a generate call of these shapes needs at the least, by part, from the shapes
@@ -99,9 +95,9 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
     room = verify_room(drafter)
     S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
     V = target.config.vocab_size
-    caches = _kv_bytes(target, batch, S)
+    caches = KVCache.nbytes(target.config, batch, S, target.dtype)
     if isinstance(drafter, DraftModel):
-        caches += _kv_bytes(drafter.model, batch, grow_cache_length(drafter.tree, S))
+        caches += KVCache.nbytes(drafter.model.config, batch, grow_cache_length(drafter.tree, S), drafter.model.dtype)
     need = {"weights": nbytes(target.params) + nbytes(drafter), "caches": caches,
             "logits": batch * T * V * 4, "mask": batch * T * S}
     if sampled:

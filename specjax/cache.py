@@ -43,6 +43,12 @@ class KVCache:
                    v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
+    @staticmethod
+    def nbytes(config: ModelConfig, batch: int, slots: int, dtype) -> int:
+        """Bytes of the keys and values of `slots` positions of `batch` rows, every layer: what
+        `init` allocates for max_len=slots, or what a pass reads of a cache that long."""
+        return 2 * config.num_layers * batch * slots * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
     @property
     def max_len(self) -> int:
         return self.k[0].shape[1]

@@ -250,8 +250,8 @@ class Programs:
         """Steps at K over the narrowest width covering the first `rows` rows, for rows that
         need sampling of `kind` (`sampling.kind_of` their settings); one step when `fresh`."""
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
-                    np.bool_(fresh), steps=self.steps_per_call, width=self.width(rows), kind=kind, platform=self.platform,
-                    mesh=self.mesh, rules=self.rules)
+                    np.bool_(fresh), steps=self.steps_per_call, width=self.width(rows), kind=kind,
+                    platform=self.platform, mesh=self.mesh, rules=self.rules)
 
     def _synced(self) -> list[int]:
         """The Ks whose calls may follow calls at K = 0 (a draft that skipped steps)."""

@@ -197,4 +197,6 @@ say ""
 say "summary ($(secs $(( $(now_ms) - T0 )))s in all, budget ${BUDGET}s):"
 for l in "${SUMMARY[@]}"; do say "  $l"; done
 say "passed $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' passed '), failed $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' failed '), timed out $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' timed out '), skipped $(printf '%s\n' "${SUMMARY[@]}" | grep -c ' skipped')"
-tar czf "$OUT/00-all.tgz.part" -C "$OUT" --exclude 00-all.tgz --exclude 00-all.tgz.part . && mv "$OUT/00-all.tgz.part" "$OUT/00-all.tgz"
+# (packed outside $OUT, then moved in: a tarball written into the folder it packs changes it, and tar fails)
+PACK=$(mktemp "${TMPDIR:-/tmp}/run_all.XXXXXX") && tar czf "$PACK" -C "$OUT" --exclude 00-all.tgz . \
+  && mv "$PACK" "$OUT/00-all.tgz"
