@@ -185,7 +185,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draft_behind = False  # a call ran at K = 0 since the draft's state last caught up
-        self._fresh = False  # rows were inserted since the last call: the next one steps once
         self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
@@ -368,8 +367,7 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._release(cancelled)
-                self._admit()
-                out = self._dispatch()
+                out = self._dispatch(fresh=self._admit())
                 if pending is not None:
                     self._deliver(pending)
                     pending = None
@@ -420,18 +418,21 @@ class Engine:
         for request in cancelled:
             request._finish("cancelled")
 
-    def _admit(self):
+    def _admit(self) -> bool:
         """Free slots take waiting requests, prefilled together in groups of the programs'
-        sizes (a burst's prompts in one call each), then inserted."""
+        sizes (a burst's prompts in one call each), then inserted. Returns whether any row was
+        inserted (the next call then steps once: their first tokens go out at once)."""
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        before = len(free)
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
         while taken:
             n = max(size for size in self.programs.prefill_sizes if size <= len(taken) and (
                 size, self.programs.bucket(len(taken[size - 1].prompt))) not in self._compiling)
             self._place(taken[:n], free)
             taken = taken[n:]
+        return len(free) < before  # `_place` takes the slots it fills from `free`
 
     def _place(self, group: list[Request], free: list[int]):
         """Prefills `group` in one call and inserts its rows into the first of the `free`
@@ -453,11 +454,11 @@ class Engine:
             return
         slots = [free.pop(0) for _ in group]
         self._state = self.programs.insert(self._state, slots, rows)
-        self._fresh = True
         with self._lock:
             self._live.update(zip(slots, group))
 
-    def _dispatch(self):
+    def _dispatch(self, fresh: bool):
+        """Runs the live rows one call (one step when `fresh`: rows were just inserted)."""
         with self._lock:
             owners = dict(self._live)
             hold = bool(self._waiting)
@@ -470,7 +471,6 @@ class Engine:
             self.syncs += 1
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
-        fresh, self._fresh = self._fresh, False
         self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind,
                                                                      fresh)
         self.calls[K] += 1
