@@ -177,7 +177,7 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     (a Mosaic custom call); by default ("auto": the TPU's kernels never ran on a TPU) it
     attends portably, and traced for this CPU it has no kernel either way. Traced for a GPU,
     where the kernels were measured, "auto" takes the Pallas prefix kernel in bfloat16 and
-    not in float32; "portable" never."""
+    not in float16 or float32 (not measured there); "portable" never."""
     config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                              hidden_size=256, max_position_embeddings=1024))
     model = aot.abstract_model(config)
@@ -190,9 +190,9 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     # A verification pass's prefix takes the Pallas prefix kernel when the model opts in, and
     # the portable path by default: traced for a GPU (Triton), and compiled for a TPU (Mosaic),
     # where the kernel reads the cache as it lies (no cache-sized copy, no temporaries).
-    f32 = aot.abstract_model(config, jnp.float32)
+    f32, f16 = aot.abstract_model(config, jnp.float32), aot.abstract_model(config, jnp.float16)
     for m, held in ((kernels, True), (model, True), (model.replace(attention="portable"), False), (f32, False),
-                    (f32.replace(attention="kernels"), True)):
+                    (f16, False), (f32.replace(attention="kernels"), True)):
         spec = aot.verify_program(m, cpu, 4, batch=1, context=256)
         text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
         assert ("specjax_prefix_attention" in text) == held, (m.attention, m.dtype)

@@ -44,7 +44,7 @@ class Model:
     # the Pallas prefix kernel on a GPU, splash and the Pallas prefix kernel on a TPU:
     # layers.attention_kernel and prefix_kernel.applies say where each applies). "portable":
     # the jnp path on every backend. "auto" (the default): kernels where they have been
-    # measured on their hardware (a GPU, in bfloat16 or float16: layers.MEASURED_KERNELS),
+    # measured on their hardware (a GPU, in bfloat16: layers.MEASURED_KERNELS),
     # portable elsewhere (TPU kernels are opt-in until they run on one). A sharded program
     # attends portably whatever this says.
     attention: str = struct.field(pytree_node=False, default="auto")

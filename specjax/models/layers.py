@@ -419,9 +419,9 @@ def _normalise(state, dtype):
 # 128-lane blocks).
 
 # Where Model.attention="auto" takes the kernels: platforms whose kernels have been measured
-# on their hardware, in the dtypes measured (bfloat16 on the H200; float16 takes the same
-# kernels). float32 on a GPU attends portably: Triton's float32 dots round to TF32.
-MEASURED_KERNELS = {"gpu": (jnp.bfloat16, jnp.float16)}
+# on their hardware, in the dtypes measured there (bfloat16 on the H200). float16 and float32
+# attend portably until measured (Triton's float32 dots round to TF32); "kernels" opts in.
+MEASURED_KERNELS = {"gpu": (jnp.bfloat16,)}
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
 # While tracing a program for a platform (`kernels_for`): (that platform: "cpu", "gpu", "tpu",
