@@ -69,7 +69,9 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
 def _insert(state, slots, rows, holder, *, mesh, rules):
-    """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n])."""
+    """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n]).
+    Unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
+    cache.write: around a scatter XLA copies the whole buffer)."""
     for i in range(slots.shape[0]):
         state = loop.insert(state, slots[i], jax.tree.map(lambda x: x[i:i + 1], rows))
     return loop.place(state, holder, mesh, rules)
@@ -237,7 +239,9 @@ class Programs:
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway
         prompt) and its insert (ahead of time against `layout`, `compile_all`'s: no state is
-        made), while the engine may be serving from its own state."""
+        made), while the engine may be serving from its own state. The insert's later call
+        finds the executable in jax's compilation cache, which `lower().compile()` fills for
+        the same program and shardings (should it not, that call compiles, and is slower)."""
         rows = self._dummy_rows(n, b)
         _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, mesh=self.mesh,
                       rules=self.rules).compile()
