@@ -7,6 +7,10 @@ tokens (layers.cached_attention), and writes its own positions before attending,
 slot is always overwritten before any query can see it. Rolling back rejected draft tokens
 is therefore only a matter of lowering `lengths`.
 
+A cache's buffers may hold more rows than the pass over it: the pass's B rows are the
+buffers' first B (`lengths` has B), read and written in place, the others untouched. The
+engine steps its state's first rows so, without copying their caches out and back.
+
 A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
 have the same depth), so they are written at consecutive slots after the prefix (a region)
 and each sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
@@ -57,7 +61,8 @@ class KVCache:
 def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
     """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset.
 
-    buffer [B, S, G, D] (one layer's), new [B, T, G, D], slots int32 [B, T]. One scatter
+    buffer [B', S, G, D] (one layer's; B' >= B: rows past B untouched), new [B, T, G, D],
+    slots int32 [B, T]. One scatter
     into the carried buffer (in place inside a loop); writes at slots >= S are dropped.
     consecutive: every row's T slots follow one another (all of specjax's passes write so:
     a chunk, a chain, a tree's verification block, a draft frontier) and end within S; then
@@ -70,9 +75,9 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
     vmapped slice hold as much as the scatter (docs/bench/cache_write.txt)."""
     new = new.astype(buffer.dtype)
     if not consecutive:
-        rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
+        rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
         return buffer.at[rows, slots].set(new, mode="drop")
-    for b in range(buffer.shape[0]):
+    for b in range(new.shape[0]):
         buffer = jax.lax.dynamic_update_slice(buffer, new[b:b + 1], (b, slots[b, 0]) + (0,) * (buffer.ndim - 2))
     return buffer
 
@@ -116,11 +121,12 @@ def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax
 
 
 def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copies every layer's entries at slots src [B, M] to slots dst [B, M] (dst >= max_len:
-    skipped). All reads happen before any write, so src and dst may overlap."""
+    """Copies every layer's entries at slots src [B, M] to slots dst [B, M] of the buffers'
+    first B rows (dst >= max_len: skipped). All reads happen before any write, so src and
+    dst may overlap."""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
 
-    def one(buffer):  # [B, S, G, D]
+    def one(buffer):  # [B', S, G, D], B' >= B
         return buffer.at[rows, dst].set(buffer[rows, src], mode="drop")
 
     return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))

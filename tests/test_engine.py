@@ -325,3 +325,29 @@ def test_a_draft_that_skipped_steps_syncs_and_then_drafts_in_one_window(pair):
                                                              state.done))
     np.testing.assert_array_equal(step(drafter, synced).stats.accepted - state.stats.accepted, [3, 3])
     assert (step(drafter, state).stats.accepted - state.stats.accepted < 3).any()
+
+
+def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
+    """A run over the state's first rows (one live request in a three-slot engine) reads and
+    writes those rows' caches where they lie in the state: its program slices no cache
+    rows out before its loop and writes none back after it (the loop carries the whole
+    buffers, donated), so one request pays for no other slot's cache."""
+    import re
+
+    from specjax.serve import programs as P
+
+    engine = engines("draft")
+    p = engine.programs
+    state = p.empty()
+    caches = {tuple(x.shape) for x in jax.tree.leaves((state.target_cache.k, state.draft_state.cache.k))}
+    K = max(p.drafters)
+    hlo = P._run.lower(p.target, p.drafters[K], p.deepest, state, p.threshold, np.bool_(False), np.bool_(False),
+                       steps=p.steps_per_call, width=1, kind="greedy", platform=p.platform, mesh=None,
+                       rules=None).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}\n")]
+    narrow = {(1,) + shape[1:] for shape in caches}
+    made = [line for line in entry.splitlines()[1:] if "parameter(" not in line
+            and any(re.search(r"\[%s\]" % ",".join(map(str, s)), line.split("=", 1)[-1].split("(")[0])
+                    for s in narrow)]
+    assert not made, made

@@ -93,6 +93,11 @@ def _split_case(kind: str, cap, S: int, D: int, late: bool = False):
     return (q, new_k, new_v, jnp.asarray(own), k_all, v_all, jnp.asarray(start), floor, 0.3, cap), want
 
 
+def _wider(cache):
+    """A cache buffer [B, S, G, D] under two more rows of junk (NaN: any read of them shows)."""
+    return jnp.concatenate([cache, jnp.full((2,) + cache.shape[1:], jnp.nan, cache.dtype)])
+
+
 @pytest.mark.parametrize("cap", [None, 3.0])
 @pytest.mark.parametrize("kind", ["causal", "window", "tree"])
 def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
@@ -101,10 +106,14 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     written cache under the whole mask: dense and blockwise (the last block slid back), with
     the predicate loop (a CPU's in blocks smaller than its dense limit) and a GPU's
     fixed-length one; and through the GPU's and the TPU's prefix
-    kernels (in Pallas' interpreter)."""
+    kernels (in Pallas' interpreter). A cache with more rows than the pass (NaN rows past
+    its own) gives the same: they are never read."""
     args, want = _split_case(kind, cap, S=37, D=8)
+    wide = args[:4] + tuple(_wider(c) for c in args[4:6]) + args[6:]
     for block in (4, 7, 16, 64):
         got = layers.cached_attention(*args, block=block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        got = layers.cached_attention(*wide, block=block)  # rows past the pass's are not read
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
             got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
@@ -123,6 +132,8 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     if (kind, cap) not in (("causal", None), ("tree", None), ("window", 3.0)):
         return  # the kernels' cases (interpreted, they take a while)
     args, want = _split_case(kind, cap, S=256, D=128)  # the kernels' shapes: 4 GPU splits, 2 TPU blocks
+    if kind == "tree":  # the pass's rows the first of a wider cache's (the engine's narrow runs)
+        args = args[:4] + tuple(_wider(c) for c in args[4:6]) + args[6:]
     for platform in ("gpu", "tpu"):
         with layers.kernels_for(platform):
             got = jax.jit(lambda *a: layers.cached_attention(*a, 0.3, cap, kernels=True, interpret=True))(*args[:-2])
@@ -198,6 +209,39 @@ def small_blocks(monkeypatch):
     yield
     monkeypatch.undo()
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("blocks", ["dense", "blockwise"])
+def test_a_pass_over_a_wider_caches_first_rows_equals_one_over_those_rows(pair, blocks, monkeypatch):
+    """The engine's narrow runs pass the state's whole caches to a pass over its first rows:
+    a tree's pass (its region gathered back) and a chain's over the first 2 rows of a
+    3-row cache give the logits and cache rows of the same pass over a 2-row cache, and
+    leave the third row as it was."""
+    from specjax.cache import KVCache, tree_placement
+
+    if blocks == "blockwise":
+        monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
+        monkeypatch.setattr(layers, "CPU_PREFIX_BLOCK", 4)
+    target = pair[0]
+    rng = np.random.default_rng(5)
+    prompts = jnp.asarray(rng.integers(3, 97, (3, 9)), jnp.int32)
+    _, cache = models.prefill(target, prompts, KVCache.init(target.config, 3, 32, target.dtype), return_hidden=False)
+    wide = cache.replace(lengths=jnp.full((2,), 8, jnp.int32))
+    narrow = KVCache(k=tuple(b[:2] for b in cache.k), v=tuple(b[:2] for b in cache.v), lengths=wide.lengths)
+    tokens = jnp.asarray(rng.integers(3, 97, (2, 4)), jnp.int32)
+    depth = np.array([0, 1, 1, 2])  # a root, two children, a grandchild of the first
+    sees = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    start = jnp.full((2,), 8, jnp.int32)
+    slots = start[:, None] + jnp.arange(4)[None]
+    for placement, positions in ((tree_placement(start, slots, depth, jnp.broadcast_to(sees, (2, 4, 4))),
+                                  start[:, None] + depth), (None, slots)):
+        run = jax.jit(lambda c, placement=placement, positions=positions: models.apply(
+            target, tokens, positions, c, placement=placement))
+        (got, _, after), (want, _, want_after) = run(wide), run(narrow)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        for buf, want_buf, before in zip(after.k + after.v, want_after.k + want_after.v, cache.k + cache.v):
+            np.testing.assert_array_equal(np.asarray(buf[:2]), np.asarray(want_buf))
+            np.testing.assert_array_equal(np.asarray(buf[2]), np.asarray(before[2]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])

@@ -271,7 +271,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     in-flight ones.
 
     q [B, T, H, D]; k/v [B, N, G, D]: the in-flight keys (the pass's own, or a tree's region),
-    mask bool [B, T, N]; cache_k/cache_v [B, S, G, D]: the layer's cache; prefix int32 [B]:
+    mask bool [B, T, N]; cache_k/cache_v [B', S, G, D]: the layer's cache, whose first B rows
+    are the pass's (B' >= B: see cache.py); prefix int32 [B]:
     every query of row b sees the cache's slots < prefix[b], and, with floor (int32 [B, T]: a
     sliding window's), only those above floor[b, t]. -> [B, T, H, D] in v's dtype.
 
@@ -300,6 +301,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
     if not kernel and S <= block and N <= block:  # one softmax over both key sets, without joining them
+        cache_k, cache_v = cache_k[:B], cache_v[:B]
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
         top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1, initial=_NEG))[..., None]  # [B, G, R, T, 1]
@@ -347,20 +349,21 @@ def _accumulate(state, s, seen, vb):
 
 
 def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None):
-    """The online softmax's state after the keys k/v [B, S, G, D], visited `block` slots at
-    a time; seen_of(start, n) -> bool [B, T or 1, n]: what each query sees of slots start ..
-    start+n-1. upto: None (every block, a fixed-length loop), or a traced count of blocks to
+    """The online softmax's state after the keys k/v [B', S, G, D] (rows [:B] read, B the
+    queries' rows), visited `block` slots at a time; seen_of(start, n) -> bool [B, T or 1,
+    n]: what each query sees of slots start .. start+n-1. upto: None (every block, a fixed-length loop), or a traced count of blocks to
     visit (see `cached_attention` for a GPU's); first: None, or the traced index of the first
     block to visit (those before it hold no key any query sees)."""
-    S = k.shape[1]
+    B, S = qg.shape[0], k.shape[1]
     num_blocks = -(-S // block)
 
     def visit(i, state, live=True):
         # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
         # shares with the previous block are masked out so that none is counted twice.
         start = jnp.minimum(i * block, S - block)
-        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)  # [B, block, G, D]
-        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
+        at, size = (0, start) + (0,) * (k.ndim - 2), (B, block) + k.shape[2:]
+        kb = jax.lax.dynamic_slice(k, at, size)  # [B, block, G, D]
+        vb = jax.lax.dynamic_slice(v, at, size)
         seen = seen_of(start, block) & (start + jnp.arange(block) >= i * block) & live
         seen = seen[:, None, None]  # [B, 1, 1, T or 1, block]
         return _accumulate(state, jnp.where(seen, _scores(qg, kb, scale, cap), _NEG), seen, vb)

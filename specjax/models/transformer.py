@@ -48,8 +48,8 @@ class Block(nn.Module):
     def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None):
         """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
         pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
-        cache_kv: None, or this layer's (k, v) buffers [B, S, G, D]. Returns (x, cache_kv
-        with the T new entries written)."""
+        cache_kv: None, or this layer's (k, v) buffers [B', S, G, D] (B' >= B: cache.py).
+        Returns (x, cache_kv with the T new entries written)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
         if cache_kv is None:  # a full pass: its own keys, causal
@@ -57,11 +57,13 @@ class Block(nn.Module):
         else:  # a row's slots are consecutive; one TPU wants them written so
             consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
             cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
+            B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
-                out = attention(q, *cache_kv, view.dense[sliding], attn.scale, attn.cap, view.kv_limit, kernels=True)
+                out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
+                                view.kv_limit, kernels=True)
             else:
                 if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
-                    k, v = (jnp.take_along_axis(buf, view.region[:, :, None, None], axis=1) for buf in cache_kv)
+                    k, v = (buf[jnp.arange(B)[:, None], view.region] for buf in cache_kv)
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
                                        attn.scale, attn.cap, kernels=view.kernels)
         x = x + attn.project_out(out)

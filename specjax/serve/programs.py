@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import loop
+from specjax.cache import KVCache
 from specjax.drafters.base import verify_room
 from specjax.memory import nbytes
 from specjax.models import layers
@@ -98,7 +99,7 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
     to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
     the rows carry (the deepest), whose rules lay it out on a mesh whatever K runs."""
-    state = jax.tree.map(lambda x: x[:width], full)  # copied in, written back once per call
+    state = _first_rows(full, width)
     state = state.replace(sampling=_stored(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
@@ -119,11 +120,30 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_stored(state.sampling))
-    if width < full.tokens.shape[0]:
-        full = jax.tree.map(lambda big, rows: big.at[:width].set(rows), full, state)
-    else:
-        full = state
-    return full, tokens, counts, taken, state.done
+    return _written_back(full, state, width), tokens, counts, taken, state.done
+
+
+_is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+
+
+def _first_rows(full, width: int):
+    """The state's first `width` rows, for a run over them: every leaf sliced (copied into the
+    run, written back once per call: a few KB a row), but the caches' key/value buffers, which
+    a pass reads and writes in place whatever their rows (cache.py), so a narrow run copies
+    no cache."""
+    if width == full.tokens.shape[0]:
+        return full
+    return jax.tree.map(lambda x: x.replace(lengths=x.lengths[:width]) if _is_cache(x) else x[:width], full,
+                        is_leaf=_is_cache)
+
+
+def _written_back(full, rows, width: int):
+    """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows."""
+    if width == full.tokens.shape[0]:
+        return rows
+    return jax.tree.map(
+        lambda big, new: new.replace(lengths=big.lengths.at[:width].set(new.lengths)) if _is_cache(big)
+        else big.at[:width].set(new), full, rows, is_leaf=_is_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("platform", "mesh", "rules"))
