@@ -351,3 +351,19 @@ def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
             and any(re.search(r"\[%s\]" % ",".join(map(str, s)), line.split("=", 1)[-1].split("(")[0])
                     for s in narrow)]
     assert not made, made
+
+
+def test_a_burst_is_partitioned_by_what_a_call_costs(engines):
+    """Waiting prompts (ascending) go in consecutive groups that cost least: n rows in their
+    longest prompt's bucket cost n b token slots plus a call's own cost. Dear calls: one
+    group, padded; cheap ones: short prompts apart from a long one; no padding to save:
+    fewest calls; a group size not compiled yet is not used."""
+    p = engines("plain").programs
+    assert p.buckets == (16, 32, 64) and p.prefill_sizes == (1, 2, 3)
+    assert p.partition([3, 5, 40], call_tokens=1000) == [3]
+    assert p.partition([3, 5, 40], call_tokens=0) == [2, 1]  # 2 x 16 + 64, not 3 x 64
+    assert p.partition([3, 5, 40], call_tokens=95) == [2, 1]  # 96 + 2 x 95 < 192 + 95
+    assert p.partition([3, 5, 40], call_tokens=97) == [3]
+    assert p.partition([3, 5, 9], call_tokens=0) == [3]  # one bucket: no padding to save
+    assert p.partition([3, 5, 40], call_tokens=1000, skip={(3, 64)}) == [2, 1]
+    assert p.partition([3, 5, 9], call_tokens=0, skip={(3, 16), (2, 16)}) == [1, 1, 1]

@@ -420,16 +420,15 @@ class Engine:
 
     def _admit(self) -> bool:
         """Free slots take waiting requests, prefilled together in groups of the programs'
-        sizes (a burst's prompts in one call each), then inserted. Returns whether any row was
+        sizes (`Programs.partition`: a burst's prompts in as few calls as pay), then inserted. Returns whether any row was
         inserted (the next call then steps once: their first tokens go out at once)."""
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         before = len(free)
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
-        while taken:
-            n = max(size for size in self.programs.prefill_sizes if size <= len(taken) and (
-                size, self.programs.bucket(len(taken[size - 1].prompt))) not in self._compiling)
+        for n in self.programs.partition([len(r.prompt) for r in taken], self.programs.call_tokens,
+                                         skip=self._compiling):
             self._place(taken[:n], free)
             taken = taken[n:]
         return len(free) < before  # `_place` takes the slots it fills from `free`
@@ -523,11 +522,12 @@ class Engine:
 
     def stats(self) -> dict:
         """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, and
-        speculation's counts (drafts, draft tokens, accepted tokens, accepted per position)."""
+        speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
+        and what a prefill call costs beyond its tokens, in tokens (`Programs.partition`)."""
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
                 "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
                 "failures": self.failures, "programs": self.programs.listing(),
-                "compiling": len(self._compiling), **self.memory}
+                "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens, **self.memory}
 

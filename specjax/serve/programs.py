@@ -13,6 +13,7 @@ This module knows shapes and the step's arguments; nothing of requests, queues o
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,10 @@ class Programs:
         # at a time on a mesh, and where a row must not depend on its neighbours' prefill).
         self.prefill_sizes = (1,) if mesh is not None or deterministic else doubling
         self.mesh, self.rules = mesh, rules
+        # What a prefill call costs beyond its token slots, in tokens' worth (`partition`):
+        # measured by `compile_all`. Until then (and where tokens cost nothing measurable
+        # beside a call) a call is priced as the largest prefill: bursts go in fewest calls.
+        self.call_tokens = self.most_tokens = float(self.buckets[-1] * max(self.prefill_sizes))
         self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
     def listing(self) -> list[str]:
@@ -226,6 +231,21 @@ class Programs:
         free[list(slots)] = True
         return _release(state, free)
 
+    def partition(self, lengths: list[int], call_tokens: float, skip=frozenset()) -> list[int]:
+        """How waiting prompts of `lengths` (ascending) are prefilled at least cost: the sizes
+        of consecutive groups, each in its longest prompt's bucket. A group of n in bucket b
+        costs its n b token slots (padding computes like prompt) plus `call_tokens`, what a
+        call costs beyond them (it reads every weight once, whatever it holds) in tokens'
+        worth; so a burst's short prompts are not padded to its longest one's bucket when a
+        call of their own costs less. (n, b) in skip: not compiled yet, not used."""
+        best = [(0.0, ())]  # best[i]: (cost, group sizes) of the first i prompts
+        for i in range(1, len(lengths) + 1):
+            b = self.bucket(lengths[i - 1])
+            best.append(min(((best[i - n][0] + n * b + call_tokens, best[i - n][1] + (n,))
+                             for n in self.prefill_sizes if n <= i and (n == 1 or (n, b) not in skip)),
+                            key=lambda option: (option[0], len(option[1]))))  # a tie: fewer calls
+        return list(best[-1][1])
+
     def groups(self) -> list[tuple[int, int]]:
         """(n, bucket) of every prefill of more than one request, shortest bucket first."""
         return [(n, b) for b in self.buckets for n in self.prefill_sizes if n > 1]
@@ -246,6 +266,7 @@ class Programs:
             for n in self.prefill_sizes:
                 if (n, b) not in skip:
                     state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
+        state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
         for K in self.drafters:
             if K in self._synced():
@@ -255,6 +276,31 @@ class Programs:
                     state = self.run(state, K, False, w, kind)[0]
         jax.block_until_ready(state)
         return layout
+
+    def _measure_call_tokens(self, state, skip=()):
+        """(state, `call_tokens` on this device): admissions (prefill and insert into `state`)
+        of one row and of the most, in the shortest bucket and in the one 4x longer (where
+        bursts' prompts are grouped), timed (the fastest of 3 each; compiled already); the
+        least-squares line of their times over their token slots gives a call's cost beyond
+        its tokens (the intercept) in tokens (over the slope). Those in `skip` (not compiled
+        yet) are left out."""
+        points = {(n, b) for n in (1, max(self.prefill_sizes)) for b in (self.buckets[0], self.buckets[:3][-1])}
+        points -= set(skip)
+        slots, times = [], []
+        for n, b in sorted(points):
+            runs = []
+            for _ in range(3):
+                start = time.perf_counter()
+                state = jax.block_until_ready(self.insert(state, list(range(n)), self._dummy_rows(n, b)))
+                runs.append(time.perf_counter() - start)
+            slots.append(n * b)
+            times.append(min(runs))
+        if len(set(slots)) < 2:
+            return state, self.most_tokens
+        per_token, per_call = np.polyfit(slots, times, 1)
+        if per_token <= 0:
+            return state, self.most_tokens
+        return state, float(min(self.most_tokens, max(0.0, per_call) / per_token))
 
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway
