@@ -1,17 +1,20 @@
 """Load on a live `specjax serve` over HTTP, as vLLM's `bench serve` measures it.
 
-For each server (the shipped pair with its draft, and with --draft none), started here as a
-subprocess on a free loopback port: for each number of concurrent clients, N streamed
+The servers (the shipped pair with its draft, and with --draft none, each started here as a
+subprocess on a free loopback port; --other: one already running, vLLM) are all up before
+any is loaded, then loaded in turn, round after round (--rounds), so that the machine's
+drift falls on them alike. A load: for each number of concurrent clients, N streamed
 completions of the same prompts (lines of the standard library's source, which the shipped
 pair was trained on), arriving as a Poisson process at --rate requests/s (inf: all at once),
 at most that many in flight. Per request: time to first token (TTFT), time per output token
 after the first (TPOT), the gaps between streamed chunks spread over their tokens (ITL), and
-output tokens (the usage chunk). Printed: request throughput, output tokens/s, and TTFT,
-TPOT, ITL medians and p99; then the ratios the server's bars are about, measured in this run.
-Then the idle server's CPU over 5 s (its process's user + system time).
+output tokens (the usage chunk). Printed per load: request throughput, output tokens/s, and
+TTFT, TPOT, ITL medians and p99; then each figure's median over the rounds, and the ratios
+the server's bars are about, of those medians. Then each idle server's CPU over 5 s (its
+process's user + system time), while the others idle too.
 
     python docs/bench/serve_load.py [--requests 32] [--max-tokens 128] [--clients 1,8]
-        [--targets] [--other URL NAME]   # --other: also load a server already running (vLLM)
+        [--rounds 3] [--other URL NAME]
 
 It starts servers with `python -m specjax.cli serve`; JAX_PLATFORMS=cpu is set for them.
 """
@@ -155,31 +158,42 @@ def main():
     p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: at once)")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--other", nargs=2, metavar=("URL", "MODEL"), help="also load this running server")
+    p.add_argument("--rounds", type=int, default=3, help="each server loaded this many times, in turn; medians")
     args = p.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     texts = prompts(args.requests)
-    table = {}
     servers = [("specjax, shipped draft", "checkpoints/draft"), ("specjax, plain", "none")]
-    for name, draft in servers:
-        proc, url = start(draft, args.slots)
-        try:
-            asyncio.run(load(url, "target", texts[:2], 1, float("inf"), 8, 0))  # warm: first requests' paths
+    started = []  # (name, process, url, model): every server up (and idle) before any is loaded
+    try:
+        for name, draft in servers:
+            proc, url = start(draft, args.slots)
+            started.append((name, proc, url, "target"))
+        if args.other:
+            started.append(("other", None, *args.other))
+        for _, _, url, model in started:
+            asyncio.run(load(url, model, texts[:2], 1, float("inf"), 8, 0))  # warm: first requests' paths
+        runs = {}  # (server, clients) -> a summary per round
+        for r in range(args.rounds):  # the servers in turn, each round: the machine's drift hits them alike
             for c in clients:
-                results, seconds = asyncio.run(load(url, "target", texts, c, args.rate, args.max_tokens, 0))
-                table[(name, c)] = summary(results, seconds)
-                print(json.dumps({"server": name, "clients": c, **{k: round(v, 3) for k, v in
-                                                                    table[(name, c)].items()}}), flush=True)
-            print(json.dumps({"server": name, "idle_cpu_seconds_in_5s": round(idle_cpu(proc.pid), 3)}), flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(120)
-    if args.other:
-        url, model = args.other
-        for c in clients:
-            results, seconds = asyncio.run(load(url, model, texts, c, args.rate, args.max_tokens, 0))
-            table[("other", c)] = summary(results, seconds)
-            print(json.dumps({"server": f"other {url}", "clients": c, **{k: round(v, 3) for k, v in
-                                                                         table[("other", c)].items()}}), flush=True)
+                for name, _, url, model in started:
+                    results, seconds = asyncio.run(load(url, model, texts, c, args.rate, args.max_tokens, 0))
+                    runs.setdefault((name, c), []).append(summary(results, seconds))
+                    shown = f"other {url}" if name == "other" else name
+                    print(json.dumps({"server": shown, "clients": c, "round": r, **{
+                        k: round(v, 3) for k, v in runs[(name, c)][-1].items()}}), flush=True)
+        for name, proc, _, _ in started:
+            if proc is not None:
+                print(json.dumps({"server": name, "idle_cpu_seconds_in_5s": round(idle_cpu(proc.pid), 3)}), flush=True)
+    finally:
+        for _, proc, _, _ in started:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(120)
+    table = {key: {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+             for key, summaries in runs.items()}
+    print(f"medians of {args.rounds} rounds:")
+    for (name, c), row in table.items():
+        print(json.dumps({"server": name, "clients": c, **{k: round(v, 3) for k, v in row.items()}}))
     spec, plain = servers[0][0], servers[1][0]
     for c in clients:
         ratio = table[(spec, c)]["output_tok_per_s"] / table[(plain, c)]["output_tok_per_s"]
@@ -191,7 +205,6 @@ def main():
         for c in clients:
             print(f"{c} client(s): specjax (best of its servers) / other = "
                   f"{max(table[(spec, c)]['output_tok_per_s'], table[(plain, c)]['output_tok_per_s']) / table[('other', c)]['output_tok_per_s']:.2f}x")
-
 
 if __name__ == "__main__":
     main()
