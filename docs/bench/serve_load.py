@@ -3,15 +3,16 @@
 The servers (the shipped pair with its draft, and with --draft none, each started here as a
 subprocess on a free loopback port; --other: one already running, vLLM) are all up before
 any is loaded, then loaded in turn, round after round (--rounds), so that the machine's
-drift falls on them alike. A load: for each number of concurrent clients, N streamed
-completions of the same prompts (lines of the standard library's source, which the shipped
-pair was trained on), arriving as a Poisson process at --rate requests/s (inf: all at once),
-at most that many in flight. Per request: time to first token (TTFT), time per output token
-after the first (TPOT), the gaps between streamed chunks spread over their tokens (ITL), and
-output tokens (the usage chunk). Printed per load: request throughput, output tokens/s, and
-TTFT, TPOT, ITL medians and p99; then each figure's median over the rounds, and the ratios
-the server's bars are about, of those medians. Then each idle server's CPU over 5 s (its
-process's user + system time), while the others idle too.
+drift falls on them alike, each load once the machine is idle (`settle`). A load: for each
+number of concurrent clients, N streamed completions of the same prompts (lines of the
+standard library's source, which the shipped pair was trained on), arriving as a Poisson
+process at --rate requests/s (inf: all at once), at most that many in flight. Per request:
+time to first token (TTFT), time per output token after the first (TPOT), the gaps between
+streamed chunks spread over their tokens (ITL), and output tokens (the usage chunk).
+Printed per load: request throughput, output tokens/s, and TTFT, TPOT, ITL medians and p99;
+then each figure's median over the rounds, and the ratios the server's bars are about, of
+those medians. Then each idle server's CPU over 5 s (its process's user + system time),
+while the others idle too.
 
     python docs/bench/serve_load.py [--requests 32] [--max-tokens 128] [--clients 1,8]
         [--rounds 3] [--other URL NAME]
@@ -139,6 +140,23 @@ def summary(results: list[dict], seconds: float) -> dict:
             "itl_p99_ms": 1e3 * pct(itl, 0.99)}
 
 
+def settle(window: float = 0.5, most: float = 0.05, patience: float = 20.0):
+    """Waits until the machine is idle (its CPUs used under `most` CPU-seconds in a `window`,
+    from /proc/stat; at most `patience` seconds): a server may spin for a moment after its
+    load ends (vLLM's processes used 1.0 CPU-second in the second after an 8-client load
+    here), which the next server's load would pay for."""
+    def busy():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    deadline = time.time() + patience
+    while time.time() < deadline:
+        before = busy()
+        time.sleep(window)
+        if busy() - before < most:
+            return
+
+
 def idle_cpu(pid: int, seconds: float = 5.0) -> float:
     """CPU seconds the process used in `seconds` of wall time (Linux /proc)."""
     def used():
@@ -176,6 +194,7 @@ def main():
         for r in range(args.rounds):  # the servers in turn, each round: the machine's drift hits them alike
             for c in clients:
                 for name, _, url, model in started:
+                    settle()
                     results, seconds = asyncio.run(load(url, model, texts, c, args.rate, args.max_tokens, 0))
                     runs.setdefault((name, c), []).append(summary(results, seconds))
                     shown = f"other {url}" if name == "other" else name
