@@ -100,7 +100,8 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
     to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
     the rows carry (the deepest), whose rules lay it out on a mesh whatever K runs."""
-    state = _first_rows(full, width)
+    in_place = platform != "gpu"  # see _first_rows
+    state = _first_rows(full, width, in_place)
     state = state.replace(sampling=_stored(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
@@ -121,27 +122,33 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_stored(state.sampling))
-    return _written_back(full, state, width), tokens, counts, taken, state.done
+    return _written_back(full, state, width, in_place), tokens, counts, taken, state.done
 
 
 _is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
 
 
-def _first_rows(full, width: int):
+def _first_rows(full, width: int, in_place: bool):
     """The state's first `width` rows, for a run over them: every leaf sliced (copied into the
-    run, written back once per call: a few KB a row), but the caches' key/value buffers, which
-    a pass reads and writes in place whatever their rows (cache.py), so a narrow run copies
-    no cache."""
+    run, written back once per call: a few KB a row), but, in_place, the caches' key/value
+    buffers, which a pass reads and writes where they lie whatever their rows (cache.py), so
+    a narrow run copies no cache. Not on a GPU: there a cached pass may take cuDNN over the
+    whole cache, which wants the pass's rows alone, and a slice of the buffers would be
+    copied every pass rather than once a call."""
     if width == full.tokens.shape[0]:
         return full
+    if not in_place:
+        return jax.tree.map(lambda x: x[:width], full)
     return jax.tree.map(lambda x: x.replace(lengths=x.lengths[:width]) if _is_cache(x) else x[:width], full,
                         is_leaf=_is_cache)
 
 
-def _written_back(full, rows, width: int):
+def _written_back(full, rows, width: int, in_place: bool):
     """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows."""
     if width == full.tokens.shape[0]:
         return rows
+    if not in_place:
+        return jax.tree.map(lambda big, new: big.at[:width].set(new), full, rows)
     return jax.tree.map(
         lambda big, new: new.replace(lengths=big.lengths.at[:width].set(new.lengths)) if _is_cache(big)
         else big.at[:width].set(new), full, rows, is_leaf=_is_cache)
