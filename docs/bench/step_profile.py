@@ -69,11 +69,12 @@ def main():
     print(f"width {args.width}: {1e3 * (time.perf_counter() - start) / CALLS / STEPS:.2f} ms per step untraced")
     hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.bool_(False), np.bool_(False), steps=STEPS,
                        width=args.width, kind="greedy", platform=p.platform, mesh=None, rules=None).compile().as_text()
-    what = {}  # instruction name -> (shape, op)
+    what = {}  # instruction name -> (shape, the op it computes: its metadata's, or its opcode)
     for line in hlo.splitlines():
-        m = re.match(r'\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]+)"', line)
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)
         if m:
-            what[m.group(1)] = (m.group(2), m.group(3).replace("jit(_run)/while/body/", ""))
+            op = re.search(r'op_name="([^"]+)"', line)
+            what[m.group(1)] = (m.group(2), op.group(1).replace("jit(_run)/while/body/", "") if op else m.group(3))
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
         for _ in range(CALLS):
