@@ -175,9 +175,10 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     """A prefill chunk of 128-multiples with head_dim 128, compiled here for one TPU chip by
     a model that opts in (Model.attention="kernels"), holds Pallas' splash attention kernel
     (a Mosaic custom call); by default ("auto": the TPU's kernels never ran on a TPU) it
-    attends portably, and traced for this CPU it has no kernel either way. Traced for a GPU,
-    where the kernels were measured, "auto" takes the Pallas prefix kernel in bfloat16 and
-    not in float16 or float32 (not measured there); "portable" never."""
+    attends portably, and traced for this CPU it has no kernel either way. Traced for a GPU
+    (here, without jax's CUDA plugin: no cuDNN, which a GPU machine would give these passes),
+    "auto" takes the Pallas prefix kernel in bfloat16 and not in float16 or float32 (not
+    measured there); "portable" never."""
     config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                              hidden_size=256, max_position_embeddings=1024))
     model = aot.abstract_model(config)

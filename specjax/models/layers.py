@@ -408,10 +408,15 @@ def _normalise(state, dtype):
 
 # ---- accelerator kernels ---------------------------------------------------------------
 #
-# Status: the GPU's kernels (cuDNN, the Pallas prefix kernel through Triton) have run on
-# their hardware: one H200, 2026-11-26 (docs/bench/gpu/README.md, "After": 1.2-5x faster
-# than the portable path on 1B and 8B shapes, the same greedy tokens), so a model takes them
-# by default there (Model.attention="auto", `takes_kernels`). The TPU's (splash, the Pallas
+# Status: on a GPU, cuDNN has run on its hardware: one H200, 2026-11-26 (docs/bench/gpu/
+# README.md, "After": 1.2-5x faster than the portable path on 1B and 8B shapes, the same
+# greedy tokens), so a model takes the kernels by default there (Model.attention="auto",
+# `takes_kernels`). Where cuDNN is installed (jax's CUDA plugin), `attention_kernel` gives it
+# every pass it applies to, a cached pass of one or six tokens included (`pass_view` then
+# masks the whole cache for it): the Pallas prefix kernel is reached on a GPU only where
+# cuDNN does not apply (a soft-cap, head_dim over 128, float32 opting in), so by this
+# selection the H200's "kernels" figures are cuDNN's, and the prefix kernel has not run on a
+# GPU. (CUDA programs lowered here, without the plugin, hold the prefix kernel instead.) The TPU's (splash, the Pallas
 # prefix kernel through Mosaic) have only been compiled here: a model takes them when it
 # opts in (Model.attention="kernels"). Their selection, their mask and layout handling and
 # the kernels themselves in Pallas' interpret mode are tested on CPU against the portable

@@ -20,10 +20,12 @@ each tile, read strided. The row's blocks run in order, accumulating into its ou
 map to its last live block, which the pipeline does not fetch again, so a row reads only
 its live slots (the ragged trick of JAX's TPU paged attention kernels).
 
-Status: the GPU kernel has run on its hardware (one H200, bfloat16, 2026-11-26: a one-token
-pass of an 8B shape at batch 8 over 8K slots 5.4 ms against 19.1 ms portable, the same
-greedy tokens; docs/bench/gpu/README.md), so a model takes it by default there
-(Model.attention="auto"). The TPU kernel has not: it is compiled for a TPU here
+Status: the GPU kernel has not run on a GPU. A model takes the kernels by default there
+(Model.attention="auto", measured on one H200), but where cuDNN is installed, as it was
+there, `layers.attention_kernel` gives cuDNN every cached pass it applies to (bfloat16 and
+float16 with head_dim <= 128 and no soft-cap), so this kernel serves only the passes cuDNN
+does not take; programs lowered for CUDA on a host without jax's CUDA plugin (the tests')
+hold it instead of cuDNN. The TPU kernel has not run either: it is compiled for a TPU here
 (tests/test_aot.py) and taken only by a model that opts in (Model.attention="kernels").
 Both are tested in Pallas' interpret mode on CPU against the portable path
 (tests/test_long_context.py). They know nothing about models, positions or trees.
