@@ -139,6 +139,8 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
 
     engine.compile_all(groups_later=True)
     assert engine.stats()["compiling"] == len(engine.programs.groups()) == 2 * 3  # sizes 2, 3 x buckets 16, 32, 64
+    # compile_all measured a call's cost from the compiled one-row admissions (a number, at most the default's)
+    assert 0 <= engine.stats()["prefill_call_tokens"] <= engine.programs.most_tokens
     assert prefills_of_a_burst() == [1] * SLOTS
     gate.set()
     settled()
