@@ -13,6 +13,7 @@ the per-layer layout: the synthetic pair is specjax.synthetic.build_synthetic_pa
 specjax.synthetic.weights_only_time; the rest is as it was (see README.md here).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -147,12 +148,38 @@ def synth(args):
 ATTENTION_CASES = ((1, 1, 1024), (1, 6, 1024), (8, 1, 8192), (8, 6, 8192))  # (B, T, S): issue 37's bars
 
 
+# The attention modes timed: (Model.attention, whether cuDNN is hidden). Where cuDNN is
+# installed, "kernels" gives it every pass it applies to, cached passes of one or six tokens
+# included (layers.attention_kernel); "prefix" hides it, so that cached passes take the
+# Pallas prefix kernel (and full passes, prefill, the portable path).
+MODES = {"portable": ("portable", False), "kernels": ("kernels", False), "prefix": ("kernels", True)}
+
+
+@contextlib.contextmanager
+def attending(mode: str):
+    """Model.attention for `mode` (MODES), with cuDNN hidden for "prefix"; jit's caches are
+    cleared on the way in and out (the model's key is the same as in "kernels")."""
+    from specjax.models import layers
+
+    attention, hide = MODES[mode]
+    real = layers._cudnn_available
+    jax.clear_caches()
+    if hide:
+        layers._cudnn_available = lambda: False
+    try:
+        yield attention
+    finally:
+        layers._cudnn_available = real
+        jax.clear_caches()
+
+
 def attention(args):
-    """Model.attention "portable" against "kernels" (the Pallas prefix kernel, cuDNN): each
-    pass of ATTENTION_CASES[:args.cases] (B rows, T tokens, an S-slot cache half full, as
+    """Model.attention "portable" against "kernels" (cuDNN where it is installed) and
+    "prefix" (the Pallas prefix kernel for cached passes: MODES): each pass of
+    ATTENTION_CASES[:args.cases] (B rows, T tokens, an S-slot cache half full, as
     measure.pass_time runs it) timed, over what it must read (the weights once, the live
-    cache once) at the measured bandwidth; then greedy generation (AR, draft K=5) in both
-    modes and the rows where kernels' output differs from the portable path's."""
+    cache once) at the measured bandwidth; then greedy generation (AR, draft K=5) in each
+    mode and the rows where its output differs from the portable path's."""
     from specjax.measure import pass_time
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -165,8 +192,9 @@ def attention(args):
     for B, T, S in ATTENTION_CASES[:args.cases]:
         live = KVCache.nbytes(c, B, S // 2, dtype)
         floor = (W + live) / bw
-        for mode in ("portable", "kernels"):
-            t = pass_time(target.replace(attention=mode), B, T, S, 3)
+        for mode in MODES:
+            with attending(mode) as attention_mode:
+                t = pass_time(target.replace(attention=attention_mode), B, T, S, 3)
             R[f"{mode}_b{B}_t{T}_s{S}"] = {"ms": t * 1e3, "over_bytes": t / floor}
             log(f"{mode:8s} B={B} T={T} S={S}: {t * 1e3:.3f} ms, {t / floor:.2f}x the {floor * 1e3:.3f} ms "
                 f"to read weights + live cache ({live / 1e9:.2f} GB)")
@@ -175,10 +203,11 @@ def attention(args):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, c.vocab_size, 32)) for _ in range(1)]
     ref = None
-    for mode in ("portable", "kernels"):
-        t, d = target.replace(attention=mode), draft.replace(attention=mode)
-        ar = gen(t, prompts, max_new=args.max_new)
-        sp = gen(t, prompts, draft=d, K=5, max_new=args.max_new)
+    for mode in MODES:
+        with attending(mode) as attention_mode:
+            t, d = target.replace(attention=attention_mode), draft.replace(attention=attention_mode)
+            ar = gen(t, prompts, max_new=args.max_new)
+            sp = gen(t, prompts, draft=d, K=5, max_new=args.max_new)
         ref = ref or ar["rows"]
         R[f"{mode}_gen"] = {"ar_tok_s": ar["tok_s"], "k5_tok_s": sp["tok_s"], "k5_tok_per_pass": sp["tok_per_pass"],
                             "ar_diverged": diverged(ar["rows"], ref)[0], "k5_diverged": diverged(sp["rows"], ref)[0]}
