@@ -289,10 +289,11 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
 
 
 def engine_program(target: Model, draft: Model | None, where: Placement, slots: int = 8, max_len: int = 2048,
-                   K: int = 4, steps: int = 8, kind: str = "greedy", name: str | None = None) -> Spec:
+                   K: int = 4, steps: int = 8, kind: str = "greedy", name: str | None = None,
+                   width: int | None = None) -> Spec:
     """One device call of `specjax.Engine` (serve/programs.py's run): `steps` steps at K (0: the
-    draft's state carried, not drafting) of all `slots` rows of a state sized for max_len, for
-    rows whose sampling is of `kind` (specjax.sampling.KINDS)."""
+    draft's state carried, not drafting) of the first `width` (default: all `slots`) rows of a
+    state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS)."""
     from specjax.serve import programs
 
     if where.mesh is not None:
@@ -306,10 +307,12 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
     params = (placed.params, drafter_params(holder))
     must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
-    return Spec(name or f"engine call K={K}, {slots} slots", programs._run, None,
+    width = width or slots
+    label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "")
+    return Spec(name or label, programs._run, None,
                 (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_),
                  scalar(jnp.bool_)),
-                dict(steps=steps, width=slots, kind=kind, platform=where.platform, mesh=None, rules=None), params, must,
+                dict(steps=steps, width=width, kind=kind, platform=where.platform, mesh=None, rules=None), params, must,
                 where.platform)
 
 

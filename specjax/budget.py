@@ -27,8 +27,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.cache import KVCache
+from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.drafters.model import DraftModel
 from specjax import loop, memory, sharding
 from specjax.loop import cache_length, initial_state

@@ -351,8 +351,9 @@ def _accumulate(state, s, seen, vb):
 def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None):
     """The online softmax's state after the keys k/v [B', S, G, D] (rows [:B] read, B the
     queries' rows), visited `block` slots at a time; seen_of(start, n) -> bool [B, T or 1,
-    n]: what each query sees of slots start .. start+n-1. upto: None (every block, a fixed-length loop), or a traced count of blocks to
-    visit (see `cached_attention` for a GPU's); first: None, or the traced index of the first
+    n]: what each query sees of slots start .. start+n-1. upto: None (every block, a
+    fixed-length loop), or a traced count of blocks to visit (see `cached_attention` for a
+    GPU's); first: None, or the traced index of the first
     block to visit (those before it hold no key any query sees)."""
     B, S = qg.shape[0], k.shape[1]
     num_blocks = -(-S // block)
@@ -416,8 +417,8 @@ def _normalise(state, dtype):
 # masks the whole cache for it): the Pallas prefix kernel is reached on a GPU only where
 # cuDNN does not apply (a soft-cap, head_dim over 128, float32 opting in), so by this
 # selection the H200's "kernels" figures are cuDNN's, and the prefix kernel has not run on a
-# GPU. (CUDA programs lowered here, without the plugin, hold the prefix kernel instead.) The TPU's (splash, the Pallas
-# prefix kernel through Mosaic) have only been compiled here: a model takes them when it
+# GPU. (CUDA programs lowered here, without the plugin, hold the prefix kernel instead.)
+# The TPU's (splash, the Pallas prefix kernel through Mosaic) have only been compiled here: a model takes them when it
 # opts in (Model.attention="kernels"). Their selection, their mask and layout handling and
 # the kernels themselves in Pallas' interpret mode are tested on CPU against the portable
 # path (tests/test_long_context.py: dot_product_attention through implementation="xla",

@@ -420,8 +420,9 @@ class Engine:
 
     def _admit(self) -> bool:
         """Free slots take waiting requests, prefilled together in groups of the programs'
-        sizes (`Programs.partition`: a burst's prompts in as few calls as pay), then inserted. Returns whether any row was
-        inserted (the next call then steps once: their first tokens go out at once)."""
+        sizes (`Programs.partition`: a burst's prompts in as few calls as pay), then inserted.
+        Returns whether any row was inserted (the next call then steps once: their first
+        tokens go out at once)."""
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]

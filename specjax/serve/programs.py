@@ -137,21 +137,17 @@ def _first_rows(full, width: int, in_place: bool):
     copied every pass rather than once a call."""
     if width == full.tokens.shape[0]:
         return full
-    if not in_place:
-        return jax.tree.map(lambda x: x[:width], full)
     return jax.tree.map(lambda x: x.replace(lengths=x.lengths[:width]) if _is_cache(x) else x[:width], full,
-                        is_leaf=_is_cache)
+                        is_leaf=_is_cache if in_place else None)
 
 
 def _written_back(full, rows, width: int, in_place: bool):
     """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows."""
     if width == full.tokens.shape[0]:
         return rows
-    if not in_place:
-        return jax.tree.map(lambda big, new: big.at[:width].set(new), full, rows)
-    return jax.tree.map(
-        lambda big, new: new.replace(lengths=big.lengths.at[:width].set(new.lengths)) if _is_cache(big)
-        else big.at[:width].set(new), full, rows, is_leaf=_is_cache)
+    return jax.tree.map(lambda big, new: new.replace(lengths=big.lengths.at[:width].set(new.lengths))
+                        if _is_cache(big) else big.at[:width].set(new), full, rows,
+                        is_leaf=_is_cache if in_place else None)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("platform", "mesh", "rules"))
