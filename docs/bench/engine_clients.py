@@ -1,9 +1,10 @@
 """The engine alone (no HTTP): output tokens/s of the shipped target, plain decoding, 8 slots
-of 1,024 positions, 4 steps per call, for 32 requests of 128 new tokens (the prompts of
-serve_load.py) with 1 and with 8 concurrent clients (threads, each submitting its next
-request when the last finished), and the median time to each request's first token;
-then the ratio 8 clients / 1, the bar the server's issue set at 4x. --prefix-block sets `layers.CPU_PREFIX_BLOCK` (the slots a CPU reads a long
-cache's prefix in) before anything compiles, to compare values in separate processes:
+of 1,024 positions, 4 steps per call (--steps-per-call), for 32 requests of 128 new tokens
+(the prompts of serve_load.py) with 1 and with 8 concurrent clients (threads, each
+submitting its next request when the last finished), and the median time to each request's
+first token; then the ratio 8 clients / 1, the bar the server's issue set at 4x.
+--prefix-block sets `layers.CPU_PREFIX_BLOCK` (the slots a CPU reads a long cache's prefix
+in) before anything compiles, to compare values in separate processes:
 
     for b in 512 256; do python docs/bench/engine_clients.py --prefix-block $b; done
 
@@ -35,12 +36,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prefix-block", type=int, default=layers.CPU_PREFIX_BLOCK)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps-per-call", type=int, default=4)
     args = p.parse_args()
     layers.CPU_PREFIX_BLOCK = args.prefix_block
     target = specjax.load_model(default_checkpoint("target"))
     tokenizer = specjax.load_tokenizer(default_checkpoint("target"))
     ids = [tokenizer.encode(text) for text in prompts(32)]
-    engine = specjax.Engine(target, slots=8, max_len=1024, steps_per_call=4).compile_all()
+    engine = specjax.Engine(target, slots=8, max_len=1024, steps_per_call=args.steps_per_call).compile_all()
     spent = [0.0]
     real = programs.Programs.prefill
 
