@@ -5,16 +5,20 @@ nothing read or allocated) goes through everything that builds a specjax program
 the devices of a TPU slice that is not here (`tpu_slice("v5e:2x2")`: libtpu's topology
 descriptions, XLA's real TPU compiler), each program compiles as it would on that slice:
 `memory_analysis()` gives each device's argument, output and temporary bytes, and running out
-of HBM is an error at compile time. For GPUs a program is lowered for "cuda" (no GPU and no
-CUDA plugin needed): before XLA optimises it, its cost analysis counts every operand once.
+of HBM is an error at compile time. Placed on GPUs that are not here (`gpu_slice("h100")`:
+jax's CUDA plugin compiles deviceless for XLA's description of the device), a program is
+XLA's optimised GPU program, kernels chosen and fused as on the device. Without the plugin a
+program is lowered for "cuda" instead: before XLA optimises it, its cost analysis counts
+every operand once.
 
 What a program costs is read four ways (`Program`):
 - its temporaries as a fraction of the weights (a decode step should need little beyond
   them and its caches);
 - the weight- or cache-sized copies, transposes and converts in the optimised TPU program,
   named with the Python line that made them (`large_copies`; the target: none);
-- the CUDA lowering's bytes accessed over the bytes a step must read (weights plus the live
-  cache: `cuda_bytes`);
+- the bytes a CUDA program moves over the bytes a step must read (weights plus the live
+  cache): its optimised kernels' traffic where it was compiled for a GPU (`hlo.traffic`),
+  else its CUDA lowering's count (`cuda_bytes`);
 - its data-dependent loops and conditionals, traced for CUDA (`control_flow`: on a GPU each
   reads a predicate back to the host; a loop's own is the one it needs).
 XLA's TPU "bytes accessed" is not HBM traffic (it counts on-chip prefetch too), so it is
@@ -48,7 +52,7 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
 from specjax.drafters.base import DraftRequest, verify_room
-from specjax.hlo import Copy, large_copies, short_path
+from specjax.hlo import Copy, large_copies, short_path, traffic
 from specjax.memory import GB, MB, device_nbytes, nbytes
 from specjax.models import Model, layers
 from specjax.request import prepare
@@ -84,9 +88,8 @@ def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
     """"v5e:2x2" -> ("v5e", (2, 2)); raises TopologyError naming what is accepted."""
     m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", str(name))
     if not m and re.match(r"(?i)(a|h|b|gb|l)\d+|rtx|mi\d+", str(name)):
-        raise TopologyError(f"{name!r} is a GPU: programs compile here for TPU slices only (a deviceless GPU "
-                            f"compile needs jax's CUDA plugin and an XLA GPU target description, which specjax "
-                            f"does not wire up yet); `specjax bench --aot` gives a pass's CUDA bytes without one")
+        raise TopologyError(f"{name!r} is a GPU: the GPUs programs compile for here are {sorted(GPU_TARGETS)} "
+                            f"(one, or several of one host: h100x8)")
     if not m:
         raise TopologyError(f"unknown TPU topology {name!r}: expected GENERATION:AxB[xC] with a generation "
                             f"among {sorted(TPU_HBM)}, e.g. v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1")
@@ -122,6 +125,56 @@ def tpu_slice(name: str) -> Slice:
             " (another process holds libtpu: where no process drives a real TPU, set ALLOW_MULTIPLE_LIBTPU_LOAD=1 "
             "in every one before jax starts)" if held else "")) from e
     return Slice(name, "tpu", tuple(topology.devices), TPU_HBM[generation])
+
+
+def accelerator(name: str) -> Slice:
+    """The devices `name` describes: a TPU slice ("v5e:2x2": `tpu_slice`) or GPUs of one host
+    ("h100", "h200x8": `gpu_slice`)."""
+    return gpu_slice(name) if re.fullmatch(r"(?i)[a-z]+\d+(x\d+)?", str(name)) else tpu_slice(name)
+
+
+# XLA's descriptions of the GPUs programs compile for here (GpuTargetConfig text): what an H100
+# SXM reports to XLA (as jax issue 28376 quotes it), and the H200, the same chip with more
+# memory (nvidia-smi's 143,771 MiB) and bandwidth (4.8 TB/s). Compilation reads the compute
+# capability, the core count and the memory limits; nothing is timed.
+_H100 = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: %d l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: %d
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 12 minor: 9 }
+device_description_str: "%s"
+"""
+GPU_TARGETS = {"h100": _H100 % (3352320000000, 84929347584, "NVIDIA H100 80GB HBM3"),
+               "h200": _H100 % (4800000000000, 150754820096, "NVIDIA H200")}
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_slice(name: str) -> Slice:
+    """The devices of one host's GPUs ("h100", "h200", "h100x8": eight of them): programs
+    compile for them here (XLA's GPU compiler, deviceless, for `GPU_TARGETS`' description),
+    nothing runs. Needs jax's CUDA plugin (pip install 'jax[cuda12]'; no GPU, no driver); on a
+    host without a GPU, with JAX_PLATFORMS=cpu set before jax starts (the plugin checks the
+    driver's version unless the platforms exclude CUDA)."""
+    m = re.fullmatch(r"([a-z]+\d+)(?:x(\d+))?", str(name).lower())
+    if not m or m.group(1) not in GPU_TARGETS or (m.group(2) and int(m.group(2)) < 1):
+        raise TopologyError(f"unknown GPU {name!r}: expected one of {sorted(GPU_TARGETS)}, or several of one "
+                            f"host as h100x8")
+    from jax.experimental import topologies
+
+    count = int(m.group(2) or 1)
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=GPU_TARGETS[m.group(1)],
+                                                topology=f"1x1x{count}")
+    except NotImplementedError:  # jax found no CUDA plugin
+        raise TopologyError(f"compiling for {name!r} needs jax's CUDA plugin (pip install 'jax[cuda12]'), loaded: "
+                            f"on a host without a GPU, set JAX_PLATFORMS=cpu before jax starts, or the plugin "
+                            f"refuses to load for want of a driver") from None
+    memory = int(re.search(r"device_memory_size: (\d+)", GPU_TARGETS[m.group(1)]).group(1))
+    return Slice(str(name).lower(), "gpu", tuple(topology.devices), memory)
 
 
 # ---- models and arrays from shapes -------------------------------------------------------
@@ -403,7 +456,10 @@ class Program:
     temporaries: int
     weights: int  # bytes of parameters per device (among the arguments)
     copies: tuple[Copy, ...]  # weight- or cache-sized copies/transposes/converts (`large_copies`)
-    cuda_ratio: float | None = None  # CUDA lowering's bytes accessed / bytes that must be read
+    # Bytes a CUDA program moves / bytes that must be read: compiled for a GPU, its optimised
+    # kernels' traffic (`hlo.traffic`); else the CUDA lowering's count before XLA fuses it
+    # (`cuda_bytes`: every elementwise op charged apart).
+    cuda_ratio: float | None = None
     branching: tuple | None = None  # its data-dependent loops and conditionals traced for CUDA (`control_flow`)
 
     @property
@@ -502,21 +558,26 @@ def compile_spec(spec: Spec, copies_threshold: int | None = None, cuda: bool = F
     the bytes from which a copy counts as large (default: the smallest weight matrix a
     device holds, so that a copy of any weight counts); cuda: also lower for CUDA and give
     the bytes-accessed ratio (`Program.cuda_ratio`) and its data-dependent control flow
-    (`Program.branching`)."""
+    (`Program.branching`). A program compiled for a GPU (`gpu_slice`) gives the ratio of its
+    own kernels' traffic whether or not cuda is set."""
     start = time.perf_counter()
     compiled = spec.fn.lower(*spec.args, **spec.kwargs).compile()
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     weights = device_nbytes(spec.params)
     threshold = copies_threshold or _default_threshold(spec.params)
+    text = compiled.as_text()
     ratio = branching = None
-    if cuda:
+    if spec.platform == "gpu":
+        ratio = traffic(text) / spec.must_read
+    elif cuda:
         accessed = cuda_bytes(spec)
         ratio = None if accessed is None else accessed / spec.must_read
+    if cuda:
         branching = control_flow(spec)
     return Program(spec.name, spec.platform, seconds, int(analysis.argument_size_in_bytes),
                    int(analysis.output_size_in_bytes), int(analysis.temp_size_in_bytes), weights,
-                   large_copies(compiled.as_text(), threshold), ratio, branching)
+                   large_copies(text, threshold), ratio, branching)
 
 
 def _default_threshold(params) -> int:
@@ -570,7 +631,7 @@ def instrument(target: Model, draft: Model | None, slice_name: str, context: int
     """Compiles `step_programs` for the slice, with their CUDA figures, and logs their table
     (`report`); a program that does not compile (out of HBM, say) is logged with XLA's words
     and left out. Returns the programs that compiled."""
-    slice_ = tpu_slice(slice_name)
+    slice_ = accelerator(slice_name)
     programs = []
     for spec in step_programs(target, draft, slice_, context=context, K=K, prompt_len=prompt_len):
         try:

@@ -490,7 +490,8 @@ def main(argv=None):
     drafts.add_argument("--draft", metavar="PATH|none", help="a draft model's folder or hub id (config.json only)")
     drafts.add_argument("--early-exit", type=int, metavar="N", help="draft with the target's own first N layers")
     p.add_argument("--topology", required=True, metavar="GEN:AxB",
-                   help="the TPU slice: v4, v5e, v5p or v6e and its chips, e.g. v5e:1x1, v5e:2x4, v6e:4x4")
+                   help="the TPU slice: v4, v5e, v5p or v6e and its chips, e.g. v5e:1x1, v5e:2x4, v6e:4x4; or one "
+                        "host's GPUs: h100, h200, h100x8 (needs jax's CUDA plugin, no GPU)")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     p.add_argument("--prompt-len", type=int, default=128, help="the prompts' padded length (default 128)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per row, prompt included (default 2048)")

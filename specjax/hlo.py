@@ -152,3 +152,148 @@ def short_path(path: str) -> str:
         if i >= 0:
             return path[i:]
     return os.path.basename(path)
+
+
+# ---- the bytes an optimised program's kernels move -----------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "iota"}
+_SLICING = {"dynamic-slice", "slice", "gather"}  # read only what they return of their first operand
+_IN_PLACE = {"dynamic-update-slice", "scatter"}  # write their update into their first operand's buffer
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(?:calls|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+
+
+def _bytes(shape: str) -> int:
+    """Bytes of an HLO shape's arrays ("bf16[8,128]{1,0}", or a tuple of them)."""
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES.get(dtype, 4)
+               for dtype, dims in _ARRAY.findall(shape))
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction, from the text after its opcode's "(" ."""
+    depth, end = 1, 0
+    for end, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _computations(hlo: str) -> tuple[dict, str | None]:
+    """{name: [(name, shape, opcode, operands, line)]} of an HLO module's text, and its entry's name."""
+    computations, current, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(1)
+            computations[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        m = _INSTRUCTION.match(line) if current else None
+        if m:
+            name, shape, opcode, rest = m.groups()
+            computations[current].append((name, shape, opcode, _operands(rest), line))
+    return computations, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of an optimised program and the bytes it moves (`kernels`)."""
+
+    name: str  # the instruction's name ("loop_gather_fusion", "custom-call.3")
+    op: str  # its opcode, or fusion(root opcode)
+    bytes: int  # read and written, times its loop's trip count
+    source: str  # the Python line behind it (as `large_copies` names them)
+
+    def __str__(self):
+        return f"{self.bytes / MB:10.1f} MB  {self.op:<28} {self.name} at {self.source}"
+
+
+def traffic(hlo: str) -> int:
+    """Bytes the kernels of an optimised HLO module move (`kernels`), all together."""
+    return sum(k.bytes for k in kernels(hlo))
+
+
+def kernels(hlo: str) -> list[Kernel]:
+    """The kernels of an optimised HLO module (`compiled.as_text()`), largest first, with the
+    bytes each reads and writes: each
+    kernel (a fusion, a custom call, an unfused op) reading its operands and writing its
+    result once: what a memory-bound program costs. A fusion reads only the slices or rows it
+    takes of an operand used through dynamic-slice, slice or gather, and writes only the
+    update of a dynamic-update-slice or scatter into an operand's buffer (in place), not the
+    buffer. A loop's body counts its known trip count times (once where XLA knows none). A
+    custom call (cuDNN, a Pallas kernel) counts its operands whole: what it skips inside
+    (past a row's length) is not known here, nor what it re-reads.
+    XLA's own cost analysis of a GPU program compiled here counts a gather's table and an
+    in-place update's buffer whole, which is why this exists."""
+    computations, entry = _computations(hlo)
+
+    def fusion_bytes(called: str, operand_shapes: list[str], shape: str) -> int:
+        body = computations.get(called, [])
+        by_name = {i[0]: i for i in body}
+        params = {int(re.search(r"parameter\((\d+)\)", i[4]).group(1)): i[0] for i in body if i[2] == "parameter"}
+        users = {}
+        for i in body:
+            for o in i[3]:
+                users.setdefault(o, []).append(i)
+        root = next((i for i in body if i[4].lstrip().startswith("ROOT")), None)
+        roots = [by_name[o] for o in root[3]] if root and root[2] == "tuple" else [root] if root else []
+        buffers = {r[3][0] for r in roots if r and r[2] in _IN_PLACE}
+        total = sum(_bytes(r[1]) if r[2] not in _IN_PLACE else _bytes(by_name[r[3][-1]][1]) if r[3][-1] in by_name
+                    else 0 for r in roots if r) if roots else _bytes(shape)
+        for index, operand_shape in enumerate(operand_shapes):
+            name = params.get(index)
+            readers, through = [], list(users.get(name, []))
+            while through:  # what reads the parameter, through bitcasts (a bitcast moves nothing)
+                user = through.pop()
+                if user[2] == "bitcast":
+                    through += users.get(user[0], [])
+                else:
+                    readers.append(user)
+            if name in buffers:
+                continue
+            if readers and all(u[2] in _SLICING and by_name.get(u[3][0], (None, None, "bitcast"))[2] in ("bitcast", "parameter")
+                               for u in readers):
+                total += sum(_bytes(u[1]) for u in readers)
+            else:
+                total += _bytes(operand_shape)
+        return total
+
+    frames = _frames(hlo)
+    roots = {c: next((i[2] for i in body if i[4].lstrip().startswith("ROOT")), "?") for c, body in computations.items()}
+
+    def walk(computation: str, times: int, seen: tuple = ()) -> list[Kernel]:
+        if computation in seen:
+            return []
+        shapes = {i[0]: i[1] for i in computations.get(computation, [])}
+        found = []
+        for name, shape, opcode, operands, line in computations.get(computation, []):
+            operand_shapes = [shapes.get(o, "") for o in operands]
+            called = _CALLED.findall(line)
+            if opcode in _FREE:
+                continue
+            if opcode == "while":
+                trips = _TRIPS.search(line)
+                for c in called:
+                    found += walk(c, times * (int(trips.group(1)) if trips else 1), seen + (computation,))
+                continue
+            if opcode in ("call", "conditional"):
+                branches = [walk(c, times, seen + (computation,)) for c in called]
+                found += max(branches, key=lambda ks: sum(k.bytes for k in ks), default=[])
+                continue
+            if opcode == "fusion" and called:
+                moved, op = fusion_bytes(called[0], operand_shapes, shape), f"fusion({roots.get(called[0])})"
+            elif opcode in _SLICING:
+                moved, op = 2 * _bytes(shape) + sum(map(_bytes, operand_shapes[1:])), opcode
+            elif opcode in _IN_PLACE:
+                moved, op = 2 * _bytes(operand_shapes[-1]) + sum(map(_bytes, operand_shapes[1:-1])), opcode
+            else:
+                moved, op = _bytes(shape) + sum(map(_bytes, operand_shapes)), opcode
+            frame = _FRAME_ID.search(line)
+            found.append(Kernel(name, op, times * moved, frames.get(int(frame.group(1)), "?") if frame else "?"))
+        return found
+
+    return sorted(walk(entry, 1), key=lambda k: -k.bytes) if entry else []

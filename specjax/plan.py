@@ -145,7 +145,7 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
     if max_len <= prompt_len:
         raise ValueError(f"max_len ({max_len}) must exceed prompt_len ({prompt_len}): it counts the prompt and "
                          f"the tokens generated after it")
-    slice_ = aot.tpu_slice(topology)
+    slice_ = aot.accelerator(topology)
     target_model = aot.abstract_model(read_config(target), dtype, quantize)
     drafter, K = None, None
     if early_exit is not None:

@@ -7,6 +7,7 @@ each allows more: conftest.py does). Models are tiny except where a real shape i
 (a Llama-3-8B-shaped layer pair for the cost figures; the Colab notebooks' pair)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -332,3 +333,37 @@ def test_colab_notebook_programs_compile_whole_for_one_v5e_chip():
     for spec in _notebook_specs(layers=None):
         program = aot.compile_spec(spec)
         assert program.total < aot.TPU_HBM["v5e"], (spec.name, program.total / MB)
+
+
+def test_kernels_count_the_rows_and_updates_a_gpu_program_moves_and_its_loop_trips():
+    """tests/data/gpu_program.hlo, a small program XLA optimised for an H100 (written by
+    tests/data/gpu_program.py): a gather of 8 rows of a 4 MB table moves those rows, not the
+    table; a scatter of 8 entries into a donated 8 MB buffer moves the entries, not the
+    buffer; the loop's body reads its 4 MB block each of its 8 trips; the total is the kernels'."""
+    from specjax import hlo
+    from tests.data import gpu_program as g
+
+    text = open("tests/data/gpu_program.hlo").read()
+    kernels = {k.op: k for k in hlo.kernels(text)}
+    assert kernels["fusion(gather)"].bytes < 64 * 1024 < 4 * np.prod(g.TABLE)
+    assert kernels["fusion(scatter)"].bytes < 64 * 1024 < 4 * np.prod(g.BUFFER)
+    block = 4 * g.LOOPED[0] * 512 * g.LOOPED[2]
+    assert g.TRIPS * block <= kernels["fusion(reduce)"].bytes < 1.01 * g.TRIPS * block
+    assert kernels["fusion(reduce)"].source == "tests/data/gpu_program.py:25"
+    assert hlo.traffic(text) == sum(k.bytes for k in hlo.kernels(text))
+    # XLA relays the looped buffer out once before the loop: a copy large_copies names too
+    assert [c.shape for c in hlo.large_copies(text, 16 * MB)] == ["f32[16,128,4096]"]
+
+
+def test_gpus_are_named_or_refused_in_one_line():
+    for name, words in (("h300", "unknown GPU 'h300'"), ("h100x0", "unknown GPU"),
+                        ("a100:2x2", "is a GPU: the GPUs programs compile for here are ['h100', 'h200']")):
+        with pytest.raises(aot.TopologyError, match=re.escape(words)):
+            aot.accelerator(name)
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:  # this host's jax has no CUDA plugin: compiling for a GPU says what it needs
+        with pytest.raises(aot.TopologyError, match=r"needs jax's CUDA plugin \(pip install 'jax\[cuda12\]'\)"):
+            aot.gpu_slice("h100")
+    else:
+        assert aot.gpu_slice("h100x2").platform == "gpu" and aot.gpu_slice("h100x2").chips == 2

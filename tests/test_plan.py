@@ -88,7 +88,8 @@ def test_plan_refuses_a_nine_b_model_on_one_v5e_chip_and_says_what_to_change(tmp
 
 @pytest.mark.parametrize("args, words", [
     (("--topology", "v9x:2x2"), "unknown TPU topology"),
-    (("--topology", "h100"), "'h100' is a GPU: programs compile here for TPU slices only"),
+    (("--topology", "h300"), "unknown GPU 'h300': expected one of ['h100', 'h200']"),
+    (("--topology", "a100:2x2"), "'a100:2x2' is a GPU: the GPUs programs compile for here are ['h100', 'h200']"),
     (("--topology", "v5e:2x2", "--mesh", "3,1"), "mesh 3x1 needs 3 chips"),
     (("--topology", "v5e:1x1", "--max-len", "64", "--prompt-len", "128"), "must exceed prompt_len"),
 ])
