@@ -17,6 +17,12 @@ and each sees its ancestors only. A `Placement` says so; after acceptance, `move
 accepted path's entries to the slots of their positions, and the rest of the tree is
 stale like any rejected draft.
 
+Each buffer is head-major, [B, G, S, D]: a kv head's slots lie together, as attention reads
+them (a block of slots is one [block, D] tile per head: a decode kernel's layout, and the
+one XLA gives a token-major [B, S, G, D] buffer inside a program, relaying the whole cache
+in and out at every program's edge otherwise: docs/bench/gpu_compiled.txt). A pass's own
+keys come token-major, [B, T, G, D], and are written in place.
+
 The cache knows nothing about models beyond their shapes, nor about decoding.
 """
 
@@ -35,13 +41,13 @@ class KVCache:
     its buffer whole and in place (a slice of a stacked [L, ...] buffer would be copied
     before an attention kernel could read it)."""
 
-    k: tuple[jax.Array, ...]  # L x [B, S, G, D]
-    v: tuple[jax.Array, ...]  # L x [B, S, G, D]
+    k: tuple[jax.Array, ...]  # L x [B, G, S, D]
+    v: tuple[jax.Array, ...]  # L x [B, G, S, D]
     lengths: jax.Array  # int32 [B]: slots < lengths[b] hold valid entries
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
         layers = range(config.num_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    v=tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -55,13 +61,13 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
     """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset.
 
-    buffer [B', S, G, D] (one layer's; B' >= B: rows past B untouched), new [B, T, G, D],
+    buffer [B', G, S, D] (one layer's; B' >= B: rows past B untouched), new [B, T, G, D],
     slots int32 [B, T]. One scatter
     into the carried buffer (in place inside a loop); writes at slots >= S are dropped.
     consecutive: every row's T slots follow one another (all of specjax's passes write so:
@@ -76,9 +82,9 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
     new = new.astype(buffer.dtype)
     if not consecutive:
         rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
-        return buffer.at[rows, slots].set(new, mode="drop")
+        return buffer.at[rows, :, slots].set(new, mode="drop")  # (the indexed axes come first: [B, T, G, D])
     for b in range(new.shape[0]):
-        buffer = jax.lax.dynamic_update_slice(buffer, new[b:b + 1], (b, slots[b, 0]) + (0,) * (buffer.ndim - 2))
+        buffer = jax.lax.dynamic_update_slice(buffer, jnp.swapaxes(new[b:b + 1], 1, 2), (b, 0, slots[b, 0], 0))
     return buffer
 
 
@@ -126,8 +132,8 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     dst may overlap."""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
 
-    def one(buffer):  # [B', S, G, D], B' >= B
-        return buffer.at[rows, dst].set(buffer[rows, src], mode="drop")
+    def one(buffer):  # [B', G, S, D], B' >= B
+        return buffer.at[rows, :, dst].set(buffer[rows, :, src], mode="drop")
 
     return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))
 

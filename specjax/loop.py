@@ -88,7 +88,7 @@ class SlotState:
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
     limit: jax.Array  # int32 [B]: the row stops at this length (its prompt + its token budget)
-    target_cache: KVCache  # L x [B, S, G, D]; valid below length - 1
+    target_cache: KVCache  # L x [B, G, S, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
     sampling: Sampling  # [B] each: the row's temperature, top-k, top-p
     stop_ids: jax.Array  # int32 [B, M]: the row stops after any of these (-1: none)

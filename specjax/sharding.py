@@ -61,7 +61,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "down_bias": ("embed",),
     "proj_bias": ("embed",),
 }
-CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")  # each layer's k and v buffer
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's k and v buffer
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("batch", DATA), ("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))

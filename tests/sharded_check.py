@@ -117,9 +117,9 @@ def main():
             rules=specjax.sharding.DEFAULT_RULES).compile().as_text()
         gathered = all_gather_shapes(hlo)
         S = cache_length(prompts.shape[1], MAX_NEW, K)
-        # a layer's [B, S, G, D] of either model (the draft's cache is longer) unsharded, or
+        # a layer's [B, G, S, D] of either model (the draft's cache is longer) unsharded, or
         # (with a model axis) whole on heads and head_dim in one device's rows
-        whole = [f"f32[{rows},{s},2,16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
+        whole = [f"f32[{rows},2,{s},16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
                  for rows in {8, 8 // data if model > 1 else 8}]
         findings["meshes"][f"{data}x{model}"] = {
             "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
@@ -180,7 +180,7 @@ def kv_head_findings(prompts, lengths) -> dict:
     """On a 2x4 mesh, a target with 2 kv heads, and a draft replicated by its own rules:
     the target's kv heads are duplicated to 4 and the output equals one device's; no
     floating-point collective of the compiled loop has a cache-length dimension (attention
-    scores [B, G, R, T, S] or keys/values [B, S, G, D]); the same program with head_dim split
+    scores [B, G, R, T, S] or keys/values [B, G, S, D]); the same program with head_dim split
     instead (duplicate_kv_heads=False, the old behaviour) has such collectives; the draft's
     cache is whole on each device of a row group, the target's split by heads."""
     from specjax.generate import _prepared, _run
@@ -212,10 +212,10 @@ def kv_head_findings(prompts, lengths) -> dict:
             out[name]["equal"] = bool(np.array_equal(np.asarray(got.tokens), np.asarray(single.tokens))
                                       and np.array_equal(np.asarray(got.num_tokens), np.asarray(single.num_tokens)))
             out[name]["accepted"] = int(np.asarray(got.stats.accepted).sum())
-            # Per-device shapes of each layer's cache in the loop: [B/data, S, G/model or G, D].
-            out[name]["draft_cache_whole_per_row_group"] = f"f32[4,{Sd},2,16]" in hlo
-            out[name]["target_cache_split_by_heads"] = (f"f32[4,{S},1,16]" in hlo
-                                                         and f"f32[4,{S},4,16]" not in hlo)
+            # Per-device shapes of each layer's cache in the loop: [B/data, G/model or G, S, D].
+            out[name]["draft_cache_whole_per_row_group"] = f"f32[4,2,{Sd},16]" in hlo
+            out[name]["target_cache_split_by_heads"] = (f"f32[4,1,{S},16]" in hlo
+                                                         and f"f32[4,4,{S},16]" not in hlo)
     return out
 
 

@@ -146,7 +146,7 @@ def test_no_step_copies_the_targets_cache_on_a_tpu():
     specs.append(aot.loop_program(TARGET, DRAFT, where, batch=4, num_draft_tokens=4))
     for spec in specs:
         caches = [x for x in jax.tree.leaves(spec.args[3] if "engine" in spec.name else ()) if x.ndim == 4]
-        buffer = (caches[0].shape if caches else (4, 384, 2, 32))  # the target's [B, S, G, D]
+        buffer = (caches[0].shape if caches else (4, 2, 384, 32))  # the target's [B, G, S, D]
         program = aot.compile_spec(spec, copies_threshold=int(np.prod(buffer)) * 2)
         copies = [c for c in program.copies if c.shape.startswith("bf16[" + ",".join(map(str, buffer)))]
         assert copies == [], (spec.name, [str(c) for c in copies])

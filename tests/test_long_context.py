@@ -19,8 +19,8 @@ from tests.test_tree import (MAX_NEW, STATIC, SAMPLING_DRAFTERS, _greedy_case, _
 from tests.test_sampling import _chi_square_p
 
 
-def _dense(q, k, v, mask, scale, cap):
-    return layers.attention(q, k, v, mask, scale, cap, block=k.shape[1])
+def _dense(q, k, v, mask, scale, cap, heads_first=False):
+    return layers.attention(q, k, v, mask, scale, cap, block=k.shape[2 if heads_first else 1], heads_first=heads_first)
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
@@ -57,6 +57,12 @@ def test_blockwise_attention_equals_dense(kind, cap):
         # With each row's live length as key_value_seq_lengths (what bounds cuDNN's reads).
         got = layers.dot_product_attention(q, k, v, mask, 0.3, limit, implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        # A cache's head-major keys (cuDNN's BNSH layout on a GPU), and through `attention` with them.
+        heads_first = [jnp.swapaxes(x, 1, 2) for x in (k, v)]
+        got = layers.dot_product_attention(q, *heads_first, mask, 0.3, limit, implementation="xla", heads_first=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+        got = layers.attention(q, *heads_first, mask, 0.3, cap, block=7, heads_first=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
 def _split_case(kind: str, cap, S: int, D: int, late: bool = False):
@@ -66,12 +72,12 @@ def _split_case(kind: str, cap, S: int, D: int, late: bool = False):
     rng = np.random.RandomState(3)
     B, T, H, G = 2, 5, 4, 2
     q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32) * 2
-    cache_k, cache_v = (jnp.asarray(rng.randn(B, S, G, D), jnp.float32) for _ in range(2))
+    cache_k, cache_v = (jnp.asarray(rng.randn(B, G, S, D), jnp.float32) for _ in range(2))  # head-major
     new_k, new_v = (jnp.asarray(rng.randn(B, T, G, D), jnp.float32) for _ in range(2))
     start = np.array([S - 17, S - 12 if late else 3])  # each row's committed prefix; the pass writes start .. start+T-1
     slots = start[:, None] + np.arange(T)
     rows = np.arange(B)[:, None]
-    k_all, v_all = cache_k.at[rows, slots].set(new_k), cache_v.at[rows, slots].set(new_v)
+    k_all, v_all = cache_k.at[rows, :, slots].set(new_k), cache_v.at[rows, :, slots].set(new_v)
     if kind == "tree":  # nodes at depths 0 1 1 2 2 (two branches), each seeing its ancestors
         positions = start[:, None] + np.array([0, 1, 1, 2, 2])
         own = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
@@ -89,12 +95,12 @@ def _split_case(kind: str, cap, S: int, D: int, late: bool = False):
         whole = whole & (positions[:, :, None] - s[None, None, :] < window)
     whole = np.broadcast_to(whole, (B, T, S)).copy()
     whole[rows[:, :, None], np.arange(T)[None, :, None], slots[:, None, :]] = own
-    want = _dense(q, k_all, v_all, jnp.asarray(whole), 0.3, cap)
+    want = _dense(q, k_all, v_all, jnp.asarray(whole), 0.3, cap, heads_first=True)
     return (q, new_k, new_v, jnp.asarray(own), k_all, v_all, jnp.asarray(start), floor, 0.3, cap), want
 
 
 def _wider(cache):
-    """A cache buffer [B, S, G, D] under two more rows of junk (NaN: any read of them shows)."""
+    """A cache buffer [B, G, S, D] under two more rows of junk (NaN: any read of them shows)."""
     return jnp.concatenate([cache, jnp.full((2,) + cache.shape[1:], jnp.nan, cache.dtype)])
 
 
@@ -188,7 +194,8 @@ def test_splash_attention_equals_the_portable_path():
     slots = np.arange(S)[None, None, :]
     mask = jnp.asarray((slots <= positions) & (positions - slots < 150))
     want = _dense(q, k, v, mask, 0.1, 5.0)
-    got = jax.jit(lambda q, k, v, m: layers.splash_attention(q, k, v, m, 0.1, 5.0, interpret=True))(q, k, v, mask)
+    heads_first = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # [B, G, S, D], as a cache lies
+    got = jax.jit(lambda q, k, v, m: layers.splash_attention(q, k, v, m, 0.1, 5.0, interpret=True))(q, *heads_first, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 

@@ -94,8 +94,10 @@ def test_a_pass_reads_every_weight_in_place():
     """The compiled cached pass (one token, and a verification's five) copies or transposes
     no weight: each is read where it lies. With layers stacked [L, ...], or the output
     projection contracted over (heads, head_dim) as two axes, XLA laid a copy of weights out
-    on every pass. (The portable attention still transposes each layer's [B, S, G, D] cache
-    on CPU; a [B, G, S, D] cache would not need it.)"""
+    on every pass. Nor, at 8 rows over 1,040 slots (attending blockwise), any block of the
+    cache: it lies head-major [B, G, S, D], as the attention's products read it (a
+    [B, S, G, D] cache was relaid out block by block on every pass, 12 copies of 256 slots a
+    step: docs/bench/step_profile.txt)."""
     import re
     from pathlib import Path
 
@@ -111,3 +113,11 @@ def test_a_pass_reads_every_weight_in_place():
         moved = [int(np.prod([int(d) for d in dims.split(",")]))
                  for dims in re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} (?:copy|transpose)\(", hlo)]
         assert max(moved, default=0) < smallest, (T, max(moved), smallest)
+        wide = KVCache.init(c, 8, 1040)
+        tokens, positions = jnp.ones((8, T), jnp.int32), jnp.broadcast_to(positions, (8, T))
+        hlo = jax.jit(lambda m, c: apply(m, tokens, positions, c)[::2], donate_argnums=1).lower(
+            target, wide).compile().as_text()
+        shapes = [[int(d) for d in dims.split(",")]
+                  for dims in re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} (?:copy|transpose)\(", hlo)]
+        moved = [s for s in shapes if s[-1] == c.head_dim and max(s[:-1]) >= 256]  # keys or values of 256+ slots
+        assert moved == [], (T, moved)

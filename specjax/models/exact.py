@@ -81,17 +81,17 @@ def _slot_of_position(positions, cache_len: int, placement: Placement | None):
 
 
 def _attend_one(q, k, v, b, where, position, scale, cap, window):
-    """One query's attention: q [H, D]; k, v [B, S, G, D] (the layer's cache); b its row;
+    """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache); b its row;
     where int32 [S'] (`_slot_of_position`); position its position. -> [H, D]."""
-    G, D = k.shape[2], k.shape[3]
+    G, D = k.shape[1], k.shape[3]
     H = q.shape[0]
     qg = q.reshape(G, H // G, D)
 
     def visit(j, carry):
         m, l, acc = carry  # [G, R], [G, R], [G, R, D] float32
         slots = jax.lax.dynamic_slice_in_dim(where, j * BLOCK, BLOCK)
-        kb, vb = k[b, slots], v[b, slots]  # [BLOCK, G, D]
-        s = jnp.einsum("grd,sgd->grs", qg, kb, preferred_element_type=jnp.float32) * scale
+        kb, vb = k[b][:, slots], v[b][:, slots]  # [G, BLOCK, D]
+        s = jnp.einsum("grd,gsd->grs", qg, kb, preferred_element_type=jnp.float32) * scale
         if cap is not None:
             s = softcap(s, cap)
         seen = j * BLOCK + jnp.arange(BLOCK) <= position
@@ -102,7 +102,7 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window):
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(seen, jnp.exp(s - safe[..., None]), 0.0)
         correction = jnp.exp(m - safe)
-        pv = jnp.einsum("grs,sgd->grd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("grs,gsd->grd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
 
     R = H // G

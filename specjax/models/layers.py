@@ -226,9 +226,10 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None,
-              kernels: bool = False):
-    """Softmax attention with grouped key/value heads: q [B, T, H, D], k/v [B, S, G, D],
-    mask bool [B, T, S] (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
+              kernels: bool = False, heads_first: bool = False):
+    """Softmax attention with grouped key/value heads: q [B, T, H, D], k/v [B, S, G, D] (a
+    pass's own keys; heads_first: [B, G, S, D], a cache's layout), mask bool [B, T, S]
+    (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
     Scores are float32 and scaled by `scale`, then soft-capped by `cap` if given (Gemma 2).
 
     Up to `block` (default ATTENTION_BLOCK) key slots, the scores [B, H, T, S] are
@@ -247,10 +248,12 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
-    S, G = k.shape[1], k.shape[2]
+    G, S = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
     kernel = attention_kernel(kernel_platform(), q.dtype, T, S, D, cap) if kernels else "portable"
     if kernel == "cudnn":
-        return dot_product_attention(q, k, v, mask, scale, kv_limit)
+        return dot_product_attention(q, k, v, mask, scale, kv_limit, heads_first=heads_first)
+    if not heads_first:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, S, D], as the rest reads keys
     if kernel == "splash":
         return splash_attention(q, k, v, mask, scale, cap)
     block = block or ATTENTION_BLOCK
@@ -258,7 +261,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     if S <= block:
         scores = jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, H, D)
+        return jnp.einsum("bgrts,bgsd->btgrd", probs, v).reshape(B, T, H, D)
     return _normalise(_masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block), v.dtype)
 
 
@@ -271,7 +274,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     in-flight ones.
 
     q [B, T, H, D]; k/v [B, N, G, D]: the in-flight keys (the pass's own, or a tree's region),
-    mask bool [B, T, N]; cache_k/cache_v [B', S, G, D]: the layer's cache, whose first B rows
+    mask bool [B, T, N]; cache_k/cache_v [B', G, S, D]: the layer's cache, whose first B rows
     are the pass's (B' >= B: see cache.py); prefix int32 [B]:
     every query of row b sees the cache's slots < prefix[b], and, with floor (int32 [B, T]: a
     sliding window's), only those above floor[b, t]. -> [B, T, H, D] in v's dtype.
@@ -290,9 +293,10 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
-    S, G, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
+    G, S, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
     kernel = kernels and prefix_kernel.applies(kernel_platform(), S, G, D)
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
@@ -307,7 +311,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1, initial=_NEG))[..., None]  # [B, G, R, T, 1]
         p = [jnp.where(m, jnp.exp(s - top), 0.0) for m, s in zip(seen, scores)]
         total = p[0].sum(axis=-1) + p[1].sum(axis=-1)  # [B, G, R, T]
-        out = sum(jnp.einsum("bgrts,bsgd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
+        out = sum(jnp.einsum("bgrts,bgsd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
                   for pi, vi in zip(p, (cache_v, v)))
         return _normalise((None, total, out), v.dtype)
     state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)  # the in-flight keys first
@@ -324,8 +328,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
 
 
 def _scores(qg, kb, scale: float, cap: float | None):
-    """float32 scores [B, G, R, T, n] of queries qg [B, T, G, R, D] against keys kb [B, n, G, D]."""
-    s = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+    """float32 scores [B, G, R, T, n] of queries qg [B, T, G, R, D] against keys kb [B, G, n, D]."""
+    s = jnp.einsum("btgrd,bgsd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
     return s if cap is None else softcap(s, cap)
 
 
@@ -339,31 +343,31 @@ def _empty_state(qg):
 
 def _accumulate(state, s, seen, vb):
     """The online softmax's state after n more keys: scores s [B, G, R, T, n] (masked), seen
-    bool (broadcasting to s), their values vb [B, n, G, D]."""
+    bool (broadcasting to s), their values vb [B, G, n, D]."""
     m, l, acc = state
     m_new = jnp.maximum(m, s.max(axis=-1, initial=_NEG))  # (n may be 0: a pass that sees no in-flight key)
     p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # [B, G, R, T, n]
     correction = jnp.exp(m - m_new)
-    pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bgrts,bgsd->bgrtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
     return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
 
 
 def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None):
-    """The online softmax's state after the keys k/v [B', S, G, D] (rows [:B] read, B the
+    """The online softmax's state after the keys k/v [B', G, S, D] (rows [:B] read, B the
     queries' rows), visited `block` slots at a time; seen_of(start, n) -> bool [B, T or 1,
     n]: what each query sees of slots start .. start+n-1. upto: None (every block, a
     fixed-length loop), or a traced count of blocks to visit (see `cached_attention` for a
     GPU's); first: None, or the traced index of the first
     block to visit (those before it hold no key any query sees)."""
-    B, S = qg.shape[0], k.shape[1]
+    B, S = qg.shape[0], k.shape[2]
     num_blocks = -(-S // block)
 
     def visit(i, state, live=True):
         # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
         # shares with the previous block are masked out so that none is counted twice.
         start = jnp.minimum(i * block, S - block)
-        at, size = (0, start) + (0,) * (k.ndim - 2), (B, block) + k.shape[2:]
-        kb = jax.lax.dynamic_slice(k, at, size)  # [B, block, G, D]
+        at, size = (0, 0, start, 0), (B, k.shape[1], block, k.shape[3])
+        kb = jax.lax.dynamic_slice(k, at, size)  # [B, G, block, D]
         vb = jax.lax.dynamic_slice(v, at, size)
         seen = seen_of(start, block) & (start + jnp.arange(block) >= i * block) & live
         seen = seen[:, None, None]  # [B, 1, 1, T or 1, block]
@@ -383,9 +387,9 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
 
 
 def _masked_state(qg, k, v, mask, state, scale: float, cap: float | None, block: int):
-    """The online softmax's state after the keys k/v [B, N, G, D] under mask bool [B, T, N]:
+    """The online softmax's state after the keys k/v [B, G, N, D] under mask bool [B, T, N]:
     in one step up to `block` keys, else `block` at a time (a fixed-length loop)."""
-    if k.shape[1] <= block:
+    if k.shape[2] <= block:
         seen = mask[:, None, None]
         return _accumulate(state, jnp.where(seen, _scores(qg, k, scale, cap), _NEG), seen, v)
     return _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2), state,
@@ -532,19 +536,34 @@ def _splash_module():
     return splash_attention
 
 
-def dot_product_attention(q, k, v, mask, scale: float, kv_limit=None, implementation: str = "cudnn"):
-    """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, H, D] through
-    `jax.nn.dot_product_attention` (grouped heads natively); implementation "xla" computes
-    the same on any backend (what the CPU tests use). kv_limit int32 [B] (or None): each
-    row's live key length, passed as key_value_seq_lengths so that cuDNN's flash attention
-    stops at it instead of reading the whole cache; the mask already hides what lies past."""
-    lengths = None if kv_limit is None else jnp.broadcast_to(kv_limit, q.shape[:1]).astype(jnp.int32)
+def dot_product_attention(q, k, v, mask, scale: float, kv_limit=None, implementation: str = "cudnn",
+                          heads_first: bool = False):
+    """q [B, T, H, D], k/v [B, S, G, D] (heads_first: [B, G, S, D], a cache's layout), mask
+    bool [B, T, S] -> [B, T, H, D] through `jax.nn.dot_product_attention` (grouped heads
+    natively); implementation "xla" computes the same on any backend (what the CPU tests
+    use). kv_limit int32 [B] (or None): each row's live key length, passed as
+    key_value_seq_lengths so that cuDNN's flash attention stops at it instead of reading the
+    whole cache; the mask already hides what lies past. Keys heads first go to cuDNN in its
+    BNSH layout (jax's cuDNN binding; the public function takes BSNH only, which would be a
+    transposed copy of the cache), the queries and output [B, H, T, D] around it."""
+    B, T = q.shape[:2]
+    lengths = None if kv_limit is None else jnp.broadcast_to(kv_limit, (B,)).astype(jnp.int32)
+    if heads_first and implementation == "cudnn":
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        out = cudnn.dot_product_attention(
+            jnp.swapaxes(q, 1, 2), k, v, None, mask[:, None], jnp.full((B,), T, jnp.int32),
+            jnp.full((B,), k.shape[2], jnp.int32) if lengths is None else lengths, scale=scale,
+            mask_type=cudnn.MaskType.PADDING, qkv_layout="BNTH")
+        return jnp.swapaxes(out, 1, 2)
+    if heads_first:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
                                         key_value_seq_lengths=lengths, implementation=implementation)
 
 
 def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, interpret: bool = False):
-    """q [B, T, H, D], k/v [B, S, G, D], mask bool [B, T, S] -> [B, T, H, D] through Pallas
+    """q [B, T, H, D], k/v [B, G, S, D], mask bool [B, T, S] -> [B, T, H, D] through Pallas
     splash attention (interpret=True runs the kernel's Pallas program on any backend).
 
     Each (row, kv head) pair is one "head" of the multi-head kernel, its R query heads
@@ -553,10 +572,10 @@ def splash_attention(q, k, v, mask, scale: float, cap: float | None = None, inte
     scale of its own); the soft-cap applies after scaling, as in `attention`."""
     sa = _splash_module()
     B, T, H, D = q.shape
-    S, G = k.shape[1], k.shape[2]
+    G, S = k.shape[1], k.shape[2]
     R = H // G
     qf = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, G, R, D).transpose(0, 2, 3, 1, 4).reshape(B * G, R * T, D)
-    kf, vf = (x.transpose(0, 2, 1, 3).reshape(B * G, S, D) for x in (k, v))
+    kf, vf = (x.reshape(B * G, S, D) for x in (k, v))
     m = jnp.broadcast_to(mask[:, None, None], (B, G, R, T, S)).reshape(B * G, R * T, S)
     blocks = sa.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
     kernel = sa.make_splash_mha_single_device(mask=m, block_sizes=blocks, attn_logits_soft_cap=cap,

@@ -7,18 +7,16 @@ the in-flight keys, merged by their log-sum-exp. This kernel computes the prefix
 (the online softmax's running max, sum and output, before normalising) as the GPU runs it:
 a grid over (row, kv head, split of the cache), so that a decode step at batch 1 still fills
 the device; each program reads its split of one kv head's keys and values where they lie in
-the [B, S, G, D] cache (no transposed copy of a layer's cache, which `jax.experimental.pallas.
-ops.gpu.decode_attention.gqa` makes) and stops at the row's prefix, so a row reads only its
-live slots; every query head of the group and every in-flight query of the row share one
-read of each key (they are the rows of one matmul). The splits are merged by their
-log-sum-exp outside the kernel.
+the head-major [B, G, S, D] cache (contiguous slots; no transposed copy of a layer's cache)
+and stops at the row's prefix, so a row reads only its live slots; every query head of the
+group and every in-flight query of the row share one read of each key (they are the rows
+of one matmul). The splits are merged by their log-sum-exp outside the kernel.
 
 On a TPU (`tpu_prefix_state`) a program is one (row, block of the cache) and holds every kv
-head of the row: a block [block, G, D] keeps the cache's (G, D) tiles as they lie (a
-[B, S, G D] view of the cache would be a relaid copy of it), and kv head g is one sublane of
-each tile, read strided. The row's blocks run in order, accumulating into its output, and blocks past the row's prefix
-map to its last live block, which the pipeline does not fetch again, so a row reads only
-its live slots (the ragged trick of JAX's TPU paged attention kernels).
+head of the row: a block [G, block, D] is G (block, D) tiles as they lie. The row's blocks
+run in order, accumulating into its output, and blocks past the row's prefix map to its
+last live block, which the pipeline does not fetch again, so a row reads only its live
+slots (the ragged trick of JAX's TPU paged attention kernels).
 
 Status: the GPU kernel has not run on a GPU. A model takes the kernels by default there
 (Model.attention="auto", measured on one H200), but where cuDNN is installed, as it was
@@ -76,11 +74,12 @@ def state(platform: str, qg, cache_k, cache_v, prefix, floor, scale: float, cap:
 
 def prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: float | None, interpret: bool = False):
     """The online softmax's (max [B, G, R, T], sum [B, G, R, T], output [B, G, R, T, D]),
-    float32, of queries qg [B, T, G, R, D] over the cache cache_k/cache_v [B, S, G, D]: row b's
+    float32, of queries qg [B, T, G, R, D] over the cache cache_k/cache_v [B', G, S, D] (rows
+    [:B] read): row b's
     slots < prefix[b] (int32 [B]), and, with floor (int32 [B, T]), only those above floor[b, t].
     interpret: run the kernel's Pallas program on any backend (the tests')."""
     B, T, G, R, D = qg.shape
-    S = cache_k.shape[1]
+    S = cache_k.shape[2]
     M = max(16, 1 << (T * R - 1).bit_length())  # query rows of a program: t R + r, padded to a power of two
     split = _split(S, B * G)
     splits = -(-S // split)
@@ -93,8 +92,8 @@ def prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: float |
         kernel,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((None, None, M, D), lambda b, g, j: (b, g, 0, 0)),  # q
-                  pl.BlockSpec((None, split, None, D), lambda b, g, j: (b, j, g, 0)),  # k, in place
-                  pl.BlockSpec((None, split, None, D), lambda b, g, j: (b, j, g, 0)),  # v, in place
+                  pl.BlockSpec((None, None, split, D), lambda b, g, j: (b, g, j, 0)),  # k, in place
+                  pl.BlockSpec((None, None, split, D), lambda b, g, j: (b, g, j, 0)),  # v, in place
                   pl.BlockSpec((None, M), lambda b, g, j: (b, 0)),  # hi
                   pl.BlockSpec((None, M), lambda b, g, j: (b, 0))],  # lo
         out_specs=[pl.BlockSpec((None, None, None, M, D), lambda b, g, j: (j, b, g, 0, 0)),
@@ -158,7 +157,7 @@ def tpu_prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: flo
                      interpret: bool = False):
     """`prefix_state` by the TPU kernel: the same arguments and results."""
     B, T, G, R, D = qg.shape
-    S = cache_k.shape[1]
+    S = cache_k.shape[2]
     M = -(-T * R // 16) * 16  # query rows of a kv head: t R + r, padded to whole sublane tiles
     q = jnp.pad(qg.transpose(0, 2, 1, 3, 4).reshape(B, G, T * R, D), ((0, 0), (0, 0), (0, M - T * R), (0, 0)))
     lo = jnp.full((B, T), -1, jnp.int32) if floor is None else floor.astype(jnp.int32)
@@ -166,7 +165,7 @@ def tpu_prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: flo
 
     def live_block(b, j, prefix_ref):  # past the row's prefix: its last live block (not fetched again)
         live = jax.lax.div(prefix_ref[b] + TPU_BLOCK - 1, TPU_BLOCK)  # (prefix >= 0: no floor division's sign test)
-        return b, jnp.minimum(j, jnp.maximum(live - 1, 0)), 0, 0
+        return b, 0, jnp.minimum(j, jnp.maximum(live - 1, 0)), 0
 
     kernel = functools.partial(_tpu_kernel, heads=G, scale=scale, cap=cap)
     o, m, l = pl.pallas_call(
@@ -176,8 +175,8 @@ def tpu_prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: flo
             grid=(B, S // TPU_BLOCK),
             in_specs=[pl.BlockSpec((None, G, M, D), lambda b, j, prefix_ref: (b, 0, 0, 0)),  # q
                       pl.BlockSpec((None, M, 1), lambda b, j, prefix_ref: (b, 0, 0)),  # lo
-                      pl.BlockSpec((None, TPU_BLOCK, G, D), live_block),  # k, as it lies
-                      pl.BlockSpec((None, TPU_BLOCK, G, D), live_block)],  # v
+                      pl.BlockSpec((None, G, TPU_BLOCK, D), live_block),  # k, as it lies
+                      pl.BlockSpec((None, G, TPU_BLOCK, D), live_block)],  # v
             out_specs=[pl.BlockSpec((None, G, M, D), lambda b, j, prefix_ref: (b, 0, 0, 0)),
                        pl.BlockSpec((None, G, M, 128), lambda b, j, prefix_ref: (b, 0, 0, 0)),
                        pl.BlockSpec((None, G, M, 128), lambda b, j, prefix_ref: (b, 0, 0, 0))]),
@@ -198,7 +197,7 @@ def tpu_prefix_state(qg, cache_k, cache_v, prefix, floor, scale: float, cap: flo
 
 def _tpu_kernel(prefix_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, heads: int, scale: float,
                 cap: float | None):
-    """One (row, cache block) program: q_ref [G, M, D]; lo_ref [M, 1]; k_ref/v_ref [block, G D]
+    """One (row, cache block) program: q_ref [G, M, D]; lo_ref [M, 1]; k_ref/v_ref [G, block, D]
     -> o_ref [G, M, D], m_ref/l_ref [G, M, 128]: the row's state so far, carried across its
     blocks in the output blocks (they stay resident while the row's blocks run)."""
     b, j = pl.program_id(0), pl.program_id(1)
@@ -216,8 +215,8 @@ def _tpu_kernel(prefix_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
         slots = j * TPU_BLOCK + jax.lax.broadcasted_iota(jnp.int32, (M, TPU_BLOCK), 1)
         seen = (slots < hi) & (slots > lo_ref[...])  # [M, block]
         for g in range(heads):
-            kb = k_ref[:, g, :]  # [block, D]: kv head g's, one sublane of each (G, D) tile
-            vb = v_ref[:, g, :]
+            kb = k_ref[g]  # [block, D]: kv head g's slots
+            vb = v_ref[g]
             s = jax.lax.dot_general(q_ref[g], kb, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * scale  # [M, block]
             if cap is not None:

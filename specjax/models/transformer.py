@@ -48,7 +48,7 @@ class Block(nn.Module):
     def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None):
         """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
         pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
-        cache_kv: None, or this layer's (k, v) buffers [B', S, G, D] (B' >= B: cache.py).
+        cache_kv: None, or this layer's (k, v) buffers [B', G, S, D] (B' >= B: cache.py).
         Returns (x, cache_kv with the T new entries written)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
@@ -60,10 +60,10 @@ class Block(nn.Module):
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
-                                view.kv_limit, kernels=True)
+                                view.kv_limit, kernels=True, heads_first=True)
             else:
                 if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
-                    k, v = (buf[jnp.arange(B)[:, None], view.region] for buf in cache_kv)
+                    k, v = (buf[jnp.arange(B)[:, None], :, view.region] for buf in cache_kv)  # [B, N, G, D]
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
                                        attn.scale, attn.cap, kernels=view.kernels)
         x = x + attn.project_out(out)
