@@ -197,16 +197,13 @@ class Attention(nn.Module):
         c = self.config
         B, T, H, D = out.shape
         w = self.o_kernel
-        if target_platform() == "gpu":  # contracted over (h, d) as the weight lies
-            out = matmul("bthd,hde->bte", out, w)
-        else:
-            # One [H D, E] matmul (a free reshape of the weight): contracting over (h, d) as two
-            # axes lets XLA's CPU backend transpose the whole weight on every pass to match the
-            # activations' layout (seen in its compiled programs); flat, the weight is read as is.
-            # (Traced for a GPU the reshape would count as a copy in the lowering's cost analysis.)
-            w = (Int8(w.value.reshape(H * D, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8)
-                 else w.reshape(H * D, -1))
-            out = matmul("btk,ke->bte", out.reshape(B, T, H * D), w)
+        # One [H D, E] matmul (a free reshape of the weight): contracted over (h, d) as two axes,
+        # XLA transposed the whole weight on every pass to match the activations' layout, on
+        # a CPU, and on a GPU behind cuDNN's head-major output (docs/bench/gpu_compiled.txt);
+        # flat, only the activations can move.
+        w = (Int8(w.value.reshape(H * D, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8)
+             else w.reshape(H * D, -1))
+        out = matmul("btk,ke->bte", out.reshape(B, T, H * D), w)
         if c.out_bias:
             out = out + self.o_bias
         return self.post_norm(out) if c.family == "gemma" else out
