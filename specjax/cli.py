@@ -483,7 +483,8 @@ def main(argv=None):
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")
 
-    p = sub.add_parser("plan", help="before you rent a TPU: compile the program for a slice here and see if it fits")
+    p = sub.add_parser("plan", help="before you rent a TPU or a GPU: compile the program for it here and see if it "
+                                   "fits")
     p.add_argument("target", nargs="?", default=default_checkpoint("target"),
                    help="the target's folder or hub id (only config.json is read; default: the shipped target)")
     drafts = p.add_mutually_exclusive_group()

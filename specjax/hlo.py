@@ -219,9 +219,8 @@ def traffic(hlo: str) -> int:
 
 def kernels(hlo: str) -> list[Kernel]:
     """The kernels of an optimised HLO module (`compiled.as_text()`), largest first, with the
-    bytes each reads and writes: each
-    kernel (a fusion, a custom call, an unfused op) reading its operands and writing its
-    result once: what a memory-bound program costs. A fusion reads only the slices or rows it
+    bytes each reads and writes: each kernel (a fusion, a custom call, an unfused op) reading
+    its operands and writing its result once, what a memory-bound program costs. A fusion reads only the slices or rows it
     takes of an operand used through dynamic-slice, slice or gather, and writes only the
     update of a dynamic-update-slice or scatter into an operand's buffer (in place), not the
     buffer. A loop's body counts its known trip count times (once where XLA knows none). A
@@ -241,9 +240,15 @@ def kernels(hlo: str) -> list[Kernel]:
                 users.setdefault(o, []).append(i)
         root = next((i for i in body if i[4].lstrip().startswith("ROOT")), None)
         roots = [by_name[o] for o in root[3]] if root and root[2] == "tuple" else [root] if root else []
-        buffers = {r[3][0] for r in roots if r and r[2] in _IN_PLACE}
-        total = sum(_bytes(r[1]) if r[2] not in _IN_PLACE else _bytes(by_name[r[3][-1]][1]) if r[3][-1] in by_name
-                    else 0 for r in roots if r) if roots else _bytes(shape)
+        buffers = {r[3][0] for r in roots if r[2] in _IN_PLACE}  # updated in place: not read whole
+
+        def written(r):  # an in-place update writes its update alone
+            return _bytes(by_name[r[3][-1]][1]) if r[2] in _IN_PLACE and r[3][-1] in by_name else _bytes(r[1])
+
+        def sliced(u):  # whether a slicing reader takes the parameter (through bitcasts), not its indices
+            return by_name.get(u[3][0], (None, None, "bitcast"))[2] in ("bitcast", "parameter")
+
+        total = sum(map(written, roots)) if roots else _bytes(shape)
         for index, operand_shape in enumerate(operand_shapes):
             name = params.get(index)
             readers, through = [], list(users.get(name, []))
@@ -255,8 +260,7 @@ def kernels(hlo: str) -> list[Kernel]:
                     readers.append(user)
             if name in buffers:
                 continue
-            if readers and all(u[2] in _SLICING and by_name.get(u[3][0], (None, None, "bitcast"))[2] in ("bitcast", "parameter")
-                               for u in readers):
+            if readers and all(u[2] in _SLICING and sliced(u) for u in readers):
                 total += sum(_bytes(u[1]) for u in readers)
             else:
                 total += _bytes(operand_shape)

@@ -1,8 +1,9 @@
-"""Before you rent a TPU: will this pair run on that slice, at this batch and length, and on
-which mesh? `plan` reads only config.json (a local folder, a hub id when online, or a
+"""Before you rent a TPU or a GPU: will this pair run on that slice, at this batch and length,
+and on which mesh? `plan` reads only config.json (a local folder, a hub id when online, or a
 ModelConfig), builds the models from shapes, compiles `generate`'s real program for the
-slice's devices here (aot.py: XLA's TPU compiler, no TPU needed) for every (data, model)
-mesh of its chips that the batch allows, and reads per device what the program needs.
+devices here (aot.py: XLA's TPU compiler, or its GPU compiler through jax's CUDA plugin; no
+TPU or GPU needed) for every (data, model) mesh of its chips that the batch allows, and
+reads per device what the program needs.
 
 It knows configs, meshes and compiled programs' figures; it reads no weights and runs
 nothing.
@@ -132,7 +133,7 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
          num_draft_tokens: int | None = 4, tree=None, mesh: tuple[int, int] | None = None, dtype=jnp.bfloat16,
          quantize: str | None = None, early_exit: int | None = None, log=None) -> Plan:
     """Compiles generate's loop for `batch` prompts of `prompt_len` tokens growing to `max_len`
-    (max_new_tokens = max_len - prompt_len) on the TPU slice `topology` ("v5e:2x4"), for
+    (max_new_tokens = max_len - prompt_len) on the TPU slice or GPUs `topology` ("v5e:2x4", "h100"), for
     `mesh` (data, model) or every mesh the chips and batch allow, and says per device what
     it needs. target, draft: folders, hub ids, config.json dicts or ModelConfigs (draft None:
     plain decoding, or early_exit=N: the target's first N layers); tree: a `Tree` for the

@@ -28,6 +28,7 @@ from specjax.measure import median_time
 from specjax.synthetic import SIZES as SYNTHETIC_SIZES
 from specjax.aot import pass_reads
 from specjax.cache import KVCache
+from specjax.models import apply
 from specjax.synthetic import build_synthetic_pair, read_bandwidth, weight_bytes, weights_only_time
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -189,6 +190,25 @@ def attention(args):
     bw = read_bandwidth()
     R = RESULTS.setdefault(f"attention-{args.size}", {"bandwidth_GBps": bw / 1e9, "pass_reads_GB": W / 1e9})
     log(f"{args.size}: a pass reads {W / 1e9:.2f} GB of weights, measured bandwidth {bw / 1e12:.2f} TB/s")
+    # Each mode's logits of one cached pass (6 tokens, 8 rows over a random half-full cache of
+    # 1,024 slots) against the portable path's: cuDNN reads the head-major cache in its BNSH
+    # layout since 0618341, compiled before, never run.
+    B, T, S = 8, 6, 1024
+    keys = jax.random.split(jax.random.key(1), 2 * c.num_layers)
+    filled = KVCache.init(c, B, S, dtype)
+    filled = filled.replace(k=tuple(jax.random.normal(k, x.shape, dtype) for k, x in zip(keys[::2], filled.k)),
+                            v=tuple(jax.random.normal(k, x.shape, dtype) for k, x in zip(keys[1::2], filled.v)))
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, c.vocab_size, (B, T)), jnp.int32)
+    positions = S // 2 + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits = {}
+    for mode in MODES:
+        with attending(mode) as attention_mode:
+            logits[mode] = np.asarray(jax.jit(lambda m, cache: apply(m, tokens, positions, cache)[0])(
+                target.replace(attention=attention_mode), filled), np.float32)
+        R[f"{mode}_logits_maxdiff"] = float(np.abs(logits[mode] - logits["portable"]).max())
+        R[f"{mode}_argmax_agree"] = float((logits[mode].argmax(-1) == logits["portable"].argmax(-1)).mean())
+        log(f"{mode:8s} a cached pass (B={B} T={T} S={S}) against portable: max |logit diff| "
+            f"{R[f'{mode}_logits_maxdiff']:.4f}, argmax agrees on {R[f'{mode}_argmax_agree']:.3f} of tokens")
     for B, T, S in ATTENTION_CASES[:args.cases]:
         live = KVCache.nbytes(c, B, S // 2, dtype)
         floor = (W + live) / bw
