@@ -380,7 +380,7 @@ def test_trace_records_tokens_per_step(pair):
 def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
     """The loop as a TPU program holds it (each row's cache entries written as one
     consecutive slice, not a point scatter; the 4-D qkv matmul) and as a GPU program (the 4-D
-    qkv matmul, the output projection contracted over (h, d), attention's fixed-length loop),
+    qkv matmul, attention's fixed-length loop),
     run here on the CPU: the same tokens as the CPU's program, for a chain and a tree. And
     the two writes agree."""
     from specjax import cache
@@ -400,6 +400,6 @@ def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
             np.testing.assert_array_equal(other.tokens, cpu.tokens, err_msg=platform)
             np.testing.assert_array_equal(other.stats.accepted, cpu.stats.accepted, err_msg=platform)
     rng = np.random.default_rng(0)
-    buffer, new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((3, 20, 2, 4), (3, 5, 2, 4)))
+    buffer, new = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((3, 2, 20, 4), (3, 5, 2, 4)))
     slots = jnp.asarray([0, 7, 15])[:, None] + jnp.arange(5)[None]
     np.testing.assert_array_equal(cache.write(buffer, new, slots, consecutive=True), cache.write(buffer, new, slots))

@@ -83,6 +83,11 @@ def main():
                 spec = aot.pass_program(model, where, batch=batch, context=context, tokens=tokens)
                 name = "one-token pass" if tokens == 1 else "verify K=5"
                 print(row(f"{name}, batch {batch}, {context // 1024}K", spec, attention), flush=True)
+    quantized = aot.abstract_model(target.config, quantize="int8")
+    for batch, context, tokens in ((1, 1024, 1), (8, 8192, 6)):  # int8 weights: converted inside the matmuls?
+        spec = aot.pass_program(quantized, where, batch=batch, context=context, tokens=tokens)
+        name = "one-token pass" if tokens == 1 else "verify K=5"
+        print(row(f"int8 {name}, batch {batch}, {context // 1024}K", spec, "auto"), flush=True)
     for attention in ("auto", "portable"):
         t, d = (m.replace(attention=attention) for m in (target, draft))
         spec = aot.engine_program(t, d, where, slots=8, max_len=4096, K=4, steps=4)
