@@ -75,10 +75,11 @@ def add_arguments(parser):
     parser.add_argument("--eagle", default=default_checkpoint("eagle"), help="a saved EAGLE drafter")
     parser.add_argument("--eagle3", default=default_checkpoint("eagle3"), help="a saved EAGLE-3 drafter")
     parser.add_argument("--aot", metavar="SLICE", default=None,
-                        help="only compile the pair's step programs for a TPU slice here (v5e:1x1, v6e:2x2, ...; "
-                             "needs jax[tpu]) from their config.json alone and print what each costs: temporaries "
-                             "over weights, the weights copied, the CUDA lowering's bytes over what a step must "
-                             "read (writes aot.txt; -k's first value is K; with --synthetic, its pair's shapes)")
+                        help="only compile the pair's step programs for a TPU slice or a GPU here (v5e:1x1, "
+                             "v6e:2x2, h100, ...; needs jax[tpu], or jax[cuda12] for a GPU) from their config.json "
+                             "alone and print what each costs: temporaries over weights, the weights copied, a CUDA "
+                             "program's bytes over what a step must read (writes aot.txt; -k's first value is K; "
+                             "with --synthetic, its pair's shapes)")
 
 
 def _tree_family(text: str) -> tuple[int, int] | None:
@@ -95,7 +96,8 @@ def _tree_family(text: str) -> tuple[int, int] | None:
 
 def run_aot(args):
     """--aot SLICE: the pair's step programs (specjax.aot.step_programs) compiled for a TPU
-    slice from the configs alone, the instrument's table printed and written to OUT/aot.txt."""
+    slice or a GPU from the configs alone, the instrument's table printed and written to
+    OUT/aot.txt."""
     import dataclasses
     from pathlib import Path
 
@@ -135,7 +137,7 @@ def run_from_args(args):
     if args.aot:
         others = ("profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
         if args.dtype != "float32" or any(getattr(args, name) for name in others):
-            raise SystemExit("--aot compiles for a TPU and runs nothing; leave out --dtype and "
+            raise SystemExit("--aot compiles for a TPU or a GPU and runs nothing; leave out --dtype and "
                              + ", ".join("--" + name.replace("_", "-") for name in others))
         return run_aot(args)
     if args.dtype != "float32":
