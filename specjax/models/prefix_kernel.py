@@ -48,13 +48,14 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 def applies(platform: str, S: int, G: int, D: int) -> bool:
     """Whether `platform`'s kernel takes a pass over S cache slots of G kv heads of head dim D:
-    Triton's matmuls want D a power of two >= 16; on a TPU, D a multiple of 128 and G > 1,
-    where XLA lays the cache out as the kernel reads it (compiled here for a v5e: with D = 64
-    or G = 1 it lays a cache buffer out otherwise and copies every layer's around the kernel,
-    each pass); both, the cache a whole number of blocks."""
+    Triton's matmuls want D a power of two >= 16; on a TPU, D a multiple of 128, where XLA
+    lays the cache out as the kernel reads it (compiled here for a v5e: with D = 64 it lays
+    a cache buffer out otherwise and copies every layer's around the kernel, each pass; with
+    G = 1 it did so while the cache lay token-major, not since it lies head-major); both,
+    the cache a whole number of blocks."""
     if platform == "gpu":
         return D >= 16 and D & (D - 1) == 0 and S % BLOCK == 0
-    return platform == "tpu" and D % 128 == 0 and G > 1 and S % TPU_BLOCK == 0
+    return platform == "tpu" and D % 128 == 0 and S % TPU_BLOCK == 0
 
 
 def _split(S: int, pairs: int) -> int:
