@@ -495,7 +495,9 @@ def main(argv=None):
                         "host's GPUs: h100, h200, h100x8 (needs jax's CUDA plugin, no GPU)")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     p.add_argument("--prompt-len", type=int, default=128, help="the prompts' padded length (default 128)")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per row, prompt included (default 2048)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per row, prompt included (default 2048, or the target's max_position_embeddings "
+                        "where that is less)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="chain length K (default 4)")
     p.add_argument("--tree", metavar="SHAPE", help="a token tree instead: DEPTH,TOP_K,NODES or JSON rank paths")
     p.add_argument("--mesh", type=flags.ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",

@@ -129,7 +129,7 @@ def meshes_for(chips: int) -> list[tuple[int, int]]:
 _OOM = re.compile(r"(?i)(ran out of memory|resource_exhausted|exceeds .*memory|hbm)")
 
 
-def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int = 128, max_len: int = 2048,
+def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int = 128, max_len: int | None = None,
          num_draft_tokens: int | None = 4, tree=None, mesh: tuple[int, int] | None = None, dtype=jnp.bfloat16,
          quantize: str | None = None, early_exit: int | None = None, log=None) -> Plan:
     """Compiles generate's loop for `batch` prompts of `prompt_len` tokens growing to `max_len`
@@ -137,17 +137,20 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
     `mesh` (data, model) or every mesh the chips and batch allow, and says per device what
     it needs. target, draft: folders, hub ids, config.json dicts or ModelConfigs (draft None:
     plain decoding, or early_exit=N: the target's first N layers); tree: a `Tree` for the
-    draft model instead of a chain of num_draft_tokens."""
+    draft model instead of a chain of num_draft_tokens; max_len None: 2048, or the target's
+    max_position_embeddings where that is less."""
     from specjax.drafters import DraftModel, EarlyExit
 
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_len", max_len)):
-        if not isinstance(value, int) or value < 1:
+        if (value is not None or name != "max_len") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    config = read_config(target)
+    max_len = min(2048, config.max_position_embeddings) if max_len is None else max_len
     if max_len <= prompt_len:
         raise ValueError(f"max_len ({max_len}) must exceed prompt_len ({prompt_len}): it counts the prompt and "
                          f"the tokens generated after it")
     slice_ = aot.accelerator(topology)
-    target_model = aot.abstract_model(read_config(target), dtype, quantize)
+    target_model = aot.abstract_model(config, dtype, quantize)
     drafter, K = None, None
     if early_exit is not None:
         drafter, K = EarlyExit(early_exit), num_draft_tokens

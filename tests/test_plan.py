@@ -37,11 +37,13 @@ TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "num_hidde
 
 def test_plan_cli_tries_every_mesh_and_recommends_the_least_split(tmp_path):
     """A tiny pair at batch 2 on a v5e 2x2: meshes 4x1 (rows do not divide), 2x2 and 1x4 (both
-    fit), and the recommendation splits the model least."""
+    fit), and the recommendation splits the model least. Without --max-len a row holds the
+    target's 1,024 positions, not the default 2,048 (the README's plan of the shipped pair)."""
     target = _folder(tmp_path, "target", TINY)
     draft = _folder(tmp_path, "draft", dict(TINY, num_hidden_layers=1))
-    code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:2x2", "--batch", "2", "--max-len", "256")
+    code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:2x2", "--batch", "2")
     assert code == 0, (out, err)
+    assert "prompt 128 + 896 new tokens" in out
     assert "4x1" in out and "batch 2 does not divide data=4" in out
     assert re.search(r"^  2x2 .*  yes$", out, re.M) and re.search(r"^  1x4 .*  yes$", out, re.M)
     assert "recommended mesh: data=2, model=2 (--mesh 2,2)" in out
