@@ -133,23 +133,27 @@ def accelerator(name: str) -> Slice:
     return gpu_slice(name) if re.fullmatch(r"(?i)[a-z]+\d+(x\d+)?", str(name)) else tpu_slice(name)
 
 
-# XLA's descriptions of the GPUs programs compile for here (GpuTargetConfig text): what an H100
-# SXM reports to XLA (as jax issue 28376 quotes it), and the H200, the same chip with more
-# memory (nvidia-smi's 143,771 MiB) and bandwidth (4.8 TB/s). Compilation reads the compute
-# capability, the core count and the memory limits; nothing is timed.
-_H100 = """gpu_device_info {
+# The GPUs programs compile for here: (memory bandwidth B/s, memory bytes, name) as an H100 SXM
+# reports them to XLA (jax issue 28376 quotes its description), and the H200, the same chip
+# with more memory (nvidia-smi's 143,771 MiB) and bandwidth (4.8 TB/s). Compilation reads the
+# compute capability, the core count and the memory limits of `_target_config`; nothing is timed.
+GPU_TARGETS = {"h100": (3352320000000, 84929347584, "NVIDIA H100 80GB HBM3"),
+               "h200": (4800000000000, 150754820096, "NVIDIA H200")}
+
+
+def _target_config(bandwidth: int, memory: int, name: str) -> str:
+    """XLA's GpuTargetConfig text of a Hopper GPU (compute capability 9.0, 132 SMs)."""
+    return f"""gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: %d l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: %d
-  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  memory_bandwidth: {bandwidth} l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: {memory}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 }}
   registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 12 minor: 9 }
-device_description_str: "%s"
+}}
+platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 8 }} runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{name}"
 """
-GPU_TARGETS = {"h100": _H100 % (3352320000000, 84929347584, "NVIDIA H100 80GB HBM3"),
-               "h200": _H100 % (4800000000000, 150754820096, "NVIDIA H200")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,14 +171,13 @@ def gpu_slice(name: str) -> Slice:
 
     count = int(m.group(2) or 1)
     try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=GPU_TARGETS[m.group(1)],
+        topology = topologies.get_topology_desc(platform="cuda", target_config=_target_config(*GPU_TARGETS[m.group(1)]),
                                                 topology=f"1x1x{count}")
     except NotImplementedError:  # jax found no CUDA plugin
         raise TopologyError(f"compiling for {name!r} needs jax's CUDA plugin (pip install 'jax[cuda12]'), loaded: "
                             f"on a host without a GPU, set JAX_PLATFORMS=cpu before jax starts, or the plugin "
                             f"refuses to load for want of a driver") from None
-    memory = int(re.search(r"device_memory_size: (\d+)", GPU_TARGETS[m.group(1)]).group(1))
-    return Slice(str(name).lower(), "gpu", tuple(topology.devices), memory)
+    return Slice(str(name).lower(), "gpu", tuple(topology.devices), GPU_TARGETS[m.group(1)][1])
 
 
 # ---- models and arrays from shapes -------------------------------------------------------

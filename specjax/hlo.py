@@ -138,7 +138,7 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
             op = f"fusion({op})"
         elif opcode not in MOVES:
             continue
-        size = int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES.get(dtype, 4)
+        size = _bytes(f"{dtype}[{dims}]")
         if size < threshold:
             continue
         found.append(Copy(op, f"{dtype}[{dims}]", size, origin(line)))
@@ -157,7 +157,7 @@ def short_path(path: str) -> str:
 # ---- the bytes an optimised program's kernels move -----------------------------------------
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")  # dtype[dims] (an unknown dtype counts 4 bytes an element)
 _FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id",
          "replica-id", "opt-barrier", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}  # read only what they return of their first operand
@@ -220,10 +220,10 @@ def traffic(hlo: str) -> int:
 def kernels(hlo: str) -> list[Kernel]:
     """The kernels of an optimised HLO module (`compiled.as_text()`), largest first, with the
     bytes each reads and writes: each kernel (a fusion, a custom call, an unfused op) reading
-    its operands and writing its result once, what a memory-bound program costs. A fusion reads only the slices or rows it
-    takes of an operand used through dynamic-slice, slice or gather, and writes only the
-    update of a dynamic-update-slice or scatter into an operand's buffer (in place), not the
-    buffer. A loop's body counts its known trip count times (once where XLA knows none). A
+    its operands and writing its result once, what a memory-bound program costs. A fusion
+    reads only the slices or rows it takes of an operand used through dynamic-slice, slice or
+    gather, and writes only the update of a dynamic-update-slice or scatter into an operand's
+    buffer (in place), not the buffer. A loop's body counts its known trip count times (once where XLA knows none). A
     custom call (cuDNN, a Pallas kernel) counts its operands whole: what it skips inside
     (past a row's length) is not known here, nor what it re-reads.
     XLA's own cost analysis of a GPU program compiled here counts a gather's table and an

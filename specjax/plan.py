@@ -141,11 +141,11 @@ def plan(target, draft=None, *, topology: str, batch: int = 1, prompt_len: int =
     max_position_embeddings where that is less."""
     from specjax.drafters import DraftModel, EarlyExit
 
-    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_len", max_len)):
-        if (value is not None or name != "max_len") and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     config = read_config(target)
     max_len = min(2048, config.max_position_embeddings) if max_len is None else max_len
+    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_len", max_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if max_len <= prompt_len:
         raise ValueError(f"max_len ({max_len}) must exceed prompt_len ({prompt_len}): it counts the prompt and "
                          f"the tokens generated after it")
