@@ -258,9 +258,9 @@ class Spec:
         return nbytes(self.params)
 
 
-def _with_kernels(fn: Callable, platform: str | None, portable: bool) -> Callable:
+def _with_kernels(fn: Callable, platform: str | None, mesh: Mesh | None) -> Callable:
     def run(*args, **kwargs):
-        with layers.kernels_for(platform, portable):
+        with layers.kernels_for(platform, mesh=mesh):
             return fn(*args, **kwargs)
     return run
 
@@ -294,7 +294,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
         logits, _, cache = models.apply(model, tokens, positions, cache)
         return logits, cache
 
-    fn = jax.jit(_with_kernels(run, where.platform, where.mesh is not None), donate_argnums=3)
+    fn = jax.jit(_with_kernels(run, where.platform, where.mesh), donate_argnums=3)
     return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn, run,
                 (placed, ids, ids, cache), {}, placed.params,
                 pass_reads(target) + KVCache.nbytes(target.config, batch, context, target.dtype), where.platform)
@@ -392,10 +392,10 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
     target_placed, drafter, prompts, lengths, key, sampling, _, threshold = args
     if drafter is None:
         raise ValueError("draft_program needs a draft")
-    platform, portable = static["platform"], static["mesh"] is not None
+    platform, mesh = static["platform"], static["mesh"]
 
     def state_of(target, drafter, prompts, lengths, key, sampling):
-        with layers.kernels_for(platform, portable):
+        with layers.kernels_for(platform, mesh=mesh):
             return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling)
 
     state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key, sampling)
@@ -411,7 +411,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
                                k_limit=state.k_limit, threshold=threshold, features=state.features)
         return drafter.propose(state.draft_state, request)
 
-    fn = jax.jit(_with_kernels(step, platform, portable))
+    fn = jax.jit(_with_kernels(step, platform, mesh))
     params = drafter_params(drafter)
     must = nbytes(params) + (KVCache.nbytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
                              if isinstance(drafter, DraftModel) else 0)
@@ -439,7 +439,7 @@ def distill_program(target: Model, draft: Model, where: Placement, batch: int = 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
 
-    fn = jax.jit(_with_kernels(step, where.platform, where.mesh is not None), donate_argnums=0)
+    fn = jax.jit(_with_kernels(step, where.platform, where.mesh), donate_argnums=0)
     teacher = where.model(target)
     params = (teacher.params, state.params)
     return Spec("distill step", fn, step, (state, tokens, teacher), {}, params, nbytes(params), where.platform)
@@ -483,7 +483,7 @@ def _trace_for_cuda(spec: Spec):
         fn = spec.fn
         kwargs.update(platform="gpu", mesh=None, rules=None)
     else:
-        fn = jax.jit(_with_kernels(spec.body, "gpu", False))
+        fn = jax.jit(_with_kernels(spec.body, "gpu", None))
     return fn.trace(*unplaced, **kwargs)
 
 

@@ -302,8 +302,8 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     stream: None, or int32 [] (a handle of `streams`; being None or not is part of the jit
     key, so None costs nothing). platform: where the program runs ("cpu", "gpu", "tpu";
     None: the default backend), whose attention kernels it holds; a sharded program's
-    attention takes the portable path (layers.portable_attention)."""
-    with layers.kernels_for(platform, portable=mesh is not None):
+    (mesh) keeps only the prefix kernel, under shard_map (layers.kernels_for)."""
+    with layers.kernels_for(platform, mesh=mesh):
         state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
         B = state.tokens.shape[0]
         trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None

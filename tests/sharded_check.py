@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -146,6 +147,7 @@ def main():
     findings["engine"] = engine_findings(target, draft)
     findings["int8"] = int8_findings(folder)
     findings["kv_heads"] = kv_head_findings(prompts, lengths)
+    findings["prefix_kernel"] = prefix_kernel_findings()
     print(json.dumps(findings))
 
 
@@ -244,6 +246,48 @@ def int8_findings(folder) -> dict:
         "equal": bool(np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)),
         "whole_weight_gathers": sorted({str(g) for g in all_gather_shapes(hlo) if g in whole}),
     }
+
+
+
+def prefix_kernel_findings() -> dict:
+    """A cached pass on a (data 2, model 4) mesh whose model's rules split its rows and kv
+    heads: the TPU's and the GPU's prefix kernels (Pallas' interpreter) run under shard_map,
+    each device on its own rows and kv heads, and equal the portable path, with a sliding
+    window's floors and without; with no rules (a model not sharded) the pass attends
+    portably."""
+    from specjax.models import layers
+
+    mesh = specjax.make_mesh(data=2, model=4)
+    rules = specjax.sharding.DEFAULT_RULES
+    rng = np.random.RandomState(5)
+    B, T, H, G, S, D = 2, 3, 8, 4, 256, 128
+    P = jax.sharding.PartitionSpec
+
+    def put(x, *spec):
+        return jax.device_put(jnp.asarray(x, jnp.float32), jax.sharding.NamedSharding(mesh, P(*spec)))
+
+    q = put(rng.randn(B, T, H, D), "data", None, "model")
+    k, v = (put(rng.randn(B, T, G, D), "data", None, "model") for _ in range(2))
+    cache_k, cache_v = (put(rng.randn(B, G, S, D), "data", "model") for _ in range(2))
+    mask = jnp.asarray(np.tril(np.ones((T, T), bool))[None].repeat(B, 0))
+    prefix = jnp.asarray([200, 7], jnp.int32)
+    floors = {"none": None, "window": prefix[:, None] + jnp.arange(T) - 50}
+    found = {}
+    for name, floor in floors.items():
+        args = (q, k, v, mask, cache_k, cache_v, prefix, floor)
+        want = layers.cached_attention(*args, 0.125)
+        for platform in ("tpu", "gpu"):
+            def run(*a, rules=rules):
+                with layers.kernels_for(platform, mesh=mesh):
+                    return layers.cached_attention(*a, 0.125, kernels=True, interpret=True, rules=rules)
+            got = jax.jit(run)(*args)
+            jaxpr = str(jax.make_jaxpr(run)(*args))
+            portable = str(jax.make_jaxpr(functools.partial(run, rules=None))(*args))
+            found[f"{platform} {name}"] = {
+                "error": float(np.abs(np.asarray(got) - np.asarray(want)).max()),
+                "under_shard_map": "shard_map" in jaxpr and "pallas_call" in jaxpr,
+                "without_rules_portable": "pallas_call" not in portable}
+    return found
 
 
 if __name__ == "__main__":

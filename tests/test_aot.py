@@ -211,6 +211,25 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
         model.replace(attention="fast")
 
 
+def test_a_sharded_pass_keeps_the_prefix_kernel():
+    """On a v5e:2x2 mesh (rows over data 2, kv heads over model 2), a verification pass of a
+    model that opts in holds the TPU's prefix kernel, under shard_map: each chip runs it on
+    its own rows and kv heads where the cache lies, so the program moves no key or value
+    between chips (no collective but the logits' and the MLP's) and copies no cache block;
+    by default ("auto": sharded kernels never ran) it attends portably."""
+    config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                             hidden_size=256, max_position_embeddings=1024))
+    mesh = aot.on_mesh(aot.tpu_slice("v5e:2x2").mesh(2, 2))
+    for attention, held in (("kernels", True), ("auto", False)):
+        spec = aot.verify_program(aot.abstract_model(config).replace(attention=attention), mesh, 4, batch=2,
+                                  context=1024)
+        text = spec.fn.lower(*spec.args).compile().as_text()
+        assert ("specjax_prefix_attention" in text) == held, attention
+        assert aot.large_copies(text, 2**17) == (), attention  # a chip's share of a layer's K: 256 KB
+        moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-to-all|collective-permute)", text)
+        assert not [shape for shape in moved if "1024" in shape.split(",")], (attention, moved)
+
+
 def test_a_program_larger_than_the_chip_fails_at_compile_time():
     """XLA's TPU compiler refuses a program that does not fit the chip's HBM: 16 GiB on a v5e."""
     big = aot.abstract_model(ModelConfig.from_hf_config(real_configs.with_layers(real_configs.LLAMA_3_1_8B, 40)))

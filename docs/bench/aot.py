@@ -10,7 +10,7 @@ program, and the CUDA lowering's bytes accessed over the bytes the program must 
         [--slices v5e:1x1,v5e:2x2,v6e:2x2] [--layers N] [--attention kernels] > docs/bench/aot.txt
 
 --attention kernels: both models opt in to the attention kernels (Model.attention; a sharded
-program attends portably whatever it asks).
+program keeps only the prefix kernel, under shard_map).
 --layers N compiles N target layers (the draft keeps its own) to bound the time: every
 layer is the same program, so weights and temporaries per layer scale, the head does not.
 The loop's CUDA figure counts its while body once and its prefill too, so read it as a

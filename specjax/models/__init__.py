@@ -46,7 +46,7 @@ class Model:
     # the jnp path on every backend. "auto" (the default): kernels where they have been
     # measured on their hardware (a GPU, in bfloat16: layers.MEASURED_KERNELS),
     # portable elsewhere (TPU kernels are opt-in until they run on one). A sharded program
-    # attends portably whatever this says.
+    # takes only the prefix kernel, under shard_map, and only with "kernels" (never run sharded).
     attention: str = struct.field(pytree_node=False, default="auto")
 
     def __post_init__(self):
@@ -85,7 +85,7 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
         return exact.decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer,
                             taps=taps)
     return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps,
-                  kernels=takes_kernels(model.attention, model.dtype))
+                  kernels=takes_kernels(model.attention, model.dtype), rules=model.rules)
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import Mesh, PartitionSpec
 
+from specjax import sharding
 from specjax.config import ModelConfig
 from specjax.models import prefix_kernel
 from specjax.quant import Int8
@@ -264,7 +267,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 
 def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
                      cap: float | None = None, block: int | None = None, kernels: bool = False,
-                     interpret: bool = False):
+                     interpret: bool = False, rules=None):
     """Attention of a cached pass, over two key sets merged by their log-sum-exp (one online
     softmax): the committed prefix, read in place from the cache, and the pass's in-flight
     keys, under their own mask. No [B, T, S] mask is built, nor any key copied but the
@@ -284,9 +287,9 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     and re-reads the last live block instead, masked).
 
     kernels=True (`takes_kernels` of the model's Model.attention): traced for a GPU or a TPU, where it
-    applies (`prefix_kernel.applies`), the prefix goes through that platform's Pallas kernel
-    (per-row lengths, read in place); interpret=True runs it in Pallas' interpreter, on any
-    backend (the tests').
+    applies (`_prefix_kernel`), the prefix goes through that platform's Pallas kernel
+    (per-row lengths, read in place; in a sharded program under `shard_map`, by the model's
+    `rules`); interpret=True runs it in Pallas' interpreter, on any backend (the tests').
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
@@ -294,14 +297,14 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
-    kernel = kernels and prefix_kernel.applies(kernel_platform(), S, G, D)
+    kernel = _prefix_kernel(B, cache_k.shape, rules, scale, cap, interpret) if kernels else None
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
         slots = start + jnp.arange(n)
         seen = slots[None, None, :] < prefix[:, None, None]
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
-    if not kernel and S <= block and N <= block:  # one softmax over both key sets, without joining them
+    if kernel is None and S <= block and N <= block:  # one softmax over both key sets, without joining them
         cache_k, cache_v = cache_k[:B], cache_v[:B]
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
@@ -312,8 +315,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
                   for pi, vi in zip(p, (cache_v, v)))
         return _normalise((None, total, out), v.dtype)
     state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)  # the in-flight keys first
-    if kernel:  # then the prefix's state from the kernel, merged
-        held = prefix_kernel.state(kernel_platform(), qg, cache_k, cache_v, prefix, floor, scale, cap, interpret)
+    if kernel is not None:  # then the prefix's state from the kernel, merged
+        held = kernel(qg, cache_k, cache_v, prefix, floor)
         return _normalise(_merge(state, held), v.dtype)
     if target_platform() == "cpu":
         block = min(block, CPU_PREFIX_BLOCK)
@@ -435,27 +438,32 @@ MEASURED_KERNELS = {"gpu": (jnp.bfloat16,)}
 
 SPLASH_BLOCK = 128  # splash attention's query and key block (a multiple of the TPU's 128 lanes)
 # While tracing a program for a platform (`kernels_for`): (that platform: "cpu", "gpu", "tpu",
-# None for the default backend's; whether attention must take the portable path there).
-# Programs built ahead of time for devices this host lacks (aot.py) are traced here for their
-# platform, so they hold the kernels and matmul forms it runs. A context variable: each thread
-# (the engine's device thread, a caller compiling beside it) traces under its own setting.
-_tracing_for: contextvars.ContextVar = contextvars.ContextVar("specjax_tracing_for", default=(None, False))
+# None for the default backend's; whether attention must take the portable path there; the
+# mesh a sharded program runs on, or None). Programs built ahead of time for devices this
+# host lacks (aot.py) are traced here for their platform, so they hold the kernels and matmul
+# forms it runs. A context variable: each thread (the engine's device thread, a caller
+# compiling beside it) traces under its own setting.
+_tracing_for: contextvars.ContextVar = contextvars.ContextVar("specjax_tracing_for", default=(None, False, None))
 
 
 @contextlib.contextmanager
-def kernels_for(platform: str | None, portable: bool | None = None):
+def kernels_for(platform: str | None, portable: bool | None = None, mesh: Mesh | None = None):
     """While tracing inside it (in this thread), layers pick the matmul forms, cache writes and
     (where the model opts in: Model.attention) attention kernels of `platform` (a device's
     `.platform`: "cpu", "gpu", "tpu"; "cuda" and "rocm" count as "gpu"), the platform the
     program is built for, which need not be this host's; portable=True makes attention take
-    the jnp path on it (a sharded program's). None leaves either as it was (the default
-    backend's and False, unless an enclosing context set them). Every program that enters it
-    has both as static arguments of its jit (`generate` traces its loop under the platform
-    of the devices its arguments live on), so they are part of its key."""
-    platform_now, portable_now = _tracing_for.get()
+    the jnp path on it. mesh: a sharded program's; GSPMD partitions plain XLA ops but not a
+    Mosaic, Triton or cuDNN custom call, so there cuDNN and splash give way to the jnp path and
+    the prefix kernel runs under `shard_map`, one call per device on its own rows and kv heads
+    (`_prefix_kernel`). None leaves each as it was (the default backend's, False and None,
+    unless an enclosing context set them). Every program that enters it has them as static
+    arguments of its jit (`generate` traces its loop under the platform of the devices its
+    arguments live on), so they are part of its key."""
+    platform_now, portable_now, mesh_now = _tracing_for.get()
     if platform is not None:
         platform_now = "gpu" if platform in ("cuda", "rocm") else platform
-    token = _tracing_for.set((platform_now, portable_now if portable is None else portable))
+    token = _tracing_for.set((platform_now, portable_now if portable is None else portable,
+                              mesh_now if mesh is None else mesh))
     try:
         yield
     finally:
@@ -463,9 +471,7 @@ def kernels_for(platform: str | None, portable: bool | None = None):
 
 
 def portable_attention(on: bool = True):
-    """While tracing inside it, attention takes the portable jnp path whatever the backend.
-    `generate` traces sharded programs so: GSPMD partitions plain XLA ops, but cannot
-    partition a Mosaic or cuDNN custom call (the kernels are selected only for one device)."""
+    """While tracing inside it, attention takes the portable jnp path whatever the backend."""
     return kernels_for(None, portable=True if on else None)
 
 
@@ -475,18 +481,58 @@ def target_platform() -> str:
 
 
 def kernel_platform() -> str:
-    """The platform whose kernels attention picks now, or "portable" (see `kernels_for`)."""
-    return "portable" if _tracing_for.get()[1] else target_platform()
+    """The platform whose whole-pass kernels (cuDNN, splash) attention picks now, or
+    "portable": under `portable_attention`, and in a sharded program (see `kernels_for`)."""
+    _, portable, mesh = _tracing_for.get()
+    return "portable" if portable or mesh is not None else target_platform()
 
 
 def takes_kernels(attention: str, dtype) -> bool:
     """Whether a model of Model.attention `attention` (its activations in `dtype`) may take
     the kernels of the platform being traced for: "kernels" anywhere, "auto" where they were
-    measured (MEASURED_KERNELS), "portable" never. Which kernel, if any, applies to a pass is
-    `attention_kernel`'s and `prefix_kernel.applies`' business."""
+    measured (MEASURED_KERNELS) on one device (a sharded program's kernels have not been),
+    "portable" never. Which kernel, if any, applies to a pass is `attention_kernel`'s and
+    `_prefix_kernel`'s business."""
     if attention == "auto":
-        return jnp.dtype(dtype) in MEASURED_KERNELS.get(target_platform(), ())
+        return _tracing_for.get()[2] is None and jnp.dtype(dtype) in MEASURED_KERNELS.get(target_platform(), ())
     return attention == "kernels"
+
+
+def _prefix_kernel(B: int, cache_shape: tuple, rules, scale: float, cap: float | None, interpret: bool):
+    """The Pallas prefix kernel that takes a cached pass of B rows over a cache of
+    cache_shape [B', G, S, D], as a function (qg, cache_k, cache_v, prefix, floor) -> the
+    prefix's online-softmax state (`prefix_kernel.state`), or None: the portable path.
+
+    On one device: where the platform being traced for has a kernel that applies
+    (`prefix_kernel.applies`). In a sharded program (`kernels_for(mesh=...)`): under
+    `shard_map`, each device running it on its own rows and kv heads, the cache split as the
+    model's rules lay it (sharding.CACHE_AXES: rows over `data`, kv heads over `model`), so
+    that nothing moves between devices; only where a device holds whole rows of whole kv
+    heads (the cache's slots and head_dim not split), the pass's rows are all the cache's
+    (B = B'), and the model knows its rules (`Model.rules`: `shard_model` sets them)."""
+    platform, portable, mesh = _tracing_for.get()
+    platform = platform or jax.default_backend()
+    _, G, S, D = cache_shape
+    if portable or not prefix_kernel.applies(platform, S, G, D):
+        return None
+    run = functools.partial(prefix_kernel.state, platform, scale=scale, cap=cap, interpret=interpret)
+    if mesh is None:
+        return run
+    if rules is None or cache_shape[0] != B:
+        return None
+    rows, heads, slots, dims = sharding.spec(cache_shape, sharding.CACHE_AXES, mesh, rules)
+    if slots is not None or dims is not None:
+        return None
+    cache, state = PartitionSpec(rows, heads), PartitionSpec(rows, heads)  # [B, G, ...]
+    q, row = PartitionSpec(rows, None, heads), PartitionSpec(rows)  # qg [B, T, G, R, D]; prefix [B], floor [B, T]
+
+    def sharded(qg, cache_k, cache_v, prefix, floor):
+        if floor is None:
+            return jax.shard_map(lambda *a: run(*a, None), mesh=mesh, in_specs=(q, cache, cache, row),
+                                 out_specs=(state,) * 3, check_vma=False)(qg, cache_k, cache_v, prefix)
+        return jax.shard_map(run, mesh=mesh, in_specs=(q, cache, cache, row, row), out_specs=(state,) * 3,
+                             check_vma=False)(qg, cache_k, cache_v, prefix, floor)
+    return sharded
 
 
 def attention_kernel(backend: str, dtype, T: int, S: int, D: int, cap: float | None) -> str:

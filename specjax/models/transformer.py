@@ -65,7 +65,7 @@ class Block(nn.Module):
                 if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
                     k, v = (buf[jnp.arange(B)[:, None], :, view.region] for buf in cache_kv)  # [B, N, G, D]
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
-                                       attn.scale, attn.cap, kernels=view.kernels)
+                                       attn.scale, attn.cap, kernels=view.kernels, rules=view.rules)
         x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache_kv
@@ -73,12 +73,13 @@ class Block(nn.Module):
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
            placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
-           kernels: bool = False):
+           kernels: bool = False, rules: tuple | None = None):
     """Activations take the parameters' dtype; logits are always float32.
 
     kernels: attention takes the fused kernel of the platform being traced for where one
     applies (`layers.attention_kernel`; `layers.takes_kernels` of Model.attention); otherwise
-    the jnp path.
+    the jnp path. rules: the logical-axis rules the model's params (and so its cache) are
+    laid out by on a mesh (Model.rules), which a sharded program's kernel follows.
 
     num_layers: run only the first num_layers layers, then the final norm and head (early
     exit; the cache's other layers are returned untouched).
@@ -87,7 +88,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
-    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None)
+    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
     tapped = {}  # layer number -> the residual stream after it, for `taps`
@@ -164,17 +165,19 @@ class View(NamedTuple):
     dense: dict | None  # {sliding: bool [B, T, S]}: the same as one mask over the cache, where a kernel reads it
     kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
     kernels: bool  # whether the pass may take a kernel (the model opts in: Model.attention)
+    rules: tuple | None = None  # the model's logical-axis rules on a mesh (Model.rules), which a kernel follows
 
 
 def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None,
-              dtype=None) -> View:
+              dtype=None, rules: tuple | None = None) -> View:
     """What T tokens at positions [B, T] see. Without a cache: each other, causally. With
     one: the committed prefix (slots below the first position, or the placement's start),
     read in place, and the in-flight keys under their own mask: the pass's own, causally by
     position, or a placement's region of R slots (a tree: what `sees` marks). A sliding
     window bounds both by position. dtype: the activations', where the pass may take an
     attention kernel (None: it attends portably); where one takes a cached pass
-    (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads."""
+    (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads.
+    rules: the model's (Model.rules), for a sharded program's prefix kernel."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     kinds = (False,) if window is None else (False, True)
 
@@ -191,7 +194,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         region_positions, prefix = placement.region_positions, placement.start
         region = jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
     if cache is None:
-        return View(positions, masks, None, {}, None, None, None, dtype is not None)
+        return View(positions, masks, None, {}, None, None, None, dtype is not None, rules)
     floors = {w: positions - window if w else None for w in kinds}
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
@@ -206,7 +209,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         seen = visible.any(axis=1)  # [B, S]: slots some query of the row sees
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
     return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit,
-                dtype is not None)
+                dtype is not None, rules)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):

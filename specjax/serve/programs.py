@@ -49,7 +49,7 @@ def _stored(sampling: Sampling, kind: str = FILTERED) -> Sampling:
 def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform, mesh, rules):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row."""
-    with layers.kernels_for(platform, portable=mesh is not None):
+    with layers.kernels_for(platform, mesh=mesh):
         state = loop.prefill(
             target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
             cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_stored(Sampling.make(batch=slots)),
@@ -117,7 +117,7 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
         state = loop.place(state, holder, mesh, rules)
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
-    with layers.kernels_for(platform, portable=mesh is not None):
+    with layers.kernels_for(platform, mesh=mesh):
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
@@ -154,7 +154,7 @@ def _written_back(full, rows, width: int, in_place: bool):
 def _sync(drafter, state, holder, *, platform, mesh, rules):
     """The drafter's state brought within one window of its rows (`Drafter.sync`): run before
     the first call that drafts after calls that did not."""
-    with layers.kernels_for(platform, portable=mesh is not None):
+    with layers.kernels_for(platform, mesh=mesh):
         state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
     return loop.place(state, holder, mesh, rules)
 
