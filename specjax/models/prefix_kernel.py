@@ -26,7 +26,9 @@ does not take; programs lowered for CUDA on a host without jax's CUDA plugin (th
 hold it instead of cuDNN. The TPU kernel has not run either: it is compiled for a TPU here
 (tests/test_aot.py) and taken only by a model that opts in (Model.attention="kernels").
 Both are tested in Pallas' interpret mode on CPU against the portable path
-(tests/test_long_context.py). They know nothing about models, positions or trees.
+(tests/test_long_context.py), and under shard_map on 8 CPU devices (tests/sharded_check.py).
+A sharded program runs them under shard_map (`layers._prefix_kernel`): they see one
+device's rows and kv heads. They know nothing about models, positions, trees or meshes.
 """
 
 from __future__ import annotations
