@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import jax
@@ -214,7 +215,7 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
     time of its prefill) / the loop's steps, greedy), and the draft's per-position
     acceptance at K = max_k; then the same for the draft model growing Tree(depth, top_k, n)
     (tree_family = (depth, top_k)) for every n in tree_nodes, with how deep each budget's
-    accepted paths reach. Acceptance and reach come from the timed runs' own traces at the
+    accepted paths reach. Each repeat times every shape once, in turn (medians of `repeats`). Acceptance and reach come from the timed runs' own traces at the
     first batch size. Held-out prompts other than the bench's (seed 1), so that
     `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
     as profile.json in out_dir. tokenizer: as run_pair's."""
@@ -227,13 +228,21 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
         shapes += [(DraftModel(draft, Tree(*tree_family, n)), None) for n in tree_nodes]
     step_ms, traces = [], []  # traces: each shape's rows' tokens per step, at the first batch size
     for batch in batches:
-        prefill, _ = time_generate(target, prompts, batch, repeats, max_new_tokens=1)
-        row = []
-        for drafter, K in shapes:
-            run, _ = time_generate(target, prompts, batch, repeats, drafter, K, max_new_tokens=max_new_tokens)
-            row.append(1e3 * max(run.seconds - prefill.seconds, 1e-9) / (run.loops - prefill.loops))
-            if batch == batches[0]:  # greedy: every batch size accepts the same paths
-                traces.append(run.traces)
+        # Round-robin: each repeat times the prefill and every shape once, in turn, so that the
+        # machine's drift falls on all of them alike (each shape's repeats in a row let it tilt
+        # one K against another); each one's median.
+        timed = [(None, 0, 1)] + [(drafter, K, max_new_tokens) for drafter, K in shapes]
+        runs = [[] for _ in timed]
+        for r in range(repeats):
+            for i, (drafter, K, new_tokens) in enumerate(timed):
+                runs[i].append(time_generate(target, prompts, batch, 1, drafter, K, max_new_tokens=new_tokens,
+                                             warm=r == 0)[0])
+        seconds = [statistics.median(run.seconds for run in each) for each in runs]
+        prefill = runs[0][0]
+        row = [1e3 * max(s - seconds[0], 1e-9) / (each[0].loops - prefill.loops)
+               for s, each in zip(seconds[1:], runs[1:])]
+        if batch == batches[0]:  # greedy: every batch size accepts the same paths
+            traces = [each[0].traces for each in runs[1:]]
         step_ms.append(row)
         log(f"batch {batch}: one loop step with K = 0..{max_k} drafts "
             f"{' '.join(f'{t:.2f}' for t in row[: max_k + 1])} ms"
