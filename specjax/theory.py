@@ -290,13 +290,14 @@ def _best_or_off(rate: dict[int, float], off: float, min_gain: float) -> int:
 
 
 def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None = None,
-                            max_new_tokens: int = 64, min_gain: float = MIN_GAIN) -> int:
-    """The K in 1..max_k (default: all the profile prices) with the most tokens per
-    millisecond (`tokens_per_ms`), or 0 (speculation off) unless that K is predicted to beat
-    plain decoding by min_gain (`_best_or_off`)."""
+                            max_new_tokens: int = 64, min_gain: float = MIN_GAIN, among=None) -> int:
+    """The K in 1..max_k (default: all the profile prices; among: only these Ks) with the
+    most tokens per millisecond (`tokens_per_ms`), or 0 (speculation off) unless that K is
+    predicted to beat plain decoding by min_gain (`_best_or_off`)."""
     _check_choice(batch, max_new_tokens, min_gain)
     top = profile.max_k if max_k is None else min(max_k, profile.max_k)
-    rate = {K: tokens_per_ms(profile, batch, K, max_new_tokens) for K in range(1, top + 1)}
+    ks = range(1, top + 1) if among is None else sorted(K for K in among if 1 <= K <= top)
+    rate = {K: tokens_per_ms(profile, batch, K, max_new_tokens) for K in ks}
     return _best_or_off(rate, tokens_per_ms(profile, batch, 0, max_new_tokens), min_gain)
 
 

@@ -329,6 +329,32 @@ def test_a_draft_that_skipped_steps_syncs_and_then_drafts_in_one_window(pair):
     assert (step(drafter, state).stats.accepted - state.stats.accepted < 3).any()
 
 
+def test_the_k_table_follows_the_acceptance_the_traffic_shows(pair, monkeypatch):
+    """A cost profile whose own text is drafted at 0.5 a position speculates with one live
+    row only: (2, 0, 0). A draft that is the target itself keeps every draft; once the
+    traffic has shown it (ADAPT_DRAFTS drafts, shrunk here), the table is chosen again
+    among the compiled Ks: K = 2 at every load. Outputs stay the target's own."""
+    from specjax.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ADAPT_DRAFTS", 8)
+    monkeypatch.setattr(engine_module, "SEEN", 8)
+    target = pair[0]
+    profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 2.0, 2.4)), (0.5, 0.5))
+    engine = specjax.Engine(target, draft=target, slots=SLOTS, max_len=MAX_LEN, cost_profile=profile,
+                            steps_per_call=4)
+    assert engine.k_table == (2, 0, 0) and engine.acceptance() == (0.5, 0.5)
+    prompt, budget, stops = REQUESTS[0][0], 40, ()
+    with engine:
+        assert engine.submit(prompt, max_new_tokens=budget).result(timeout=300) == _alone(
+            target, None, prompt, budget, stops)
+        assert engine.drafts >= 8 and min(engine.acceptance()) > 0.9, engine.acceptance()
+        assert engine.k_table == (2, 2, 2)
+        requests = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in REQUESTS[:3]]
+        for (p, b, s), request in zip(REQUESTS[:3], requests):
+            assert request.result(timeout=300) == _alone(target, None, p, b, s)
+    assert engine.steps[0] == 0, engine.steps  # every step drafted
+
+
 def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     """A run over the state's first rows (one live request in a three-slot engine) reads and
     writes those rows' caches where they lie in the state: its program slices no cache

@@ -7,9 +7,9 @@ bucket, then inserted into their rows; nothing else moves), and the live rows ad
 loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
 steps, as soon as a row finishes while requests wait for a slot, or after one step when
 rows were just inserted (their first tokens go out at once). Otherwise the host reads a
-call's tokens while the next one runs. K follows the number of live rows (a table
-fixed at construction from the backend's cost profile), among a few programs compiled over
-the same state.
+call's tokens while the next one runs. K follows the number of live rows (a table chosen
+at construction from the backend's cost profile, then re-chosen from the acceptance the
+traffic shows, among the Ks compiled), among a few programs compiled over the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
 and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).
@@ -18,6 +18,7 @@ and nothing of what a step computes (loop.py) or how its programs are shaped (pr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -35,6 +36,10 @@ from specjax.sampling import kind_of, validate
 from specjax.serve.programs import Programs
 
 DEFAULT_K = 4  # the chain's length where no cost profile chooses it
+# A profile's table is re-chosen every ADAPT_DRAFTS drafted steps from the acceptance seen so
+# far (`Engine.acceptance`), in which a draft position counts once SEEN drafts reached it.
+ADAPT_DRAFTS = 256
+SEEN = 64
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit)
 _END = object()
@@ -137,7 +142,8 @@ class Engine:
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
-        K = 4 where there is none). A drafter with its own Tree always drafts that tree.
+        K = 4 where there is none), chosen again among its Ks as the traffic shows how well
+        it is drafted (`acceptance`). A drafter with its own Tree always drafts that tree.
     mesh: a `specjax.make_mesh` mesh, the models sharded on it (`shard_model`): slots lie over
         `data` (a multiple of it), the caches' heads over `model` by the target's rules.
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
@@ -194,6 +200,9 @@ class Engine:
         # accepted_per_position[i]: drafts whose (i+1)-th drafted token was kept.
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_per_position = collections.Counter()
+        self._drafted = collections.Counter()  # drafted steps per K
+        self._kept = collections.defaultdict(collections.Counter)  # K -> position i -> drafts whose (i+1)-th was kept
+        self._adapted = 0  # self.drafts when the table was last re-chosen
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
         self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
         self.compile_error: Exception | None = None  # why the background compile stopped, if it did
@@ -201,6 +210,8 @@ class Engine:
     # ---- construction -------------------------------------------------------------------
 
     def _k_table(self, drafter, num_draft_tokens, cost_profile) -> tuple[int, ...]:
+        """K by live rows; sets `profile` (the cost profile it came from, or None) and `_low`."""
+        self.profile, self._low = None, 0
         if drafter is None:
             if num_draft_tokens not in (None, 0):
                 raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
@@ -209,7 +220,7 @@ class Engine:
             if num_draft_tokens is not None:
                 raise ValueError(f"{type(drafter).__name__} fixes its own shape: leave num_draft_tokens unset")
             return (drafter.resolve(None).tree.nodes,) * self.slots
-        low = 1 if drafter.wants_features else 0
+        low = self._low = 1 if drafter.wants_features else 0
         if isinstance(num_draft_tokens, (int, np.integer)) and not isinstance(num_draft_tokens, bool):
             num_draft_tokens = (num_draft_tokens,) * self.slots
         if num_draft_tokens is not None:
@@ -221,12 +232,41 @@ class Engine:
                                  + (f" ({type(drafter).__name__} reads the target's states of every step: it "
                                     f"cannot skip one)" if low else ""))
             return tuple(int(K) for K in table)
-        profile = theory.resolve_profile(cost_profile, jax.default_backend())
-        if profile is None:
+        self.profile = theory.resolve_profile(cost_profile, jax.default_backend())
+        if self.profile is None:
             return (DEFAULT_K,) * self.slots
-        table = [theory.choose_num_draft_tokens(profile, n) for n in range(1, self.slots + 1)]
-        # A drafter that reads the target's states catches up only from the last pass's: it drafts every step.
-        return tuple(max(K, low) for K in table)
+        return self._chosen(self.profile)
+
+    def _chosen(self, profile, among=None) -> tuple[int, ...]:
+        """K by live rows from a cost profile (among: only these Ks). A drafter that reads the
+        target's states catches up only from the last pass's: it drafts every step."""
+        return tuple(max(theory.choose_num_draft_tokens(profile, n, among=among), self._low)
+                     for n in range(1, self.slots + 1))
+
+    def acceptance(self) -> tuple[float, ...]:
+        """P(draft position i kept | the positions before it were), i = 1.., as the traffic
+        so far shows it: of the drafts long enough to reach position i (at K >= i) that kept
+        the positions before it, those that kept i too, where SEEN or more did; elsewhere the
+        cost profile's figure (its own text's). Only with a profile (None otherwise)."""
+        if self.profile is None:
+            return None
+        out = []
+        for i, prior in enumerate(self.profile.acceptance):
+            deep = [K for K in self._drafted if K > i]
+            reached = sum(self._kept[K][i - 1] if i else self._drafted[K] for K in deep)
+            out.append(sum(self._kept[K][i] for K in deep) / reached if reached >= SEEN else prior)
+        return tuple(out)
+
+    def _adapt(self):
+        """Every ADAPT_DRAFTS drafted steps, K by live rows is chosen again from the cost
+        profile's step costs and the acceptance the traffic shows, among the Ks compiled: a
+        workload drafted better than the profile's text speculates at more live rows, one
+        drafted worse at fewer. Only a table the profile chose."""
+        if self.profile is None or self.drafts < self._adapted + ADAPT_DRAFTS:
+            return
+        self._adapted = self.drafts
+        seen = dataclasses.replace(self.profile, acceptance=self.acceptance())
+        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
@@ -487,8 +527,12 @@ class Engine:
             self.drafts += kept.size
             self.draft_tokens += kept.size * K
             self.accepted += int(kept.sum())
+            self._drafted[K] += kept.size
             for position in range(int(kept.max(initial=0))):
-                self.accepted_per_position[position] += int((kept > position).sum())
+                n = int((kept > position).sum())
+                self.accepted_per_position[position] += n
+                self._kept[K][position] += n
+            self._adapt()
         for slot, request in owners.items():
             if request.finished:
                 continue
@@ -522,11 +566,14 @@ class Engine:
             request.cancel()
 
     def stats(self) -> dict:
-        """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, and
+        """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, K by
+        live rows now and the per-position acceptance it was chosen from (`acceptance`), and
         speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
         and what a prefill call costs beyond its tokens, in tokens (`Programs.partition`)."""
+        acceptance = self.acceptance()
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
                 "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
+                "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
                 "failures": self.failures, "programs": self.programs.listing(),
