@@ -215,8 +215,8 @@ def measure_profile(target_path: str, draft_path: str, out_dir: str | None = "be
     time of its prefill) / the loop's steps, greedy), and the draft's per-position
     acceptance at K = max_k; then the same for the draft model growing Tree(depth, top_k, n)
     (tree_family = (depth, top_k)) for every n in tree_nodes, with how deep each budget's
-    accepted paths reach. Each repeat times every shape once, in turn (medians of `repeats`). Acceptance and reach come from the timed runs' own traces at the
-    first batch size. Held-out prompts other than the bench's (seed 1), so that
+    accepted paths reach. Each repeat times every shape once, in turn (medians of `repeats`).
+    Acceptance and reach come from the timed runs' own traces at the first batch size. Held-out prompts other than the bench's (seed 1), so that
     `specjax bench --auto-k-only` checks the choice on text it was not made from. Written
     as profile.json in out_dir. tokenizer: as run_pair's."""
     from specjax.hf import load_model

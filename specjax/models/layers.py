@@ -523,15 +523,14 @@ def _prefix_kernel(B: int, cache_shape: tuple, rules, scale: float, cap: float |
     rows, heads, slots, dims = sharding.spec(cache_shape, sharding.CACHE_AXES, mesh, rules)
     if slots is not None or dims is not None:
         return None
-    cache, state = PartitionSpec(rows, heads), PartitionSpec(rows, heads)  # [B, G, ...]
+    heads_first = PartitionSpec(rows, heads)  # the cache [B, G, S, D] and the state [B, G, ...]
     q, row = PartitionSpec(rows, None, heads), PartitionSpec(rows)  # qg [B, T, G, R, D]; prefix [B], floor [B, T]
 
     def sharded(qg, cache_k, cache_v, prefix, floor):
-        if floor is None:
-            return jax.shard_map(lambda *a: run(*a, None), mesh=mesh, in_specs=(q, cache, cache, row),
-                                 out_specs=(state,) * 3, check_vma=False)(qg, cache_k, cache_v, prefix)
-        return jax.shard_map(run, mesh=mesh, in_specs=(q, cache, cache, row, row), out_specs=(state,) * 3,
-                             check_vma=False)(qg, cache_k, cache_v, prefix, floor)
+        floors = () if floor is None else (floor,)  # shard_map takes arrays only
+        return jax.shard_map(lambda qg, k, v, prefix, *floor: run(qg, k, v, prefix, *(floor or (None,))),
+                             mesh=mesh, in_specs=(q, heads_first, heads_first, row) + (row,) * len(floors),
+                             out_specs=(heads_first,) * 3, check_vma=False)(qg, cache_k, cache_v, prefix, *floors)
     return sharded
 
 
