@@ -13,7 +13,7 @@ this machine (gloo CPU collectives, 4 emulated devices each) and does JOB:
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

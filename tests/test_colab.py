@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import children
+
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
 
@@ -41,8 +43,8 @@ def executed(tmp_path_factory):
     nbclient = pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
     pytest.importorskip("ipykernel")
-    env = dict(os.environ, SPECJAX_SMALL="1", MPLBACKEND="agg",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = children.env(SPECJAX_SMALL="1", MPLBACKEND="agg",
+                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     home = tmp_path_factory.mktemp("kernel_home")  # keeps IPython's history and config out of ~
 
     async def run(path):

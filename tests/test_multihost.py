@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import children
+
 CHILD = Path(__file__).with_name("multihost_child.py")
 
 
@@ -25,7 +27,7 @@ def _free_port() -> int:
 def _start(job: str, out_dir: Path) -> list[subprocess.Popen]:
     """JOB started in two processes (tests/multihost_child.py), their output piped."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(CHILD.parent.parent)}
+    env = children.env(PYTHONPATH=str(CHILD.parent.parent))
     port = _free_port()
     return [subprocess.Popen([sys.executable, str(CHILD), job, str(i), "2", str(port), str(out_dir)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -72,8 +74,8 @@ def _command(args: list[str]) -> list[str]:
     there, "[Gloo] Rank ...", and its threads' lines can interleave: a line with any piece
     of one is dropped)."""
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(CHILD.parent.parent)}
+    env = children.env(XLA_FLAGS=children.xla_flags("--xla_force_host_platform_device_count=4"),
+                       JAX_PLATFORMS="cpu", PYTHONPATH=str(CHILD.parent.parent))
     procs = [subprocess.Popen([sys.executable, "-m", "specjax.cli", *args, "--coordinator", f"localhost:{port}",
                                "--num-processes", "2", "--process-id", str(i)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
