@@ -96,17 +96,37 @@ def test_staggered_requests_equal_generate_alone(pair, engines, name):
 @pytest.mark.parametrize("name", ["plain", "draft"])
 def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, monkeypatch, name):
     """Requests that wait together (of different lengths, budgets and stops) take the free
-    slots in one prefill call; each still gives what it gives alone."""
+    slots in one prefill call; each still gives what it gives alone. A call runs one step
+    after rows were inserted, `steps_per_call` while every slot is live, at most OPEN_STEPS
+    when one is free, and ends with the step in which a row finishes (a request arriving
+    then waits no longer for its slot)."""
+    from specjax.serve.engine import OPEN_STEPS
+
     engine = engines(name)
-    calls = []
-    real = engine.programs.prefill
+    calls, runs = [], []
+    real, real_run = engine.programs.prefill, engine.programs.run
     monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
+
+    def run(state, *a):
+        live, was_done = len(engine._live), np.asarray(state.done)
+        out = real_run(state, *a)
+        taken, done, counts = int(out[3]), np.asarray(out[4]), np.asarray(out[2])
+        finished = np.flatnonzero(done & ~was_done[:done.size])
+        # every row that finished emitted tokens in the call's last step: the call ended there
+        runs.append((live, a[-1], taken, bool((counts[taken - 1, finished] > 0).all())))
+        return out
+
+    monkeypatch.setattr(engine.programs, "run", run)
     burst = REQUESTS[2:2 + SLOTS]
     with engine:
         with engine._lock:  # the device thread admits none of them before all wait
             submitted = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in burst]
         outputs = [r.result(timeout=300) for r in submitted]
     assert calls == [SLOTS]
+    assert runs[0] == (SLOTS, 1, 1, True)  # the fresh rows' first tokens
+    assert any(taken == engine.programs.steps_per_call for _, _, taken, _ in runs), runs
+    assert all(taken <= OPEN_STEPS for live, _, taken, _ in runs if live < SLOTS), runs
+    assert any(live < SLOTS for live, _, _, _ in runs) and all(ended for *_, ended in runs), runs
     for (prompt, budget, stops), got in zip(burst, outputs):
         assert got == _alone(pair[0], None, prompt, budget, stops)
 
@@ -161,13 +181,16 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
 
 def test_chunks_come_as_the_device_emits_them(pair, engines):
     """Alone in a plain engine of 4 steps per call, a request of 16 tokens arrives as its
-    first token alone (the call after a row is inserted steps once), then chunks of four,
-    which together are generate's output."""
+    first token alone (the call after a row is inserted steps once), then chunks of
+    OPEN_STEPS (other slots are free), which together are generate's output."""
+    from specjax.serve.engine import OPEN_STEPS
+
     engine = engines("plain")
     prompt = REQUESTS[0][0]
     with engine:
         chunks = list(engine.submit(prompt, max_new_tokens=16))
-    assert [len(c) for c in chunks] == [1, 4, 4, 4, 3]
+    assert OPEN_STEPS < engine.programs.steps_per_call
+    assert [len(c) for c in chunks] == [1] + [OPEN_STEPS] * (15 // OPEN_STEPS) + [15 % OPEN_STEPS] * (15 % OPEN_STEPS > 0)
     assert [t for c in chunks for t in c] == _alone(pair[0], None, prompt, 16, ())
 
 
@@ -355,6 +378,21 @@ def test_the_k_table_follows_the_acceptance_the_traffic_shows(pair, monkeypatch)
     assert engine.steps[0] == 0, engine.steps  # every step drafted
 
 
+def test_a_table_that_always_drafts_can_turn_drafting_off(pair):
+    """A profile whose text is drafted perfectly speculates at every load, (2, 2, 2); traffic
+    that keeps no draft turns the table off, (0, 0, 0), and K = 0's programs were compiled
+    beside K = 2's from the start (the engine never runs a K it has no program for)."""
+    target, drafts, _ = pair
+    profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 1.2, 1.4)), (1.0, 1.0))
+    engine = specjax.Engine(target, draft=drafts["far"], slots=SLOTS, max_len=MAX_LEN, cost_profile=profile)
+    assert engine.k_table == (2, 2, 2) and sorted(engine.programs.drafters) == [0, 2]
+    assert any("at K=0" in name for name in engine.stats()["programs"])
+    engine._drafted[2] = engine.drafts = 256  # as _deliver counts 256 drafted steps that kept nothing
+    engine._adapt()
+    assert engine.acceptance() == (0.0, 1.0)  # no draft reached position 2: the profile's figure
+    assert engine.k_table == (0, 0, 0)
+
+
 def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     """A run over the state's first rows (one live request in a three-slot engine) reads and
     writes those rows' caches where they lie in the state: its program slices no cache
@@ -369,7 +407,7 @@ def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     state = p.empty()
     caches = {tuple(x.shape) for x in jax.tree.leaves((state.target_cache.k, state.draft_state.cache.k))}
     K = max(p.drafters)
-    hlo = P._run.lower(p.target, p.drafters[K], p.deepest, state, p.threshold, np.bool_(False), np.bool_(False),
+    hlo = P._run.lower(p.target, p.drafters[K], p.deepest, state, p.threshold, np.int32(4), np.int32(2),
                        steps=p.steps_per_call, width=1, kind="greedy", platform=p.platform, mesh=None,
                        rules=None).compile().as_text()
     entry = hlo[hlo.index("\nENTRY "):]

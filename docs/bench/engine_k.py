@@ -48,7 +48,7 @@ def main():
             before = int(np.asarray(state.length)[:W].sum())
             start = time.perf_counter()
             for _ in range(CALLS):
-                state = p.run(state, K, False, W, "greedy")[0]
+                state = p.run(state, K, W, "greedy")[0]
             jax.block_until_ready(state)
             seconds = time.perf_counter() - start
             tokens = int(np.asarray(state.length)[:W].sum()) - before

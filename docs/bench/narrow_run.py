@@ -30,7 +30,7 @@ def main():
         for s in range(width):
             rows = p.prefill([np.arange(1, 49, dtype=np.int32)], [1020], [(0.0, 0, 1.0)], stops, [0])
             state = p.insert(state, [s], rows)
-        cases[slots, width] = [p, p.run(state, 0, False, width, "greedy")[0]]
+        cases[slots, width] = [p, p.run(state, 0, width, "greedy")[0]]
     times = {k: [] for k in cases}
     for _ in range(5):
         for (slots, width), case in cases.items():
@@ -38,7 +38,7 @@ def main():
             jax.block_until_ready(state)
             start = time.perf_counter()
             for _ in range(10):
-                state = p.run(state, 0, False, width, "greedy")[0]
+                state = p.run(state, 0, width, "greedy")[0]
             jax.block_until_ready(state)
             times[slots, width].append((time.perf_counter() - start) / 40)
             case[1] = state

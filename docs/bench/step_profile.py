@@ -58,7 +58,7 @@ def main():
     state, stops = p.empty(), np.full((1, 4), -1, np.int32)
     for s in range(args.width):
         state = p.insert(state, [s], p.prefill([np.arange(1, 49, dtype=np.int32)], [1020], [(0.0, 0, 1.0)], stops, [0]))
-    run = lambda state: p.run(state, 0, False, args.width, "greedy")[0]  # noqa: E731
+    run = lambda state: p.run(state, 0, args.width, "greedy")[0]  # noqa: E731
     for _ in range(3 + CALLS):  # compile, warm, then as many untraced calls as will be traced
         state = run(state)
     jax.block_until_ready(state)
@@ -67,7 +67,7 @@ def main():
         state = run(state)
     jax.block_until_ready(state)
     print(f"width {args.width}: {1e3 * (time.perf_counter() - start) / CALLS / STEPS:.2f} ms per step untraced")
-    hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.bool_(False), np.bool_(False), steps=STEPS,
+    hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.int32(STEPS), np.int32(STEPS), steps=STEPS,
                        width=args.width, kind="greedy", platform=p.platform, mesh=None, rules=None).compile().as_text()
     what = {}  # instruction name -> (shape, the op it computes: its metadata's, or its opcode)
     for line in hlo.splitlines():

@@ -5,10 +5,12 @@ A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized 
 the waiting requests (prefilled together, a few per call, in the longest prompt's length
 bucket, then inserted into their rows; nothing else moves), and the live rows advance by
 loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
-steps, as soon as a row finishes while requests wait for a slot, or after one step when
-rows were just inserted (their first tokens go out at once). Otherwise the host reads a
-call's tokens while the next one runs. K follows the number of live rows (a table chosen
-at construction from the backend's cost profile, then re-chosen from the acceptance the
+steps, after a step in which a row finished (its slot is free at once), after OPEN_STEPS
+when a slot was free as it started (a request that arrives meanwhile waits that long for
+it, not a whole call), or after one step when rows were just inserted (their first tokens
+go out at once). The host reads a call's tokens while the next one runs, but at once when
+requests wait or rows were inserted. K follows the number of live rows (a table chosen at
+construction from the backend's cost profile, then re-chosen from the acceptance the
 traffic shows, among the Ks compiled), among a few programs compiled over the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
@@ -40,6 +42,9 @@ DEFAULT_K = 4  # the chain's length where no cost profile chooses it
 # far (`Engine.acceptance`), in which a draft position counts once SEEN drafts reached it.
 ADAPT_DRAFTS = 256
 SEEN = 64
+# Steps a call runs at most when a slot is free as it starts: a request that arrives during a
+# call waits for its end before it is prefilled (docs/bench/open_steps.txt).
+OPEN_STEPS = 2
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit)
 _END = object()
@@ -142,8 +147,8 @@ class Engine:
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
-        K = 4 where there is none), chosen again among its Ks as the traffic shows how well
-        it is drafted (`acceptance`). A drafter with its own Tree always drafts that tree.
+        K = 4 where there is none), chosen again among its Ks and 0 as the traffic shows how
+        well it is drafted (`acceptance`). A drafter with its own Tree always drafts that tree.
     mesh: a `specjax.make_mesh` mesh, the models sharded on it (`shard_model`): slots lie over
         `data` (a multiple of it), the caches' heads over `model` by the target's rules.
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
@@ -178,10 +183,13 @@ class Engine:
             base = base.bind(target)
             base.check_lengths(1, max_len - 1)
         own = base is not None and (base.tree is not None or base.fixed_shape)
+        # A table the profile chose may turn drafting off once the traffic shows it drafted
+        # badly (`_adapt`): K = 0 is compiled too, where the drafter may skip steps.
+        off = {0} if self.profile is not None and not self._low else set()
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
-                    for K in sorted(set(self.k_table))}
+                    for K in sorted(set(self.k_table) | off)}
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
-                                 int(steps_per_call), draft_threshold, mesh, rules, deterministic)
+                                 int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS)
         self.memory = self._check_memory()
         self._state = None
         self._lock = threading.Condition()
@@ -266,7 +274,7 @@ class Engine:
             return
         self._adapted = self.drafts
         seen = dataclasses.replace(self.profile, acceptance=self.acceptance())
-        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])
+        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])  # or 0, compiled
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
@@ -511,8 +519,8 @@ class Engine:
             self.syncs += 1
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, hold, max(owners) + 1, kind,
-                                                                     fresh)
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind,
+                                                                     1 if fresh else None)
         self.calls[K] += 1
         return owners, K, tokens, counts, taken, done, hold or fresh
 

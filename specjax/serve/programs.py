@@ -87,13 +87,14 @@ def _release(state, free):
 
 @functools.partial(jax.jit, static_argnames=("steps", "width", "kind", "platform", "mesh", "rules"),
                    donate_argnums=3)
-def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, width: int, kind: str, platform,
-         mesh, rules):
-    """Up to `steps` steps of the state's first `width` rows (every live row lies among them;
-    a step costs by its rows, so one live request does not pay for eight); fewer steps when
-    those rows are all done, when `hold` (requests wait for a slot) and a row finished, or
-    after one step when `fresh` (rows inserted since the last call: their first token goes
-    out at once, not after the call's other steps).
+def _run(target, drafter, holder, full, threshold, limit, open_limit, *, steps: int, width: int, kind: str,
+         platform, mesh, rules):
+    """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
+    (every live row lies among them; a step costs by its rows, so one live request does not
+    pay for eight), and at most `open_limit` (int32 []) when a slot is free as the call
+    starts; fewer when those rows are all done, or after a step in which a row finished. So
+    a request that arrives during a call waits at most `open_limit` steps for a free slot
+    (the host learns of a finished row a call late: the one it queued meanwhile sees it).
     kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
@@ -105,11 +106,12 @@ def _run(target, drafter, holder, full, threshold, hold, fresh, *, steps: int, w
     state = state.replace(sampling=_stored(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
+    limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_limit), limit)
 
     def go_on(carry):
         state, i = carry[0], carry[1]
         finished = jnp.any(state.done & ~was_done)
-        return (i < steps) & ~jnp.all(state.done) & ~(hold & finished) & ~(fresh & (i >= 1))
+        return (i < limit) & ~jnp.all(state.done) & ~finished
 
     def body(carry):
         state, i, tokens, counts = carry
@@ -164,9 +166,11 @@ class Programs:
     none), and the state's sizes. drafters: {K: a resolved, bound drafter, or None for 0}."""
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
-                 steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False):
+                 steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
+                 open_steps: int | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
+        self.open_steps = steps_per_call if open_steps is None else min(open_steps, steps_per_call)
         self.threshold = jnp.float32(threshold)
         self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
         self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
@@ -276,7 +280,7 @@ class Programs:
                 state = self.sync(state, K)
             for w in self.widths:
                 for kind in KINDS:
-                    state = self.run(state, K, False, w, kind)[0]
+                    state = self.run(state, K, w, kind)[0]
         jax.block_until_ready(state)
         return layout
 
@@ -319,11 +323,14 @@ class Programs:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)
 
-    def run(self, state, K: int, hold: bool, rows: int, kind: str, fresh: bool = False):
-        """Steps at K over the narrowest width covering the first `rows` rows, for rows that
-        need sampling of `kind` (`sampling.kind_of` their settings); one step when `fresh`."""
-        return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.bool_(hold),
-                    np.bool_(fresh), steps=self.steps_per_call, width=self.width(rows), kind=kind,
+    def run(self, state, K: int, rows: int, kind: str, steps: int | None = None):
+        """Up to `steps` (at most, and by default, `steps_per_call`; `open_steps` while a
+        slot is free) steps at K over the narrowest width covering the first `rows` rows, for
+        rows that need sampling of `kind` (`sampling.kind_of` their settings); one program
+        whatever `steps`."""
+        limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
+        return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
+                    np.int32(self.open_steps), steps=self.steps_per_call, width=self.width(rows), kind=kind,
                     platform=self.platform, mesh=self.mesh, rules=self.rules)
 
     def _synced(self) -> list[int]:
