@@ -14,29 +14,26 @@ import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# A persistent compilation cache for this run only (a fresh, empty folder, removed at exit),
-# shared by pytest's workers and every child process the tests start (notebook kernels, the
-# CLI, sharded and multi-process checks), which inherit these variables: a program compiled
-# once is read back from disk by any later process or module that needs it again (after
-# `_release_compiled_programs`), instead of compiled again; compiling is most of the suite's
-# time on CPU. XLA's cache key holds the folder's path, so only one shared folder lets
-# processes share. Keys are XLA's fingerprints of the whole program, so a changed program
-# (a monkeypatched rule, another shape) never hits an old entry; the in-memory jit caches,
-# which the compile-once tests count, are untouched. (No size limit: with one, every write
-# scans the whole folder. A process that reads an entry another is still writing fails to
-# load it, warns, and compiles.)
-# JAX_COMPILATION_CACHE_DIR, if set, is used instead (and kept).
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tiny programs too
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-COMPILATION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import tiny  # noqa: E402
+
+# A persistent compilation cache for this session only (a fresh, empty folder each run,
+# removed at exit): a program a later module needs again after `_release_compiled_programs`
+# is read back from disk instead of compiled again (compiling is most of the suite's time on
+# CPU). Keys are XLA's fingerprints of the whole program, so a changed program (a
+# monkeypatched rule, another shape) never hits an old entry; the in-memory jit caches,
+# which the compile-once tests count, are untouched. Each process has its own folder (XLA's
+# key holds the folder's path; one folder shared by the workers measured no faster, and a
+# process could read an entry another is still writing). JAX_COMPILATION_CACHE_DIR, if set,
+# is used instead (and kept).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    cache_dir = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # tiny programs too
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture(scope="module", autouse=True)

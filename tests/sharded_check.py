@@ -21,8 +21,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
+from specjax.budget import compile_loop  # noqa: E402
 from specjax.generate import _prepared, _run  # noqa: E402
-from specjax.loop import cache_length, generate_loop  # noqa: E402
+from specjax.loop import cache_length  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
 CONFIG = specjax.ModelConfig(
@@ -102,9 +103,10 @@ def main():
         specjax.hf.CHUNK_BYTES = chunk
         sharded_draft = specjax.shard_model(draft, mesh)
         # One compile gives both the output and the program's text.
-        args, static, _ = _prepared(sharded_target, prompts, lengths, {**kwargs, "draft": sharded_draft, "mesh": mesh})
-        executable = generate_loop.lower(*args, **static, stream=None).compile()
-        out = _run(args, {}, None, executable)
+        args, static, stream = _prepared(sharded_target, prompts, lengths,
+                                         {**kwargs, "draft": sharded_draft, "mesh": mesh})
+        executable = compile_loop(args, static, stream)
+        out = _run(args, {}, stream, executable)
         hlo = executable.as_text()
         per_device = {}
         for leaf in jax.tree.leaves(sharded_target.params):
@@ -198,8 +200,8 @@ def kv_head_findings(prompts, lengths) -> dict:
     out = {"draft_rules": list(map(list, replicated_draft.rules))}
     for duplicate in (True, False):
         sharded = specjax.shard_model(target, mesh, duplicate_kv_heads=duplicate)
-        args, static, _ = _prepared(sharded, prompts, lengths, dict(draft=replicated_draft, mesh=mesh, **kwargs))
-        executable = generate_loop.lower(*args, **static, stream=None).compile()
+        args, static, stream = _prepared(sharded, prompts, lengths, dict(draft=replicated_draft, mesh=mesh, **kwargs))
+        executable = compile_loop(args, static, stream)
         hlo = executable.as_text()
         name = "duplicated" if duplicate else "head_dim_split"
         out[name] = {
@@ -208,7 +210,7 @@ def kv_head_findings(prompts, lengths) -> dict:
                                              if dtype.startswith(("f", "bf")) and ({S, Sd} & set(shape))}),
         }
         if duplicate:
-            got = _run(args, {}, None, executable)
+            got = _run(args, {}, stream, executable)
             out[name]["equal"] = bool(np.array_equal(np.asarray(got.tokens), np.asarray(single.tokens))
                                       and np.array_equal(np.asarray(got.num_tokens), np.asarray(single.num_tokens)))
             out[name]["accepted"] = int(np.asarray(got.stats.accepted).sum())

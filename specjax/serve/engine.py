@@ -274,7 +274,7 @@ class Engine:
             return
         self._adapted = self.drafts
         seen = dataclasses.replace(self.profile, acceptance=self.acceptance())
-        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])  # or 0, compiled
+        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])  # or 0: compiled too
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""

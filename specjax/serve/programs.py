@@ -85,16 +85,16 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "width", "kind", "platform", "mesh", "rules"),
+@functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "platform", "mesh", "rules"),
                    donate_argnums=3)
-def _run(target, drafter, holder, full, threshold, limit, open_limit, *, steps: int, width: int, kind: str,
+def _run(target, drafter, holder, full, threshold, limit, *, steps: int, open_steps: int, width: int, kind: str,
          platform, mesh, rules):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
-    pay for eight), and at most `open_limit` (int32 []) when a slot is free as the call
-    starts; fewer when those rows are all done, or after a step in which a row finished. So
-    a request that arrives during a call waits at most `open_limit` steps for a free slot
-    (the host learns of a finished row a call late: the one it queued meanwhile sees it).
+    pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
+    when those rows are all done, or after a step in which a row finished. So a request that
+    arrives during a call waits at most `open_steps` steps for a free slot (the host learns
+    of a finished row a call late: the call it queued meanwhile sees it here).
     kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
@@ -106,7 +106,7 @@ def _run(target, drafter, holder, full, threshold, limit, open_limit, *, steps: 
     state = state.replace(sampling=_stored(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
-    limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_limit), limit)
+    limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_steps), limit)
 
     def go_on(carry):
         state, i = carry[0], carry[1]
@@ -330,7 +330,7 @@ class Programs:
         whatever `steps`."""
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
-                    np.int32(self.open_steps), steps=self.steps_per_call, width=self.width(rows), kind=kind,
+                    steps=self.steps_per_call, open_steps=self.open_steps, width=self.width(rows), kind=kind,
                     platform=self.platform, mesh=self.mesh, rules=self.rules)
 
     def _synced(self) -> list[int]:
