@@ -117,7 +117,9 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
         return out
 
     monkeypatch.setattr(engine.programs, "run", run)
-    burst = REQUESTS[2:2 + SLOTS]
+    # Budgets 20, 6, 15: after the fresh step and a full call (5 tokens), the 6-token request
+    # finishes at the first step of the next full call, which must end there.
+    burst = [(p, b, s) for (p, _, s), b in zip(REQUESTS[2:2 + SLOTS], (20, 6, 15))]
     with engine:
         with engine._lock:  # the device thread admits none of them before all wait
             submitted = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in burst]
