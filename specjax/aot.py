@@ -351,6 +351,7 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     draft's state carried, not drafting) of the first `width` (default: all `slots`) rows of a
     state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS)."""
     from specjax.serve import programs
+    from specjax.serve.engine import OPEN_STEPS
 
     if where.mesh is not None:
         raise ValueError("engine_program builds the engine on one device")
@@ -366,10 +367,9 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     width = width or slots
     label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "")
     return Spec(name or label, programs._run, None,
-                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.bool_),
-                 scalar(jnp.bool_)),
-                dict(steps=steps, width=width, kind=kind, platform=where.platform, mesh=None, rules=None), params, must,
-                where.platform)
+                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.int32)),
+                dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, platform=where.platform,
+                     mesh=None, rules=None), params, must, where.platform)
 
 
 def drafter_params(drafter):
