@@ -10,8 +10,9 @@ the per-position acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted) o
 and, for trees, the same for each measured node budget of a dynamic tree family
 (`TreeBudgets`: a step's time and how deep its accepted path reaches). A batch runs until
 its slowest row is done, so the choice of K (or of a node budget) weighs the expected
-number of steps of the slowest of B rows, not one row's. Pure arithmetic, numpy and JSON: it knows
-nothing about models or JAX.
+number of steps of the slowest of B rows, not one row's; an engine's slots are refilled as
+each row finishes, so its choice (`choose_slot_k`) weighs one row's tokens per step. Pure
+arithmetic, numpy and JSON: it knows nothing about models or JAX.
 """
 
 from __future__ import annotations
@@ -299,6 +300,22 @@ def choose_num_draft_tokens(profile: CostProfile, batch: int, max_k: int | None 
     ks = range(1, top + 1) if among is None else sorted(K for K in among if 1 <= K <= top)
     rate = {K: tokens_per_ms(profile, batch, K, max_new_tokens) for K in ks}
     return _best_or_off(rate, tokens_per_ms(profile, batch, 0, max_new_tokens), min_gain)
+
+
+def choose_slot_k(acceptance, step_ms: dict[int, float], rows: int, min_gain: float = MIN_GAIN) -> int:
+    """K for `rows` live rows of an engine, whose slots are refilled as each row finishes (so
+    its throughput is rows x one row's expected tokens per step over a step's cost, not a
+    batch's slowest row's): of the Ks priced in step_ms ({K: ms of one step at this load}),
+    the one with the most tokens per ms; 0 (speculation off) unless that beats K = 0's by
+    min_gain, where step_ms prices K = 0 (where it does not, speculation cannot be off: the
+    best K). acceptance: per position, as `expected_tokens_per_step` takes it."""
+    _check_choice(rows, 1, min_gain)
+    if not step_ms or any(not t > 0 for t in step_ms.values()):
+        raise ValueError(f"step_ms must price at least one K with a positive time, got {step_ms!r}")
+    rate = {K: rows * expected_tokens_per_step(acceptance, K) / t for K, t in step_ms.items() if K}
+    if 0 not in step_ms:
+        return max(rate, key=lambda K: (rate[K], -K))
+    return _best_or_off(rate, rows / step_ms[0], min_gain)
 
 
 def tree_tokens_per_ms(profile: CostProfile, depth: int, top_k: int, nodes: int, batch: int,

@@ -168,6 +168,23 @@ def test_the_slowest_row_sets_a_batch_s_steps():
     assert [choose_num_draft_tokens(p, b, min_gain=1.0) for b in (1, 16)] == [1, 0]
 
 
+def test_an_engine_s_slots_weigh_one_row_s_tokens():
+    """An engine refills a slot as its row finishes, so it weighs one row's expected tokens a
+    step, not the slowest row's: at the step costs above (10 and 16 ms, acceptance 0.7) K = 1
+    pays for 16 rows (1.7 tokens in 1.6x the time) where a batch of 16 does not; 0 is off
+    unless a K beats it by min_gain; without K = 0 among the choices, the best K."""
+    choose = theory.choose_slot_k
+    assert choose((0.7,), {0: 10.0, 1: 16.0}, 16, min_gain=1.0) == 1
+    assert choose((0.7,), {0: 10.0, 1: 16.0}, 16) == 0  # 1.06x: under MIN_GAIN
+    assert choose((0.9, 0.9), {0: 10.0, 1: 16.0, 2: 19.0}, 8) == 2  # 2.71 tokens in 1.9x the time
+    assert choose((0.5, 0.2), {0: 10.0, 1: 16.0, 2: 19.0}, 8) == 0  # 1.5 tokens in 1.6x, 1.6 in 1.9x
+    assert choose((0.5, 0.2), {1: 16.0, 2: 19.0}, 8) == 1  # speculation cannot be off: the best K
+    assert choose((0.9,), {0: 5.0}, 3) == 0
+    for bad in ({}, {0: 10.0, 1: 0.0}):
+        with pytest.raises(ValueError, match="step_ms must price"):
+            choose((0.7,), bad, 1)
+
+
 def test_a_small_predicted_gain_leaves_speculation_off():
     """K = 1 is predicted ~6% faster than plain decoding at batch 1: within a measured
     profile's noise, so off by default (min_gain 1.1) and on when any gain will do; the

@@ -396,6 +396,26 @@ def test_a_table_that_always_drafts_can_turn_drafting_off(pair):
     assert engine.k_table == (0, 0, 0)
 
 
+def test_a_profile_s_table_is_chosen_again_at_the_engine_s_own_steps(pair, engines):
+    """`Programs.measure_steps` times every K's step at every width over live rows; an
+    engine whose table a profile chose takes such costs (`_price`, as `compile_all` does)
+    and chooses again: a profile whose batch-3 steps make K = 2 lose beyond one row gives
+    (2, 0, 0); steps measured cheap at every width give (2, 2, 2); costs missing a (K,
+    width) are not taken."""
+    programs = engines("draft").programs
+    costs = programs.measure_steps(calls=1)
+    assert sorted(costs) == sorted(programs.drafters), costs
+    assert all(sorted(c) == list(programs.widths) and min(c.values()) > 0 for c in costs.values()), costs
+    profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 3.0, 4.0)), (0.9, 0.9))
+    engine = specjax.Engine(pair[0], draft=pair[1]["near"], slots=SLOTS, max_len=MAX_LEN, cost_profile=profile)
+    assert engine.k_table == (2, 0, 0) and engine.step_ms is None
+    engine._price({0: {1: 1.0, 2: 1.0}, 2: {1: 1.2, 2: 1.3, 3: 1.4}})  # K = 0 at width 3 missing
+    assert engine.k_table == (2, 0, 0) and engine.step_ms is None
+    cheap = {0: {1: 1.0, 2: 1.0, 3: 1.0}, 2: {1: 1.2, 2: 1.3, 3: 1.4}}
+    engine._price(cheap)
+    assert engine.k_table == (2, 2, 2) and engine.stats()["step_ms"] == cheap
+
+
 def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     """A run over the state's first rows (one live request in a three-slot engine) reads and
     writes those rows' caches where they lie in the state: its program slices no cache

@@ -1,5 +1,6 @@
-"""The engine alone (no HTTP): output tokens/s of the shipped target, plain decoding, 8 slots
-of 1,024 positions, 4 steps per call (--steps-per-call), for 32 requests of 128 new tokens
+"""The engine alone (no HTTP): output tokens/s of the shipped target, plain decoding (or with
+--draft, K by live rows as the engine chooses it, printed), 8 slots of 1,024 positions, 4
+steps per call (--steps-per-call), for 32 requests of 128 new tokens
 (the prompts of serve_load.py) with 1 and with 8 concurrent clients (threads, each
 submitting its next request when the last finished), and the median time to each request's
 first token; then the ratio 8 clients / 1, the bar the server's issue set at 4x.
@@ -37,12 +38,20 @@ def main():
     p.add_argument("--prefix-block", type=int, default=layers.CPU_PREFIX_BLOCK)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps-per-call", type=int, default=4)
+    p.add_argument("--draft", default="none", help="a draft model's folder, 'shipped' (the shipped draft) or "
+                   "'none' (plain decoding, the default); K by live rows as the engine chooses it")
     args = p.parse_args()
     layers.CPU_PREFIX_BLOCK = args.prefix_block
     target = specjax.load_model(default_checkpoint("target"))
     tokenizer = specjax.load_tokenizer(default_checkpoint("target"))
     ids = [tokenizer.encode(text) for text in prompts(32)]
-    engine = specjax.Engine(target, slots=8, max_len=1024, steps_per_call=args.steps_per_call).compile_all()
+    draft = None if args.draft == "none" else specjax.DraftModel.load(
+        default_checkpoint("draft") if args.draft == "shipped" else args.draft)
+    engine = specjax.Engine(target, draft=draft, slots=8, max_len=1024,
+                            steps_per_call=args.steps_per_call).compile_all(groups_later=True)
+    while engine.stats()["compiling"]:
+        time.sleep(0.5)
+    print(f"K by live rows: {engine.k_table}; steps measured (ms): {engine.stats().get('step_ms')}", flush=True)
     spent = [0.0]
     real = programs.Programs.prefill
 
@@ -76,7 +85,7 @@ def main():
                 [t.join() for t in threads]
                 seconds = time.perf_counter() - start
                 rates[clients].append(32 * 128 / seconds)
-                print(f"prefix block {args.prefix_block}: {clients} client(s) {rates[clients][-1]:.0f} tok/s "
+                print(f"prefix block {args.prefix_block}: {clients} client(s) K by rows {engine.k_table} {rates[clients][-1]:.0f} tok/s "
                       f"({seconds:.2f} s, prefill {spent[0]:.2f} s, TTFT p50 {1e3 * statistics.median(ttft):.0f} ms)",
                       flush=True)
     best = {c: max(r) for c, r in rates.items()}

@@ -10,8 +10,10 @@ when a slot was free as it started (a request that arrives meanwhile waits that 
 it, not a whole call), or after one step when rows were just inserted (their first tokens
 go out at once). The host reads a call's tokens while the next one runs, but at once when
 requests wait or rows were inserted. K follows the number of live rows (a table chosen at
-construction from the backend's cost profile, then re-chosen from the acceptance the
-traffic shows, among the Ks compiled), among a few programs compiled over the same state.
+construction from the backend's cost profile, then re-chosen among the Ks compiled at the
+steps' costs timed once compiled and at the acceptance the traffic shows; a slot refilled
+as its row finishes makes throughput one row's tokens per step, not a batch's slowest
+row's), among a few programs compiled over the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
 and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).
@@ -20,7 +22,6 @@ and nothing of what a step computes (loop.py) or how its programs are shaped (pr
 from __future__ import annotations
 
 import collections
-import dataclasses
 import queue
 import threading
 import time
@@ -147,8 +148,9 @@ class Engine:
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
-        K = 4 where there is none), chosen again among its Ks and 0 as the traffic shows how
-        well it is drafted (`acceptance`). A drafter with its own Tree always drafts that tree.
+        K = 4 where there is none), chosen again among its Ks and 0 at the steps' own costs
+        once `compile_all` has timed them, and as the traffic shows how well it is drafted
+        (`acceptance`). A drafter with its own Tree always drafts that tree.
     mesh: a `specjax.make_mesh` mesh, the models sharded on it (`shard_model`): slots lie over
         `data` (a multiple of it), the caches' heads over `model` by the target's rules.
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
@@ -177,6 +179,7 @@ class Engine:
         if deterministic:
             target = deterministic_target(target, mesh)
         self.target, self.slots, self.max_len = target, int(slots), int(max_len)
+        self.step_ms = None  # {K: {width: ms of a step}}, as compile_all measured them (`_price`)
         base = _supported(draft)
         self.k_table = self._k_table(base, num_draft_tokens, cost_profile)  # [n live - 1] -> K
         if base is not None:  # bound once: every K's drafter shares its weights (cast once, if at all)
@@ -243,13 +246,27 @@ class Engine:
         self.profile = theory.resolve_profile(cost_profile, jax.default_backend())
         if self.profile is None:
             return (DEFAULT_K,) * self.slots
-        return self._chosen(self.profile)
+        return self._chosen(self.profile.acceptance, range(self.profile.max_k + 1))
 
-    def _chosen(self, profile, among=None) -> tuple[int, ...]:
-        """K by live rows from a cost profile (among: only these Ks). A drafter that reads the
-        target's states catches up only from the last pass's: it drafts every step."""
-        return tuple(max(theory.choose_num_draft_tokens(profile, n, among=among), self._low)
+    def _chosen(self, acceptance, among) -> tuple[int, ...]:
+        """K by live rows among the Ks `among` (0: off, where it is among them), for drafts
+        kept at `acceptance` (per position): `theory.choose_slot_k` of each K's step at the
+        width n live rows run in as `compile_all` measured it (`step_ms`), else as the cost
+        profile prices generate's step at batch n. A drafter that reads the target's states
+        catches up only from the last pass's: it drafts every step."""
+        def cost(n, K):
+            return self.profile.cost(n, K) if self.step_ms is None else self.step_ms[K][self.programs.width(n)]
+
+        return tuple(max(theory.choose_slot_k(acceptance, {K: cost(n, K) for K in among}, n), self._low)
                      for n in range(1, self.slots + 1))
+
+    def _price(self, step_ms: dict):
+        """Takes the steps' costs `Programs.measure_steps` measured ({K: {width: ms}}; one
+        missing: none are taken, the profile prices them all) and chooses the table again."""
+        compiled = sorted(self.programs.drafters)
+        if all(w in step_ms.get(K, {}) for K in compiled for w in self.programs.widths):
+            self.step_ms = step_ms
+            self.k_table = self._chosen(self.acceptance(), compiled)
 
     def acceptance(self) -> tuple[float, ...]:
         """P(draft position i kept | the positions before it were), i = 1.., as the traffic
@@ -266,15 +283,14 @@ class Engine:
         return tuple(out)
 
     def _adapt(self):
-        """Every ADAPT_DRAFTS drafted steps, K by live rows is chosen again from the cost
-        profile's step costs and the acceptance the traffic shows, among the Ks compiled: a
+        """Every ADAPT_DRAFTS drafted steps, K by live rows is chosen again from the steps'
+        costs (`_chosen`) and the acceptance the traffic shows, among the Ks compiled: a
         workload drafted better than the profile's text speculates at more live rows, one
         drafted worse at fewer. Only a table the profile chose."""
         if self.profile is None or self.drafts < self._adapted + ADAPT_DRAFTS:
             return
         self._adapted = self.drafts
-        seen = dataclasses.replace(self.profile, acceptance=self.acceptance())
-        self.k_table = self._chosen(seen, among=[K for K in self.programs.drafters if K])  # or 0: compiled too
+        self.k_table = self._chosen(self.acceptance(), sorted(self.programs.drafters))
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
@@ -357,10 +373,17 @@ class Engine:
         about half the programs, compile afterwards in a background thread instead, so that
         the engine can serve sooner (docs/bench/serve_startup.txt); until a group size's
         programs for a bucket are compiled, its requests are prefilled in the sizes that
-        are (one at a time at least). `stats()["compiling"]` counts those still to come."""
+        are (one at a time at least). `stats()["compiling"]` counts those still to come.
+
+        A table the cost profile chose is then chosen again at this device's own costs: each
+        K's step at each width is timed over live rows (`Programs.measure_steps`, about a
+        second), for the profile measured generate's loop at other batch sizes, maybe on
+        another machine (`stats()["step_ms"]`)."""
         later = self.programs.groups() if groups_later else []
         self._compiling = set(later)
         layout = self.programs.compile_all(skip=self._compiling)
+        if self.profile is not None:  # a table the profile chose is priced at this device's own steps
+            self._price(self.programs.measure_steps())
         if later:
             threading.Thread(target=self._compile_groups, args=(later, layout), name="specjax-compile",
                              daemon=True).start()
@@ -577,13 +600,14 @@ class Engine:
         """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, K by
         live rows now and the per-position acceptance it was chosen from (`acceptance`), and
         speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
-        and what a prefill call costs beyond its tokens, in tokens (`Programs.partition`)."""
+        what a prefill call costs beyond its tokens, in tokens (`Programs.partition`), and
+        the steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
         acceptance = self.acceptance()
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
                 "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
-                "failures": self.failures, "programs": self.programs.listing(),
+                "failures": self.failures, "programs": self.programs.listing(), "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens, **self.memory}
 

@@ -319,6 +319,34 @@ class Programs:
         _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, mesh=self.mesh,
                       rules=self.rules).compile()
 
+    def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:
+        """Milliseconds of one step of each run program, {K: {width: ms}}, on this device:
+        the median over `calls` calls (after one that warms) of a call's time over the steps
+        it took, its first `width` rows live (a prompt of the shortest bucket each, greedy,
+        limited only by max_len), the rest free, as the engine runs them. A step's cost does
+        not depend on what it accepts (its shapes are fixed). A (K, width) whose rows all
+        finish before any call is timed is left out. Run after `compile_all` (no compiles)."""
+        prompt = np.ones((self.buckets[0],), np.int32)
+        row = self.prefill([prompt], [self.max_len], [(0.0, 0, 1.0)], np.full((1, self.stop_width), -1, np.int32), [0])
+        state, costs = self.empty(), {}
+        for K in sorted(self.drafters):
+            costs[K] = {}
+            for w in self.widths:
+                state = self.release(state, range(self.slots))
+                for slot in range(w):
+                    state = self.insert(state, [slot], row)
+                times = []
+                for call in range(calls + 1):
+                    start = time.perf_counter()
+                    state, *_, taken, _ = self.run(state, K, w, "greedy")
+                    taken = int(taken)  # waits for the call
+                    if call and taken:
+                        times.append(1e3 * (time.perf_counter() - start) / taken)
+                if times:
+                    costs[K][w] = float(np.median(times))
+        jax.block_until_ready(state)
+        return costs
+
     def width(self, rows: int) -> int:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)

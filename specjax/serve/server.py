@@ -77,6 +77,9 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
               f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
               f"compile in the background once serving...", file=sys.stderr, flush=True)
         engine.compile_all(groups_later=True)
+        if engine.step_ms is not None:
+            print(f"specjax serve: K by live rows {list(engine.k_table)} at the steps timed here", file=sys.stderr,
+                  flush=True)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_timeout)
