@@ -394,6 +394,14 @@ def test_a_table_that_always_drafts_can_turn_drafting_off(pair):
     engine._adapt()
     assert engine.acceptance() == (0.0, 1.0)  # no draft reached position 2: the profile's figure
     assert engine.k_table == (0, 0, 0)
+    # EAGLE-3 drafts every step (it reads the target's states of each): no K = 0 to turn to,
+    # so the table stays among the Ks compiled (it fell to K = 1, with no program, before).
+    eagle = specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=SLOTS, max_len=MAX_LEN,
+                           cost_profile=profile)
+    assert eagle.k_table == (2, 2, 2) and sorted(eagle.programs.drafters) == [2]
+    eagle._drafted[2] = eagle.drafts = 256
+    eagle._adapt()
+    assert eagle.k_table == (2, 2, 2)
 
 
 def test_a_profile_s_table_is_chosen_again_at_the_engine_s_own_steps(pair, engines):
