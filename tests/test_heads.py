@@ -255,23 +255,19 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
     """`unrolled` step j at position t (what training fits) gives the logits that drafting
     j+1 deep from the root t-j gives (the drafter's own `advance` and `read`): the root's
     pair with the target's features over a cache of the earlier pairs, then the drafter's
-    own outputs; with a reduced draft vocabulary too (unrolled over its ids, drafting over
-    the target's with -inf elsewhere)."""
+    own outputs; with a reduced draft vocabulary too (both over its ids)."""
     from specjax.cache import KVCache
     from specjax.drafters.eagle3 import unrolled
-    from specjax.drafters.vocab import to_target_vocab
     from specjax.models import apply
 
     target = pair[0]
-    V = target.config.vocab_size
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, tiny.VOCAB)
     positions = jax.numpy.broadcast_to(jax.numpy.arange(11), (2, 11))
     for drafter in (specjax.Eagle3.init(target, KEY), DRAFTERS["eagle3_reduced"](target)):
         drafter = drafter.bind(target)
         _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
         assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
-        steps = to_target_vocab(unrolled(drafter.config, drafter.params, target, tokens[:, 1:], taps, 3),
-                                drafter.vocab, V)
+        steps = unrolled(drafter.config, drafter.params, target, tokens[:, 1:], taps, 3)
         root = 5
         cache = KVCache.init(drafter.config, 2, 32, jax.numpy.float32)
         _, cache = drafter.advance(target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
@@ -289,7 +285,7 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
 
 def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):
     """with_vocab(ids) gives a head of the target's rows for ids: the same logits as the
-    whole head at those ids, -inf at the others; vocabularies are the most frequent ids;
+    whole head at those ids, over those ids alone; vocabularies are the most frequent ids;
     a tree wider than the vocabulary and a second reduction are refused."""
     from specjax.drafters.vocab import draft_vocabulary
 
@@ -302,8 +298,8 @@ def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):
     assert reduced.params["head"]["kernel"].shape == (target.config.hidden_size, 3)
     x = jax.random.normal(jax.random.key(3), (2, 4, target.config.hidden_size))
     full, part = whole.read(target, x), reduced.read(target, x)
-    np.testing.assert_allclose(part[..., ids], full[..., ids], rtol=1e-6, atol=1e-6)
-    assert np.isneginf(np.delete(np.asarray(part), ids, axis=-1)).all()
+    assert part.shape == (2, 4, 3) and reduced.draft_vocab.tolist() == [0, 5, 9] and whole.draft_vocab is None
+    np.testing.assert_allclose(part, full[..., ids], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="takes 4 candidates per node, but this EAGLE-3 drafter drafts from 3"):
         reduced.replace(tree=Tree(depth=2, top_k=4, nodes=4)).resolve(None)
     with pytest.raises(ValueError, match="already has a reduced draft vocabulary"):

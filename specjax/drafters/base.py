@@ -11,6 +11,7 @@ import numpy as np
 from flax import struct
 
 from specjax.cache import KVCache, tree_placement
+from specjax.drafters.vocab import to_target_vocab
 from specjax.sampling import Sampling, argmax, fold_in, sample, warp
 from specjax.sharding import replicated_rules
 from specjax.tree import Tree
@@ -120,7 +121,8 @@ class Drafter:
 
 
 # forward(cache, tokens [B, W], positions [B, W], placement, features [B, W, F] | None)
-#   -> (cache, logits [B, W, V_target], features [B, W, F] | None)
+#   -> (cache, logits [B, W, V'], features [B, W, F] | None)
+# V' is the target's vocabulary, or a reduced draft vocabulary's Vd ids (`grow`'s vocab).
 # `features` are per-node values a drafter passes from a node to its children (EAGLE's
 # predicted hidden states); drafters that need none pass None.
 Forward = Callable[[Any, jax.Array, jax.Array, Any, Any], tuple[Any, jax.Array, Any]]
@@ -133,11 +135,17 @@ def grow_cache_length(tree: Tree, max_len: int) -> int:
 
 
 def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request: DraftRequest,
-         tree: Tree, features0: jax.Array | None = None):
-    """Grows each row's tree from logits0 [B, V], the draft's logits for the token after the
+         tree: Tree, features0: jax.Array | None = None, vocab: jax.Array | None = None):
+    """Grows each row's tree from logits0 [B, V'], the draft's logits for the token after the
     root (and features0 [B, F], the root's features, if the drafter passes any), with the
     draft's cache (a KVCache, or anything a cacheless drafter carries) valid for positions
     < start [B]: a depth-d node is fed at position start + d - 1.
+
+    vocab: None (logits over the target's vocabulary), or int32 [Vd], the increasing target
+    ids a reduced draft vocabulary's logits are over: candidates are ranked, sampled and
+    scored over those Vd (what the target's vocabulary with -inf elsewhere gives: the same
+    argmax and top-k, the same q), fed and proposed as their target ids, and only the q of
+    the N chosen nodes is spread over the target's vocabulary, once a step.
 
     Depth by depth, every frontier node's top_k candidates (or top_k samples for sampled
     siblings) form a [W, C] grid; the next frontier is picked from it (by the static tree's
@@ -196,6 +204,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
         tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, fold_in(request.key, d))
+        if vocab is not None:  # indices into the draft vocabulary -> target ids
+            tokens = vocab[tokens]
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool, (tokens, score, valid, parent, q))
         return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going), (tokens, score, valid)
@@ -226,12 +236,13 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan
     carry, _ = expand(D - 1, carry)  # the deepest candidates, never fed
     cache, (tokens, score, valid, parent, q) = carry[0], carry[7]
-    return cache, _select(tree, tokens, score, valid, parent, q)
+    return cache, _select(tree, tokens, score, valid, parent, q, vocab, request.target.config.vocab_size)
 
 
-def _select(tree: Tree, tokens, score, valid, parent, q) -> Proposal:
+def _select(tree: Tree, tokens, score, valid, parent, q, vocab, vocab_size: int) -> Proposal:
     """The tree's N nodes out of the pool of candidates [B, D, W, C] (parent: pool index, -1
-    for the root's children; q [B, D, W, V] or None)."""
+    for the root's children; q [B, D, W, V'] or None, over the draft vocabulary `vocab` where
+    there is one: the chosen nodes' spread over the target's vocabulary_size ids)."""
     B, D, W, C = tokens.shape
     flat = lambda x: x.reshape(B, D * W * C)  # noqa: E731
     if tree.is_static:
@@ -252,6 +263,8 @@ def _select(tree: Tree, tokens, score, valid, parent, q) -> Proposal:
     q_chosen = None
     if q is not None:
         q_chosen = jnp.take_along_axis(q.reshape(B, D * W, -1), (chosen // C)[..., None], axis=1)
+        if vocab is not None:
+            q_chosen = to_target_vocab(q_chosen, vocab, vocab_size, fill=0.0)
     return Proposal(tokens=jnp.take_along_axis(flat(tokens), chosen, 1), parents=parents,
                     valid=valid_chosen, q=q_chosen)
 

@@ -110,6 +110,11 @@ class Eagle(Drafter):
         """float32 logits [B, T, V] over the target's vocabulary of its outputs x [B, T, E]."""
         return head_logits(target, x)
 
+    @property
+    def draft_vocab(self) -> jax.Array | None:
+        """The target ids `read`'s logits are over, int32 [Vd]; None: the whole vocabulary."""
+        return None
+
     def resolve(self, K: int | None) -> "Eagle":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
 
@@ -155,7 +160,8 @@ class Eagle(Drafter):
         root = jnp.clip(length - 2 - f.start, 0)[:, None, None]  # the pair whose next token is the root
         features0 = jnp.take_along_axis(features, root, axis=1)  # [B, 1, E]
         logits0 = self.read(target, features0)[:, 0]
-        cache, proposal = grow(forward, cache, logits0, length - 1, request, self.tree, features0[:, 0])
+        cache, proposal = grow(forward, cache, logits0, length - 1, request, self.tree, features0[:, 0],
+                               self.draft_vocab)
         return cache, request.target_cache, proposal.replace(valid=proposal.valid & (length >= 2)[:, None])
 
     def save(self, path):

@@ -20,10 +20,11 @@ the target's features, and chains or trees grown by `base.grow`.
 A reduced draft vocabulary (as EAGLE-3 has): `vocab`, the ids of the target tokens it may
 draft (most often the corpus' most frequent: `draft_vocabulary`), and a head of its own
 [E, Vd] over them (started from the target's rows for them, then trained) in place of the
-target's [E, V]: a draft step reads Vd/V of the head's bytes. Its logits are spread back
-over the target's vocabulary with -inf at the tokens it cannot draft, so drafting,
-sampling and acceptance see a distribution over the target's ids as before: verification
-stays exact, and a token outside the set is still emitted, as the target's own.
+target's [E, V]: a draft step reads Vd/V of the head's bytes, and drafts over those Vd
+ids (`base.grow`); only its proposed nodes' distributions are spread back over the
+target's vocabulary (0 at the tokens it cannot draft), so acceptance sees a distribution
+over the target's ids as before: verification stays exact, and a token outside the set is
+still emitted, as the target's own.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
 from specjax.drafters.eagle import Eagle, format_shapes, layer_config, layer_from_record, run_layer, upgrade
-from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, to_target_vocab
+from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns
 from specjax.models import Model, head_logits
 from specjax.models.layers import MLP, Attention, Norm, softcap
 from specjax.models.layers import init as normal_init
@@ -186,8 +187,12 @@ class Eagle3(Eagle):
         return eagle3_layer(self.config, self.params, target, tokens, features, positions, cache, placement)
 
     def read(self, target: Model, x):
-        return to_target_vocab(draft_logits(self.config, self.params, target, x), self.vocab,
-                               target.config.vocab_size)
+        """float32 logits [B, T, Vd] over its draft vocabulary (`draft_logits`)."""
+        return draft_logits(self.config, self.params, target, x)
+
+    @property
+    def draft_vocab(self) -> jax.Array | None:
+        return self.vocab
 
     def resolve(self, K: int | None) -> "Eagle3":
         drafter = super().resolve(K)

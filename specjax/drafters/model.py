@@ -24,7 +24,7 @@ from flax import struct
 from specjax.acceptance import leading
 from specjax.cache import KVCache
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
-from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, read_vocab, to_target_vocab
+from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, read_vocab
 from specjax.hf import load_model
 from specjax.models import Model, apply, head_logits, prefill
 from specjax.models.layers import matmul
@@ -124,11 +124,11 @@ class DraftModel(Drafter):
         return ModelDraftState(cache.replace(lengths=lengths - 1), fed)
 
     def read(self, hidden, vocab_size: int):
-        """The draft's final states [B, W, E] -> float32 logits over the target's vocab_size ids
-        [B, W, V]: -inf at ids it cannot draft (outside its draft vocabulary, or past its own
-        vocabulary), its padding rows dropped."""
+        """The draft's final states [B, W, E] -> float32 logits [B, W, Vd] over its draft
+        vocabulary's ids (`vocab`), or, without one, [B, W, V] over the target's vocab_size
+        ids: -inf at ids past its own vocabulary, its padding rows dropped."""
         if self.vocab is not None:
-            return to_target_vocab(matmul("bwe,ev->bwv", hidden, self.head, jnp.float32), self.vocab, vocab_size)
+            return matmul("bwe,ev->bwv", hidden, self.head, jnp.float32)
         logits = head_logits(self.model, hidden)
         Vd = logits.shape[-1]
         if Vd > vocab_size:  # the draft's padding rows are not tokens of the target
@@ -146,7 +146,7 @@ class DraftModel(Drafter):
             return cache, read(hidden), None
 
         cache, last = self.catch_up(state, request, read)
-        cache, proposal = grow(forward, cache, last, request.length, request, self.tree)
+        cache, proposal = grow(forward, cache, last, request.length, request, self.tree, vocab=self.vocab)
         fed = state.fed
         if fed.shape[1]:  # a chain's drafts d1..d_{D-1} now sit at positions length.. (-1: not fed)
             D1 = self.tree.depth - 1

@@ -1,7 +1,8 @@
 """Reduced draft vocabularies (EAGLE-3's, and the draft model's: FR-Spec's frequency-ranked
-head): which target ids a drafter may propose, the head columns it reads them out with, and
-its logits spread back over the target's vocabulary with -inf at the ids it cannot draft, so
-that drafting, sampling and acceptance see a distribution over the target's ids as before.
+head): which target ids a drafter may propose, and the head columns it reads them out with.
+A drafter drafts over those ids alone (`base.grow`), and only the distributions of the
+nodes it proposes are spread back over the target's vocabulary (`to_target_vocab`, 0 at the
+ids it cannot draft), so that acceptance sees a distribution over the target's ids.
 Exactness never depends on the set: a token outside it is still emitted, as the target's own.
 
 A draft model's vocabulary is saved beside its config.json as draft_vocab.json (EAGLE-3's
@@ -80,13 +81,14 @@ def check_tree_fits(tree, vocab, drafter: str):
                          f"{vocab.shape[0]} tokens")
 
 
-def to_target_vocab(logits, vocab, vocab_size: int):
-    """Logits [..., Vd] over the draft vocabulary `vocab` (int32 [Vd] target ids; None: the
-    whole vocabulary, returned as they are) -> [..., V], -inf at tokens it cannot draft."""
+def to_target_vocab(values, vocab, vocab_size: int, fill: float = -jnp.inf):
+    """values [..., Vd] over the draft vocabulary `vocab` (int32 [Vd] target ids; None: the
+    whole vocabulary, returned as they are) -> [..., V], `fill` at tokens it cannot draft
+    (-inf for logits, 0 for probabilities)."""
     if vocab is None:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., vocab].set(logits)
+        return values
+    full = jnp.full(values.shape[:-1] + (vocab_size,), fill, values.dtype)
+    return full.at[..., vocab].set(values)
 
 
 def save_vocab(folder, ids, vocab_size: int):
