@@ -85,8 +85,8 @@ def main():
                 [t.join() for t in threads]
                 seconds = time.perf_counter() - start
                 rates[clients].append(32 * 128 / seconds)
-                print(f"prefix block {args.prefix_block}: {clients} client(s) K by rows {engine.k_table} {rates[clients][-1]:.0f} tok/s "
-                      f"({seconds:.2f} s, prefill {spent[0]:.2f} s, TTFT p50 {1e3 * statistics.median(ttft):.0f} ms)",
+                print(f"prefix block {args.prefix_block}: {clients} client(s) K by rows {engine.k_table} "
+                      f"{rates[clients][-1]:.0f} tok/s ({seconds:.2f} s, prefill {spent[0]:.2f} s, TTFT p50 {1e3 * statistics.median(ttft):.0f} ms)",
                       flush=True)
     best = {c: max(r) for c, r in rates.items()}
     print(f"prefix block {args.prefix_block}: 8 clients / 1 = {best[8] / best[1]:.2f}x (best of {args.rounds} rounds each)")
