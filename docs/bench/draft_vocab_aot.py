@@ -1,8 +1,9 @@
 """A reduced draft vocabulary in the compiled speculative loop: a Llama-3.2-1B-shaped target
 (128,256 tokens), bf16, an EAGLE-3 drafter drafting from 32,064 of its ids (every fourth),
 one draft step (`aot.draft_program`: its catch-up and a chain of 4, or a dynamic tree of 4
-deep, 2 wide, 8 nodes) at batch 8, greedy and sampled (temperature 1), compiled for one v5e
-chip here (run nowhere): the bytes its kernels move (`hlo.traffic`) and its temporaries.
+deep, 2 wide, 8 nodes) and generate's whole loop (chain of 4) at batch 8, greedy and sampled
+(temperature 1), compiled for one v5e chip here (run nowhere): the bytes a draft step's
+kernels move (`hlo.traffic`) and the temporaries.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python docs/bench/draft_vocab_aot.py
 
@@ -39,3 +40,8 @@ for tree in (Tree.chain(4, "sampled"), Tree(4, 2, 8)):
         temps = program.memory_analysis().temp_size_in_bytes
         print(f"EAGLE-3 {tree}, batch 8, temperature {temperature}: moved {moved / GB:.3f} GB, temporaries "
               f"{temps / MB:.1f} MB, weights {spec.must_read / GB:.3f} GB with the cache, compiled in {seconds:.1f} s")
+for temperature in (0.0, 1.0):
+    spec = aot.loop_program(target, eagle3, where, batch=8, num_draft_tokens=4, temperature=temperature)
+    program = spec.fn.lower(*spec.args, **spec.kwargs).compile()
+    print(f"loop EAGLE-3 chain 4, batch 8, temperature {temperature}: temporaries "
+          f"{program.memory_analysis().temp_size_in_bytes / MB:.1f} MB")

@@ -87,8 +87,14 @@ def to_target_vocab(values, vocab, vocab_size: int, fill: float = -jnp.inf):
     (-inf for logits, 0 for probabilities)."""
     if vocab is None:
         return values
-    full = jnp.full(values.shape[:-1] + (vocab_size,), fill, values.dtype)
-    return full.at[..., vocab].set(values)
+    Vd = vocab.shape[0]
+    # A gather of each id's column (column Vd: `fill`), not a scatter into [..., V]: on a TPU
+    # XLA lays a scatter's output out with its small leading axes padded to tiles (a sampled
+    # chain's q at batch 8: 262 MB for 16 MB; docs/bench/draft_vocab_aot.txt).
+    column = jnp.full((vocab_size,), Vd, jnp.int32).at[vocab].set(jnp.arange(Vd, dtype=jnp.int32))
+    rows = values.reshape(-1, Vd)  # [M, Vd]: one axis of rows, which a TPU tiles by 8
+    padded = jnp.concatenate([rows, jnp.full((rows.shape[0], 1), fill, values.dtype)], axis=-1)
+    return jnp.take(padded, column, axis=-1).reshape(values.shape[:-1] + (vocab_size,))
 
 
 def save_vocab(folder, ids, vocab_size: int):
