@@ -216,6 +216,10 @@ class Attention(nn.Module):
 # at a time; shorter ones (the tests' models, decode steps of short contexts) take the
 # dense path. A module constant so that tests can shrink it.
 ATTENTION_BLOCK = 512
+# A GPU's portable cached pass attends over its whole cache in one softmax where its
+# float32 scores are at most this share of a layer's cache bytes (`_whole_cache_on_gpu`):
+# a decode or verification pass (with head_dim 128 and 4 query heads per kv head, up to 8 tokens).
+GPU_SCORES_OVER_CACHE = 0.25
 # A CPU visits a long cache's prefix in blocks of this many slots: rows shorter than the
 # cache then read less of it, for a few more loop trips (the engine's 8 slots of 1,024 on
 # a 2-core CPU, 8 clients: 954-1,006 output tokens/s with 512, 1,148-1,263 with 256;
@@ -280,7 +284,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     sliding window's), only those above floor[b, t]. -> [B, T, H, D] in v's dtype.
 
     Up to `block` slots of cache (and of in-flight keys) the scores are materialised in one
-    softmax; beyond, the in-flight keys are visited first, then the prefix in blocks of `block`
+    softmax, and so over any cache on a GPU for a pass of few queries (`_whole_cache_on_gpu`);
+    beyond, the in-flight keys are visited first, then the prefix in blocks of `block`
     slots (a CPU's: at most CPU_PREFIX_BLOCK) from the block of the lowest sliding-window floor
     up to the longest row's prefix: blocks outside are not read (traced for a GPU,
     where a loop's data-dependent predicate would wait on the host, the loop is fixed-length
@@ -304,7 +309,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         seen = slots[None, None, :] < prefix[:, None, None]
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
-    if kernel is None and S <= block and N <= block:  # one softmax over both key sets, without joining them
+    if kernel is None and N <= block and (S <= block or _whole_cache_on_gpu(T * (H // G), D)):
+        # one softmax over both key sets, without joining them
         cache_k, cache_v = cache_k[:B], cache_v[:B]
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
@@ -325,6 +331,16 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)
     state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first)
     return _normalise(state, v.dtype)
+
+
+def _whole_cache_on_gpu(rows: int, head_dim: int) -> bool:
+    """Whether a GPU's portable cached pass with `rows` queries per kv head (T R) attends over
+    the whole cache in one softmax rather than block by block. A block loop's dynamic slices
+    of K and V are written out before the matmuls read them (XLA's GPU gemms read whole
+    buffers): three reads of the cache. One softmax's matmuls read it in place, and its
+    float32 scores [B, G, R, T, S] hold rows / head_dim of a layer's cache bytes (compiled
+    for an H100, 8 rows over 8K, 8B shape: docs/bench/gpu_compiled.txt)."""
+    return target_platform() == "gpu" and rows <= GPU_SCORES_OVER_CACHE * head_dim
 
 
 def _scores(qg, kb, scale: float, cap: float | None):
