@@ -13,9 +13,9 @@ engine steps its state's first rows so, without copying their caches out and bac
 
 A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
 have the same depth), so they are written at consecutive slots after the prefix (a region)
-and each sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
-accepted path's entries to the slots of their positions, and the rest of the tree is
-stale like any rejected draft.
+and each sees its ancestors only. A `Placement` says so; after acceptance, `move` writes the
+accepted path's entries at the consecutive slots of their positions (one contiguous write
+per row, as a pass writes), and the rest of the tree is stale like any rejected draft.
 
 Each buffer is head-major, [B, G, S, D]: a kv head's slots lie together, as attention reads
 them (a block of slots is one [block, D] tile per head: a decode kernel's layout, and the
@@ -99,6 +99,10 @@ class Placement:
     start: jax.Array  # int32 [B]: the region's first slot; the committed prefix lies below it
     region_positions: jax.Array  # int32 [B, R]: the position of the token each region slot holds
     sees: jax.Array  # bool [B, T, R]: the region slots each token attends to
+    # The region is this pass's own T tokens, written at slots start .. start+T-1 (a target's
+    # verification of a tree): a pass attends to their keys as it computed them, without
+    # reading them back from the cache.
+    own: bool = struct.field(pytree_node=False, default=False)
 
     def dense(self, max_len: int) -> tuple[jax.Array, jax.Array]:
         """(kv_positions int32 [B, S], visible bool [B, T, S]) over a cache of max_len slots:
@@ -115,25 +119,31 @@ class Placement:
         return kv_positions, visible
 
 
-def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array) -> Placement:
+def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array,
+                   own: bool = False) -> Placement:
     """Tokens that see the whole prefix (slots < start) and, of the R slots from `start` on
     (a tree region), those that `sees` marks.
 
     start int32 [B]; slots int32 [B, T]; region_offsets int [R] or [B, R]: the position of
-    region slot r minus start; sees bool [B, T, R]."""
+    region slot r minus start; sees bool [B, T, R]; own: the region is the pass's own tokens
+    (slots = start + 0 .. T-1, R = T: see Placement)."""
     R = sees.shape[-1]
     offsets = jnp.broadcast_to(jnp.asarray(region_offsets, jnp.int32), (start.shape[0], R))
-    return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees)
+    if own and R != slots.shape[1]:
+        raise ValueError(f"a pass's own region holds its {slots.shape[1]} tokens, got {R} slots")
+    return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees, own=own)
 
 
-def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copies every layer's entries at slots src [B, M] to slots dst [B, M] of the buffers'
-    first B rows (dst >= max_len: skipped). All reads happen before any write, so src and
-    dst may overlap."""
+def move(cache: KVCache, src: jax.Array, dst: jax.Array, consecutive: bool = False) -> KVCache:
+    """Copies every layer's entries at slots src [B, M] to slots dst[b] .. dst[b]+M-1 (dst
+    int32 [B]) of the buffers' first B rows, as `write` writes (consecutive: one contiguous
+    update per row; they must end within the buffer). All reads happen before any write, so
+    src and dst may overlap."""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
+    slots = dst[:, None] + jnp.arange(src.shape[1])[None, :]  # [B, M]
 
     def one(buffer):  # [B', G, S, D], B' >= B
-        return buffer.at[rows, :, dst].set(buffer[rows, :, src], mode="drop")
+        return write(buffer, buffer[rows, :, src], slots, consecutive)  # (the gather: [B, M, G, D])
 
     return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))
 

@@ -214,7 +214,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     start = length - 1  # the root's slot
     slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
     placement = None if chain else tree_placement(
-        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)))
+        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), own=True)
     logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
                                   taps=None if drafter is None else drafter.feature_layers)
     if branch is not None:  # the drafter reads the target's logits for its branch
@@ -222,9 +222,8 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         logits = logits[:, : N + 1]
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
                                        state.sampling, D)
-    if not chain:  # the path's node at depth j+1 moves to slot length+j
-        cache = move(cache, start[:, None] + path, jnp.where(offsets[:, :D] < n[:, None],
-                                                             length[:, None] + offsets[:, :D], S))
+    if not chain:  # the path's node at depth j+1 moves to slot length+j (past n: stale entries)
+        cache = move(cache, start[:, None] + path, length, consecutive=layers.kernel_platform() == "tpu")
 
     # The row's new tokens: the path's then the target's own; cut after a stop id and at the
     # row's length limit; nothing for rows already done.

@@ -192,7 +192,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         masks = {w: within(placement.sees, placement.region_positions, w) for w in kinds}
         R = placement.sees.shape[-1]
         region_positions, prefix = placement.region_positions, placement.start
-        region = jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
+        region = None if placement.own else jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
     if cache is None:
         return View(positions, masks, None, {}, None, None, None, dtype is not None, rules)
     floors = {w: positions - window if w else None for w in kinds}
