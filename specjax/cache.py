@@ -13,9 +13,9 @@ engine steps its state's first rows so, without copying their caches out and bac
 
 A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
 have the same depth), so they are written at consecutive slots after the prefix (a region)
-and each sees its ancestors only. A `Placement` says so; after acceptance, `move` writes the
-accepted path's entries at the consecutive slots of their positions (one contiguous write
-per row, as a pass writes), and the rest of the tree is stale like any rejected draft.
+and each sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
+accepted path's entries to the consecutive slots of their positions, and the rest of the
+tree is stale like any rejected draft.
 
 Each buffer is head-major, [B, G, S, D]: a kv head's slots lie together, as attention reads
 them (a block of slots is one [block, D] tile per head: a decode kernel's layout, and the
@@ -134,16 +134,18 @@ def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax
     return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees, own=own)
 
 
-def move(cache: KVCache, src: jax.Array, dst: jax.Array, consecutive: bool = False) -> KVCache:
+def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies every layer's entries at slots src [B, M] to slots dst[b] .. dst[b]+M-1 (dst
-    int32 [B]) of the buffers' first B rows, as `write` writes (consecutive: one contiguous
-    update per row; they must end within the buffer). All reads happen before any write, so
-    src and dst may overlap."""
+    int32 [B]; they must end within the buffer) of the buffers' first B rows, by one scatter
+    per buffer. All reads happen before any write, so src and dst may overlap. (As one
+    dynamic_update_slice per row, `write`'s consecutive form, a v5e program of a tree's loop
+    held as many temporaries and more ops: 5,145 against 4,900 at batch 8;
+    docs/bench/tree_aot.txt.)"""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
     slots = dst[:, None] + jnp.arange(src.shape[1])[None, :]  # [B, M]
 
     def one(buffer):  # [B', G, S, D], B' >= B
-        return write(buffer, buffer[rows, :, src], slots, consecutive)  # (the gather: [B, M, G, D])
+        return write(buffer, buffer[rows, :, src], slots)  # (the gather: [B, M, G, D])
 
     return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))
 

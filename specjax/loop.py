@@ -223,7 +223,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
                                        state.sampling, D)
     if not chain:  # the path's node at depth j+1 moves to slot length+j (past n: stale entries)
-        cache = move(cache, start[:, None] + path, length, consecutive=layers.kernel_platform() == "tpu")
+        cache = move(cache, start[:, None] + path, length)
 
     # The row's new tokens: the path's then the target's own; cut after a stop id and at the
     # row's length limit; nothing for rows already done.

@@ -1,0 +1,40 @@
+"""A token tree's speculative loop compiled for one v5e chip here (run nowhere): the 1B pair
+(Llama-3.2-1B shape, a 2-layer draft, bf16) drafting a dynamic Tree(4, 2, 8), generate's whole
+loop at batch 1 and 8, greedy and sampled (prompt 128 + 384 new tokens): its temporaries, its
+ops (`hlo.kernels`, a loop's body counted once), those of the cache's writes and moves and of
+the tree region's reads (cache.py, transformer.py's region gather) with the bytes they move,
+and its weight- or cache-sized copies.
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python docs/bench/tree_aot.py
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+from aot import pair  # noqa: E402  (docs/bench/aot.py)
+from specjax import aot, hlo  # noqa: E402
+from specjax.drafters import DraftModel  # noqa: E402
+from specjax.memory import MB  # noqa: E402
+from specjax.tree import Tree  # noqa: E402
+
+target, draft = pair("1b", None)
+where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+print(f"# {' '.join(sys.argv)}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; 1b pair on v5e:1x1, bf16")
+for batch in (1, 8):
+    for temperature in (0.0, 1.0):
+        spec = aot.loop_program(target, DraftModel(draft, tree=Tree(4, 2, 8)), where, batch=batch, max_new_tokens=384,
+                                temperature=temperature, name=f"loop Tree(4, 2, 8), batch {batch}, T={temperature}")
+        start = time.perf_counter()
+        program = spec.fn.lower(*spec.args, **spec.kwargs).compile()
+        text = program.as_text()
+        ops = hlo.kernels(text)
+        cache_ops = [k for k in ops if "cache.py" in k.source or "transformer.py:66" in k.source]
+        print(f"{spec.name:<36} compile {time.perf_counter() - start:5.1f}s temps "
+              f"{program.memory_analysis().temp_size_in_bytes / MB:7.1f} MB ops {len(ops)} (cache writes, moves, "
+              f"region reads: {len(cache_ops)}, {sum(k.bytes for k in cache_ops) / MB:.1f} MB) "
+              f"copies {len(hlo.large_copies(text, 4 * 2**20))}", flush=True)
