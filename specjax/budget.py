@@ -89,9 +89,10 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
                 sampled: bool = False) -> dict[str, int]:
     """Bytes a generate call of these shapes needs at the least, by part, from the shapes
     alone (nothing traced): the weights, the KV caches, and one verification pass's float32
-    logits [B, T, V] and attention mask [B, T, S], T = 1 + the tree's nodes (or the drafter's
-    writes); sampled (any row not greedy): also the target's distributions p [B, T, V] and
-    the drafts' q [B, N, V], float32. XLA's program needs these and more."""
+    logits [B, T, V], T = 1 + the tree's nodes (or the drafter's writes; no [B, T, S] mask:
+    a cached pass sees its prefix by each row's length, layers.cached_attention); sampled (any
+    row not greedy): also the target's distributions p [B, T, V] and the drafts' q [B, N, V],
+    float32. XLA's program needs these and more."""
     room = verify_room(drafter)
     S, T = cache_length(prompt_len, max_new_tokens, room), 1 + room
     V = target.config.vocab_size
@@ -99,7 +100,7 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
     if isinstance(drafter, DraftModel):
         caches += KVCache.nbytes(drafter.model.config, batch, grow_cache_length(drafter.tree, S), drafter.model.dtype)
     need = {"weights": nbytes(target.params) + nbytes(drafter), "caches": caches,
-            "logits": batch * T * V * 4, "mask": batch * T * S}
+            "logits": batch * T * V * 4}
     if sampled:
         drafted = 0 if drafter is None or drafter.tree.siblings != "sampled" else drafter.tree.nodes
         need["distributions"] = batch * (T + drafted) * V * 4
