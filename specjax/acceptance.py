@@ -19,6 +19,8 @@ At temperature 0 `sampling.warp` makes p one-hot, and the rule reduces to: a can
 accepted iff it is the target's argmax at the current node, and the extra token is that
 argmax. `verify` takes that path (`accept_greedy`: no [B, V] distribution is built or
 walked) in a program for greedy rows alone, and `accept` otherwise: the same tokens, cheaper.
+A chain is tested at all its nodes at once, and a tree of deterministic candidates walks by
+the rejected mass alone (`_accept_deterministic`); only sampled siblings walk r over [B, V].
 
 This module knows nothing about models, caches or how the tree was grown.
 """
@@ -62,6 +64,8 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     if is_chain(parents, N):
         return _accept_chain(tokens, valid, q, p, u, extra_key, max_depth)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
+    if q is None:
+        return _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth)
 
     def visit(i, carry):
         current, r, n, path = carry  # [B], [B, V], [B], [B, max_depth]
@@ -79,6 +83,41 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     carry = (jnp.zeros((B,), jnp.int32), p[:, 0], jnp.zeros((B,), jnp.int32),
              jnp.zeros((B, max_depth), jnp.int32))
     _, r, n, path = jax.lax.fori_loop(0, N, visit, carry) if N else carry
+    return n, path, sample(extra_key, r)
+
+
+def _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth: int):
+    """`accept` for a tree of deterministic candidates (q None: top-k siblings, prompt lookup),
+    without a [B, V] distribution in the walk. At the current node r is p there with the
+    rejected candidates R removed, r(x) = p(x) / (1 - p(R)) for x outside R (0 inside), so
+    the walk carries p(R) [B] and which nodes R holds [B, N]: each visit gathers p(x) alone,
+    and the target's own token is drawn once, from p at the stop with R zeroed. The same
+    uniforms, tests and draws as the walk over r, up to rounding. (A rejection never leaves
+    nothing: a candidate holding all of r's mass is accepted, u < 1; only rounding could
+    empty R's complement, and then p is drawn from whole, as `remove_rejected` keeps r.)
+    parents int32 [B, N]; the other arguments as `_accept_chain`'s."""
+    B, N = tokens.shape
+    rows = jnp.arange(B)
+
+    def visit(i, carry):
+        current, removed, mass, n, path = carry  # [B], bool [B, N] (nodes in R), [B] p(R), [B], [B, max_depth]
+        x = tokens[:, i]
+        p_x = p[rows, current, x]  # [B]
+        in_r = jnp.any(removed & (tokens == x[:, None]), axis=1)
+        tried = valid[:, i] & (parents[:, i] == current)
+        accepted = tried & ~in_r & (u[:, i] * (1.0 - mass) < p_x)  # u < r(x), without a division
+        rejected = tried & ~accepted & ~in_r
+        removed = jnp.where(accepted[:, None], False, removed.at[:, i].set(rejected))
+        mass = jnp.where(accepted, 0.0, mass + jnp.where(rejected, p_x, 0.0))
+        path = path.at[rows, jnp.where(accepted, n, max_depth)].set(i + 1, mode="drop")
+        return jnp.where(accepted, i + 1, current), removed, mass, n + accepted, path
+
+    carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B, N), bool), jnp.zeros((B,), jnp.float32),
+             jnp.zeros((B,), jnp.int32), jnp.zeros((B, max_depth), jnp.int32))
+    current, removed, _, n, path = jax.lax.fori_loop(0, N, visit, carry)
+    r = jnp.take_along_axis(p, current[:, None, None], axis=1)[:, 0]  # [B, V]: p at the stop
+    left = r.at[rows[:, None], jnp.where(removed, tokens, r.shape[-1])].set(0.0, mode="drop")
+    r = jnp.where(left.sum(-1, keepdims=True) > 0, left, r)  # (`sample` takes it unnormalised)
     return n, path, sample(extra_key, r)
 
 

@@ -252,3 +252,28 @@ def test_greedy_acceptance_is_the_general_rule_at_temperature_0(with_q):
         np.testing.assert_array_equal(a, c)
     assert 0 < int((general[0] > 0).sum()) < B  # some rows accept, some do not
     assert int(general[0].max()) >= 2
+
+
+def test_deterministic_candidates_walk_without_a_vocabulary_sized_distribution():
+    """A tree of deterministic candidates (q None: top-k siblings, prompt lookup) walks by
+    p(R), the rejected mass, and draws once at the stop (`_accept_deterministic`): the same
+    path and token as the walk over r [B, V] with q one-hot, the rule it stands for, on random
+    distributions, siblings that repeat a token (a repeat is never accepted) and siblings
+    that hold all of p's mass (the last one tried is always accepted)."""
+    rng = np.random.default_rng(1)
+    B, N, V, D = 256, 8, 5, 4
+    parents = np.array([0, 0, 0, 1, 1, 2, 4, 4], np.int32)  # three root children, depth <= 3
+    p = jnp.asarray(rng.dirichlet(np.full(V, 0.5), (B, N + 1)), jnp.float32)
+    tokens = rng.integers(0, V, (B, N))
+    tokens[: B // 4, 1] = tokens[: B // 4, 0]  # a quarter of the rows repeat a root child
+    p = p.at[B // 4: B // 2, 0].set(jnp.zeros(V).at[:2].set(0.5))  # and a quarter put all mass on two
+    tokens[B // 4: B // 2, :2] = [0, 1]
+    tokens = jnp.asarray(tokens, jnp.int32)
+    valid = jnp.asarray(rng.random((B, N)) < 0.9)
+    for seed in range(3):
+        key = jax.random.key(seed)
+        walk = acceptance.accept(key, tokens, parents, valid, None, p, D)
+        dense = acceptance.accept(key, tokens, parents, valid, jax.nn.one_hot(tokens, V), p, D)
+        for a, b in zip(walk, dense):
+            np.testing.assert_array_equal(a, b)
+    assert 0 < int((walk[0] > 0).sum()) < B and int(walk[0].max()) >= 2
