@@ -22,7 +22,8 @@ walked) in a program for greedy rows alone, and `accept` otherwise: the same tok
 A chain is tested at all its nodes at once, and a tree of deterministic candidates walks by
 the rejected mass alone (`_accept_deterministic`); only sampled siblings walk r over [B, V].
 
-This module knows nothing about models, caches or how the tree was grown.
+This module knows nothing about models, caches or how the tree was grown (only which
+platform its program is traced for: `node_row`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.layers import target_platform
 from specjax.sampling import Sampling, argmax, fold_in, sample, uniform, warp
 
 
@@ -44,6 +46,13 @@ def remove_rejected(r: jax.Array, q: jax.Array | None, x: jax.Array) -> jax.Arra
         left = jnp.maximum(r - q, 0.0)
     mass = left.sum(-1, keepdims=True)
     return jnp.where(mass > 0, left / jnp.where(mass > 0, mass, 1.0), r)
+
+
+def remove_rejected_mass(mass: jax.Array, p_x: jax.Array) -> jax.Array:
+    """The rejected mass p(R) [B] after a deterministic candidate x, of p(x) p_x [B] at the
+    current node, was rejected: `remove_rejected` for q one-hot, kept as a scalar
+    (`_accept_deterministic`)."""
+    return mass + p_x
 
 
 def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
@@ -108,14 +117,14 @@ def _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth: in
         accepted = tried & ~in_r & (u[:, i] * (1.0 - mass) < p_x)  # u < r(x), without a division
         rejected = tried & ~accepted & ~in_r
         removed = jnp.where(accepted[:, None], False, removed.at[:, i].set(rejected))
-        mass = jnp.where(accepted, 0.0, mass + jnp.where(rejected, p_x, 0.0))
+        mass = jnp.where(accepted, 0.0, jnp.where(rejected, remove_rejected_mass(mass, p_x), mass))
         path = path.at[rows, jnp.where(accepted, n, max_depth)].set(i + 1, mode="drop")
         return jnp.where(accepted, i + 1, current), removed, mass, n + accepted, path
 
     carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B, N), bool), jnp.zeros((B,), jnp.float32),
              jnp.zeros((B,), jnp.int32), jnp.zeros((B, max_depth), jnp.int32))
     current, removed, _, n, path = jax.lax.fori_loop(0, N, visit, carry)
-    r = jnp.take_along_axis(p, current[:, None, None], axis=1)[:, 0]  # [B, V]: p at the stop
+    r = node_row(p, current)  # [B, V]: p at the stop
     left = r.at[rows[:, None], jnp.where(removed, tokens, r.shape[-1])].set(0.0, mode="drop")
     r = jnp.where(left.sum(-1, keepdims=True) > 0, left, r)  # (`sample` takes it unnormalised)
     return n, path, sample(extra_key, r)
@@ -146,6 +155,17 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
     return n, path, best[rows, current].astype(jnp.int32)
 
 
+def node_row(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]] for every row: x [B, M, V], index int32 [B] -> [B, V]. A gather of the
+    rows, except in a program for a TPU: there XLA copied x around that gather (its node axis
+    is tiled with V: 4 copies of 17.6 MB at batch 8, 128K ids), and a sum over the node axis
+    with one term kept (exact) reads x once instead (docs/bench/accept_aot.txt). (A
+    take_along_axis would gather every element.)"""
+    if target_platform() == "tpu":
+        return jnp.where(jnp.arange(x.shape[1])[None, :, None] == index[:, None, None], x, 0).sum(axis=1)
+    return x[jnp.arange(x.shape[0]), index]
+
+
 def is_chain(parents, N: int) -> bool:
     """A fixed chain: node i's parent is node i-1 (known at trace time)."""
     return isinstance(parents, np.ndarray) and np.array_equal(parents, np.arange(N))
@@ -169,15 +189,15 @@ def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
     last node, or p at the rejected node with its candidate's q removed. The same uniforms,
     tests and draws as the walk, without a loop over the nodes."""
     B, N = tokens.shape
-    p_x = jnp.take_along_axis(p[:, :N], tokens[..., None], axis=-1)[..., 0]  # [B, N]
-    q_x = 1.0 if q is None else jnp.take_along_axis(q, tokens[..., None], axis=-1)[..., 0]
+    at = (jnp.arange(B)[:, None], jnp.arange(N)[None, :], tokens)  # node i's candidate, B N points
+    p_x = p[at]  # [B, N] (p at node i, the candidate's parent)
+    q_x = 1.0 if q is None else q[at]
     n = leading(valid & (u * q_x < p_x))
-    at = n[:, None, None]
-    r = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]: p at the stop
+    r = node_row(p, n)  # [B, V]: p at the stop
     if N:
         stopped = jnp.minimum(n, N - 1)[:, None]  # the rejected node, where n < N
         x = jnp.take_along_axis(tokens, stopped, axis=1)[:, 0]
-        q_n = None if q is None else jnp.take_along_axis(q, stopped[..., None], axis=1)[:, 0]
+        q_n = None if q is None else node_row(q, stopped[:, 0])
         tried = jnp.take_along_axis(valid, stopped, axis=1)[:, 0] & (n < N)
         r = jnp.where(tried[:, None], remove_rejected(r, q_n, x), r)
     return n, _chain_path(n, B, max_depth), sample(extra_key, r)

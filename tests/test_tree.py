@@ -281,11 +281,17 @@ def _keep_rejected_sibling(r, q, x):
     return r
 
 
-@pytest.mark.parametrize("name", ["model_static_top_k", "model_static_sampled"])
-def test_broken_sibling_update_fails_the_test(tiny_pair, exact_joint, monkeypatch, name):
+def _keep_rejected_mass(mass, p_x):
+    """Broken: a rejected top-k sibling's mass is not taken out of r."""
+    return mass
+
+
+@pytest.mark.parametrize("name, rule, broken", [("model_static_top_k", "remove_rejected_mass", _keep_rejected_mass),
+                                                ("model_static_sampled", "remove_rejected", _keep_rejected_sibling)])
+def test_broken_sibling_update_fails_the_test(tiny_pair, exact_joint, monkeypatch, name, rule, broken):
     """Proof that the three-token test has teeth for each scheme."""
     target, draft = tiny_pair
-    monkeypatch.setattr(acceptance, "remove_rejected", _keep_rejected_sibling)
+    monkeypatch.setattr(acceptance, rule, broken)
     jax.clear_caches()
     try:
         observed = _sampled_joint(target, SAMPLING_DRAFTERS[name](draft))
