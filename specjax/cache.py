@@ -140,7 +140,7 @@ def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     per buffer. All reads happen before any write, so src and dst may overlap. (As one
     dynamic_update_slice per row, `write`'s consecutive form, a v5e program of a tree's loop
     held as many temporaries and more ops: 5,145 against 4,900 at batch 8;
-    docs/bench/tree_aot.txt.)"""
+    docs/bench/aot_tree.txt.)"""
     rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
     slots = dst[:, None] + jnp.arange(src.shape[1])[None, :]  # [B, M]
 

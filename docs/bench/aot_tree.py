@@ -6,6 +6,11 @@ verification writes its nodes to a region after the prefix and `cache.move` copi
 accepted path's entries to their positions afterwards (point scatters): does XLA's TPU
 compiler copy whole cache buffers around them?
 
+Then the tree's loop at batch 1 and 8, greedy and sampled: its ops (`hlo.kernels`, every loop
+body counted once: a TPU program names no trip count), those of the cache's writes and moves
+and of the tree region's reads (cache.py, transformer.py's region gather) with the bytes they
+move, and its copies.
+
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python docs/bench/aot_tree.py > docs/bench/aot_tree.txt
 """
 
@@ -18,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
 from aot import pair  # noqa: E402  (docs/bench/aot.py)
-from specjax import aot  # noqa: E402
+from specjax import aot, hlo  # noqa: E402
 from specjax.drafters import DraftModel  # noqa: E402
+from specjax.memory import MB  # noqa: E402
 from specjax.tree import Tree  # noqa: E402
 
 target, draft = pair("1b", None)
@@ -30,3 +36,16 @@ programs = [aot.compile_spec(aot.loop_program(target, d, where, name=name, max_n
             for name, d, kw in (("loop chain K=4", draft, dict(num_draft_tokens=4)),
                                 ("loop Tree(4, 2, 8)", DraftModel(draft, tree=Tree(4, 2, 8)), {}))]
 print(aot.report(programs))
+for batch in (1, 8):
+    for temperature in (0.0, 1.0):
+        spec = aot.loop_program(target, DraftModel(draft, tree=Tree(4, 2, 8)), where, batch=batch, max_new_tokens=384,
+                                temperature=temperature, name=f"loop Tree(4, 2, 8), batch {batch}, T={temperature}")
+        start = time.perf_counter()
+        program = spec.fn.lower(*spec.args, **spec.kwargs).compile()
+        text = program.as_text()
+        ops = hlo.kernels(text)
+        cache_ops = [k for k in ops if "cache.py" in k.source or "transformer.py:66" in k.source]
+        print(f"{spec.name:<36} compile {time.perf_counter() - start:5.1f}s temps "
+              f"{program.memory_analysis().temp_size_in_bytes / MB:7.1f} MB ops {len(ops)} (cache writes, moves, "
+              f"region reads: {len(cache_ops)}, {sum(k.bytes for k in cache_ops) / MB:.1f} MB) "
+              f"copies {len(hlo.large_copies(text, 4 * 2**20))}", flush=True)

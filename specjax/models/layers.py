@@ -339,7 +339,7 @@ def _whole_cache_on_gpu(rows: int, head_dim: int) -> bool:
     of K and V are written out before the matmuls read them (XLA's GPU gemms read whole
     buffers): three reads of the cache. One softmax's matmuls read it in place, and its
     float32 scores [B, G, R, T, S] hold rows / head_dim of a layer's cache bytes (compiled
-    for an H100, 8 rows over 8K, 8B shape: docs/bench/gpu_compiled.txt)."""
+    for an H100, batch 8 over 8K, 8B shape: docs/bench/gpu_compiled.txt)."""
     return target_platform() == "gpu" and rows <= GPU_SCORES_OVER_CACHE * head_dim
 
 
