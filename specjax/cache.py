@@ -12,10 +12,12 @@ buffers' first B (`lengths` has B), read and written in place, the others untouc
 engine steps its state's first rows so, without copying their caches out and back.
 
 A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
-have the same depth), so they are written at consecutive slots after the prefix (a region)
-and each sees its ancestors only. A `Placement` says so; after acceptance, `move` copies the
-accepted path's entries to the consecutive slots of their positions, and the rest of the
-tree is stale like any rejected draft.
+have the same depth), so they take consecutive slots after the prefix (a region) and each
+sees its ancestors only. A `Placement` says so. A target's verification of a tree attends
+to its own nodes' keys as it computed them and writes none (`Pending`); after acceptance,
+`commit` writes the accepted path's entries to the consecutive slots of their positions,
+and the rest of the tree never reaches the cache. (A drafter's tree, grown over several
+passes, is written to its region and read back from it.)
 
 Each buffer is head-major, [B, G, S, D]: a kv head's slots lie together, as attention reads
 them (a block of slots is one [block, D] tile per head: a decode kernel's layout, and the
@@ -99,9 +101,9 @@ class Placement:
     start: jax.Array  # int32 [B]: the region's first slot; the committed prefix lies below it
     region_positions: jax.Array  # int32 [B, R]: the position of the token each region slot holds
     sees: jax.Array  # bool [B, T, R]: the region slots each token attends to
-    # The region is this pass's own T tokens, written at slots start .. start+T-1 (a target's
+    # The region is this pass's own T tokens, at slots start .. start+T-1 (a target's
     # verification of a tree): a pass attends to their keys as it computed them, without
-    # reading them back from the cache.
+    # reading them back from the cache (and may leave them unwritten: `Pending`).
     own: bool = struct.field(pytree_node=False, default=False)
 
     def dense(self, max_len: int) -> tuple[jax.Array, jax.Array]:
@@ -134,20 +136,40 @@ def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax
     return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees, own=own)
 
 
-def move(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copies every layer's entries at slots src [B, M] to slots dst[b] .. dst[b]+M-1 (dst
-    int32 [B]; they must end within the buffer) of the buffers' first B rows, by one scatter
-    per buffer. All reads happen before any write, so src and dst may overlap. (As one
-    dynamic_update_slice per row, `write`'s consecutive form, a v5e program of a tree's loop
-    held as many temporaries and more ops: 5,145 against 4,900 at batch 8;
-    docs/bench/aot_tree.txt.)"""
-    rows = jnp.arange(src.shape[0])[:, None]  # [B, 1]
-    slots = dst[:, None] + jnp.arange(src.shape[1])[None, :]  # [B, M]
+@struct.dataclass
+class Pending:
+    """A pass's own keys and values, for its caller to write the ones it keeps (`commit`): a
+    verification pass's, of which only the accepted path stays (transformer.decode's `defer`)."""
 
-    def one(buffer):  # [B', G, S, D], B' >= B
-        return write(buffer, buffer[rows, :, src], slots)  # (the gather: [B, M, G, D])
+    k: tuple[jax.Array, ...]  # L x [B, T, G, D]
+    v: tuple[jax.Array, ...]  # L x [B, T, G, D]
+    # The pass wrote them at its slots too: its attention read them back from the cache (a
+    # kernel over the whole cache, or a deterministic pass).
+    written: bool = struct.field(pytree_node=False, default=False)
 
-    return cache.replace(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)))
+
+def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, consecutive: bool = False
+           ) -> KVCache:
+    """Writes the pending entries of the pass's tokens kept int32 [B, M] (row b's kept[b, j]
+    to slot start[b] + j; start int32 [B]; they must end within the buffer) into the layers
+    the pass ran (every one, but after an early exit), in the buffers' first B rows. consecutive: as `write`'s (one TPU wants it). A tree's
+    accepted path is so written to the slots of its positions (a chain's where it lies), and
+    the rest of the tree never reaches the cache."""
+    rows = jnp.arange(kept.shape[0])[:, None]  # [B, 1]
+    slots = start[:, None] + jnp.arange(kept.shape[1])[None, :]  # [B, M]
+
+    def entries(buffer, new):  # [B, M, G, D]
+        # Where the pass wrote them (its token t at slot start + t), they are read back from
+        # there: XLA fuses the values' producer into the write, which would read the pass's
+        # q/k/v projection again (on a GPU, its split-K partial sums: 3.4 MB a buffer at
+        # batch 8 of the 1B shape; docs/bench/gpu_tree.txt).
+        return buffer[rows, :, start[:, None] + kept] if pending.written else new[rows, kept]
+
+    def one(buffers, news):  # L x [B', G, S, D], B' >= B; the first layers' new [B, T, G, D]
+        return tuple(write(buffer, entries(buffer, new), slots, consecutive)
+                     for buffer, new in zip(buffers, news)) + buffers[len(news):]
+
+    return cache.replace(k=one(cache.k, pending.k), v=one(cache.v, pending.v))
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,

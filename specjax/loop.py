@@ -17,17 +17,21 @@ One step, all shapes fixed:
      node has one child): N tokens, their parents, which were proposed, and the
      distributions q they were drawn from (None when deterministic);
   2. the target scores [last token, the N nodes] in one pass, node i at position
-     length-1+depth(i), written at slot length-1+i and seeing the prefix, its ancestors
-     and itself; p is its warped distribution at all N+1 of them. A drafter may add a
+     length-1+depth(i), seeing the prefix, its ancestors and itself; p is its warped
+     distribution at all N+1 of them. A chain's pass writes its keys and values at their
+     positions; a tree's writes none yet (they are pending). A drafter may add a
      `Branch` of tokens to the same pass (after the nodes, under its own mask, unseen by
-     them); it gets the target's logits for those back through `observe`;
+     them; such a pass defers its writes like a tree's); it gets the target's logits for
+     those back through `observe`;
   3. `acceptance.verify` walks each row's tree: it keeps the longest path the target
      agrees with (n nodes) and draws one token of the target's own (greedy: compares
      argmaxes, and p is never built);
   4. those n+1 tokens are written at each row's own offset and length += n+1 (cut at EOS
-     and at max_new_tokens); the accepted path's keys/values move to the slots of their
-     positions (nothing moves for a chain: its nodes are already there). Rolling back the
-     rest of the tree is only this: its entries are now beyond length-1, stale and masked;
+     and at max_new_tokens); a tree's root and accepted path have their keys/values
+     written to the slots of their positions, slot length-1 on (`cache.commit`). Rolling
+     back the rest is only this: a chain's rejected nodes lie beyond length-1, stale and
+     masked, and the rest of a tree never reaches the cache (or, where the pass had to
+     write it for a kernel that reads the whole cache, lies there stale likewise);
   5. a row that emitted one of its stop ids or reached its length limit is done: its state
      is frozen under masks while the other rows go on, and drafters are told. `generate`'s
      loop ends when every row is done.
@@ -51,9 +55,9 @@ from flax import struct
 from jax.experimental import io_callback
 
 from specjax import acceptance, sharding, streams
-from specjax.cache import KVCache, move, tree_placement
+from specjax.cache import KVCache, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
-from specjax.models import Model, apply, layers
+from specjax.models import Model, apply, commit, layers
 from specjax.models import prefill as models_prefill
 from specjax.sampling import Sampling, fold_in
 from specjax.tree import ancestors, depths, with_branch
@@ -215,15 +219,18 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
     placement = None if chain else tree_placement(
         start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), own=True)
-    logits, hidden, cache = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
-                                  taps=None if drafter is None else drafter.feature_layers)
+    # A chain's pass writes its nodes where they lie (the rejected ones go stale); a tree's
+    # writes none, and its root and accepted path are committed after acceptance.
+    logits, hidden, cache, *pending = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,
+                                            taps=None if drafter is None else drafter.feature_layers, defer=not chain)
     if branch is not None:  # the drafter reads the target's logits for its branch
         draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
         logits = logits[:, : N + 1]
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
                                        state.sampling, D)
-    if not chain:  # the path's node at depth j+1 moves to slot length+j (past n: stale entries)
-        cache = move(cache, start[:, None] + path, length)
+    if pending:  # the root and the path's nodes to the slots of their positions
+        kept = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]: the root, then the node at depth j (past n: stale)
+        cache = commit(cache, pending[0], kept, start)
 
     # The row's new tokens: the path's then the target's own; cut after a stop id and at the
     # row's length limit; nothing for rows already done.

@@ -22,7 +22,7 @@ import numpy as np
 from specjax import theory
 from specjax.cache import KVCache, tree_placement
 from specjax.generate import generate, pad_prompts
-from specjax.models import Model, apply
+from specjax.models import Model, apply, commit
 from specjax.tree import ancestors, depths
 
 
@@ -44,7 +44,8 @@ def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, ex
               tree: bool = False) -> float:
     """Median seconds of one cached forward pass over T tokens per row, timed as 50 passes
     inside one compiled loop (as generate runs them: no Python dispatch in between).
-    tree: with a tree's placement (its mask built in the pass), as tree verification runs."""
+    tree: with a tree's placement (its mask built in the pass), as tree verification runs:
+    its keys pending, then committed, all T of them (a step commits the accepted path)."""
     cache = KVCache.init(model.config, batch, cache_len, model.dtype)
     tokens = jnp.ones((batch, T), jnp.int32)
     start = jnp.full((batch,), cache_len // 2, jnp.int32)
@@ -58,9 +59,11 @@ def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, ex
             if tree:  # the mask's content does not change the cost; a chain's shape serves
                 anc = ancestors(np.arange(T - 1, dtype=np.int32))
                 at = positions + i % 2  # a start that moves: nothing of the placement is loop-invariant
-                placement = tree_placement(at[:, 0], at, depths(anc), jnp.broadcast_to(anc, (batch, T, T)))
-            logits, _, cache = apply(model, tokens, at, cache, exit_layer=exit_layer,
-                                     placement=placement)
+                placement = tree_placement(at[:, 0], at, depths(anc), jnp.broadcast_to(anc, (batch, T, T)), own=True)
+            logits, _, cache, *pending = apply(model, tokens, at, cache, exit_layer=exit_layer,
+                                               placement=placement, defer=tree)
+            if pending:
+                cache = commit(cache, pending[0], jnp.broadcast_to(jnp.arange(T), (batch, T)), at[:, 0])
             return cache.replace(lengths=cache.lengths + (logits[:, 0, 0] > jnp.inf))  # keep it live
         return jax.lax.fori_loop(0, passes, one, cache)
 

@@ -10,7 +10,7 @@ import pytest
 
 import specjax
 from specjax import acceptance
-from specjax.cache import KVCache, tree_placement
+from specjax.cache import KVCache, commit, tree_placement
 from specjax.drafters.base import DraftRequest, grow
 from specjax.loop import generate_loop
 from specjax.models import apply
@@ -97,13 +97,23 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     depth = depths(anc)
     verify = np.concatenate([prefix[np.arange(B), prefix_lengths - 1][:, None], nodes], axis=1)
     placement = tree_placement(start, start[:, None] + jnp.arange(N + 1), depth,
-                               jnp.broadcast_to(anc, (B, N + 1, N + 1)))
-    logits, _, _ = apply(target, jnp.asarray(verify), start[:, None] + depth, cache, placement=placement)
+                               jnp.broadcast_to(anc, (B, N + 1, N + 1)), own=True)
+    # A verification pass: its keys pending, none written; then the path to the deepest node committed.
+    logits, _, unwritten, pending = apply(target, jnp.asarray(verify), start[:, None] + depth, cache,
+                                          placement=placement, defer=True)
     sequences = [list(prefix[b, : prefix_lengths[b] - 1]) + list(verify[b, anc[i]])  # root .. node i
                  for b in range(B) for i in range(N + 1)]
     padded, ends = specjax.pad_prompts(sequences, bucket=8)  # right padding is never attended to
     full = np.asarray(specjax.forward(target, padded))[np.arange(len(sequences)), ends - 1]
     np.testing.assert_allclose(np.asarray(logits).reshape(B * (N + 1), -1), full, atol=1e-4)
+    assert not pending.written
+    for got, before in zip(jax.tree.leaves(unwritten), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
+    kept = np.flatnonzero(anc[N])  # the root, then node N's ancestors and itself, by depth
+    committed = commit(cache, pending, jnp.broadcast_to(jnp.asarray(kept), (B, kept.size)), start)
+    _, _, plain = apply(target, jnp.asarray(verify[:, kept]), start[:, None] + jnp.arange(kept.size), cache)
+    for got, want in zip(committed.k + committed.v, plain.k + plain.v):  # [B, G, S, D] each
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
 # ---- greedy exactness ------------------------------------------------------------------

@@ -2,18 +2,20 @@
 shape, a 2-layer draft, bf16) drafting a dynamic Tree(4, 2, 8), its whole `generate` loop
 compiled here for one v5e chip (prompt 128, 384 new tokens), beside the draft chain at K=4;
 temporaries, and every weight- or cache-sized copy in the optimised program. The tree's
-verification writes its nodes to a region after the prefix and `cache.move` copies the
-accepted path's entries to their positions afterwards (point scatters): does XLA's TPU
-compiler copy whole cache buffers around them?
+verification writes none of its nodes; after acceptance `cache.commit` writes the root and
+the accepted path to their positions (one slice per row): does XLA's TPU compiler copy
+whole cache buffers around it? (Until the deferred write, the nodes were written to a
+region after the prefix and `cache.move` copied the path by point scatters.)
 
 Then the tree's loop at batch 1 and 8, greedy and sampled: its ops (`hlo.kernels`, every loop
-body counted once: a TPU program names no trip count), those of the cache's writes and moves
+body counted once: a TPU program names no trip count), those of the cache's writes
 and of the tree region's reads (cache.py, transformer.py's region gather) with the bytes they
 move, and its copies.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python docs/bench/aot_tree.py > docs/bench/aot_tree.txt
 """
 
+import inspect
 import os
 import sys
 import time
@@ -26,8 +28,11 @@ from aot import pair  # noqa: E402  (docs/bench/aot.py)
 from specjax import aot, hlo  # noqa: E402
 from specjax.drafters import DraftModel  # noqa: E402
 from specjax.memory import MB  # noqa: E402
+from specjax.models import transformer  # noqa: E402
 from specjax.tree import Tree  # noqa: E402
 
+# The line of transformer.py that gathers a tree region back from the cache (a drafter's tree).
+REGION_READ = next(i for i, line in enumerate(inspect.getsource(transformer).splitlines(), 1) if "view.region]" in line)
 target, draft = pair("1b", None)
 where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
 print(f"# {' '.join(sys.argv)}\n# jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; 1b pair on v5e:1x1, bf16, "
@@ -44,8 +49,8 @@ for batch in (1, 8):
         program = spec.fn.lower(*spec.args, **spec.kwargs).compile()
         text = program.as_text()
         ops = hlo.kernels(text)
-        cache_ops = [k for k in ops if "cache.py" in k.source or "transformer.py:66" in k.source]
+        cache_ops = [k for k in ops if "cache.py" in k.source or f"transformer.py:{REGION_READ}" in k.source]
         print(f"{spec.name:<36} compile {time.perf_counter() - start:5.1f}s temps "
-              f"{program.memory_analysis().temp_size_in_bytes / MB:7.1f} MB ops {len(ops)} (cache writes, moves, "
+              f"{program.memory_analysis().temp_size_in_bytes / MB:7.1f} MB ops {len(ops)} (cache writes, "
               f"region reads: {len(cache_ops)}, {sum(k.bytes for k in cache_ops) / MB:.1f} MB) "
               f"copies {len(hlo.large_copies(text, 4 * 2**20))}", flush=True)

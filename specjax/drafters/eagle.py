@@ -75,8 +75,8 @@ def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCa
     view = pass_view(config, positions, cache, placement, x.dtype)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
-    x, kv = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
-                                False, kv)
+    x, kv, _ = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
+                                   False, kv)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
     return x, cache

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.cache import KVCache, Placement
+from specjax.cache import KVCache, Pending, Placement
+from specjax.cache import commit as cache_commit
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import exact
-from specjax.models.layers import takes_kernels
+from specjax.models.layers import kernel_platform, takes_kernels
 from specjax.models.transformer import decode, init_params, read_out
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
@@ -73,19 +74,29 @@ def init(config: ModelConfig, key: jax.Array, dtype=None) -> Model:
 
 
 def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-          exit_layer: int | None = None, placement: Placement | None = None, taps: tuple | None = None):
+          exit_layer: int | None = None, placement: Placement | None = None, taps: tuple | None = None,
+          defer: bool = False):
     """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], hidden [B, T, E], cache).
 
     exit_layer: run only the first exit_layer layers, then the final norm and head.
     placement: where the tokens go in the cache and what they see, when not "slot =
     position, causal" (a token tree; see cache.Placement).
     taps: None, or layer numbers (1..L) whose output states make `hidden` instead,
-    concatenated: [B, T, len(taps) E] (EAGLE-3's features)."""
+    concatenated: [B, T, len(taps) E] (EAGLE-3's features).
+    defer: the caller writes the keys and values it keeps (a verification pass's accepted
+    path): a fourth result holds them (`cache.Pending`; transformer.decode says which passes
+    leave the cache unwritten)."""
     if model.exact:
         return exact.decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer,
-                            taps=taps)
+                            taps=taps, defer=defer)
     return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps,
-                  kernels=takes_kernels(model.attention, model.dtype), rules=model.rules)
+                  kernels=takes_kernels(model.attention, model.dtype), rules=model.rules, defer=defer)
+
+
+def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array) -> KVCache:
+    """`cache.commit` (kept int32 [B, M] of a deferred pass's tokens to slots start[b] ..), in
+    the form the platform being traced for wants: on a TPU one slice per row (`cache.write`)."""
+    return cache_commit(cache, pending, kept, start, consecutive=kernel_platform() == "tpu")
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

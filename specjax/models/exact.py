@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, Placement, write
+from specjax.cache import KVCache, Pending, Placement, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
 from specjax.models.transformer import embed_tokens, read_out
@@ -113,9 +113,12 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window):
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
-           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None):
+           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
+           defer: bool = False):
     """transformer.decode, computed deterministically (see the module docstring): the same
-    arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache)."""
+    arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache), and with
+    defer the pass's keys and values (`Pending`), which it writes too: its queries read their
+    keys from the cache."""
     B, T = tokens.shape
     N = B * T
     flat_positions = positions.reshape(N)
@@ -149,6 +152,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         for sliding in {local and w is not None for w in windows}}
 
     tapped = {}  # layer number -> the residual stream after it, for `taps`
+    fresh_k, fresh_v = [], []  # per layer [B, T, G, D]
     for i in range(c.num_layers if num_layers is None else num_layers):
         p = params["layers"][i]
         sliding = local and windows[i] is not None
@@ -160,8 +164,10 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             return q[0], k[0], v[0]
 
         q, k, v = rowwise(project, x, *rotations.get(sliding, ()))
-        k_all[i] = write(k_all[i], k.reshape(B, T, *k.shape[1:]), slots)
-        v_all[i] = write(v_all[i], v.reshape(B, T, *v.shape[1:]), slots)
+        fresh_k.append(k.reshape(B, T, *k.shape[1:]))
+        fresh_v.append(v.reshape(B, T, *v.shape[1:]))
+        k_all[i] = write(k_all[i], fresh_k[-1], slots)
+        v_all[i] = write(v_all[i], fresh_v[-1], slots)
         heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
             q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i])), (q, rows, where, flat_positions))
 
@@ -185,4 +191,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k_all), v=tuple(v_all))
-    return logits.reshape(B, T, -1), hidden.reshape(B, T, -1), cache
+    logits, hidden = logits.reshape(B, T, -1), hidden.reshape(B, T, -1)
+    if defer:
+        return logits, hidden, cache, Pending(tuple(fresh_k), tuple(fresh_v), written=True)
+    return logits, hidden, cache

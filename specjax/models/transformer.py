@@ -10,13 +10,14 @@ into the program: on a GPU a matmul whose weight is a slice of a stacked [L, ...
 becomes a fusion that reads it at a third of the memory bandwidth, while a weight of its
 own is read at full speed (measured: docs/bench/gpu/README.md). The price is compile
 time that grows with depth (docs/bench/compile_time.txt). With a cache, each layer writes
-its new keys/values at each row's own positions into its own buffer and attends to the
-committed prefix below the pass (read in place) and to the pass's in-flight keys under
-their own mask (`pass_view`, layers.cached_attention); without one, it attends over the T
-tokens given (a full causal pass).
+its new keys/values at each row's own positions into its own buffer (unless its caller
+defers the writes: a verification pass, which keeps only the accepted path's) and attends
+to the committed prefix below the pass (read in place) and to the pass's in-flight keys
+under their own mask (`pass_view`, layers.cached_attention); without one, it attends over
+the T tokens given (a full causal pass).
 
 A `Placement` (cache.py) overrides "slot = position, causal" for one pass: token trees
-write their nodes at consecutive slots and let each see only its ancestors.
+give their nodes consecutive slots and let each see only its ancestors.
 
 The decoder does not touch `cache.lengths`: which written entries are valid is decided by
 whoever drives it (the decoding loop). It knows nothing about checkpoints or sampling.
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from specjax.cache import KVCache, Placement, attention_mask, write
+from specjax.cache import KVCache, Pending, Placement, attention_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
                                    kernel_platform, matmul, rotary_angles, softcap)
@@ -49,14 +50,17 @@ class Block(nn.Module):
         """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
         pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
         cache_kv: None, or this layer's (k, v) buffers [B', G, S, D] (B' >= B: cache.py).
-        Returns (x, cache_kv with the T new entries written)."""
+        Returns (x, cache_kv with the T new entries written unless view.writes is False,
+        the new (k, v) [B, T, G, D])."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
+        fresh = k, v
         if cache_kv is None:  # a full pass: its own keys, causal
             out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
-        else:  # a row's slots are consecutive; one TPU wants them written so
-            consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
-            cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
+        else:
+            if view.writes:  # a row's slots are consecutive; one TPU wants them written so
+                consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
+                cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
@@ -68,13 +72,21 @@ class Block(nn.Module):
                                        attn.scale, attn.cap, kernels=view.kernels, rules=view.rules)
         x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
-        return x, cache_kv
+        return x, cache_kv, fresh
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
            placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
-           kernels: bool = False, rules: tuple | None = None):
+           kernels: bool = False, rules: tuple | None = None, defer: bool = False):
     """Activations take the parameters' dtype; logits are always float32.
+
+    defer: the caller keeps only some of the pass's keys and values and writes those itself
+    (`cache.commit`): a verification pass, of whose tokens only the accepted path stays.
+    The pass then writes none where its attention does not read them back from the cache
+    (the split attention, `cached_attention`), and returns them as a fourth result
+    (`cache.Pending`). A kernel over the whole cache (cuDNN's) reads them there, so it
+    still writes them (Pending.written). With a placement, only its own region (Placement.own)
+    may be deferred: any other region is read from the cache.
 
     kernels: attention takes the fused kernel of the platform being traced for where one
     applies (`layers.attention_kernel`; `layers.takes_kernels` of Model.attention); otherwise
@@ -88,14 +100,18 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
-    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules)
+    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules, defer)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
     tapped = {}  # layer number -> the residual stream after it, for `taps`
+    fresh_k, fresh_v = [], []  # per layer [B, T, G, D]: the pass's own keys and values
     for i in range(c.num_layers if num_layers is None else num_layers):
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
-        x, kv = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view, sliding, kv)
+        x, kv, (fresh_k_i, fresh_v_i) = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view,
+                                                       sliding, kv)
+        fresh_k.append(fresh_k_i)
+        fresh_v.append(fresh_v_i)
         if cache is not None:
             k[i], v[i] = kv
         if taps and i + 1 in taps:
@@ -107,6 +123,15 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k), v=tuple(v))
+    if defer:
+        fresh = tuple(fresh_k), tuple(fresh_v)
+        if not view.writes:
+            # Computed here, not where they are committed: fused into the commit, their producer
+            # kept the q/k/v matmul's float32 partial sums alive through acceptance (a GPU's
+            # split-K: 151.8 MB of temporaries in an engine call of the 8B shape, against 38.3;
+            # docs/bench/gpu_compiled.txt).
+            fresh = jax.lax.optimization_barrier(fresh)
+        return logits, hidden, cache, Pending(*fresh, written=view.writes)
     return logits, hidden, cache
 
 
@@ -166,10 +191,11 @@ class View(NamedTuple):
     kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
     kernels: bool  # whether the pass may take a kernel (the model opts in: Model.attention)
     rules: tuple | None = None  # the model's logical-axis rules on a mesh (Model.rules), which a kernel follows
+    writes: bool = True  # whether the pass writes its keys into the cache (see decode's `defer`)
 
 
 def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None,
-              dtype=None, rules: tuple | None = None) -> View:
+              dtype=None, rules: tuple | None = None, defer: bool = False) -> View:
     """What T tokens at positions [B, T] see. Without a cache: each other, causally. With
     one: the committed prefix (slots below the first position, or the placement's start),
     read in place, and the in-flight keys under their own mask: the pass's own, causally by
@@ -177,7 +203,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     window bounds both by position. dtype: the activations', where the pass may take an
     attention kernel (None: it attends portably); where one takes a cached pass
     (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads.
-    rules: the model's (Model.rules), for a sharded program's prefix kernel."""
+    rules: the model's (Model.rules), for a sharded program's prefix kernel. defer: see `decode`."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     kinds = (False,) if window is None else (False, True)
 
@@ -193,6 +219,9 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         R = placement.sees.shape[-1]
         region_positions, prefix = placement.region_positions, placement.start
         region = None if placement.own else jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
+    if defer and (cache is None or region is not None):
+        raise ValueError("only a cached pass over its own keys (no placement, or Placement.own) may defer its "
+                         "cache writes")
     if cache is None:
         return View(positions, masks, None, {}, None, None, None, dtype is not None, rules)
     floors = {w: positions - window if w else None for w in kinds}
@@ -209,7 +238,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         seen = visible.any(axis=1)  # [B, S]: slots some query of the row sees
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
     return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit,
-                dtype is not None, rules)
+                dtype is not None, rules, writes=not defer or dense is not None)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
