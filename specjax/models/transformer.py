@@ -127,9 +127,9 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         fresh = tuple(fresh_k), tuple(fresh_v)
         if not view.writes:
             # Computed here, not where they are committed: fused into the commit, their producer
-            # kept the q/k/v matmul's float32 partial sums alive through acceptance (a GPU's
-            # split-K: 151.8 MB of temporaries in an engine call of the 8B shape, against 38.3;
-            # docs/bench/gpu_compiled.txt).
+            # kept its inputs alive through acceptance (a v5e's tree loop of the 1B pair at
+            # batch 1: 71.3 MB of temporaries against 58.9, docs/bench/aot_tree.txt; an H100's
+            # kept the q/k/v matmul's float32 split-K partial sums).
             fresh = jax.lax.optimization_barrier(fresh)
         return logits, hidden, cache, Pending(*fresh, written=view.writes)
     return logits, hidden, cache
