@@ -1,6 +1,7 @@
 """The benchmark script runs end to end (a smoke test; its timings are not asserted)."""
 
 import jax
+import pytest
 
 from specjax import bench, synthetic, theory
 
@@ -44,6 +45,7 @@ def test_theory():
     assert theory.best_num_draft_tokens(0.9, 0.05) > theory.best_num_draft_tokens(0.5, 0.05)
 
 
+@pytest.mark.slow
 def test_tree_bench_runs_and_stays_exact(capsys):
     from specjax import Tree
 
@@ -57,6 +59,7 @@ def test_tree_bench_runs_and_stays_exact(capsys):
     assert "trees vs chains" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_heads_bench_runs_and_stays_exact(capsys):
     """The draft model, Medusa and EAGLE rows (chain and tree) on a tiny synthetic pair:
     every output equal to autoregressive, acceptance given for each depth."""
@@ -78,6 +81,7 @@ def test_heads_bench_runs_and_stays_exact(capsys):
     assert "trained heads" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_training_free_and_auto_k_benches_run_and_stay_exact(capsys):
     """Lookahead and retrieval rows beside prompt lookup and the draft model, every output
     equal to autoregressive; auto K's choice printed beside every fixed K per batch size."""

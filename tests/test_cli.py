@@ -48,6 +48,7 @@ def test_missing_checkpoint_is_named(tmp_path):
         main(["generate", "x", "--target", str(tmp_path / "nope")])
 
 
+@pytest.mark.slow  # test_tree checks trees against chains and transformers
 def test_generate_with_a_tree_equals_the_chain(capsys):
     """--tree (dynamic and static, and a node budget chosen by -k auto from the shipped
     profile) on the shipped pair: greedy text equal to the chain's."""

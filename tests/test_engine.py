@@ -65,7 +65,7 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
         return [r.result(timeout=300) for r in submitted], submitted
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", "eagle3", "lookup", "early_exit"])
+@pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup", pytest.param("early_exit", marks=pytest.mark.slow)])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):
     target = pair[0]
     engine = engines(name)

@@ -102,6 +102,7 @@ def _two_prompts(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow  # test_train resumes on one process; the train command runs on two here
 def test_training_on_two_processes_resumes_from_its_own_shards(tmp_path):
     """A tiny model trained on the (2, 4) mesh by two processes, each checkpointing its own
     shards: killed (both processes) once a checkpoint is written and restarted, it ends with

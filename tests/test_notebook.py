@@ -22,6 +22,7 @@ def test_small_mode_reads_the_environment(monkeypatch):
         notebook.small_mode()
 
 
+@pytest.mark.slow  # the Colab notebooks run compare in small mode (test_colab)
 def test_compare_measures_every_entry_beside_theory(pair):
     target, drafts, _ = pair
     rng = np.random.RandomState(0)

@@ -75,6 +75,7 @@ def test_resume_gives_the_same_params(stream, tmp_path, monkeypatch):
                  straight.params, resumed.params)
 
 
+@pytest.mark.slow
 def test_distillation_raises_acceptance(stream, tmp_path):
     teacher, _ = train(init(_config(hidden=48), jax.random.key(2), jnp.float32), stream,
                        stream[-3000:], CFG, tmp_path / "teacher", progress=False, log=lambda s: None)
