@@ -111,6 +111,7 @@ def test_first_divergence():
     assert bench.first_divergence([1, 2], [1, 2, 3]) == 2  # ended early (an EOS the other lacks)
 
 
+@pytest.mark.slow  # test_synthetic_bench runs the bench; the GPU runs take --profile
 def test_measure_profile_writes_what_its_runs_measured(tmp_path):
     """`specjax bench --profile` on the shipped pair, tiny settings: one step per K and per
     tree budget, and acceptance and reach equal to those of independent runs of each shape."""

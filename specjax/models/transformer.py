@@ -35,7 +35,7 @@ from flax import linen as nn
 from specjax.cache import KVCache, Pending, Placement, attention_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
-                                   kernel_platform, matmul, rotary_angles, softcap)
+                                   kernel_platform, matmul, rotary_angles, softcap, target_platform)
 from specjax.quant import Int8
 
 
@@ -125,11 +125,12 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         cache = cache.replace(k=tuple(k), v=tuple(v))
     if defer:
         fresh = tuple(fresh_k), tuple(fresh_v)
-        if not view.writes:
+        if not view.writes and target_platform() != "cpu":
             # Computed here, not where they are committed: fused into the commit, their producer
             # kept its inputs alive through acceptance (a v5e's tree loop of the 1B pair at
             # batch 1: 71.3 MB of temporaries against 58.9, docs/bench/aot_tree.txt; an H100's
-            # kept the q/k/v matmul's float32 split-K partial sums).
+            # kept the q/k/v matmul's float32 split-K partial sums). A CPU's tree loop ran
+            # slower behind the barrier (docs/bench/cpu_tree.txt).
             fresh = jax.lax.optimization_barrier(fresh)
         return logits, hidden, cache, Pending(*fresh, written=view.writes)
     return logits, hidden, cache
