@@ -152,9 +152,9 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
            ) -> KVCache:
     """Writes the pending entries of the pass's tokens kept int32 [B, M] (row b's kept[b, j]
     to slot start[b] + j; start int32 [B]; they must end within the buffer) into the layers
-    the pass ran (every one, but after an early exit), in the buffers' first B rows. consecutive: as `write`'s (one TPU wants it). A tree's
-    accepted path is so written to the slots of its positions (a chain's where it lies), and
-    the rest of the tree never reaches the cache."""
+    the pass ran (every one, but after an early exit), in the buffers' first B rows.
+    consecutive: as `write`'s. A tree's root and accepted path are so written to the slots of
+    their positions, and the rest of the tree never reaches the cache."""
     rows = jnp.arange(kept.shape[0])[:, None]  # [B, 1]
     slots = start[:, None] + jnp.arange(kept.shape[1])[None, :]  # [B, M]
 

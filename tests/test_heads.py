@@ -58,8 +58,9 @@ def test_greedy_equals_transformers(pair, name):
 
 
 # Each drafter family's sampling is checked once by default (its dynamic tree; Medusa's chain too).
-@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", pytest.param("eagle_chain", marks=pytest.mark.slow), "eagle_dynamic",
-                                  "eagle3_dynamic", pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_dynamic", "eagle3_dynamic",
+                                  pytest.param("eagle_chain", marks=pytest.mark.slow),
+                                  pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
 def test_sampling_is_exact(tiny_pair, exact_joint, name):  # noqa: F811
     target, _ = tiny_pair
     observed = _sampled_joint(target, DRAFTERS[name](target))
@@ -349,7 +350,8 @@ def own_text(pair):
     return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["medusa", pytest.param("eagle", marks=pytest.mark.slow), "eagle3", pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["medusa", pytest.param("eagle", marks=pytest.mark.slow), "eagle3",
+                                  pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
 def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):
     from specjax.train import TrainConfig, heads
 
@@ -414,7 +416,7 @@ def _run_child(kind, run_dir, jax_cache, kill_during_save=False, kill_after=None
     return True
 
 
-@pytest.mark.slow  # the shared loop's resume is also checked by test_train's and test_multihost's
+@pytest.mark.slow  # the shared loop's resume is also checked by test_train's test_resume_gives_the_same_params
 @pytest.mark.parametrize("kind", ["eagle", "lm"])
 def test_sigkill_at_random_moments_resumes_bit_for_bit(tmp_path, kind):
     """The shared training loop (heads and models alike), killed with SIGKILL while saving

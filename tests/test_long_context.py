@@ -270,15 +270,15 @@ def test_blockwise_forward_matches_transformers(arch, hf_folder, small_blocks):
 
 
 def test_chunked_generate_equals_transformers(pair, small_blocks):
-    """No draft, a tree, early exit and a trained head (which reads the chunked prefill's
-    states), ragged rows, an EOS: all greedy-exact with 4-slot blocks and 4-token chunks.
-    (Chains, static trees and Medusa are the same passes and acceptance: test_tree, test_heads.)"""
+    """No draft, a chain, a tree, early exit and a trained head (which reads the chunked
+    prefill's states), ragged rows, an EOS: all greedy-exact with 4-slot blocks and 4-token
+    chunks. (A static tree and Medusa take the tree's and EAGLE's passes: test_tree, test_heads.)"""
     target, drafts, torch_model = pair
     prompts = _prompts(4, seed=3)
     prompts[1] = prompts[1][:1]
     padded, lengths, eos, expected = _greedy_case(target, torch_model, prompts)
     key = jax.random.key(7)
-    drafters = [None, specjax.DraftModel(drafts["far"], specjax.Tree(depth=4, top_k=3, nodes=10)),
+    drafters = [None, drafts["near"], specjax.DraftModel(drafts["far"], specjax.Tree(depth=4, top_k=3, nodes=10)),
                 specjax.EarlyExit(1, specjax.Tree(depth=3, top_k=2, nodes=6)), specjax.Eagle.init(target, key)]
     for drafter in drafters:
         out = specjax.generate(target, padded, lengths, draft=drafter, max_new_tokens=MAX_NEW,

@@ -17,7 +17,7 @@ from specjax.cache import KVCache, Pending, Placement
 from specjax.cache import commit as cache_commit
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import exact
-from specjax.models.layers import kernel_platform, takes_kernels
+from specjax.models.layers import takes_kernels, writes_per_row
 from specjax.models.transformer import decode, init_params, read_out
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
@@ -95,8 +95,8 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
 
 def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array) -> KVCache:
     """`cache.commit` (kept int32 [B, M] of a deferred pass's tokens to slots start[b] ..), in
-    the form the platform being traced for wants: on a TPU one slice per row (`cache.write`)."""
-    return cache_commit(cache, pending, kept, start, consecutive=kernel_platform() == "tpu")
+    the form the program being traced wants (`layers.writes_per_row`)."""
+    return cache_commit(cache, pending, kept, start, consecutive=writes_per_row())
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

@@ -503,6 +503,13 @@ def kernel_platform() -> str:
     return "portable" if portable or mesh is not None else target_platform()
 
 
+def writes_per_row() -> bool:
+    """Whether the program being traced writes a pass's cache entries as one slice per row
+    (`cache.write`'s consecutive form) rather than one scatter: a TPU's, on one device (a
+    sharded program's rows were not measured better)."""
+    return kernel_platform() == "tpu"
+
+
 def takes_kernels(attention: str, dtype) -> bool:
     """Whether a model of Model.attention `attention` (its activations in `dtype`) may take
     the kernels of the platform being traced for: "kernels" anywhere, "auto" where they were

@@ -35,7 +35,8 @@ from flax import linen as nn
 from specjax.cache import KVCache, Pending, Placement, attention_mask, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
-                                   kernel_platform, matmul, rotary_angles, softcap, target_platform)
+                                   kernel_platform, matmul, rotary_angles, softcap, target_platform,
+                                   writes_per_row)
 from specjax.quant import Int8
 
 
@@ -58,9 +59,8 @@ class Block(nn.Module):
         if cache_kv is None:  # a full pass: its own keys, causal
             out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
         else:
-            if view.writes:  # a row's slots are consecutive; one TPU wants them written so
-                consecutive = kernel_platform() == "tpu"  # (a sharded program's rows: not measured better)
-                cache_kv = tuple(write(buf, x, view.slots, consecutive) for buf, x in zip(cache_kv, (k, v)))
+            if view.writes:  # a row's slots are consecutive
+                cache_kv = tuple(write(buf, x, view.slots, writes_per_row()) for buf, x in zip(cache_kv, (k, v)))
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
