@@ -11,13 +11,15 @@ A cache's buffers may hold more rows than the pass over it: the pass's B rows ar
 buffers' first B (`lengths` has B), read and written in place, the others untouched. The
 engine steps its state's first rows so, without copying their caches out and back.
 
-A token tree breaks "slot = position" for one pass: its nodes share positions (siblings
-have the same depth), so they take consecutive slots after the prefix (a region) and each
-sees its ancestors only. A `Placement` says so. A target's verification of a tree attends
-to its own nodes' keys as it computed them and writes none (`Pending`); after acceptance,
-`commit` writes the accepted path's entries to the consecutive slots of their positions,
-and the rest of the tree never reaches the cache. (A drafter's tree, grown over several
-passes, is written to its region and read back from it.)
+A token tree breaks "slot = position": its nodes share positions (siblings have the same
+depth), and each sees the prefix and its ancestors only. A `Placement` says so; a tree's
+keys and values never go to the cache's buffers while it is in flight. A target's
+verification of a tree attends to its own nodes' keys as it computed them and writes none
+(`Pending`); after acceptance, `commit` writes the accepted path's entries to the
+consecutive slots of their positions, and the rest of the tree never reaches the cache. A
+drafter grows its tree over several passes, a depth each: the nodes' keys and values are
+held beside the buffers (`KVCache.tree`, a small [B, R, G, D] per layer), each pass putting
+its own there and attending to them, and are dropped when the tree is grown.
 
 Each buffer is head-major, [B, G, S, D]: a kv head's slots lie together, as attention reads
 them (a block of slots is one [block, D] tile per head: a decode kernel's layout, and the
@@ -46,6 +48,9 @@ class KVCache:
     k: tuple[jax.Array, ...]  # L x [B, G, S, D]
     v: tuple[jax.Array, ...]  # L x [B, G, S, D]
     lengths: jax.Array  # int32 [B]: slots < lengths[b] hold valid entries
+    # A tree in flight while a drafter grows it (`hold_tree`): its R nodes' keys and values,
+    # L x [B, R, G, D], beside the buffers; None otherwise.
+    tree: "Pending | None" = None
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
@@ -64,6 +69,17 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
+
+    def hold_tree(self, batch: int, nodes: int) -> "KVCache":
+        """The cache with room beside its buffers for a tree of `nodes` nodes over its first
+        `batch` rows, which passes under a Placement with an `offset` fill and attend to
+        (zeros: a node is seen only once a pass put it there). `drop_tree` lets it go."""
+        def room(buffer):  # [B', G, S, D] -> [batch, nodes, G, D]
+            return jnp.zeros((batch, nodes, buffer.shape[1], buffer.shape[3]), buffer.dtype)
+        return self.replace(tree=Pending(tuple(map(room, self.k)), tuple(map(room, self.v))))
+
+    def drop_tree(self) -> "KVCache":
+        return self.replace(tree=None)
 
 
 def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
@@ -92,23 +108,33 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
 
 @struct.dataclass
 class Placement:
-    """Where a pass's T tokens go in the cache and what each of them sees, when that is not
-    "slot = position, causal" (token trees). Every query sees the committed prefix (slots <
-    start, which hold their own positions) and, of the R region slots from `start` on, those
-    that `sees` marks; no [B, T, S] mask is ever built from it (see layers.cached_attention)."""
+    """What a pass's T tokens see when that is not "slot = position, causal" (token trees):
+    the committed prefix (slots < start, which hold their own positions) and, of a region
+    of R in-flight keys, those that `sees` marks; no [B, T, S] mask is ever built from it
+    (see layers.cached_attention). The region is either the pass's own T tokens (offset
+    None: a target's verification of a tree, R = T), whose slots, where the pass writes
+    them at all, are start .. start + T-1; or the cache's held tree (`KVCache.tree`), into
+    which the pass puts its own at offset .. offset + T-1 (a drafter growing a tree, a depth
+    per pass), writing nothing to the buffers."""
 
-    slots: jax.Array  # int32 [B, T]: where each token's key/value is written
-    start: jax.Array  # int32 [B]: the region's first slot; the committed prefix lies below it
-    region_positions: jax.Array  # int32 [B, R]: the position of the token each region slot holds
-    sees: jax.Array  # bool [B, T, R]: the region slots each token attends to
-    # The region is this pass's own T tokens, at slots start .. start+T-1 (a target's
-    # verification of a tree): a pass attends to their keys as it computed them, without
-    # reading them back from the cache (and may leave them unwritten: `Pending`).
-    own: bool = struct.field(pytree_node=False, default=False)
+    start: jax.Array  # int32 [B]: the first slot past the committed prefix
+    region_positions: jax.Array  # int32 [B, R]: the position of each in-flight key
+    sees: jax.Array  # bool [B, T, R]: the in-flight keys each token attends to
+    offset: jax.Array | None = None  # int32 []: where the pass's tokens go in the held tree (None: own)
+
+    @property
+    def own(self) -> bool:
+        return self.offset is None
+
+    @property
+    def slots(self) -> jax.Array:
+        """int32 [B, T]: the slots of an own region's tokens."""
+        return self.start[:, None] + jnp.arange(self.sees.shape[1])[None]
 
     def dense(self, max_len: int) -> tuple[jax.Array, jax.Array]:
-        """(kv_positions int32 [B, S], visible bool [B, T, S]) over a cache of max_len slots:
-        the placement as one mask, for the passes that want it whole (models/exact.py)."""
+        """(kv_positions int32 [B, S], visible bool [B, T, S]) over a cache of max_len slots
+        holding an own region at its slots: the placement as one mask, for the passes that
+        read their keys back from the whole cache (a kernel's)."""
         R = self.sees.shape[-1]
         s = jnp.arange(max_len)[None, :]  # [1, S]
         r = s - self.start[:, None]  # [B, S]: the slot's index in the region
@@ -121,25 +147,26 @@ class Placement:
         return kv_positions, visible
 
 
-def tree_placement(start: jax.Array, slots: jax.Array, region_offsets, sees: jax.Array,
-                   own: bool = False) -> Placement:
-    """Tokens that see the whole prefix (slots < start) and, of the R slots from `start` on
-    (a tree region), those that `sees` marks.
+def tree_placement(start: jax.Array, region_offsets, sees: jax.Array, offset=None) -> Placement:
+    """Tokens that see the whole prefix (slots < start) and, of R in-flight keys, those that
+    `sees` marks.
 
-    start int32 [B]; slots int32 [B, T]; region_offsets int [R] or [B, R]: the position of
-    region slot r minus start; sees bool [B, T, R]; own: the region is the pass's own tokens
-    (slots = start + 0 .. T-1, R = T: see Placement)."""
-    R = sees.shape[-1]
-    offsets = jnp.broadcast_to(jnp.asarray(region_offsets, jnp.int32), (start.shape[0], R))
-    if own and R != slots.shape[1]:
-        raise ValueError(f"a pass's own region holds its {slots.shape[1]} tokens, got {R} slots")
-    return Placement(slots=slots, start=start, region_positions=start[:, None] + offsets, sees=sees, own=own)
+    start int32 [B]; region_offsets int [R] or [B, R]: the position of in-flight key r minus
+    start; sees bool [B, T, R]; offset: None (the region is the pass's own T tokens, R = T)
+    or where in the cache's held tree the pass puts its own (see Placement)."""
+    B, T, R = sees.shape
+    offsets = jnp.broadcast_to(jnp.asarray(region_offsets, jnp.int32), (B, R))
+    if offset is None and R != T:
+        raise ValueError(f"a pass's own region holds its {T} tokens, got {R} in-flight keys")
+    return Placement(start=start, region_positions=start[:, None] + offsets, sees=sees,
+                     offset=None if offset is None else jnp.asarray(offset, jnp.int32))
 
 
 @struct.dataclass
 class Pending:
-    """A pass's own keys and values, for its caller to write the ones it keeps (`commit`): a
-    verification pass's, of which only the accepted path stays (transformer.decode's `defer`)."""
+    """Keys and values held apart from a cache's buffers, token-major: a pass's own, for its
+    caller to write the ones it keeps (`commit`: a verification pass's, of which only the
+    accepted path stays; transformer.decode's `defer`), or a tree in flight (`KVCache.tree`)."""
 
     k: tuple[jax.Array, ...]  # L x [B, T, G, D]
     v: tuple[jax.Array, ...]  # L x [B, T, G, D]

@@ -216,9 +216,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     T = verify.shape[1]  # N+1, then the branch's X tokens if a drafter asked for them
     offsets_all, sees = (depth, ancestor) if branch is None else with_branch(depth, ancestor, branch)
     start = length - 1  # the root's slot
-    slots = start[:, None] + jnp.arange(T)[None]  # [B, T]
-    placement = None if chain else tree_placement(
-        start, slots, offsets_all, jnp.broadcast_to(sees, (B, T, T)), own=True)
+    placement = None if chain else tree_placement(start, offsets_all, jnp.broadcast_to(sees, (B, T, T)))
     # A chain's pass writes its nodes where they lie (the rejected ones go stale); a tree's
     # writes none, and its root and accepted path are committed after acceptance.
     logits, hidden, cache, *pending = apply(target, verify, start[:, None] + offsets_all, cache, placement=placement,

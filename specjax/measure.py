@@ -59,7 +59,7 @@ def pass_time(model: Model, batch: int, T: int, cache_len: int, repeats: int, ex
             if tree:  # the mask's content does not change the cost; a chain's shape serves
                 anc = ancestors(np.arange(T - 1, dtype=np.int32))
                 at = positions + i % 2  # a start that moves: nothing of the placement is loop-invariant
-                placement = tree_placement(at[:, 0], at, depths(anc), jnp.broadcast_to(anc, (batch, T, T)), own=True)
+                placement = tree_placement(at[:, 0], depths(anc), jnp.broadcast_to(anc, (batch, T, T)))
             logits, _, cache, *pending = apply(model, tokens, at, cache, exit_layer=exit_layer,
                                                placement=placement, defer=tree)
             if pending:

@@ -118,8 +118,8 @@ class Tree:
 
     @property
     def region(self) -> int:
-        """Slots a model drafter writes past the root for the frontiers it feeds (the deepest
-        candidates are never fed): (depth - 1) * width."""
+        """Nodes a model drafter holds while it grows the tree (KVCache.hold_tree): the
+        frontiers it feeds (the deepest candidates are never fed), (depth - 1) * width."""
         return (self.depth - 1) * self.width
 
     @functools.cached_property

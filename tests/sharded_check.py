@@ -117,7 +117,7 @@ def main():
         S = cache_length(prompts.shape[1], MAX_NEW, K)
         # a layer's [B, G, S, D] of either model (the draft's cache is longer) unsharded, or
         # (with a model axis) whole on heads and head_dim in one device's rows
-        whole = [f"f32[{rows},2,{s},16]" for s in (S, S + specjax.Tree.chain(K).region + K + 1)
+        whole = [f"f32[{rows},2,{s},16]" for s in (S, S + K + 1)
                  for rows in {8, 8 // data if model > 1 else 8}]
         findings["meshes"][f"{data}x{model}"] = {
             "equal": bool(np.array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
@@ -196,7 +196,7 @@ def kv_head_findings(prompts, lengths) -> dict:
     single = specjax.generate(target, prompts, lengths, draft=draft, **kwargs)
     replicated_draft = specjax.shard_model(draft, mesh, rules=(("batch", "data"),))
     S = cache_length(prompts.shape[1], KV_NEW, K)
-    Sd = S + specjax.Tree.chain(K).region + K + 1  # DraftModel.start's cache
+    Sd = S + K + 1  # DraftModel.start's cache
     out = {"draft_rules": list(map(list, replicated_draft.rules))}
     for duplicate in (True, False):
         sharded = specjax.shard_model(target, mesh, duplicate_kv_heads=duplicate)

@@ -230,9 +230,9 @@ def small_blocks(monkeypatch):
 @pytest.mark.parametrize("blocks", ["dense", "blockwise"])
 def test_a_pass_over_a_wider_caches_first_rows_equals_one_over_those_rows(pair, blocks, monkeypatch):
     """The engine's narrow runs pass the state's whole caches to a pass over its first rows:
-    a tree's pass (its region gathered back) and a chain's over the first 2 rows of a
-    3-row cache give the logits and cache rows of the same pass over a 2-row cache, and
-    leave the third row as it was."""
+    a drafter's tree pass (its nodes held beside the buffers) and a chain's over the first
+    2 rows of a 3-row cache give the logits, cache rows and held tree of the same pass over
+    a 2-row cache, and leave the third row as it was."""
     from specjax.cache import KVCache, tree_placement
 
     if blocks == "blockwise":
@@ -249,15 +249,21 @@ def test_a_pass_over_a_wider_caches_first_rows_equals_one_over_those_rows(pair, 
     sees = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
     start = jnp.full((2,), 8, jnp.int32)
     slots = start[:, None] + jnp.arange(4)[None]
-    for placement, positions in ((tree_placement(start, slots, depth, jnp.broadcast_to(sees, (2, 4, 4))),
-                                  start[:, None] + depth), (None, slots)):
+    held = tree_placement(start, np.r_[depth, depth + 1], np.pad(np.broadcast_to(sees, (2, 4, 4)), ((0, 0),) * 2
+                                                                 + ((0, 4),)), offset=0)  # 4 of 8 held nodes
+    for placement, positions in ((held, start[:, None] + depth), (None, slots)):
         run = jax.jit(lambda c, placement=placement, positions=positions: models.apply(
-            target, tokens, positions, c, placement=placement))
+            target, tokens, positions, c if placement is None else c.hold_tree(2, 8), placement=placement))
         (got, _, after), (want, _, want_after) = run(wide), run(narrow)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
         for buf, want_buf, before in zip(after.k + after.v, want_after.k + want_after.v, cache.k + cache.v):
             np.testing.assert_array_equal(np.asarray(buf[:2]), np.asarray(want_buf))
             np.testing.assert_array_equal(np.asarray(buf[2]), np.asarray(before[2]))
+            if placement is not None:  # the buffers untouched: the nodes are held
+                np.testing.assert_array_equal(np.asarray(buf), np.asarray(before))
+        if placement is not None:
+            for got_held, want_held in zip(jax.tree.leaves(after.tree), jax.tree.leaves(want_after.tree)):
+                np.testing.assert_allclose(np.asarray(got_held), np.asarray(want_held), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])

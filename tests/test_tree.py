@@ -96,8 +96,7 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     anc = ancestors(tree.parents)
     depth = depths(anc)
     verify = np.concatenate([prefix[np.arange(B), prefix_lengths - 1][:, None], nodes], axis=1)
-    placement = tree_placement(start, start[:, None] + jnp.arange(N + 1), depth,
-                               jnp.broadcast_to(anc, (B, N + 1, N + 1)), own=True)
+    placement = tree_placement(start, depth, jnp.broadcast_to(anc, (B, N + 1, N + 1)))
     # A verification pass: its keys pending, none written; then the path to the deepest node committed.
     logits, _, unwritten, pending = apply(target, jnp.asarray(verify), start[:, None] + depth, cache,
                                           placement=placement, defer=True)
@@ -114,6 +113,22 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     _, _, plain = apply(target, jnp.asarray(verify[:, kept]), start[:, None] + jnp.arange(kept.size), cache)
     for got, want in zip(committed.k + committed.v, plain.k + plain.v):  # [B, G, S, D] each
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    # A drafter's passes over the same tree, a depth each (`grow`), the root in the cache and
+    # the nodes held beside it (the deterministic passes too): each node's logits as the
+    # verification pass gave them, the buffers untouched.
+    node_depth = depth[1:]  # [N]: the paths go depth by depth, so each depth's nodes are consecutive
+    for model in (target, target.replace(exact=True)):
+        held = cache.hold_tree(B, N)
+        for d in range(1, node_depth.max() + 1):
+            at = np.flatnonzero(node_depth == d)
+            sees = jnp.broadcast_to(anc[at + 1, 1:], (B, at.size, N))  # the node and its ancestors
+            placement = tree_placement(start + 1, node_depth - 1, sees, offset=at[0])
+            positions = jnp.broadcast_to(start[:, None] + d, (B, at.size))
+            got, _, held = apply(model, jnp.asarray(nodes[:, at]), positions, held, placement=placement)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(logits)[:, at + 1], atol=1e-4,
+                                       err_msg=f"depth {d}, exact={model.exact}")
+        for got, before in zip(held.k + held.v, cache.k + cache.v):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
 
 
 # ---- greedy exactness ------------------------------------------------------------------

@@ -130,8 +130,9 @@ Forward = Callable[[Any, jax.Array, jax.Array, Any, Any], tuple[Any, jax.Array, 
 
 def grow_cache_length(tree: Tree, max_len: int) -> int:
     """Slots of a drafter's own cache that `grow`s `tree` beside a loop whose cache holds
-    max_len: those, the region its frontiers are written to past a root, and depth + 1 more."""
-    return max_len + tree.region + tree.depth + 1
+    max_len: those and depth + 1 more (its catch-up window may run past the last final token;
+    the tree itself is held beside the buffers, KVCache.tree)."""
+    return max_len + tree.depth + 1
 
 
 def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request: DraftRequest,
@@ -150,9 +151,10 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     Depth by depth, every frontier node's top_k candidates (or top_k samples for sampled
     siblings) form a [W, C] grid; the next frontier is picked from it (by the static tree's
     table, or the W of highest cumulative draft log-probability) and fed to the draft in
-    one pass of W tokens, written at region slots start + d*W + w and each seeing its own
-    ancestors. The deepest candidates are never fed. A row stops growing at its k_limit or
-    when its frontier's best confidence (max probability at temperature 1) falls below the
+    one pass of W tokens, each seeing its own ancestors: a KVCache holds the tree beside its
+    buffers (KVCache.hold_tree, node d*W + w of R = (D-1)*W), never writing it into them.
+    The deepest candidates are never fed. A row stops growing at its k_limit or when its
+    frontier's best confidence (max probability at temperature 1) falls below the
     threshold: its later candidates are invalid. The trip count is static (D - 1 passes,
     whatever the rows do): no step waits on the host for a predicate. Returns (cache, Proposal)."""
     B, V = logits0.shape
@@ -165,7 +167,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     sampled = tree.siblings == "sampled" and not request.sampling.greedy
     argmax_siblings = tree.siblings == "sampled" and request.sampling.greedy
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
-    region_offsets = np.arange(R) // W  # region slot r holds a node of depth r // W + 1, at position start + r // W
+    region_offsets = np.arange(R) // W  # held node r has depth r // W + 1, at position start + r // W
     if tree.is_static:
         expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
 
@@ -216,11 +218,10 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         cache, _, feats, _, _, _, f_sees, pool, going = carry
         cells, n_valid = next_frontier(d, score, valid)
         take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
-        slots = start[:, None] + d * W + jnp.arange(W)[None]  # [B, W]
         own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
         sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
         positions = jnp.broadcast_to(start[:, None] + d, (B, W))
-        placement = tree_placement(start, slots, region_offsets, sees) if placed else None
+        placement = tree_placement(start, region_offsets, sees, offset=d * W) if placed else None
         parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
         cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
         return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going
@@ -233,9 +234,14 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     carry = (cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
              jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
-    carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan
+    if D > 1:  # (a depth-1 tree feeds nothing)
+        if placed:
+            carry = (cache.hold_tree(B, R),) + carry[1:]
+        carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan
     carry, _ = expand(D - 1, carry)  # the deepest candidates, never fed
     cache, (tokens, score, valid, parent, q) = carry[0], carry[7]
+    if placed and D > 1:
+        cache = cache.drop_tree()
     return cache, _select(tree, tokens, score, valid, parent, q, vocab, request.target.config.vocab_size)
 
 

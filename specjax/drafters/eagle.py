@@ -71,14 +71,18 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
 def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCache | None = None,
               placement=None):
     """The drafter's one decoder layer over x [B, T, E] at positions [B, T], writing its
-    one-layer cache (if given) -> (x [B, T, E], cache). Shared by EAGLE and EAGLE-3."""
+    one-layer cache (if given; a tree's nodes join its held tree) -> (x [B, T, E], cache).
+    Shared by EAGLE and EAGLE-3."""
     view = pass_view(config, positions, cache, placement, x.dtype)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
-    x, kv, _ = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
-                                   False, kv)
+    held = None if view.offset is None else (cache.tree.k[0], cache.tree.v[0])
+    x, kv, fresh = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
+                                       False, kv, held)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
+    if held is not None:
+        cache = cache.replace(tree=cache.tree.replace(k=fresh[:1], v=fresh[1:]))
     return x, cache
 
 

@@ -3,10 +3,10 @@ is the target's first N layers, its final norm and its head, proposing a chain (
 or a `specjax.Tree`.
 
 It holds no weights of its own — it runs the target's, read in place — and no cache of
-its own: it writes the target's cache for layers < N, at the last final token's slot and
-at the slots of the tree it grows past it. That is correct because the verification pass
-rewrites the root's and every node's slot in every layer before anything reads them as
-final, and slots past those are stale by the loop's invariant.
+its own: it writes the target's cache for layers < N at the last final token's slot, and
+holds the tree it grows beside the cache (KVCache.tree). That is correct because the root's
+slot is rewritten in every layer (the verification pass, or the commit after it) before
+anything reads it as final.
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ class EarlyExit(Drafter):
 
     def resolve(self, K: int | None) -> "EarlyExit":
         return self.replace(tree=shape_for(self.tree, K, "sampled"))
-
-    @property
-    def target_room(self) -> int:
-        """Slots past the root it writes in the target's cache: the tree's region."""
-        return self.tree.region
 
     def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         if not 1 <= self.num_layers < target.config.num_layers:

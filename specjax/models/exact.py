@@ -17,8 +17,8 @@ way. So here:
   softmax, visiting blocks 0 .. position // BLOCK: a block past the query's position is
   never read, and a fully masked one changes nothing, so neither the cache's length nor
   the other queries matter. The keys a query sees are gathered in position order: a tree
-  node's ancestors come from the region slots they were written to, so a node attends
-  exactly as a one-token pass at its position does.
+  node's ancestors come from where the tree lies (the pass's own slots, or the cache's held
+  tree), so a node attends exactly as a one-token pass at its position does.
 
 The price: weights are read once per chunk of ROWS tokens rather than once per pass, and
 attention is sequential over queries (docs/bench/exact.txt measures it). Kernels chosen for
@@ -61,36 +61,45 @@ def rowwise(fn, *xs):
 
 
 def _slot_of_position(positions, cache_len: int, placement: Placement | None):
-    """int32 [B, T, S'] (S' = cache_len rounded up to BLOCK): for each query, the slot that
-    holds the key of each position it may see. Slot = position, except a tree's ancestors,
-    which sit in region slots (the placement's visible slots that hold another position)."""
+    """int32 [B, T, S'] (S' = cache_len rounded up to BLOCK): for each query, where the key
+    of each position it may see lies. Slot = position, except a tree's nodes that it sees: an
+    own region's at their slots (start + r), a held tree's at S + r (its index r past the
+    cache: `_attend_one`)."""
     B, T = positions.shape
     S = cache_len
     padded = -(-S // BLOCK) * BLOCK
     base = jnp.minimum(jnp.arange(padded, dtype=jnp.int32), S - 1)  # past S: masked, any slot
     if placement is None:
         return jnp.broadcast_to(base, (B, T, padded))
-    slots = jnp.arange(S, dtype=jnp.int32)
-    kv_positions, visible = placement.dense(S)
-    moved = visible & (kv_positions[:, None, :] != slots)  # [B, T, S]
-    stands_for = jnp.where(moved, kv_positions[:, None, :], padded)  # out of range: dropped
+    R = placement.sees.shape[-1]
+    first = placement.start[:, None] if placement.own else jnp.full((B, 1), S, jnp.int32)
+    lies = first + jnp.arange(R, dtype=jnp.int32)[None]  # [B, R]: where each in-flight key lies
+    stands_for = jnp.where(placement.sees, placement.region_positions[:, None, :], padded)  # unseen: dropped
 
-    def one(target):  # [S] -> [S']
-        return base.at[target].set(slots, mode="drop")
-    return jax.vmap(jax.vmap(one))(stands_for)
+    def one(target, where):  # [R], [R] -> [S']
+        return base.at[target].set(where, mode="drop")
+    return jax.vmap(jax.vmap(one, (0, None)))(stands_for, lies)
 
 
-def _attend_one(q, k, v, b, where, position, scale, cap, window):
+def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None):
     """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache); b its row;
-    where int32 [S'] (`_slot_of_position`); position its position. -> [H, D]."""
-    G, D = k.shape[1], k.shape[3]
+    where int32 [S'] (`_slot_of_position`); position its position; tree_kv: None, or the
+    layer's held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]."""
+    G, S, D = k.shape[1:]
     H = q.shape[0]
     qg = q.reshape(G, H // G, D)
+
+    def gather(buf, held, slots):  # [G, BLOCK, D]
+        got = buf[b][:, jnp.minimum(slots, S - 1)]
+        if held is None:
+            return got
+        from_tree = jnp.swapaxes(held[b][jnp.clip(slots - S, 0, held.shape[1] - 1)], 0, 1)
+        return jnp.where((slots >= S)[None, :, None], from_tree, got)
 
     def visit(j, carry):
         m, l, acc = carry  # [G, R], [G, R], [G, R, D] float32
         slots = jax.lax.dynamic_slice_in_dim(where, j * BLOCK, BLOCK)
-        kb, vb = k[b][:, slots], v[b][:, slots]  # [G, BLOCK, D]
+        kb, vb = (gather(buf, held, slots) for buf, held in zip((k, v), tree_kv or (None, None)))
         s = jnp.einsum("grd,gsd->grs", qg, kb, preferred_element_type=jnp.float32) * scale
         if cap is not None:
             s = softcap(s, cap)
@@ -118,7 +127,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     """transformer.decode, computed deterministically (see the module docstring): the same
     arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache), and with
     defer the pass's keys and values (`Pending`), which it writes too: its queries read their
-    keys from the cache."""
+    keys from the cache. (Under a placement with an offset they join the held tree instead.)"""
     B, T = tokens.shape
     N = B * T
     flat_positions = positions.reshape(N)
@@ -137,6 +146,10 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     else:
         k_all, v_all, length = list(cache.k), list(cache.v), cache.max_len
         slots = positions if placement is None else placement.slots
+    held = placement is not None and not placement.own
+    if held and (cache is None or cache.tree is None):
+        raise ValueError("a placement with an offset puts its keys in the cache's held tree: KVCache.hold_tree first")
+    tree_k, tree_v = (list(cache.tree.k), list(cache.tree.v)) if held else (None, None)
     where = _slot_of_position(positions, length, placement).reshape(N, -1)  # [N, S']
     rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)  # [N]
     windows = c.layer_windows()
@@ -166,10 +179,16 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         q, k, v = rowwise(project, x, *rotations.get(sliding, ()))
         fresh_k.append(k.reshape(B, T, *k.shape[1:]))
         fresh_v.append(v.reshape(B, T, *v.shape[1:]))
-        k_all[i] = write(k_all[i], fresh_k[-1], slots)
-        v_all[i] = write(v_all[i], fresh_v[-1], slots)
+        if held:
+            join = lambda held, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                held, new.astype(held.dtype), placement.offset, axis=1)
+            tree_k[i], tree_v[i] = join(tree_k[i], fresh_k[-1]), join(tree_v[i], fresh_v[-1])
+        else:
+            k_all[i] = write(k_all[i], fresh_k[-1], slots)
+            v_all[i] = write(v_all[i], fresh_v[-1], slots)
         heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
-            q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i])), (q, rows, where, flat_positions))
+            q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i],
+            (tree_k[i], tree_v[i]) if held else None)), (q, rows, where, flat_positions))
 
         def finish(x, heads, p=p):  # the residual stream after attention and MLP, [ROWS, E]
             x = x + attn.apply({"params": p["attn"]}, heads[None], method=Attention.project_out)[0]
@@ -191,6 +210,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k_all), v=tuple(v_all))
+    if held:
+        cache = cache.replace(tree=cache.tree.replace(k=tuple(tree_k), v=tuple(tree_v)))
     logits, hidden = logits.reshape(B, T, -1), hidden.reshape(B, T, -1)
     if defer:
         return logits, hidden, cache, Pending(tuple(fresh_k), tuple(fresh_v), written=True)

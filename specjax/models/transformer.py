@@ -16,8 +16,9 @@ to the committed prefix below the pass (read in place) and to the pass's in-flig
 under their own mask (`pass_view`, layers.cached_attention); without one, it attends over
 the T tokens given (a full causal pass).
 
-A `Placement` (cache.py) overrides "slot = position, causal" for one pass: token trees
-give their nodes consecutive slots and let each see only its ancestors.
+A `Placement` (cache.py) overrides "slot = position, causal" for one pass: a token tree's
+nodes see the prefix and their ancestors only, and their keys stay out of the cache's
+buffers (a verification pass's own, deferred; a drafter's tree held beside them).
 
 The decoder does not touch `cache.lengths`: which written entries are valid is decided by
 whoever drives it (the decoding loop). It knows nothing about checkpoints or sampling.
@@ -47,14 +48,18 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None):
+    def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None, tree_kv=None):
         """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
         pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
-        cache_kv: None, or this layer's (k, v) buffers [B', G, S, D] (B' >= B: cache.py).
-        Returns (x, cache_kv with the T new entries written unless view.writes is False,
-        the new (k, v) [B, T, G, D])."""
+        cache_kv: None, or this layer's (k, v) buffers [B', G, S, D] (B' >= B: cache.py);
+        tree_kv: None, or the layer's held tree (k, v) [B, R, G, D] (KVCache.tree), which the
+        pass's keys join at view.offset. Returns (x, cache_kv with the T new entries written
+        unless view.writes is False, the new (k, v) [B, T, G, D], or the held tree with them)."""
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
+        if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
+            k, v = (jax.lax.dynamic_update_slice_in_dim(held, new.astype(held.dtype), view.offset, axis=1)
+                    for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v
         if cache_kv is None:  # a full pass: its own keys, causal
             out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
@@ -66,8 +71,6 @@ class Block(nn.Module):
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
                                 view.kv_limit, kernels=True, heads_first=True)
             else:
-                if view.region is not None:  # a tree's region, this pass's nodes and earlier ones
-                    k, v = (buf[jnp.arange(B)[:, None], :, view.region] for buf in cache_kv)  # [B, N, G, D]
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
                                        attn.scale, attn.cap, kernels=view.kernels, rules=view.rules)
         x = x + attn.project_out(out)
@@ -85,8 +88,9 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     The pass then writes none where its attention does not read them back from the cache
     (the split attention, `cached_attention`), and returns them as a fourth result
     (`cache.Pending`). A kernel over the whole cache (cuDNN's) reads them there, so it
-    still writes them (Pending.written). With a placement, only its own region (Placement.own)
-    may be deferred: any other region is read from the cache.
+    still writes them (Pending.written). A placement with an offset (a drafter's tree) writes
+    nothing to the buffers: its keys join the cache's held tree (KVCache.tree), returned in
+    the cache.
 
     kernels: attention takes the fused kernel of the platform being traced for where one
     applies (`layers.attention_kernel`; `layers.takes_kernels` of Model.attention); otherwise
@@ -103,13 +107,16 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules, defer)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
+    if view.offset is not None and cache.tree is None:
+        raise ValueError("a placement with an offset puts its keys in the cache's held tree: KVCache.hold_tree first")
     tapped = {}  # layer number -> the residual stream after it, for `taps`
     fresh_k, fresh_v = [], []  # per layer [B, T, G, D]: the pass's own keys and values
     for i in range(c.num_layers if num_layers is None else num_layers):
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
+        held = None if view.offset is None else (cache.tree.k[i], cache.tree.v[i])
         x, kv, (fresh_k_i, fresh_v_i) = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view,
-                                                       sliding, kv)
+                                                       sliding, kv, held)
         fresh_k.append(fresh_k_i)
         fresh_v.append(fresh_v_i)
         if cache is not None:
@@ -123,6 +130,10 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k), v=tuple(v))
+    if view.offset is not None:  # the held tree, with this pass's nodes (an early exit's first layers only)
+        L = len(fresh_k)
+        cache = cache.replace(tree=cache.tree.replace(k=tuple(fresh_k) + cache.tree.k[L:],
+                                                      v=tuple(fresh_v) + cache.tree.v[L:]))
     if defer:
         fresh = tuple(fresh_k), tuple(fresh_v)
         if not view.writes and target_platform() != "cpu":
@@ -187,7 +198,7 @@ class View(NamedTuple):
     masks: dict  # {sliding: bool [B, T, N]}: what each query sees of the N in-flight keys
     prefix: jax.Array | None  # int32 [B]: every query of row b sees the cache's slots below it (None: no cache)
     floors: dict  # {sliding: int32 [B, T] or None}: a window's query sees only prefix slots above its floor
-    region: jax.Array | None  # int32 [B, N]: the cache slots holding the in-flight keys (None: the pass's own)
+    offset: jax.Array | None  # int32 []: where the pass's keys join the cache's held tree (None: its own are in flight)
     dense: dict | None  # {sliding: bool [B, T, S]}: the same as one mask over the cache, where a kernel reads it
     kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
     kernels: bool  # whether the pass may take a kernel (the model opts in: Model.attention)
@@ -200,8 +211,8 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     """What T tokens at positions [B, T] see. Without a cache: each other, causally. With
     one: the committed prefix (slots below the first position, or the placement's start),
     read in place, and the in-flight keys under their own mask: the pass's own, causally by
-    position, or a placement's region of R slots (a tree: what `sees` marks). A sliding
-    window bounds both by position. dtype: the activations', where the pass may take an
+    position, or a placement's region (a tree: what `sees` marks), the pass's own or the
+    cache's held tree. A sliding window bounds both by position. dtype: the activations', where the pass may take an
     attention kernel (None: it attends portably); where one takes a cached pass
     (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads.
     rules: the model's (Model.rules), for a sharded program's prefix kernel. defer: see `decode`."""
@@ -214,13 +225,13 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     if placement is None:
         causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
         masks = {w: within(causal, positions, w) for w in kinds}
-        region_positions, region, prefix = positions, None, positions[:, 0]
+        offset, prefix = None, positions[:, 0]
     else:
         masks = {w: within(placement.sees, placement.region_positions, w) for w in kinds}
-        R = placement.sees.shape[-1]
-        region_positions, prefix = placement.region_positions, placement.start
-        region = None if placement.own else jnp.minimum(prefix[:, None] + jnp.arange(R), cache.max_len - 1)
-    if defer and (cache is None or region is not None):
+        offset, prefix = placement.offset, placement.start
+    if cache is None and placement is not None:
+        raise ValueError("a placement places tokens in a cache: pass one")
+    if defer and (cache is None or offset is not None):
         raise ValueError("only a cached pass over its own keys (no placement, or Placement.own) may defer its "
                          "cache writes")
     if cache is None:
@@ -228,8 +239,8 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     floors = {w: positions - window if w else None for w in kinds}
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
-    if dtype is not None and attention_kernel(kernel_platform(), dtype, positions.shape[1], cache.max_len,
-                                              c.head_dim, cap) != "portable":
+    if dtype is not None and offset is None and attention_kernel(kernel_platform(), dtype, positions.shape[1],
+                                                                 cache.max_len, c.head_dim, cap) != "portable":
         if placement is None:
             kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
             visible = attention_mask(positions, kv_positions)
@@ -238,8 +249,9 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         dense = {w: within(visible, kv_positions, w) for w in kinds}
         seen = visible.any(axis=1)  # [B, S]: slots some query of the row sees
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
-    return View(positions if placement is None else placement.slots, masks, prefix, floors, region, dense, kv_limit,
-                dtype is not None, rules, writes=not defer or dense is not None)
+    writes = offset is None and (not defer or dense is not None)
+    return View(positions if placement is None else placement.slots, masks, prefix, floors, offset, dense, kv_limit,
+                dtype is not None, rules, writes=writes)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
