@@ -303,14 +303,14 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
     kernel = _prefix_kernel(B, cache_k.shape, rules, scale, cap, interpret) if kernels else None
+    one_softmax = kernel is None and N <= block and (S <= block or _whole_cache_on_gpu(T * (H // G), D))
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
         slots = start + jnp.arange(n)
         seen = slots[None, None, :] < prefix[:, None, None]
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
-    if kernel is None and N <= block and (S <= block or _whole_cache_on_gpu(T * (H // G), D)):
-        # one softmax over both key sets, without joining them
+    if one_softmax:  # over both key sets, without joining them
         cache_k, cache_v = cache_k[:B], cache_v[:B]
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
@@ -320,16 +320,24 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         out = sum(jnp.einsum("bgrts,bgsd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
                   for pi, vi in zip(p, (cache_v, v)))
         return _normalise((None, total, out), v.dtype)
-    state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)  # the in-flight keys first
-    if kernel is not None:  # then the prefix's state from the kernel, merged
-        held = kernel(qg, cache_k, cache_v, prefix, floor)
-        return _normalise(_merge(state, held), v.dtype)
+    if kernel is not None:  # the in-flight keys, then the prefix's state from the kernel, merged
+        state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)
+        return _normalise(_merge(state, kernel(qg, cache_k, cache_v, prefix, floor)), v.dtype)
+    # Block by block (a pass of many queries: a prefill chunk), on a GPU with the queries laid
+    # out [B, G, R, T, D]: the first matmul's scores then come out [B, G, R, T, n], as the
+    # second reads them; from [B, T, G, R, D] queries XLA transposes every float32 score block
+    # between the two (an H100's prefill of the 8B shape: docs/bench/gpu_compiled.txt). A TPU's
+    # chain loop held more with them so (53.0 -> 58.0 MB, docs/bench/aot.py), and a GPU's pass of
+    # few queries, in one softmax, had the cache's keys transposed for it at batch 1.
+    layout = "bgrtd" if target_platform() == "gpu" else "btgrd"
+    qg = qg.transpose(0, 2, 3, 1, 4) if layout == "bgrtd" else qg
+    state = _masked_state(qg, k, v, mask, _empty_state(qg, layout), scale, cap, block, layout)  # in-flight keys first
     if target_platform() == "cpu":
         block = min(block, CPU_PREFIX_BLOCK)
     upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
     # A sliding window: blocks wholly below every query's floor are not read.
     first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)
-    state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first)
+    state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first, layout)
     return _normalise(state, v.dtype)
 
 
@@ -343,16 +351,17 @@ def _whole_cache_on_gpu(rows: int, head_dim: int) -> bool:
     return target_platform() == "gpu" and rows <= GPU_SCORES_OVER_CACHE * head_dim
 
 
-def _scores(qg, kb, scale: float, cap: float | None):
-    """float32 scores [B, G, R, T, n] of queries qg [B, T, G, R, D] against keys kb [B, G, n, D]."""
-    s = jnp.einsum("btgrd,bgsd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+def _scores(qg, kb, scale: float, cap: float | None, layout: str = "btgrd"):
+    """float32 scores [B, G, R, T, n] of queries qg ([B, T, G, R, D], or as `layout` names
+    its axes) against keys kb [B, G, n, D]."""
+    s = jnp.einsum(f"{layout},bgsd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
     return s if cap is None else softcap(s, cap)
 
 
-def _empty_state(qg):
-    """The online softmax's running (max, sum, output) before any key: [B, G, R, T] twice,
-    [B, G, R, T, D], float32."""
-    B, T, G, R, D = qg.shape
+def _empty_state(qg, layout: str = "btgrd"):
+    """The online softmax's running (max, sum, output) before any key, of queries qg (laid
+    out as `layout` names): [B, G, R, T] twice, [B, G, R, T, D], float32."""
+    B, T, G, R, D = (dict(zip(layout, qg.shape))[axis] for axis in "btgrd")
     return (jnp.full((B, G, R, T), _NEG, jnp.float32), jnp.zeros((B, G, R, T), jnp.float32),
             jnp.zeros((B, G, R, T, D), jnp.float32))
 
@@ -368,13 +377,14 @@ def _accumulate(state, s, seen, vb):
     return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
 
 
-def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None):
+def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None,
+                  layout: str = "btgrd"):
     """The online softmax's state after the keys k/v [B', G, S, D] (rows [:B] read, B the
     queries' rows), visited `block` slots at a time; seen_of(start, n) -> bool [B, T or 1,
     n]: what each query sees of slots start .. start+n-1. upto: None (every block, a
     fixed-length loop), or a traced count of blocks to visit (see `cached_attention` for a
     GPU's); first: None, or the traced index of the first
-    block to visit (those before it hold no key any query sees)."""
+    block to visit (those before it hold no key any query sees); layout: qg's (`_scores`)."""
     B, S = qg.shape[0], k.shape[2]
     num_blocks = -(-S // block)
 
@@ -387,7 +397,7 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
         vb = jax.lax.dynamic_slice(v, at, size)
         seen = seen_of(start, block) & (start + jnp.arange(block) >= i * block) & live
         seen = seen[:, None, None]  # [B, 1, 1, T or 1, block]
-        return _accumulate(state, jnp.where(seen, _scores(qg, kb, scale, cap), _NEG), seen, vb)
+        return _accumulate(state, jnp.where(seen, _scores(qg, kb, scale, cap, layout), _NEG), seen, vb)
 
     if upto is None:
         return jax.lax.fori_loop(0, num_blocks, visit, state)
@@ -402,14 +412,15 @@ def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, blo
     return jax.lax.fori_loop(0 if first is None else first, upto, visit, state)
 
 
-def _masked_state(qg, k, v, mask, state, scale: float, cap: float | None, block: int):
+def _masked_state(qg, k, v, mask, state, scale: float, cap: float | None, block: int, layout: str = "btgrd"):
     """The online softmax's state after the keys k/v [B, G, N, D] under mask bool [B, T, N]:
-    in one step up to `block` keys, else `block` at a time (a fixed-length loop)."""
+    in one step up to `block` keys, else `block` at a time (a fixed-length loop). layout:
+    qg's (`_scores`)."""
     if k.shape[2] <= block:
         seen = mask[:, None, None]
-        return _accumulate(state, jnp.where(seen, _scores(qg, k, scale, cap), _NEG), seen, v)
+        return _accumulate(state, jnp.where(seen, _scores(qg, k, scale, cap, layout), _NEG), seen, v)
     return _visit_blocks(qg, k, v, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, axis=2), state,
-                         scale, cap, block)
+                         scale, cap, block, layout=layout)
 
 
 def _merge(a, b):
