@@ -235,13 +235,11 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
              jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
     if D > 1:  # (a depth-1 tree feeds nothing)
-        if placed:
-            carry = (cache.hold_tree(B, R),) + carry[1:]
+        carry = (cache.hold_tree(B, R) if placed else cache,) + carry[1:]
         carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan
+        carry = (carry[0].drop_tree() if placed else carry[0],) + carry[1:]
     carry, _ = expand(D - 1, carry)  # the deepest candidates, never fed
     cache, (tokens, score, valid, parent, q) = carry[0], carry[7]
-    if placed and D > 1:
-        cache = cache.drop_tree()
     return cache, _select(tree, tokens, score, valid, parent, q, vocab, request.target.config.vocab_size)
 
 
