@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.drafters import Eagle3
+from specjax.drafters import Eagle3, Medusa
 from tests.test_sampling import PROMPT, V, _chi_square_p, _exact_joint, _tiny
 
 SLOTS = 3
@@ -39,6 +39,7 @@ def engines(pair):
                 "eagle3": (Eagle3.init(target, jax.random.key(1)), (3, 2, 1)),
                 "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3)),
                 "early_exit": (specjax.EarlyExit(1), (2, 1, 0)),
+                "medusa": (Medusa.init(target, 3, jax.random.key(2)), (3, 2, 1)),
             }[name]
             made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
                                         steps_per_call=4)
@@ -65,7 +66,8 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
         return [r.result(timeout=300) for r in submitted], submitted
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup", pytest.param("early_exit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup",
+                                  pytest.param("early_exit", marks=pytest.mark.slow), "medusa"])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):
     target = pair[0]
     engine = engines(name)
@@ -290,9 +292,8 @@ def test_refusals_name_the_problem(pair, engines):
         ]:
             with pytest.raises(ValueError, match=match):
                 engine.submit(**{"max_new_tokens": 2, **kwargs})
-    for drafter in (specjax.Lookahead(), specjax.Medusa.init(target, 2, jax.random.key(0))):
-        with pytest.raises(ValueError, match=type(drafter).__name__):
-            specjax.Engine(target, draft=drafter, slots=2, max_len=32)
+    with pytest.raises(ValueError, match="Lookahead"):
+        specjax.Engine(target, draft=specjax.Lookahead(), slots=2, max_len=32)
     with pytest.raises(ValueError, match="cannot skip"):
         specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=2, max_len=32,
                        num_draft_tokens=(2, 0))

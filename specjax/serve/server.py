@@ -16,12 +16,12 @@ import sys
 import threading
 from pathlib import Path
 
-DRAFT_CHOICES = "PATH|none|prompt-lookup|early-exit:N|eagle|eagle3"
+DRAFT_CHOICES = "PATH|none|prompt-lookup|early-exit:N|medusa|eagle|eagle3"
 
 
 def load_draft(spec: str, target, tokenizer, target_path: str):
     """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json),
-    none, prompt-lookup, early-exit:N, or eagle / eagle3 (the shipped heads)."""
+    none, prompt-lookup, early-exit:N, or medusa / eagle / eagle3 (the shipped heads)."""
     import specjax
     from specjax.shipped import default_checkpoint
     from specjax.text import check_draft_tokenizer
@@ -36,7 +36,7 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
             raise ValueError(f"--draft early-exit:N wants 1 <= N < {target.config.num_layers} (the target's "
                              f"layers), got {spec!r}")
         return specjax.EarlyExit(int(layers))
-    path = default_checkpoint(spec) if spec in ("eagle", "eagle3") else spec
+    path = default_checkpoint(spec) if spec in ("medusa", "eagle", "eagle3") else spec
     if (Path(path) / "drafter.json").exists():
         return specjax.load_drafter(path)
     draft = specjax.DraftModel.load(path, attention=target.attention)  # with its saved vocabulary
