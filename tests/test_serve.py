@@ -353,21 +353,24 @@ def test_overload_refuses_at_once_and_loses_nothing(engine, servers):
     _wait_idle(engine)
 
 
-def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(engine, servers, monkeypatch):
+@pytest.mark.parametrize("call", ["run", "insert"])
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(engine, servers, monkeypatch, call):
+    """A device call that fails (a step, or the insert of a prefilled row, whose request is
+    then in no queue) fails its requests with the error, and the engine serves on."""
     live = servers("main")
-    run = engine.programs.run
+    original = getattr(engine.programs, call)
     calls = []
 
     def failing(*args, **kwargs):
         if not calls:
             calls.append(1)
             raise RuntimeError("injected device failure")
-        return run(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine.programs, "run", failing)
+    monkeypatch.setattr(engine.programs, call, failing)
     failures = engine.failures
     with pytest.raises(openai.InternalServerError, match="injected device failure"):
-        live.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+        live.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, timeout=60)
     assert engine.failures == failures + 1
     got = live.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
     assert got.choices[0].text == _text(live.server.tokenizer, _alone(engine, PROMPTS[0], 5))

@@ -525,7 +525,11 @@ class Engine:
                     self._place([request], free)
             return
         slots = [free.pop(0) for _ in group]
-        self._state = self.programs.insert(self._state, slots, rows)
+        try:
+            self._state = self.programs.insert(self._state, slots, rows)
+        except Exception as e:  # a device call: these rows are in neither queue, so they fail here
+            self._fail(group, e)
+            raise
         with self._lock:
             self._live.update(zip(slots, group))
 
