@@ -457,7 +457,8 @@ def main(argv=None):
     from specjax.serve.server import DRAFT_CHOICES
 
     p.add_argument("--draft", default=default_checkpoint("draft"), metavar=DRAFT_CHOICES,
-                   help="a draft model's folder (or trained heads', drafter.json), none (plain decoding), "
+                   help="a draft model's folder (or trained heads', drafter.json; or a datastore's, for "
+                        "retrieval), none (plain decoding), "
                         "prompt-lookup, early-exit:N (the target's first N layers), medusa, eagle or eagle3 (the "
                         "shipped heads); default: the shipped draft")
     p.add_argument("--tokenizer", metavar="PATH",

@@ -40,6 +40,9 @@ def engines(pair):
                 "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3)),
                 "early_exit": (specjax.EarlyExit(1), (2, 1, 0)),
                 "medusa": (Medusa.init(target, 3, jax.random.key(2)), (3, 2, 1)),
+                # A datastore of the requests' own greedy text: its drafts are accepted.
+                "retrieval": (specjax.Retrieval(specjax.Datastore.build(
+                    [p + _alone(target, None, p, b, s) for p, b, s in REQUESTS])), (3, 2, 2)),
             }[name]
             made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
                                         steps_per_call=4)
@@ -67,7 +70,7 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup",
-                                  pytest.param("early_exit", marks=pytest.mark.slow), "medusa"])
+                                  pytest.param("early_exit", marks=pytest.mark.slow), "medusa", "retrieval"])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):
     target = pair[0]
     engine = engines(name)
@@ -87,6 +90,8 @@ def test_staggered_requests_equal_generate_alone(pair, engines, name):
     if name == "draft":  # every K of the table ran: drafting alone, at K=1 beside another, and not at all
         assert set(stats["steps"]) == {0, 1, 3}, stats
         assert stats["syncs"] >= 1, stats  # the draft caught up after calls at K = 0 before drafting again
+    if name == "retrieval":  # the datastore holds the text: most drafts are kept
+        assert stats["accepted"] > stats["draft_tokens"] / 2, stats
     # Bounded: empty, release; prefill and insert per bucket (16, 32, 64) and group size (1, 2, 3);
     # a run per K, width (1, 2, 3) and sampling kind (greedy, sampled, filtered); where K = 0 is in
     # the table beside a draft, the draft's catch-up per K that drafts.

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from specjax import memory, sharding, theory
-from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup
+from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
@@ -46,9 +46,10 @@ SEEN = 64
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
-# Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa
-# holds none: it reads the target's features, which the engine keeps per row for EAGLE).
-SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa)
+# Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
+# Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
+# EAGLE, and Retrieval each row's text).
+SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval)
 _END = object()
 
 
@@ -145,7 +146,7 @@ class Engine:
 
     draft: None (plain decoding), a draft `Model` (drafting from the vocabulary saved beside it
         if loaded with `DraftModel.load`), or a drafter: DraftModel, PromptLookup, Eagle, Eagle3,
-        EarlyExit, Medusa (each tested against `generate`); others are refused by name.
+        EarlyExit, Medusa, Retrieval (each tested against `generate`); Lookahead is refused by name.
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;

@@ -20,8 +20,9 @@ DRAFT_CHOICES = "PATH|none|prompt-lookup|early-exit:N|medusa|eagle|eagle3"
 
 
 def load_draft(spec: str, target, tokenizer, target_path: str):
-    """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json),
-    none, prompt-lookup, early-exit:N, or medusa / eagle / eagle3 (the shipped heads)."""
+    """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json;
+    or a datastore's, for retrieval), none, prompt-lookup, early-exit:N, or medusa / eagle /
+    eagle3 (the shipped heads)."""
     import specjax
     from specjax.shipped import default_checkpoint
     from specjax.text import check_draft_tokenizer
@@ -39,6 +40,8 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
     path = default_checkpoint(spec) if spec in ("medusa", "eagle", "eagle3") else spec
     if (Path(path) / "drafter.json").exists():
         return specjax.load_drafter(path)
+    if (Path(path) / "datastore.json").exists():  # `specjax datastore build`'s folder
+        return specjax.Retrieval(specjax.Datastore.load(path))
     draft = specjax.DraftModel.load(path, attention=target.attention)  # with its saved vocabulary
     if (note := check_draft_tokenizer(tokenizer, target_path, path)) is not None:
         print(f"note: {note}", file=sys.stderr)
