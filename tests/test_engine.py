@@ -41,6 +41,7 @@ def engines(pair):
                 "early_exit": (specjax.EarlyExit(1), (2, 1, 0)),
                 "medusa": (Medusa.init(target, 3, jax.random.key(2)), (3, 2, 1)),
                 # A datastore of the requests' own greedy text: its drafts are accepted.
+                "lookahead": (specjax.Lookahead(3, 3, 2), None),  # (its shape is its own)
                 "retrieval": (specjax.Retrieval(specjax.Datastore.build(
                     [p + _alone(target, None, p, b, s) for p, b, s in REQUESTS])), (3, 2, 2)),
             }[name]
@@ -70,7 +71,8 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup",
-                                  pytest.param("early_exit", marks=pytest.mark.slow), "medusa", "retrieval"])
+                                  pytest.param("early_exit", marks=pytest.mark.slow), "medusa", "retrieval",
+                                  "lookahead"])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):
     target = pair[0]
     engine = engines(name)
@@ -297,8 +299,12 @@ def test_refusals_name_the_problem(pair, engines):
         ]:
             with pytest.raises(ValueError, match=match):
                 engine.submit(**{"max_new_tokens": 2, **kwargs})
-    with pytest.raises(ValueError, match="Lookahead"):
-        specjax.Engine(target, draft=specjax.Lookahead(), slots=2, max_len=32)
+
+    class OwnDrafter(specjax.drafters.Drafter):  # a user's drafter: whether its state splits by row is unknown
+        pass
+
+    with pytest.raises(ValueError, match="OwnDrafter's state per row"):
+        specjax.Engine(target, draft=OwnDrafter(), slots=2, max_len=32)
     with pytest.raises(ValueError, match="cannot skip"):
         specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=2, max_len=32,
                        num_draft_tokens=(2, 0))

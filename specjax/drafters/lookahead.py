@@ -39,7 +39,7 @@ class LookaheadState:
     window: jax.Array  # int32 [B, L, W]: the Jacobi window, L = ngram - 1 levels
     pool: jax.Array  # int32 [B, C, ngram]: n-grams seen
     seen: jax.Array  # int32 [B, C]: when each was last seen (larger is more recent; -1 empty)
-    clock: jax.Array  # int32 []: the next step's first stamp
+    clock: jax.Array  # int32 [B]: the row's next step's first stamp (a row's own: the engine refills rows apart)
 
 
 @struct.dataclass
@@ -98,7 +98,7 @@ class Lookahead(Drafter):
         keep = real & ~repeated
         pool = jnp.zeros((B, C, n), jnp.int32).at[:, :E].set(grams.astype(jnp.int32))
         seen = jnp.full((B, C), -1, jnp.int32).at[:, :E].set(jnp.where(keep, ends, -1))
-        return LookaheadState(window=window.astype(jnp.int32), pool=pool, seen=seen, clock=jnp.int32(P))
+        return LookaheadState(window=window.astype(jnp.int32), pool=pool, seen=seen, clock=jnp.full((B,), P, jnp.int32))
 
     def propose(self, state: LookaheadState, request: DraftRequest):
         tokens, length = request.tokens, request.length
@@ -144,7 +144,7 @@ class Lookahead(Drafter):
         rows = jnp.arange(B)[:, None]
         after = jnp.argmax(logits[:, (L - 1) * W:], axis=-1).astype(jnp.int32)  # [B, W]: after the last level
         grams = jnp.concatenate([jnp.swapaxes(state.window, 1, 2), after[..., None]], axis=-1)  # [B, W, n]
-        stamps = state.clock + jnp.arange(W)[None]  # [1, W]
+        stamps = state.clock[:, None] + jnp.arange(W)[None]  # [B, W]
 
         # Seen before (in the pool, or later in this step): refresh rather than store twice.
         in_pool = jnp.all(grams[:, :, None] == state.pool[:, None], axis=-1) & (state.seen >= 0)[:, None]  # [B, W, C]
@@ -157,7 +157,7 @@ class Lookahead(Drafter):
         oldest = jax.lax.top_k(-seen, W)[1]  # [B, W]
         slot = jnp.where(fresh, jnp.take_along_axis(oldest, jnp.cumsum(fresh, axis=1) - 1, axis=1), C)
         pool = state.pool.at[rows, slot].set(grams, mode="drop")
-        seen = seen.at[rows, slot].set(jnp.broadcast_to(stamps, (B, W)), mode="drop")
+        seen = seen.at[rows, slot].set(stamps, mode="drop")
         window = jnp.concatenate([state.window[:, 1:], after[:, None]], axis=1)
 
         keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from specjax import memory, sharding, theory
-from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa, PromptLookup, Retrieval
+from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
@@ -48,8 +48,8 @@ SEEN = 64
 OPEN_STEPS = 2
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
-# EAGLE, and Retrieval each row's text).
-SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval)
+# EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
+SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
 _END = object()
 
 
@@ -146,7 +146,8 @@ class Engine:
 
     draft: None (plain decoding), a draft `Model` (drafting from the vocabulary saved beside it
         if loaded with `DraftModel.load`), or a drafter: DraftModel, PromptLookup, Eagle, Eagle3,
-        EarlyExit, Medusa, Retrieval (each tested against `generate`); Lookahead is refused by name.
+        EarlyExit, Medusa, Retrieval, Lookahead (each tested against `generate`); a drafter of
+        another class is refused by name.
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
