@@ -458,9 +458,8 @@ def main(argv=None):
 
     p.add_argument("--draft", default=default_checkpoint("draft"), metavar=DRAFT_CHOICES,
                    help="a draft model's folder (or trained heads', drafter.json; or a datastore's, for "
-                        "retrieval), none (plain decoding), "
-                        "prompt-lookup, early-exit:N (the target's first N layers), medusa, eagle or eagle3 (the "
-                        "shipped heads); default: the shipped draft")
+                        "retrieval), none (plain decoding), prompt-lookup, lookahead, early-exit:N (the target's "
+                        "first N layers), medusa, eagle or eagle3 (the shipped heads); default: the shipped draft")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="the target's tokenizer: a folder or hub id (default: the target's own folder; needed "
                         "for a folder that specjax.save_model wrote without one)")

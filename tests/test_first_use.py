@@ -226,7 +226,7 @@ def test_serve_drafts_from_the_saved_vocabulary_on_a_mesh_too(monkeypatch, capsy
 
 def test_serve_names_every_drafter_the_engine_runs():
     """--draft's names and folders give the drafters the engine serves: the shipped heads
-    (medusa, eagle, eagle3), a datastore's folder (retrieval), prompt lookup, early exit."""
+    (medusa, eagle, eagle3), a datastore's folder (retrieval), prompt lookup, lookahead, early exit."""
     import specjax.serve.server as server
     from specjax.serve.engine import _supported
     from specjax.shipped import default_checkpoint
@@ -235,7 +235,7 @@ def test_serve_names_every_drafter_the_engine_runs():
     target = specjax.load_model(target_path)
     datastore = str(Path(target_path).parent / "datastore")
     for spec, kind in (("medusa", "Medusa"), ("eagle", "Eagle"), ("eagle3", "Eagle3"), (datastore, "Retrieval"),
-                       ("prompt-lookup", "PromptLookup"), ("early-exit:2", "EarlyExit")):
+                       ("prompt-lookup", "PromptLookup"), ("lookahead", "Lookahead"), ("early-exit:2", "EarlyExit")):
         drafter = server.load_draft(spec, target, None, target_path)
         assert type(drafter).__name__ == kind, spec
         assert _supported(drafter) is drafter  # not refused by the engine

@@ -16,13 +16,13 @@ import sys
 import threading
 from pathlib import Path
 
-DRAFT_CHOICES = "PATH|none|prompt-lookup|early-exit:N|medusa|eagle|eagle3"
+DRAFT_CHOICES = "PATH|none|prompt-lookup|lookahead|early-exit:N|medusa|eagle|eagle3"
 
 
 def load_draft(spec: str, target, tokenizer, target_path: str):
     """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json;
-    or a datastore's, for retrieval), none, prompt-lookup, early-exit:N, or medusa / eagle /
-    eagle3 (the shipped heads)."""
+    or a datastore's, for retrieval), none, prompt-lookup, lookahead (its defaults),
+    early-exit:N, or medusa / eagle / eagle3 (the shipped heads)."""
     import specjax
     from specjax.shipped import default_checkpoint
     from specjax.text import check_draft_tokenizer
@@ -31,6 +31,8 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
         return None
     if spec == "prompt-lookup":
         return specjax.PromptLookup()
+    if spec == "lookahead":
+        return specjax.Lookahead()
     if spec.startswith("early-exit:"):
         layers = spec.partition(":")[2]
         if not layers.isdigit() or not 1 <= int(layers) < target.config.num_layers:
