@@ -81,6 +81,25 @@ class KVCache:
     def drop_tree(self) -> "KVCache":
         return self.replace(tree=None)
 
+    def held_tree(self) -> "Pending":
+        """The held tree, which a pass under a Placement with an offset joins its keys to."""
+        if self.tree is None:
+            raise ValueError("a placement with an offset puts its keys in the cache's held tree: "
+                             "KVCache.hold_tree first")
+        return self.tree
+
+    def with_tree(self, k, v) -> "KVCache":
+        """The cache with its held tree's first len(k) layers replaced (an early exit runs only
+        its first layers)."""
+        tree = self.held_tree()
+        return self.replace(tree=Pending(tuple(k) + tree.k[len(k):], tuple(v) + tree.v[len(v):]))
+
+
+def join(held: jax.Array, new: jax.Array, offset) -> jax.Array:
+    """A held tree's layer [B, R, G, D] with a pass's new entries [B, T, G, D] at nodes
+    offset .. offset + T-1 (one dynamic_update_slice)."""
+    return jax.lax.dynamic_update_slice_in_dim(held, new.astype(held.dtype), offset, axis=1)
+
 
 def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
     """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset.

@@ -76,13 +76,13 @@ def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCa
     view = pass_view(config, positions, cache, placement, x.dtype)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
-    held = None if view.offset is None else (cache.tree.k[0], cache.tree.v[0])
+    held = None if view.offset is None else (cache.held_tree().k[0], cache.held_tree().v[0])
     x, kv, fresh = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
                                        False, kv, held)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
     if held is not None:
-        cache = cache.replace(tree=cache.tree.replace(k=fresh[:1], v=fresh[1:]))
+        cache = cache.with_tree(fresh[:1], fresh[1:])
     return x, cache
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, Pending, Placement, write
+from specjax.cache import KVCache, Pending, Placement, join, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
 from specjax.models.transformer import embed_tokens, read_out
@@ -147,9 +147,9 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         k_all, v_all, length = list(cache.k), list(cache.v), cache.max_len
         slots = positions if placement is None else placement.slots
     held = placement is not None and not placement.own
-    if held and (cache is None or cache.tree is None):
-        raise ValueError("a placement with an offset puts its keys in the cache's held tree: KVCache.hold_tree first")
-    tree_k, tree_v = (list(cache.tree.k), list(cache.tree.v)) if held else (None, None)
+    if placement is not None and cache is None:
+        raise ValueError("a placement places tokens in a cache: pass one")
+    tree_k, tree_v = map(list, (cache.held_tree().k, cache.held_tree().v)) if held else (None, None)
     where = _slot_of_position(positions, length, placement).reshape(N, -1)  # [N, S']
     rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)  # [N]
     windows = c.layer_windows()
@@ -180,9 +180,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         fresh_k.append(k.reshape(B, T, *k.shape[1:]))
         fresh_v.append(v.reshape(B, T, *v.shape[1:]))
         if held:
-            join = lambda held, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-                held, new.astype(held.dtype), placement.offset, axis=1)
-            tree_k[i], tree_v[i] = join(tree_k[i], fresh_k[-1]), join(tree_v[i], fresh_v[-1])
+            tree_k[i], tree_v[i] = (join(buf[i], new[-1], placement.offset)
+                                    for buf, new in ((tree_k, fresh_k), (tree_v, fresh_v)))
         else:
             k_all[i] = write(k_all[i], fresh_k[-1], slots)
             v_all[i] = write(v_all[i], fresh_v[-1], slots)
@@ -211,7 +210,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     if cache is not None:
         cache = cache.replace(k=tuple(k_all), v=tuple(v_all))
     if held:
-        cache = cache.replace(tree=cache.tree.replace(k=tuple(tree_k), v=tuple(tree_v)))
+        cache = cache.with_tree(tree_k, tree_v)
     logits, hidden = logits.reshape(B, T, -1), hidden.reshape(B, T, -1)
     if defer:
         return logits, hidden, cache, Pending(tuple(fresh_k), tuple(fresh_v), written=True)

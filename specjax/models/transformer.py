@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from specjax.cache import KVCache, Pending, Placement, attention_mask, write
+from specjax.cache import KVCache, Pending, Placement, attention_mask, join, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
                                    kernel_platform, matmul, rotary_angles, softcap, target_platform,
@@ -58,8 +58,7 @@ class Block(nn.Module):
         attn = Attention(self.config, name="attn")
         q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
         if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
-            k, v = (jax.lax.dynamic_update_slice_in_dim(held, new.astype(held.dtype), view.offset, axis=1)
-                    for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
+            k, v = (join(held, new, view.offset) for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v
         if cache_kv is None:  # a full pass: its own keys, causal
             out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
@@ -107,14 +106,13 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules, defer)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
-    if view.offset is not None and cache.tree is None:
-        raise ValueError("a placement with an offset puts its keys in the cache's held tree: KVCache.hold_tree first")
+    tree = None if view.offset is None else cache.held_tree()
     tapped = {}  # layer number -> the residual stream after it, for `taps`
     fresh_k, fresh_v = [], []  # per layer [B, T, G, D]: the pass's own keys and values
     for i in range(c.num_layers if num_layers is None else num_layers):
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
-        held = None if view.offset is None else (cache.tree.k[i], cache.tree.v[i])
+        held = None if tree is None else (tree.k[i], tree.v[i])
         x, kv, (fresh_k_i, fresh_v_i) = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view,
                                                        sliding, kv, held)
         fresh_k.append(fresh_k_i)
@@ -130,10 +128,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
     if cache is not None:
         cache = cache.replace(k=tuple(k), v=tuple(v))
-    if view.offset is not None:  # the held tree, with this pass's nodes (an early exit's first layers only)
-        L = len(fresh_k)
-        cache = cache.replace(tree=cache.tree.replace(k=tuple(fresh_k) + cache.tree.k[L:],
-                                                      v=tuple(fresh_v) + cache.tree.v[L:]))
+    if tree is not None:  # the held tree, with this pass's nodes
+        cache = cache.with_tree(fresh_k, fresh_v)
     if defer:
         fresh = tuple(fresh_k), tuple(fresh_v)
         if not view.writes and target_platform() != "cpu":
