@@ -157,7 +157,13 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     row = lambda x: _rows(x, logits.ndim)  # noqa: E731
     temperature = row(sampling.temperature)
     greedy = temperature == 0
-    scores = logits / jnp.where(greedy, 1.0, temperature)
+    # Shifted so that the largest score is 0 and the rest <= 0: a tiny temperature sends them
+    # to -inf, never to +inf, and the softmax is one-hot on the argmax (ties shared), not
+    # NaN. The temperature is clipped to [smallest normal float, 1e37], where it and its
+    # reciprocal (XLA may multiply by it) are normal: a subnormal one flushed to 0 would
+    # make -inf * 0 = NaN. Beyond either end the distribution is already at its limit.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    scores = (logits - top) / jnp.clip(temperature, jnp.finfo(jnp.float32).tiny, 1e37)
     if sampling.kind == FILTERED:  # a row without filters passes through unchanged
         scores = _filter(scores, row(sampling.top_k), row(sampling.top_p))
     return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))

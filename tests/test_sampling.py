@@ -79,6 +79,33 @@ def test_filters_match_transformers_per_row(ties):
         np.testing.assert_allclose(ours[row], want, atol=1e-6, err_msg=str((t, k, p)))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_extreme_settings_act_as_their_limits(jit):
+    """Logits far from 0 (|x| ~ 100, as a real model's can be) at temperatures down to a
+    subnormal 1e-45 act as greedy (one-hot on the argmax; ties shared), never NaN (a NaN row
+    drew token 0 at 02042b0); huge temperatures give the uniform distribution; top_p near 0
+    keeps the top token; a top_k beyond the vocabulary keeps every one."""
+    rng = np.random.RandomState(4)
+    logits = (rng.randn(4, 50) * 100).astype(np.float32)
+    logits[1, 7] = logits[1].max() + 50  # a clear winner
+    logits[2, :5] = -np.inf
+    one_hot = np.eye(50)[logits.argmax(-1)]
+    f = jax.jit(warp) if jit else warp
+    for t in (1e-45, 1e-40, float(np.finfo(np.float32).tiny), 1e-37, 1e-30, 1e-6):
+        for k, p in ((0, 1.0), (3, 1.0), (0, 0.5), (2, 0.9)):
+            probs = np.asarray(f(jnp.asarray(logits), Sampling.make(t, k, p, batch=4)))
+            np.testing.assert_array_equal(probs, one_hot, err_msg=str((t, k, p)))
+    for t in (1e30, 3e38):
+        probs = np.asarray(f(jnp.asarray(logits), Sampling.make(t, 0, 1.0, batch=4)))
+        want = np.where(np.isinf(logits), 0.0, 1.0)
+        np.testing.assert_allclose(probs, want / want.sum(-1, keepdims=True), atol=1e-6)
+    for p in (1e-30, 1e-10, 1e-7):
+        probs = np.asarray(f(jnp.asarray(logits), Sampling.make(1.0, 0, p, batch=4)))
+        np.testing.assert_array_equal(probs, one_hot, err_msg=str(p))
+    probs = np.asarray(f(jnp.asarray(logits), Sampling.make(1.0, 2**31 - 1, 1.0, batch=4)))
+    np.testing.assert_allclose(probs, _transformers_probs(logits, 1.0, 0, 1.0), atol=1e-6)
+
+
 def test_greedy_is_one_hot_argmax():
     logits = np.random.RandomState(1).randn(4, 30).astype(np.float32)
     probs = np.asarray(warp(jnp.asarray(logits), Sampling.make(0.0, 3, 0.5)))
@@ -182,6 +209,22 @@ def test_autoregressive_sampling_is_exact(tiny_pair):
     expected = _exact_joint(target, 1.0, 0, 1.0)
     observed = _sampled_joint(target, None, 1, 1.0, 0, 1.0, K=None)
     assert _chi_square_p(observed, expected) > 1e-3
+
+
+def test_a_tiny_temperature_decodes_greedily(tiny_pair):
+    """A target whose logits reach +-100s at temperature 1e-37 (logits / T overflows):
+    plain and speculative decoding give the greedy tokens (token 0 over and over at 02042b0)."""
+    target, draft = tiny_pair
+    loud = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 300})
+    prompts = np.array([PROMPT, PROMPT[::-1]], np.int32)
+    lengths = np.full(2, len(PROMPT), np.int32)
+    run = lambda d, t: np.asarray(specjax.generate(  # noqa: E731
+        loud, prompts, lengths, draft=d, key=jax.random.key(0), max_new_tokens=6,
+        num_draft_tokens=None if d is None else 2, temperature=t).tokens)
+    assert np.abs(np.asarray(specjax.forward(loud, prompts))).max() > 100
+    greedy = run(None, 0.0)
+    np.testing.assert_array_equal(run(None, 1e-37), greedy)
+    np.testing.assert_array_equal(run(draft, 1e-37), greedy)
 
 
 def _accept_all(key, tokens, parents, valid, q, p, max_depth):
