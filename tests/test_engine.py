@@ -333,6 +333,43 @@ def test_a_failed_preparation_fails_that_request_only(engines, monkeypatch):
         assert len(good.result(timeout=300)) == 3
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["groups_of_one", "a_failed_group_one_by_one"])
+def test_a_failed_insert_loses_no_request(pair, engines, monkeypatch, grouped):
+    """Three requests wait together and the first insert fails: its request fails with the
+    error, and the two taken off the queue beside it are served as they would be alone (at
+    02042b0 they were in neither queue and their clients waited forever). Taken in groups of
+    one, or in a group of three whose preparation failed, then one by one."""
+    engine = engines("plain")
+    real_insert, real_prefill = engine.programs.insert, engine.programs.prefill
+    inserts = []
+
+    def insert(*args):
+        inserts.append(1)
+        if len(inserts) == 1:
+            raise RuntimeError("injected insert failure")
+        return real_insert(*args)
+
+    def prefill(prompts, *args):
+        if len(prompts) > 1:
+            raise RuntimeError("a group's preparation failed")
+        return real_prefill(prompts, *args)
+
+    monkeypatch.setattr(engine.programs, "insert", insert)
+    monkeypatch.setattr(engine.programs, "partition",
+                        lambda lengths, *a, **k: [len(lengths)] if grouped else [1] * len(lengths))
+    monkeypatch.setattr(engine.programs, "prefill", prefill if grouped else real_prefill)
+    failures = engine.failures
+    prompts = [[4, 5], [4, 5, 6], [4, 5, 6, 7]]  # the shortest is placed first
+    with engine:
+        with engine._lock:  # all three wait, and are taken together
+            submitted = [engine.submit(p, max_new_tokens=3) for p in prompts]
+        with pytest.raises(RuntimeError, match="injected insert failure"):
+            submitted[0].result(timeout=60)
+        for prompt, request in zip(prompts[1:], submitted[1:]):
+            assert request.result(timeout=60) == _alone(pair[0], None, prompt, 3, ())
+    assert engine.failures == failures + 1
+
+
 def test_an_idle_engine_blocks_without_using_cpu(engines):
     engine = engines("plain")
     with engine:

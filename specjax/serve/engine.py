@@ -486,9 +486,11 @@ class Engine:
         slots = [slot for slot, r in self._live.items() if r in cancelled]
         if slots:
             self._state = self.programs.release(self._state, slots)
-        for slot in slots:
-            with self._lock:
+        with self._lock:
+            for slot in slots:
                 del self._live[slot]
+            if cancelled:  # cancelled while `_admit` held it, then put back
+                self._waiting = collections.deque(r for r in self._waiting if r not in cancelled)
         for request in cancelled:
             request._finish("cancelled")
 
@@ -496,23 +498,31 @@ class Engine:
         """Free slots take waiting requests, prefilled together in groups of the programs'
         sizes (`Programs.partition`: a burst's prompts in as few calls as pay), then inserted.
         Returns whether any row was inserted (the next call then steps once: their first
-        tokens go out at once)."""
+        tokens go out at once). Every request taken off the queue is placed, failed, or (when
+        an insert fails and the error goes up to `_recover`) put back at its front."""
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        before = len(free)
+        before, arrival = len(free), {id(r): i for i, r in enumerate(taken)}
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
-        for n in self.programs.partition([len(r.prompt) for r in taken], self.programs.call_tokens,
-                                         skip=self._compiling):
-            self._place(taken[:n], free)
-            taken = taken[n:]
+        try:
+            for n in self.programs.partition([len(r.prompt) for r in taken], self.programs.call_tokens,
+                                             skip=self._compiling):
+                self._place(taken, n, free)
+        finally:
+            if taken:
+                with self._lock:
+                    self._waiting.extendleft(sorted(taken, key=lambda r: -arrival[id(r)]))
         return len(free) < before  # `_place` takes the slots it fills from `free`
 
-    def _place(self, group: list[Request], free: list[int]):
-        """Prefills `group` in one call and inserts its rows into the first of the `free`
-        slots (taken from the list). A request whose preparation fails fails alone: a group
-        that fails is prepared again one request at a time."""
-        stops = np.full((len(group), self.programs.stop_width), -1, np.int32)
+    def _place(self, taken: list[Request], n: int, free: list[int]):
+        """Prefills the first `n` requests of `taken` in one call and inserts their rows into
+        the first of the `free` slots; each is removed from `taken` (and its slot from `free`)
+        as it is placed or failed. A request whose preparation fails fails alone: a group that
+        fails is prepared again one request at a time. An insert that fails fails its group
+        and re-raises (a device call: the state is suspect)."""
+        group = taken[:n]
+        stops = np.full((n, self.programs.stop_width), -1, np.int32)
         for i, request in enumerate(group):
             stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
         try:
@@ -520,16 +530,18 @@ class Engine:
                                          [len(r.prompt) + r.max_new_tokens for r in group],
                                          [r.sampling for r in group], stops, [r.seed for r in group])
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
-            if len(group) == 1:
+            if n == 1:
+                del taken[0]
                 group[0]._finish(None, e)
             else:
-                for request in group:
-                    self._place([request], free)
+                for _ in range(n):
+                    self._place(taken, 1, free)
             return
+        del taken[:n]
         slots = [free.pop(0) for _ in group]
         try:
             self._state = self.programs.insert(self._state, slots, rows)
-        except Exception as e:  # a device call: these rows are in neither queue, so they fail here
+        except Exception as e:
             self._fail(group, e)
             raise
         with self._lock:
