@@ -170,13 +170,24 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
 
     engine.compile_all(groups_later=True)
     assert engine.stats()["compiling"] == len(engine.programs.groups()) == 2 * 3  # sizes 2, 3 x buckets 16, 32, 64
+    assert engine.warming
     # compile_all measured a call's cost from the compiled one-row admissions (a number, at most the default's)
     assert 0 <= engine.stats()["prefill_call_tokens"] <= engine.programs.most_tokens
     assert prefills_of_a_burst() == [1] * SLOTS
     gate.set()
     settled()
     assert engine.stats()["compiling"] == 0 and engine.compile_error is None
+    assert engine.wait_warm(60) and not engine.warming
     assert prefills_of_a_burst() == [SLOTS]
+
+    # Stopped (a process that exits), the compile ends after the program it is compiling.
+    gate.clear()
+    engine.compile_all(groups_later=True)
+    assert engine.warming and engine.stats()["compiling"] == 6
+    threading.Timer(0.2, gate.set).start()
+    engine.stop_compiling()
+    assert not engine.warming and engine.stats()["compiling"] == 5
+    engine._compiling.clear()  # those programs are compiled already
 
     def fail(*a):
         raise RuntimeError("out of memory, say")

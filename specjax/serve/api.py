@@ -192,7 +192,7 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         finally:
             if owns_engine:
                 server.engine.cancel_all()
-                await asyncio.to_thread(server.engine.stop)
+                await asyncio.to_thread(server.engine.close)
 
     app = FastAPI(title="specjax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -214,8 +214,12 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = server.engine.running
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        engine = server.engine
+        if not engine.running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if engine.warming:  # it serves; grouped prefills are still compiling in the background
+            return JSONResponse({"status": "warming", "compiling": engine.stats()["compiling"]})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics():

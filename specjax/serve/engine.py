@@ -21,10 +21,12 @@ and nothing of what a step computes (loop.py) or how its programs are shaped (pr
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -51,6 +53,16 @@ OPEN_STEPS = 2
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
 _END = object()
+_COMPILING = weakref.WeakSet()  # engines whose background compile may still run
+
+
+@atexit.register
+def _stop_background_compiles():
+    """At interpreter exit a thread still inside XLA's compiler aborts the process (SIGABRT:
+    "terminate called after throwing an instance of ''"): each background compile stops
+    after the program it is compiling, and is waited for."""
+    for engine in list(_COMPILING):
+        engine.stop_compiling()
 
 
 class Request:
@@ -220,6 +232,8 @@ class Engine:
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
         self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
         self.compile_error: Exception | None = None  # why the background compile stopped, if it did
+        self._compiler: threading.Thread | None = None  # the background compile (compile_all)
+        self._stop_compiling = threading.Event()
 
     # ---- construction -------------------------------------------------------------------
 
@@ -368,7 +382,7 @@ class Engine:
 
     # ---- the device thread --------------------------------------------------------------
 
-    def compile_all(self, groups_later: bool = False) -> "Engine":
+    def compile_all(self, groups_later: bool = False, progress=None) -> "Engine":
         """Compiles every program the engine may run (`stats()["programs"]`) now, so that no
         request waits for a compile; seconds to minutes, once per process and shape.
 
@@ -376,32 +390,69 @@ class Engine:
         about half the programs, compile afterwards in a background thread instead, so that
         the engine can serve sooner (docs/bench/serve_startup.txt); until a group size's
         programs for a bucket are compiled, its requests are prefilled in the sizes that
-        are (one at a time at least). `stats()["compiling"]` counts those still to come.
+        are (one at a time at least). `stats()["compiling"]` counts those still to come,
+        `warming` says whether the thread runs, and `stop_compiling` (or `close`) stops it.
+        progress: None, or a function called with the number of programs just compiled,
+        after each (from the background thread too).
 
         A table the cost profile chose is then chosen again at this device's own costs: each
         K's step at each width is timed over live rows (`Programs.measure_steps`, about a
         second), for the profile measured generate's loop at other batch sizes, maybe on
         another machine (`stats()["step_ms"]`)."""
+        self.wait_warm()  # an earlier call's background compile ends first
         later = self.programs.groups() if groups_later else []
         self._compiling = set(later)
-        layout = self.programs.compile_all(skip=self._compiling)
+        layout = self.programs.compile_all(skip=self._compiling, progress=progress)
         if self.profile is not None:  # a table the profile chose is priced at this device's own steps
             self._price(self.programs.measure_steps())
         if later:
-            threading.Thread(target=self._compile_groups, args=(later, layout), name="specjax-compile",
-                             daemon=True).start()
+            self._stop_compiling.clear()
+            self._compiler = threading.Thread(target=self._compile_groups, args=(later, layout, progress),
+                                              name="specjax-compile", daemon=True)
+            _COMPILING.add(self)
+            self._compiler.start()
         return self
 
-    def _compile_groups(self, groups, layout):
+    def _compile_groups(self, groups, layout, progress):
         """The background thread of `compile_all(groups_later=True)`. A compile that fails
         leaves its size and the rest unused (`compile_error` says why); the engine serves on."""
         for n, b in groups:
+            if self._stop_compiling.is_set():
+                return
             try:
                 self.programs.compile_group(n, b, layout)
             except Exception as e:  # noqa: BLE001 - those groups stay unused; requests go in smaller ones
                 self.compile_error = e
                 return
             self._compiling.discard((n, b))
+            if progress is not None:
+                progress(2)  # the group's prefill and insert
+
+    @property
+    def warming(self) -> bool:
+        """Whether the background compile of `compile_all(groups_later=True)` still runs."""
+        thread = self._compiler
+        return thread is not None and thread.is_alive()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Waits for the background compile to end (finished, failed or stopped); whether it has."""
+        thread = self._compiler
+        if thread is not None:
+            thread.join(timeout)
+        return not self.warming
+
+    def stop_compiling(self):
+        """Stops the background compile after the program it is compiling (XLA's compile of
+        one program cannot be interrupted) and waits for it; the groups not compiled stay
+        unused (their requests are prefilled in smaller groups)."""
+        self._stop_compiling.set()
+        self.wait_warm()
+        _COMPILING.discard(self)
+
+    def close(self):
+        """`stop`, then `stop_compiling`: what a process does before it exits."""
+        self.stop()
+        self.stop_compiling()
 
     def start(self) -> "Engine":
         with self._lock:

@@ -263,24 +263,31 @@ class Programs:
         return self.prefill([np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [(0.0, 0, 1.0)] * n,
                             stops, [0] * n)
 
-    def compile_all(self, skip=()):
+    def compile_all(self, skip=(), progress=None):
         """Runs every program once on a throwaway state, so that none compiles while serving,
         but the prefills and inserts of `skip` ((n, bucket) pairs: `compile_group`'s). Returns
-        the state's layout (shapes, dtypes and shardings), which `compile_group` wants."""
+        the state's layout (shapes, dtypes and shardings), which `compile_group` wants.
+        progress: None, or a function called with the number of programs just compiled."""
+        done = progress or (lambda n: None)
         state = self.empty()
+        done(1)
         layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for b in self.buckets:
             for n in self.prefill_sizes:
                 if (n, b) not in skip:
                     state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
+                    done(2)
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
+        done(1)
         for K in self.drafters:
             if K in self._synced():
                 state = self.sync(state, K)
+                done(1)
             for w in self.widths:
                 for kind in KINDS:
                     state = self.run(state, K, w, kind)[0]
+                    done(1)
         jax.block_until_ready(state)
         return layout
 
@@ -298,7 +305,7 @@ class Programs:
             runs = []
             for _ in range(3):
                 start = time.perf_counter()
-                state = jax.block_until_ready(self.insert(state, list(range(n)), self._dummy_rows(n, b)))
+                state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
                 runs.append(time.perf_counter() - start)
             slots.append(n * b)
             times.append(min(runs))

@@ -14,6 +14,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 DRAFT_CHOICES = "PATH|none|prompt-lookup|lookahead|early-exit:N|medusa|eagle|eagle3"
@@ -77,19 +78,50 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())
     if warmup:
-        programs, later = len(engine.stats()["programs"]), 2 * len(engine.programs.groups())
-        print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
-              f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
-              f"compile in the background once serving...", file=sys.stderr, flush=True)
-        engine.compile_all(groups_later=True)
-        if engine.step_ms is not None:
-            print(f"specjax serve: K by live rows {list(engine.k_table)} at the steps timed here", file=sys.stderr,
-                  flush=True)
+        _compile(engine, slots, length)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_timeout)
     _server_class()(config).run()
     return 0
+
+
+def _compile(engine, slots: int, length: int):
+    """The programs needed to serve, compiled now with a count on stderr; the rest (grouped
+    prefills) in the background, with a line when they are done (/health says "warming"
+    until then)."""
+    from tqdm import tqdm
+
+    programs, later = len(engine.stats()["programs"]), 2 * len(engine.programs.groups())
+    print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
+          f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
+          f"compile in the background once serving", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with tqdm(total=programs - later, desc="specjax serve: compiling", unit="program", file=sys.stderr,
+              mininterval=1.0) as bar:
+        background = {"done": 0}
+
+        def progress(n):
+            if threading.current_thread() is threading.main_thread():
+                bar.update(n)
+            else:
+                background["done"] += n
+
+        engine.compile_all(groups_later=True, progress=progress)
+    if engine.step_ms is not None:
+        print(f"specjax serve: K by live rows {list(engine.k_table)} at the steps timed here", file=sys.stderr,
+              flush=True)
+
+    def announce():
+        engine.wait_warm()
+        if engine.compile_error is not None:
+            print(f"specjax serve: the background compile stopped ({engine.compile_error!r}); requests are "
+                  f"prefilled in the sizes compiled", file=sys.stderr, flush=True)
+        elif not engine.stats()["compiling"]:
+            print(f"specjax serve: fully warm: {programs} programs compiled in {time.perf_counter() - start:.0f} s "
+                  f"({background['done']} in the background)", file=sys.stderr, flush=True)
+
+    threading.Thread(target=announce, name="specjax-warm", daemon=True).start()
 
 
 def _server_class():
