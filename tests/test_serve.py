@@ -255,6 +255,12 @@ BAD = [  # (body, status, param)
     (json.dumps({"prompt": [5] * MAX_LEN}).encode(), 400, "prompt"),
     (b'{"prompt": "x", "logprobs": 1}', 400, "logprobs"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p"),  # vLLM's extensions: refused until built
+    (b'{"prompt": "x", "min_p": 0.1}', 400, "min_p"),
+    (b'{"prompt": "x", "repetition_penalty": 1.2}', 400, "repetition_penalty"),
+    (b'{"prompt": "x", "guided_choice": ["yes", "no"]}', 400, "guided_choice"),
+    (b'{"prompt": "x", "max_completion_tokens": 5}', 400, "max_completion_tokens"),  # chat's, not completions'
+    (b'{"prompt": "x", "temprature": 0.5}', 400, "temprature"),  # a typo is named, not ignored
     (b'{"prompt": "x", "stop_token_ids": [99999]}', 400, "stop_token_ids"),
     (b'{"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}', 400, "stop_token_ids"),
     (b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
@@ -275,6 +281,20 @@ def test_bad_requests_get_openai_errors_quickly(servers, body, status, param):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
+
+
+def test_fields_at_their_off_values_and_harmless_fields_are_served(servers):
+    """vLLM's and OpenAI's fields at their "off" values, and fields that change nothing
+    served (user, metadata, ...), are accepted; an error shows a long value cut with its
+    length, not cut mid-brace."""
+    live = servers("main")
+    body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "guided_choice": None, "logprobs": None, "metadata": {"k": "v"}, "store": False, "user": "u"}
+    r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "guided_json": {"k": "v" * 200}}, timeout=10)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "guided_json" in message and "characters)" in message and len(message) < 200
 
 
 def test_bad_chat_requests_and_routes(servers):

@@ -3,9 +3,11 @@
 Every body is read here: its size bounded, parsed as JSON (nesting bounded), typed field by
 field (strictly: "5" is not an int, true is not a number) and ranged; whatever fails is an
 `ApiError` with OpenAI's body `{"error": {"message", "type", "param", "code"}}` naming the
-field. Fields OpenAI defines that specjax does not implement (logprobs, penalties, logit
-bias, suffix, tools, ...) are refused by name rather than ignored; unknown fields are
-ignored, as OpenAI's server does.
+field. Fields OpenAI or vLLM define that specjax does not implement (logprobs, penalties,
+logit bias, min_p, guided decoding, tools, ...) are refused by name unless they hold their
+"off" value; fields that change nothing served (user, metadata, store, ...) are accepted;
+any other field is refused by name, as OpenAI's server refuses an unrecognized argument:
+nothing a client sends is dropped without a word.
 
 It knows pydantic and JSON; nothing of engines, tokenizers or HTTP frameworks.
 """
@@ -46,9 +48,10 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share (others are kept in `model_extra`, and refused
+    by `refuse_unsupported` unless IGNORED)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
@@ -62,17 +65,6 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     user: StrictStr | None = None
-    # Defined by OpenAI, not implemented here: refused by name (`refuse_unsupported`).
-    logprobs: object = None
-    top_logprobs: object = None
-    logit_bias: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    best_of: object = None
-    suffix: object = None
-    tools: object = None
-    tool_choice: object = None
-    response_format: object = None
 
 
 class CompletionRequest(Sampling):
@@ -97,18 +89,47 @@ class ChatRequest(Sampling):
 UNIONS = {"prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
           "stop": "a string or a list of up to 16 strings"}
 
-# field -> what a request may give it and still be served (None, or OpenAI's "off" value)
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
-               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-               "response_format": (None, {"type": "text"})}
+# Defined by OpenAI or vLLM, not implemented here: field -> the values a request may give it
+# and still be served (absent, null, or the field's "off" value).
+OFF = (None,)
+UNSUPPORTED = {
+    # OpenAI
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": OFF,
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "audio": OFF, "prediction": OFF, "reasoning_effort": OFF, "web_search_options": OFF,
+    # vLLM's extensions
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "bad_words": (None, []), "allowed_token_ids": OFF, "prompt_logprobs": OFF, "truncate_prompt_tokens": OFF,
+    "guided_json": OFF, "guided_regex": OFF, "guided_choice": OFF, "guided_grammar": OFF,
+    "guided_decoding_backend": OFF, "guided_whitespace_pattern": OFF, "structured_outputs": OFF,
+    "logits_processors": OFF, "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "add_special_tokens": OFF, "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": OFF, "chat_template_kwargs": (None, {}), "documents": OFF,
+    "return_tokens_as_token_ids": (None, False), "priority": (None, 0), "echo": (None, False),  # chat's echo
+}
+# Fields that change nothing this server computes or returns: accepted, whatever they hold.
+IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+
+
+def shown(value, most: int = 80) -> str:
+    """A value as JSON for an error message; a long one is cut, saying so."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= most else f"{text[:most - 20]}... ({len(text)} characters)"
 
 
 def refuse_unsupported(body: Sampling):
-    for name, allowed in UNSUPPORTED.items():
-        value = getattr(body, name)
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            raise ApiError(400, f"{name} is not supported by specjax's server (given {json.dumps(value)[:80]})",
+    given = body.model_extra or {}
+    for name, value in given.items():
+        if name in IGNORED:
+            continue
+        if name not in UNSUPPORTED:
+            raise ApiError(400, f"unrecognized request field {name!r} (given {shown(value)})", param=name,
+                           code="unknown_parameter")
+        if not any(value == a and type(value) is type(a) for a in UNSUPPORTED[name]):
+            raise ApiError(400, f"{name} is not supported by specjax's server (given {shown(value)})",
                            param=name, code="unsupported_parameter")
 
 
@@ -153,7 +174,7 @@ def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
-        given = json.dumps(data.get(param) if param else data, default=str)[:80]
+        given = shown(data.get(param) if param else data)
         if errors[0]["type"] == "missing":
             message = f"{'.'.join(str(p) for p in errors[0]['loc'])} is required"
         elif param in UNIONS:  # one error per alternative: say what the field may be instead
