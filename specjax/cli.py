@@ -321,6 +321,8 @@ def _plan(args):
     from specjax import plan
 
     draft = None if args.draft in (None, "none") else args.draft
+    if args.draft is None and args.early_exit is None and args.target == default_checkpoint("target"):
+        draft = default_checkpoint("draft")  # the shipped pair
     result = plan.plan(args.target, draft, topology=args.topology, batch=args.batch, prompt_len=args.prompt_len,
                        max_len=args.max_len, num_draft_tokens=args.num_draft_tokens, tree=_parse_tree(args.tree),
                        mesh=args.mesh, quantize=args.quantize, early_exit=args.early_exit,
@@ -488,7 +490,8 @@ def main(argv=None):
     p.add_argument("target", nargs="?", default=default_checkpoint("target"),
                    help="the target's folder or hub id (only config.json is read; default: the shipped target)")
     drafts = p.add_mutually_exclusive_group()
-    drafts.add_argument("--draft", metavar="PATH|none", help="a draft model's folder or hub id (config.json only)")
+    drafts.add_argument("--draft", metavar="PATH|none", help="a draft model's folder or hub id (config.json only); default: the shipped draft with "
+                             "the shipped target, none with another target")
     drafts.add_argument("--early-exit", type=int, metavar="N", help="draft with the target's own first N layers")
     p.add_argument("--topology", required=True, metavar="GEN:AxB",
                    help="the TPU slice: v4, v5e, v5p or v6e and its chips, e.g. v5e:1x1, v5e:2x4, v6e:4x4; or one "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -142,7 +143,9 @@ _warned: set = set()  # (weight, shape, mesh shape) already warned about
 
 def _warn_fallback(name: str, shape, logical, got: PartitionSpec, mesh: Mesh, rules):
     """Warns once per weight, shape and mesh when a dimension does not divide the mesh axis
-    its rule names, saying where that axis went instead (a fallback dimension, or nowhere)."""
+    its rule names, saying where that axis went instead (a fallback dimension, or nowhere).
+    Every layer's weight of one name is one weight here ("layers/*/attn/qkv_kernel")."""
+    name = re.sub(r"(^|/)\d+(?=/|$)", r"\1*", name)
     table = dict(rules)
     for size, axis_name, placed in zip(shape, logical, tuple(got) + (None,) * len(shape)):
         axis = table.get(axis_name)

@@ -119,21 +119,23 @@ def test_make_mesh_checks_the_device_count():
         sharding.make_mesh(data=3, model=2, devices=jax.devices()[:1])
 
 
-def test_a_weight_that_does_not_divide_warns_once_naming_its_fallback():
+def test_a_weight_that_does_not_divide_warns_once_for_all_layers_naming_its_fallback():
     class FakeMesh:
         shape = {"data": 2, "model": 4}
 
     P = jax.sharding.PartitionSpec
     sharding._warned.clear()
-    with pytest.warns(UserWarning, match=r"layers/0/attn/qkv_kernel .*kv_heads dimension \(6\).*model axis \(4\); "
+    with pytest.warns(UserWarning, match=r"layers/\*/attn/qkv_kernel .*kv_heads dimension \(6\).*model axis \(4\); "
                                          r"split over its head_dim dimension instead"):
         sharding._warn_fallback("layers/0/attn/qkv_kernel", (64, 6, 3, 16), ("embed", "kv_heads", "qkv", "head_dim"),
                                 P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
     import warnings
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the second time: silent
-        sharding._warn_fallback("layers/0/attn/qkv_kernel", (64, 6, 3, 16), ("embed", "kv_heads", "qkv", "head_dim"),
-                                P(None, None, None, "model"), FakeMesh, sharding.DEFAULT_RULES)
+        warnings.simplefilter("error")  # the second time, and for every other layer: silent
+        for layer in (0, 1, 17):
+            sharding._warn_fallback(f"layers/{layer}/attn/qkv_kernel", (64, 6, 3, 16),
+                                    ("embed", "kv_heads", "qkv", "head_dim"), P(None, None, None, "model"), FakeMesh,
+                                    sharding.DEFAULT_RULES)
 
 
 def test_a_batch_that_does_not_divide_data_is_refused():
