@@ -289,7 +289,7 @@ def _bench(args):
     from specjax.models import default_dtype
 
     runs = synthetic.run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
-                                   batches=tuple(args.batches), max_new_tokens=args.max_new_tokens,
+                                   batches=tuple(args.batches or (1, 4, 16)), max_new_tokens=args.max_new_tokens,
                                    repeats=args.repeats, dtype=jax.numpy.dtype(default_dtype()).name, hf=args.hf)
     if args.out is not None:
         _write_synthetic(args, runs)

@@ -6,7 +6,8 @@ call. The default checkpoints come from specjax.shipped; it never imports specja
 
 from __future__ import annotations
 
-from specjax.bench.pair import PROFILE_TREE, PROFILE_TREE_NODES, measure_profile, run_divergence, run_pair
+from specjax.bench.pair import (PROFILE_TREE, PROFILE_TREE_NODES, measure_profile, run_divergence, run_pair,
+                                run_quick)
 from specjax.shipped import default_checkpoint
 from specjax.tree import Tree
 
@@ -36,12 +37,19 @@ def add_arguments(parser):
     parser.add_argument("--synthetic", choices=["tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama-8b"],
                         help="benchmark a random pair instead, in the backend's default dtype (see specjax.synthetic)")
     parser.add_argument("--draft-layers", type=int, default=2, help="--synthetic: the draft's depth")
-    parser.add_argument("-k", "--ks", type=int, nargs="+", default=None, help="K values (default 1..8)")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
-                        help="sampling temperatures to time (default 0 1; 0, greedy, is always run)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16],
-                        help="batch sizes to time (default 1 4 16)")
-    parser.add_argument("--num-prompts", type=int, default=16, help="held-out prompts (default 16)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the whole bench (K 1..8 at two temperatures, batches 1 4 16, trees, every other "
+                             "drafter, auto K, plots: tens of minutes on a CPU; writes bench.json as it goes). "
+                             "Without it, or a section flag: plain vs the draft's chain side by side (quick.json)")
+    parser.add_argument("-k", "--ks", type=int, nargs="+", default=None,
+                        help="K values (default 4; with --sweep 1..8)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=None,
+                        help="sampling temperatures to time (default 0; with --sweep 0 1, where 0, greedy, is "
+                             "always run)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes to time (default 1; with --sweep, --profile and --dtype: 1 4 16)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="held-out prompts (default 8; 16 with a section flag or --sweep)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, the median "
@@ -134,6 +142,20 @@ def run_from_args(args):
     specjax.synthetic)."""
     if args.out is None:
         args.out = DEFAULT_OUT
+    sections = ("sweep", "profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
+    quick = not args.aot and args.dtype == "float32" and not any(getattr(args, name) for name in sections)
+    if args.num_prompts is None:
+        args.num_prompts = 8 if quick else 16
+    if args.batches is None:
+        args.batches = [1] if quick else [1, 4, 16]
+    if args.temperatures is None:
+        args.temperatures = [0.0] if quick else [0.0, 1.0]
+    if quick:
+        run_quick(args.target, args.draft, args.out, ks=tuple(args.ks or (4,)),
+                  temperatures=tuple(args.temperatures), batches=tuple(args.batches),
+                  num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, tokenizer=args.tokenizer)
+        return
     if args.aot:
         others = ("profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")
         if args.dtype != "float32" or any(getattr(args, name) for name in others):

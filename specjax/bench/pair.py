@@ -31,6 +31,47 @@ from specjax.tree import Tree
 # ---- the whole bench -------------------------------------------------------------------
 
 
+def run_quick(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=(4,), temperatures=(0.0,),
+              batches=(1,), num_prompts=8, prompt_tokens=64, max_new_tokens=64, repeats=3,
+              tokenizer: str | None = None, log=print) -> dict:
+    """`specjax bench` with no section flag: plain decoding against the draft model's chain
+    at each K, side by side on the same held-out prompts, for each temperature and batch
+    size (a minute or two for the shipped pair on a 2-core CPU). Each pair of runs is
+    printed as it is measured and quick.json rewritten after it, so an interrupt keeps what
+    was measured; `--sweep` is the whole bench."""
+    from specjax.hf import load_model
+
+    target, draft = load_model(target_path), load_model(draft_path)
+    prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens)
+    log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.config.num_params() / 1e6:.2f}M; "
+        f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
+        f"{max_new_tokens} new tokens each; median of {repeats} timed runs after one that compiles")
+    log(f"{'temp':>4} {'batch':>5} {'K':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
+        f"{'accept':>6} {'tok/pass':>8} exact")
+    report = {"backend": jax.default_backend(), "num_prompts": len(prompts), "prompt_tokens": prompt_tokens,
+              "max_new_tokens": max_new_tokens, "repeats": repeats, "runs": []}
+    for temperature, batch in itertools.product(temperatures, batches):
+        plain, plain_rows = time_generate(target, prompts, batch, repeats, None, 0, "none", temperature,
+                                          max_new_tokens)
+        for K in ks:
+            run, rows = time_generate(target, prompts, batch, repeats, draft, K, "draft", temperature, max_new_tokens)
+            run.speedup = run.tokens_per_s / plain.tokens_per_s
+            run.exact = rows == plain_rows if temperature == 0 else None
+            log(f"{temperature:>4.1f} {batch:>5} {K:>2} {plain.tokens_per_s:>11.1f} {run.tokens_per_s:>10.1f} "
+                f"{run.speedup:>6.2f}x {fmt(run.acceptance):>6} {run.tokens_per_pass:>8.2f} "
+                f"{ {True: 'yes', False: 'NO'}.get(run.exact, '-')}")
+            report["runs"].append({"plain": _brief(plain), "speculative": _brief(run)})
+            _write(report, out_dir, "quick.json", lambda line: None)
+    if out_dir:
+        log(f"wrote {Path(out_dir) / 'quick.json'}")
+    return report
+
+
+def _brief(run: Run) -> dict:
+    """A run's figures without its per-row traces."""
+    return {k: v for k, v in run.as_dict().items() if k not in ("trace", "traces")}
+
+
 def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=range(1, 9),
              temperatures=(0.0, 1.0), batches=(1, 4, 16), num_prompts=16, prompt_tokens=64,
              max_new_tokens=64, repeats=3, hf=False, best_k: int | None = None, only: str | None = None,
@@ -83,7 +124,13 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
             if K not in verify_times:
                 verify_times[K] = pass_time(target, 1, K + 1, cache_len, repeats)
             predict(run, K, t_target, t_draft, t_catch_up, verify_times[K])
+        log(f"  {name}, K={K}, T={temperature:g}, batch {batch}: {run.tokens_per_s:.1f} tok/s, "
+            f"acceptance {fmt(run.acceptance)}")
+        measured.append(_brief(run))
+        _write({"complete": False, "runs": measured}, out_dir, "bench.json", lambda line: None)
         return run, rows
+
+    measured = []  # every speculative run so far, written as it comes (an interrupt keeps them)
 
     verify_times: dict[int, float] = {}
     runs: list[Run] = []
@@ -136,7 +183,7 @@ def run_pair(target_path: str, draft_path: str, out_dir: str | None = "bench", k
     training_free = run_training_free(target, draft, datastore, prompts, auto[0.0], auto_greedy_rows,
                                       max_new_tokens, repeats, K=best_k, log=log)
     auto_k = run_auto(target, draft, prompts, batches, ks, max_new_tokens, repeats, cost_profile, log=log)
-    report = {"trees": trees, "training_free": training_free, "auto_k": auto_k, "c": c,
+    report = {"complete": True, "trees": trees, "training_free": training_free, "auto_k": auto_k, "c": c,
               "t_target_ms": t_target * 1e3, "t_draft_ms": t_draft * 1e3, "best_k": best_k,
               "runs": [r.as_dict() for r in runs], "batches": [[b.as_dict(), s.as_dict()] for b, s in by_batch],
               "other_drafters": [r.as_dict() for r in others], "per_position_acceptance": positions}
