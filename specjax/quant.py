@@ -16,8 +16,6 @@ This module knows parameter names and shapes; it does not know models or files.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,8 +113,3 @@ def quantize(model, method: str = "int8"):
 
     params = jax.tree_util.tree_map_with_path(one, model.params, is_leaf=lambda x: isinstance(x, Int8))
     return model.replace(params=params)
-
-
-def param_bytes(params: Any) -> int:
-    """Bytes the parameters take (int8 values and their scales counted)."""
-    return sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -123,15 +123,6 @@ def _is_int8(x) -> bool:
     return isinstance(x, Int8)
 
 
-def param_logical_axes(params: Mapping) -> Any:
-    """The logical axes of every parameter, as a pytree shaped like params (an int8
-    weight's value and scale both get the weight's axes)."""
-    def one(path, leaf):
-        axes = logical_axes(path_names(path), len(np.shape(leaf)))
-        return Int8(axes, axes) if _is_int8(leaf) else axes
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_int8)
-
-
 def scale_spec(weight: PartitionSpec, scale_shape: Sequence[int]) -> PartitionSpec:
     """An int8 scale's spec: its weight's, except along the contracted axes (size 1)."""
     axes = tuple(weight) + (None,) * (len(scale_shape) - len(weight))

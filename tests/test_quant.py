@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.quant import CONTRACTED, Int8, param_bytes, quantize_array
+from specjax.memory import nbytes
+from specjax.quant import CONTRACTED, Int8, quantize_array
 from tests import tiny
 
 ARCHS = ["llama"] + tiny.NEW_FAMILIES
@@ -30,7 +31,7 @@ def test_int8_is_small_and_agrees_with_float32(arch, hf_folder):
                                        jax.tree_util.tree_flatten_with_path(f32.params)[0]}
     assert all(x.value.dtype == jnp.int8 for x in _int8_leaves(q.params))
     # Even with float32 scales and norms, int8 takes at most 0.6x the bytes of bfloat16.
-    assert param_bytes(q.params) <= 0.6 * param_bytes(bf16.params)
+    assert nbytes(q.params) <= 0.6 * nbytes(bf16.params)
     # Top-1 agreement with float32 at random positions of random sequences.
     tokens = np.random.RandomState(5).randint(0, tiny.VOCAB, (8, 48))
     a, b = (np.asarray(specjax.forward(m, tokens)) for m in (f32, q))

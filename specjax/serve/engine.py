@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -63,6 +64,20 @@ def _stop_background_compiles():
     after the program it is compiling, and is waited for."""
     for engine in list(_COMPILING):
         engine.stop_compiling()
+
+
+@dataclasses.dataclass
+class Call:
+    """One device call in flight: the rows it ran and what it returns (device arrays, read by
+    `Engine._deliver`)."""
+
+    owners: dict  # slot -> Request, the live rows as the call started
+    K: int
+    tokens: jax.Array  # int32 [steps, slots, K+1]: what each step emitted per row
+    counts: jax.Array  # int32 [steps, slots]: how many of them
+    taken: jax.Array  # int32 []: steps the call ran
+    done: jax.Array  # bool [slots]: rows finished (or empty) after it
+    read_now: bool  # requests wait or rows are new: read it at once, not while the next call runs
 
 
 class Request:
@@ -203,7 +218,7 @@ class Engine:
         own = base is not None and (base.tree is not None or base.fixed_shape)
         # A table the profile chose may turn drafting off once the traffic shows it drafted
         # badly (`_adapt`): K = 0 is compiled too, where the drafter may skip steps.
-        off = {0} if self.profile is not None and not self._low else set()
+        off = {0} if self.profile is not None and not self._least_k else set()
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
                     for K in sorted(set(self.k_table) | off)}
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
@@ -227,7 +242,7 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_per_position = collections.Counter()
         self._drafted = collections.Counter()  # drafted steps per K
-        self._kept = collections.defaultdict(collections.Counter)  # K -> position i -> drafts whose (i+1)-th was kept
+        self._accepted_at = collections.defaultdict(collections.Counter)  # K -> i -> drafts whose (i+1)-th was accepted
         self._adapted = 0  # self.drafts when the table was last re-chosen
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
         self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
@@ -238,8 +253,9 @@ class Engine:
     # ---- construction -------------------------------------------------------------------
 
     def _k_table(self, drafter, num_draft_tokens, cost_profile) -> tuple[int, ...]:
-        """K by live rows; sets `profile` (the cost profile it came from, or None) and `_low`."""
-        self.profile, self._low = None, 0
+        """K by live rows; sets `profile` (the cost profile it came from, or None) and `_least_k`
+        (1 for a drafter that reads the target's states of every step, else 0)."""
+        self.profile, self._least_k = None, 0
         if drafter is None:
             if num_draft_tokens not in (None, 0):
                 raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
@@ -248,7 +264,7 @@ class Engine:
             if num_draft_tokens is not None:
                 raise ValueError(f"{type(drafter).__name__} fixes its own shape: leave num_draft_tokens unset")
             return (drafter.resolve(None).tree.nodes,) * self.slots
-        low = self._low = 1 if drafter.wants_features else 0
+        low = self._least_k = 1 if drafter.wants_features else 0
         if isinstance(num_draft_tokens, (int, np.integer)) and not isinstance(num_draft_tokens, bool):
             num_draft_tokens = (num_draft_tokens,) * self.slots
         if num_draft_tokens is not None:
@@ -274,7 +290,7 @@ class Engine:
         def cost(n, K):
             return self.profile.cost(n, K) if self.step_ms is None else self.step_ms[K][self.programs.width(n)]
 
-        return tuple(max(theory.choose_slot_k(acceptance, {K: cost(n, K) for K in among}, n), self._low)
+        return tuple(max(theory.choose_slot_k(acceptance, {K: cost(n, K) for K in among}, n), self._least_k)
                      for n in range(1, self.slots + 1))
 
     def _price(self, step_ms: dict):
@@ -295,8 +311,8 @@ class Engine:
         out = []
         for i, prior in enumerate(self.profile.acceptance):
             deep = [K for K in self._drafted if K > i]
-            reached = sum(self._kept[K][i - 1] if i else self._drafted[K] for K in deep)
-            out.append(sum(self._kept[K][i] for K in deep) / reached if reached >= SEEN else prior)
+            reached = sum(self._accepted_at[K][i - 1] if i else self._drafted[K] for K in deep)
+            out.append(sum(self._accepted_at[K][i] for K in deep) / reached if reached >= SEEN else prior)
         return tuple(out)
 
     def _adapt(self):
@@ -497,7 +513,7 @@ class Engine:
                     self._deliver(pending)
                     pending = None
                 if out is not None:
-                    if out[-1]:  # requests wait, or rows are new: read now, so that a finished row's
+                    if out.read_now:  # requests wait, or rows are new: read now, so that a finished row's
                         self._deliver(out)  # slot is refilled next, and a first token goes out
                     else:  # read while the next call runs
                         pending = out
@@ -598,11 +614,11 @@ class Engine:
         with self._lock:
             self._live.update(zip(slots, group))
 
-    def _dispatch(self, fresh: bool):
+    def _dispatch(self, fresh: bool) -> Call | None:
         """Runs the live rows one call (one step when `fresh`: rows were just inserted)."""
         with self._lock:
             owners = dict(self._live)
-            hold = bool(self._waiting)
+            waiting = bool(self._waiting)
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
@@ -615,24 +631,24 @@ class Engine:
         self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind,
                                                                      1 if fresh else None)
         self.calls[K] += 1
-        return owners, K, tokens, counts, taken, done, hold or fresh
+        return Call(owners, K, tokens, counts, taken, done, read_now=waiting or fresh)
 
-    def _deliver(self, out):
-        owners, K, *arrays, _ = out
-        tokens, counts, taken, done = jax.device_get(arrays)
+    def _deliver(self, call: Call):
+        owners, K = call.owners, call.K
+        tokens, counts, taken, done = jax.device_get((call.tokens, call.counts, call.taken, call.done))
         self.steps[K] += int(taken)
         self.k_in_use = K
         if K:
             emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
-            kept = emitted[emitted > 0] - 1  # drafted tokens the target kept, per drafted step
-            self.drafts += kept.size
-            self.draft_tokens += kept.size * K
-            self.accepted += int(kept.sum())
-            self._drafted[K] += kept.size
-            for position in range(int(kept.max(initial=0))):
-                n = int((kept > position).sum())
+            accepted = emitted[emitted > 0] - 1  # drafted tokens the target accepted, per drafted step
+            self.drafts += accepted.size
+            self.draft_tokens += accepted.size * K
+            self.accepted += int(accepted.sum())
+            self._drafted[K] += accepted.size
+            for position in range(int(accepted.max(initial=0))):
+                n = int((accepted > position).sum())
                 self.accepted_per_position[position] += n
-                self._kept[K][position] += n
+                self._accepted_at[K][position] += n
             self._adapt()
         for slot, request in owners.items():
             if request.finished:

@@ -39,9 +39,9 @@ def buckets(max_len: int) -> tuple[int, ...]:
     return tuple(out) + (last,)
 
 
-def _stored(sampling: Sampling, kind: str = FILTERED) -> Sampling:
-    """The state holds its rows' settings as FILTERED (its structure never changes); a run
-    program reads them as the kind its live rows need (a static argument)."""
+def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
+    """The rows' settings read as `kind`: the state holds them as FILTERED (its structure
+    never changes); a run program reads them as the kind its live rows need (static)."""
     return sampling.replace(kind=kind)
 
 
@@ -52,7 +52,7 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, plat
     with layers.kernels_for(platform, mesh=mesh):
         state = loop.prefill(
             target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
-            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_stored(Sampling.make(batch=slots)),
+            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
             stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, mesh, rules)
 
@@ -70,13 +70,13 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
-def _insert(state, slots, rows, holder, *, mesh, rules):
+def _insert(state, slots, rows, state_drafter, *, mesh, rules):
     """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n]).
     Unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
     cache.write: around a scatter XLA copies the whole buffer)."""
     for i in range(slots.shape[0]):
         state = loop.insert(state, slots[i], jax.tree.map(lambda x: x[i:i + 1], rows))
-    return loop.place(state, holder, mesh, rules)
+    return loop.place(state, state_drafter, mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -87,8 +87,8 @@ def _release(state, free):
 
 @functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "platform", "mesh", "rules"),
                    donate_argnums=3)
-def _run(target, drafter, holder, full, threshold, limit, *, steps: int, open_steps: int, width: int, kind: str,
-         platform, mesh, rules):
+def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
+         kind: str, platform, mesh, rules):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
     pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
@@ -99,11 +99,12 @@ def _run(target, drafter, holder, full, threshold, limit, *, steps: int, open_st
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
-    to the next call). drafter: this K's (None: no drafting); holder: the drafter whose state
-    the rows carry (the deepest), whose rules lay it out on a mesh whatever K runs."""
+    to the next call). drafter: this K's (None: no drafting); state_drafter: the drafter
+    whose state the rows carry (the deepest), whose rules lay it out on a mesh whatever K
+    runs."""
     in_place = platform != "gpu"  # see _first_rows
     state = _first_rows(full, width, in_place)
-    state = state.replace(sampling=_stored(state.sampling, kind))
+    state = state.replace(sampling=_as_kind(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
     limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_steps), limit)
@@ -116,14 +117,14 @@ def _run(target, drafter, holder, full, threshold, limit, *, steps: int, open_st
     def body(carry):
         state, i, tokens, counts = carry
         state, out = loop.step(target, drafter, state, threshold)
-        state = loop.place(state, holder, mesh, rules)
+        state = loop.place(state, state_drafter, mesh, rules)
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
     with layers.kernels_for(platform, mesh=mesh):
         carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
-    state = state.replace(sampling=_stored(state.sampling))
+    state = state.replace(sampling=_as_kind(state.sampling))
     return _written_back(full, state, width, in_place), tokens, counts, taken, state.done
 
 
@@ -153,12 +154,12 @@ def _written_back(full, rows, width: int, in_place: bool):
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("platform", "mesh", "rules"))
-def _sync(drafter, state, holder, *, platform, mesh, rules):
+def _sync(drafter, state, state_drafter, *, platform, mesh, rules):
     """The drafter's state brought within one window of its rows (`Drafter.sync`): run before
     the first call that drafts after calls that did not."""
     with layers.kernels_for(platform, mesh=mesh):
         state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
-    return loop.place(state, holder, mesh, rules)
+    return loop.place(state, state_drafter, mesh, rules)
 
 
 class Programs:
