@@ -420,20 +420,20 @@ def test_the_k_table_follows_the_acceptance_the_traffic_shows(pair, monkeypatch)
     row only: (2, 0, 0). A draft that is the target itself keeps every draft; once the
     traffic has shown it (ADAPT_DRAFTS drafts, shrunk here), the table is chosen again
     among the compiled Ks: K = 2 at every load. Outputs stay the target's own."""
-    from specjax.serve import engine as engine_module
+    from specjax.serve import policy
 
-    monkeypatch.setattr(engine_module, "ADAPT_DRAFTS", 8)
-    monkeypatch.setattr(engine_module, "SEEN", 8)
+    monkeypatch.setattr(policy, "ADAPT_DRAFTS", 8)
+    monkeypatch.setattr(policy, "SEEN", 8)
     target = pair[0]
     profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 2.0, 2.4)), (0.5, 0.5))
     engine = specjax.Engine(target, draft=target, slots=SLOTS, max_len=MAX_LEN, cost_profile=profile,
                             steps_per_call=4)
-    assert engine.k_table == (2, 0, 0) and engine.acceptance() == (0.5, 0.5)
+    assert engine.k_table == (2, 0, 0) and engine.policy.acceptance() == (0.5, 0.5)
     prompt, budget, stops = REQUESTS[0][0], 40, ()
     with engine:
         assert engine.submit(prompt, max_new_tokens=budget).result(timeout=300) == _alone(
             target, None, prompt, budget, stops)
-        assert engine.drafts >= 8 and min(engine.acceptance()) > 0.9, engine.acceptance()
+        assert engine.policy.drafts >= 8 and min(engine.policy.acceptance()) > 0.9, engine.policy.acceptance()
         assert engine.k_table == (2, 2, 2)
         requests = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in REQUESTS[:3]]
         for (p, b, s), request in zip(REQUESTS[:3], requests):
@@ -450,23 +450,21 @@ def test_a_table_that_always_drafts_can_turn_drafting_off(pair):
     engine = specjax.Engine(target, draft=drafts["far"], slots=SLOTS, max_len=MAX_LEN, cost_profile=profile)
     assert engine.k_table == (2, 2, 2) and sorted(engine.programs.drafters) == [0, 2]
     assert any("at K=0" in name for name in engine.stats()["programs"])
-    engine._drafted[2] = engine.drafts = 256  # as _deliver counts 256 drafted steps that kept nothing
-    engine._adapt()
-    assert engine.acceptance() == (0.0, 1.0)  # no draft reached position 2: the profile's figure
+    engine.policy.record(2, np.zeros(256, int))  # 256 drafted steps that kept nothing
+    assert engine.policy.acceptance() == (0.0, 1.0)  # no draft reached position 2: the profile's figure
     assert engine.k_table == (0, 0, 0)
     # EAGLE-3 drafts every step (it reads the target's states of each): no K = 0 to turn to,
     # so the table stays among the Ks compiled (it fell to K = 1, with no program, before).
     eagle = specjax.Engine(target, draft=Eagle3.init(target, jax.random.key(1)), slots=SLOTS, max_len=MAX_LEN,
                            cost_profile=profile)
     assert eagle.k_table == (2, 2, 2) and sorted(eagle.programs.drafters) == [2]
-    eagle._drafted[2] = eagle.drafts = 256
-    eagle._adapt()
+    eagle.policy.record(2, np.zeros(256, int))
     assert eagle.k_table == (2, 2, 2)
 
 
 def test_a_profile_s_table_is_chosen_again_at_the_engine_s_own_steps(pair, engines):
     """`Programs.measure_steps` times every K's step at every width over live rows; an
-    engine whose table a profile chose takes such costs (`_price`, as `compile_all` does)
+    engine whose table a profile chose takes such costs (`KPolicy.price`, as `compile_all` does)
     and chooses again: a profile whose batch-3 steps make K = 2 lose beyond one row gives
     (2, 0, 0); steps measured cheap at every width give (2, 2, 2); costs missing a (K,
     width) are not taken."""
@@ -477,10 +475,11 @@ def test_a_profile_s_table_is_chosen_again_at_the_engine_s_own_steps(pair, engin
     profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 3.0, 4.0)), (0.9, 0.9))
     engine = specjax.Engine(pair[0], draft=pair[1]["near"], slots=SLOTS, max_len=MAX_LEN, cost_profile=profile)
     assert engine.k_table == (2, 0, 0) and engine.step_ms is None
-    engine._price({0: {1: 1.0, 2: 1.0}, 2: {1: 1.2, 2: 1.3, 3: 1.4}})  # K = 0 at width 3 missing
+    missing = {0: {1: 1.0, 2: 1.0}, 2: {1: 1.2, 2: 1.3, 3: 1.4}}  # K = 0 at width 3 missing
+    engine.policy.price(missing, engine.programs.widths)
     assert engine.k_table == (2, 0, 0) and engine.step_ms is None
     cheap = {0: {1: 1.0, 2: 1.0, 3: 1.0}, 2: {1: 1.2, 2: 1.3, 3: 1.4}}
-    engine._price(cheap)
+    engine.policy.price(cheap, engine.programs.widths)
     assert engine.k_table == (2, 2, 2) and engine.stats()["step_ms"] == cheap
 
 

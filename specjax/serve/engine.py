@@ -33,19 +33,15 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax import memory, sharding, theory
+from specjax import memory, sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
 from specjax.sampling import kind_of, validate
+from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
 
-DEFAULT_K = 4  # the chain's length where no cost profile chooses it
-# A profile's table is re-chosen every ADAPT_DRAFTS drafted steps from the acceptance seen so
-# far (`Engine.acceptance`), in which a draft position counts once SEEN drafts reached it.
-ADAPT_DRAFTS = 256
-SEEN = 64
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
@@ -209,20 +205,18 @@ class Engine:
         if deterministic:
             target = deterministic_target(target, mesh)
         self.target, self.slots, self.max_len = target, int(slots), int(max_len)
-        self.step_ms = None  # {K: {width: ms of a step}}, as compile_all measured them (`_price`)
         base = _supported(draft)
-        self.k_table = self._k_table(base, num_draft_tokens, cost_profile)  # [n live - 1] -> K
+        self.policy = KPolicy(base, num_draft_tokens, cost_profile, self.slots)
         if base is not None:  # bound once: every K's drafter shares its weights (cast once, if at all)
             base = base.bind(target)
             base.check_lengths(1, max_len - 1)
         own = base is not None and (base.tree is not None or base.fixed_shape)
-        # A table the profile chose may turn drafting off once the traffic shows it drafted
-        # badly (`_adapt`): K = 0 is compiled too, where the drafter may skip steps.
-        off = {0} if self.profile is not None and not self._least_k else set()
+        off = {0} if self.policy.may_turn_off else set()  # K = 0 compiled too: the drafter may skip steps
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
-                    for K in sorted(set(self.k_table) | off)}
+                    for K in sorted(set(self.policy.table) | off)}
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS)
+        self.policy.bind(self.programs.drafters, self.programs.width)
         self.memory = self._check_memory()
         self._state = None
         self._lock = threading.Condition()
@@ -235,15 +229,7 @@ class Engine:
         self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
-        self.k_in_use = self.k_table[0]  # the K of the last device call
-        # Speculation as vLLM counts it: a draft is one row's drafted step; accepted tokens
-        # are the drafted tokens the target kept (a step's emitted tokens but its own one);
-        # accepted_per_position[i]: drafts whose (i+1)-th drafted token was kept.
-        self.drafts = self.draft_tokens = self.accepted = 0
-        self.accepted_per_position = collections.Counter()
-        self._drafted = collections.Counter()  # drafted steps per K
-        self._accepted_at = collections.defaultdict(collections.Counter)  # K -> i -> drafts whose (i+1)-th was accepted
-        self._adapted = 0  # self.drafts when the table was last re-chosen
+        self.k_in_use = self.policy.table[0]  # the K of the last device call
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
         self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
         self.compile_error: Exception | None = None  # why the background compile stopped, if it did
@@ -252,78 +238,20 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------
 
-    def _k_table(self, drafter, num_draft_tokens, cost_profile) -> tuple[int, ...]:
-        """K by live rows; sets `profile` (the cost profile it came from, or None) and `_least_k`
-        (1 for a drafter that reads the target's states of every step, else 0)."""
-        self.profile, self._least_k = None, 0
-        if drafter is None:
-            if num_draft_tokens not in (None, 0):
-                raise ValueError(f"num_draft_tokens={num_draft_tokens!r} needs a draft")
-            return (0,) * self.slots
-        if drafter.tree is not None or drafter.fixed_shape:
-            if num_draft_tokens is not None:
-                raise ValueError(f"{type(drafter).__name__} fixes its own shape: leave num_draft_tokens unset")
-            return (drafter.resolve(None).tree.nodes,) * self.slots
-        low = self._least_k = 1 if drafter.wants_features else 0
-        if isinstance(num_draft_tokens, (int, np.integer)) and not isinstance(num_draft_tokens, bool):
-            num_draft_tokens = (num_draft_tokens,) * self.slots
-        if num_draft_tokens is not None:
-            table = tuple(num_draft_tokens) if isinstance(num_draft_tokens, (tuple, list)) else ()
-            if (len(table) != self.slots or any(not isinstance(K, (int, np.integer)) or isinstance(K, bool)
-                                                or K < low for K in table)):
-                raise ValueError(f"num_draft_tokens must be an int >= {max(low, 1)}, {self.slots} ints >= {low} "
-                                 f"(K by live rows) or None, got {num_draft_tokens!r}"
-                                 + (f" ({type(drafter).__name__} reads the target's states of every step: it "
-                                    f"cannot skip one)" if low else ""))
-            return tuple(int(K) for K in table)
-        self.profile = theory.resolve_profile(cost_profile, jax.default_backend())
-        if self.profile is None:
-            return (DEFAULT_K,) * self.slots
-        return self._chosen(self.profile.acceptance, range(self.profile.max_k + 1))
+    @property
+    def k_table(self) -> tuple[int, ...]:
+        """K by live rows now (`policy.table`: entry n - 1 for n live rows)."""
+        return self.policy.table
 
-    def _chosen(self, acceptance, among) -> tuple[int, ...]:
-        """K by live rows among the Ks `among` (0: off, where it is among them), for drafts
-        kept at `acceptance` (per position): `theory.choose_slot_k` of each K's step at the
-        width n live rows run in as `compile_all` measured it (`step_ms`), else as the cost
-        profile prices generate's step at batch n. A drafter that reads the target's states
-        catches up only from the last pass's: it drafts every step."""
-        def cost(n, K):
-            return self.profile.cost(n, K) if self.step_ms is None else self.step_ms[K][self.programs.width(n)]
+    def acceptance(self) -> tuple[float, ...] | None:
+        """P(draft position i accepted | the ones before were), as the table is chosen from
+        (`KPolicy.acceptance`; None without a cost profile)."""
+        return self.policy.acceptance()
 
-        return tuple(max(theory.choose_slot_k(acceptance, {K: cost(n, K) for K in among}, n), self._least_k)
-                     for n in range(1, self.slots + 1))
-
-    def _price(self, step_ms: dict):
-        """Takes the steps' costs `Programs.measure_steps` measured ({K: {width: ms}}; one
-        missing: none are taken, the profile prices them all) and chooses the table again."""
-        compiled = sorted(self.programs.drafters)
-        if all(w in step_ms.get(K, {}) for K in compiled for w in self.programs.widths):
-            self.step_ms = step_ms
-            self.k_table = self._chosen(self.acceptance(), compiled)
-
-    def acceptance(self) -> tuple[float, ...]:
-        """P(draft position i kept | the positions before it were), i = 1.., as the traffic
-        so far shows it: of the drafts long enough to reach position i (at K >= i) that kept
-        the positions before it, those that kept i too, where SEEN or more did; elsewhere the
-        cost profile's figure (its own text's). Only with a profile (None otherwise)."""
-        if self.profile is None:
-            return None
-        out = []
-        for i, prior in enumerate(self.profile.acceptance):
-            deep = [K for K in self._drafted if K > i]
-            reached = sum(self._accepted_at[K][i - 1] if i else self._drafted[K] for K in deep)
-            out.append(sum(self._accepted_at[K][i] for K in deep) / reached if reached >= SEEN else prior)
-        return tuple(out)
-
-    def _adapt(self):
-        """Every ADAPT_DRAFTS drafted steps, K by live rows is chosen again from the steps'
-        costs (`_chosen`) and the acceptance the traffic shows, among the Ks compiled: a
-        workload drafted better than the profile's text speculates at more live rows, one
-        drafted worse at fewer. Only a table the profile chose."""
-        if self.profile is None or self.drafts < self._adapted + ADAPT_DRAFTS:
-            return
-        self._adapted = self.drafts
-        self.k_table = self._chosen(self.acceptance(), sorted(self.programs.drafters))
+    @property
+    def step_ms(self) -> dict | None:
+        """The steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
+        return self.policy.step_ms
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
@@ -419,8 +347,8 @@ class Engine:
         later = self.programs.groups() if groups_later else []
         self._compiling = set(later)
         layout = self.programs.compile_all(skip=self._compiling, progress=progress)
-        if self.profile is not None:  # a table the profile chose is priced at this device's own steps
-            self._price(self.programs.measure_steps())
+        if self.policy.profile is not None:  # a table the profile chose is priced at this device's own steps
+            self.policy.price(self.programs.measure_steps(), self.programs.widths)
         if later:
             self._stop_compiling.clear()
             self._compiler = threading.Thread(target=self._compile_groups, args=(later, layout, progress),
@@ -640,16 +568,7 @@ class Engine:
         self.k_in_use = K
         if K:
             emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
-            accepted = emitted[emitted > 0] - 1  # drafted tokens the target accepted, per drafted step
-            self.drafts += accepted.size
-            self.draft_tokens += accepted.size * K
-            self.accepted += int(accepted.sum())
-            self._drafted[K] += accepted.size
-            for position in range(int(accepted.max(initial=0))):
-                n = int((accepted > position).sum())
-                self.accepted_per_position[position] += n
-                self._accepted_at[K][position] += n
-            self._adapt()
+            self.policy.record(K, emitted[emitted > 0] - 1)  # drafted tokens the target accepted, per drafted step
         for slot, request in owners.items():
             if request.finished:
                 continue
@@ -688,12 +607,13 @@ class Engine:
         speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
         what a prefill call costs beyond its tokens, in tokens (`Programs.partition`), and
         the steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
-        acceptance = self.acceptance()
+        policy = self.policy
+        acceptance = policy.acceptance()
         return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
-                "k_table": list(self.k_table), "k_in_use": self.k_in_use, "drafts": self.drafts,
+                "k_table": list(policy.table), "k_in_use": self.k_in_use, "drafts": policy.drafts,
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
-                "draft_tokens": self.draft_tokens, "accepted": self.accepted,
-                "accepted_per_position": [self.accepted_per_position[i] for i in sorted(self.accepted_per_position)],
+                "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
+                "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
                 "failures": self.failures, "programs": self.programs.listing(), "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens, **self.memory}
 
