@@ -157,10 +157,9 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
 
 def node_row(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[b, index[b]] for every row: x [B, M, V], index int32 [B] -> [B, V]. A gather of the
-    rows, except in a program for a TPU: there XLA copied x around that gather (its node axis
-    is tiled with V: 4 copies of 17.6 MB at batch 8, 128K ids, docs/bench/accept_aot.txt),
-    and a sum over the node axis with one term kept (exact) reads x once instead. (A
-    take_along_axis would gather every element.)"""
+    rows, except in a program for a TPU: there XLA copies x around that gather (its node axis
+    is tiled with V; docs/bench/accept_aot.txt), and a sum over the node axis with one term
+    kept (exact) reads x once instead."""
     if target_platform() == "tpu":
         return jnp.where(jnp.arange(x.shape[1])[None, :, None] == index[:, None, None], x, 0).sum(axis=1)
     return x[jnp.arange(x.shape[0]), index]

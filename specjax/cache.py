@@ -109,13 +109,10 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
     into the carried buffer (in place inside a loop); writes at slots >= S are dropped.
     consecutive: every row's T slots follow one another (all of specjax's passes write so:
     a chunk, a chain, a tree's verification block, a draft frontier) and end within S; then
-    each row is one dynamic_update_slice of T entries from slots[b, 0], B of them. A TPU
-    program wants that form: around a point scatter XLA copies the whole buffer (each layer's
-    K and V, every speculative step: docs/bench/engine_aot.txt). The B slices are unrolled in
-    the trace, which costs compile time (the 1B pair's speculative loop for one v5e: 34.7 vs
-    27.5 s at 8 rows, 92.7 vs 40.7 s at 64, where the scatter copies 52 buffers); as a
-    fori_loop over rows XLA's TPU compiler fails, and the scatter's sorted/unique flags or a
-    vmapped slice hold as much as the scatter (docs/bench/cache_write.txt)."""
+    each row is one dynamic_update_slice of T entries from slots[b, 0], B of them, unrolled
+    in the trace (compile time grows with B). A TPU program wants that form: around a point
+    scatter XLA copies the whole buffer; a fori_loop over rows fails in XLA's TPU compiler
+    (docs/bench/engine_aot.txt and cache_write.txt measure both)."""
     new = new.astype(buffer.dtype)
     if not consecutive:
         rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]

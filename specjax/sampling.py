@@ -141,8 +141,7 @@ def argmax(x: jax.Array) -> jax.Array:
     """int32 [...]: the first index of the largest value along x's last axis [..., V], as
     jnp.argmax gives it (a NaN counts as largest). Two plain reductions (the maximum, then
     the lowest index holding it) instead of XLA's (value, index) pair reduction, which the
-    CPU backend does not vectorise: 18 us -> 2.5 us for one row of 4096 on this project's
-    CPU, inside a loop (docs/bench/argmax.txt; a greedy chain of K drafts takes 2K + 1 a step)."""
+    CPU backend does not vectorise (measured in docs/bench/argmax.txt)."""
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
