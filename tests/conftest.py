@@ -36,6 +36,20 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # tiny progr
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+# The fast tier, `python -m pytest -m fast` (about a minute on 2 cores): pure functions and
+# tiny programs, for a developer at work; CI runs the whole suite. Module -> the fixtures
+# that make one of its tests slow (they build and compile models); empty: all are fast.
+FAST = {"test_config.py": set(), "test_house.py": set(), "test_text.py": set(), "test_fuzz.py": set(),
+        "test_auto_k.py": {"pair"}, "test_sampling.py": {"tiny_pair"}}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow = FAST.get(item.path.name)
+        if slow is not None and not slow & set(item.fixturenames):
+            item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """Drops every compiled program after each test module. On CPU each compiled generate
