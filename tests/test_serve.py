@@ -465,7 +465,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
     process exits 0 (at 02042b0 it aborted, SIGABRT, from the compile thread inside XLA)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", str(folder), "--draft", "none",
-                             "--port", str(port), "--slots", "3", "--max-model-len", "64"],
+                             "--port", str(port), "--slots", "2", "--max-model-len", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
