@@ -6,33 +6,25 @@ at 1,000) / 1,000. Runs against any checkout: PYTHONPATH=<checkout> python this 
 """
 
 import importlib
+import sys
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import specjax
 from specjax.tree import Tree
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's tests
+from tests.test_sampling import _tiny  # noqa: E402  (the chi-square pair)
+
 compiled_memory = importlib.import_module("specjax.generate").compiled_memory
-V, PROMPT = 8, [1, 2, 3, 1, 2]
+PROMPT = [1, 2, 3, 1, 2]
 STATIC = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]  # tests/test_tree.py's
 
 
-def tiny(seed, std, base=None):  # tests/test_sampling.py's _tiny
-    config = specjax.ModelConfig(
-        model_type="llama", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
-        intermediate_size=24, max_position_embeddings=64, norm_eps=1e-6, tie_word_embeddings=False)
-    model = specjax.models.init(config, jax.random.key(seed), jnp.float32)
-    rng = np.random.RandomState(seed)
-    base = model.params if base is None else base.params
-    params = jax.tree.map(lambda b, x: b + jnp.asarray(rng.randn(*x.shape) * std, jnp.float32)
-                          if x.ndim > 1 else b, base, model.params)
-    return specjax.Model(config, params)
-
-
-target = tiny(0, 0.6)
-draft = tiny(1, 0.15, base=target)
+target = _tiny(0, 0.6)
+draft = _tiny(1, 0.15, base=target)
 drafters = {"plain": (None, None), "chain K=2": (draft, 2),
             "tree d3 k3 n8": (specjax.DraftModel(draft, Tree(depth=3, top_k=3, nodes=8)), None),
             "static tree, sampled siblings": (specjax.DraftModel(draft, Tree.from_paths(STATIC, "sampled")), None)}
