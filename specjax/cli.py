@@ -534,7 +534,7 @@ def _without_absent_tpu():
 
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
         return
-    google = any(open(f).read().strip() == "0x1ae0" for f in glob.glob("/sys/bus/pci/devices/*/vendor"))
+    google = any(Path(f).read_text().strip() == "0x1ae0" for f in glob.glob("/sys/bus/pci/devices/*/vendor"))
     plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
     if not google and not plugins and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
         import jax

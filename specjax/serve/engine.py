@@ -498,16 +498,16 @@ class Engine:
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
             taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        before, arrival = len(free), {id(r): i for i, r in enumerate(taken)}
+        before, arrived = len(free), list(taken)
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
         try:
             for n in self.programs.partition([len(r.prompt) for r in taken], self.programs.call_tokens,
                                              skip=self._compiling):
                 self._place(taken, n, free)
         finally:
-            if taken:
+            if taken:  # back at the front, in the order they arrived
                 with self._lock:
-                    self._waiting.extendleft(sorted(taken, key=lambda r: -arrival[id(r)]))
+                    self._waiting.extendleft(reversed([r for r in arrived if r in taken]))
         return len(free) < before  # `_place` takes the slots it fills from `free`
 
     def _place(self, taken: list[Request], n: int, free: list[int]):
