@@ -52,10 +52,10 @@ from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
 from specjax.drafters.base import DraftRequest, verify_room
-from specjax.hlo import Copy, large_copies, short_path, traffic
 from specjax.memory import GB, MB, device_nbytes, nbytes
 from specjax.models import Model, layers
 from specjax.request import prepare
+from specjax.tools.hlo import Copy, large_copies, short_path, traffic
 
 # HBM per chip (bytes), by TPU generation (Google Cloud's TPU pages); libtpu's topology
 # names use the same generation names.

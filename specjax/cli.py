@@ -273,20 +273,20 @@ def _parse_tree(text):
 
 
 def _bench(args):
-    """`specjax bench`: a synthetic pair (specjax.synthetic), or bench's own sections."""
+    """`specjax bench`: a synthetic pair (specjax.tools.synthetic), or bench's own sections."""
     if args.tokenizer is not None and (args.synthetic or args.aot):
         raise ValueError("--tokenizer encodes the held-out prompts of a checkpoint pair; --synthetic and --aot "
                          "read none: leave it out")
     if not args.synthetic or args.aot:
-        from specjax import bench
+        from specjax.tools import bench
 
         return bench.run_from_args(args)
     if args.dtype != "float32":
         raise ValueError("--synthetic runs in the backend's default dtype; leave out --dtype")
     import jax
 
-    from specjax import synthetic
     from specjax.models import default_dtype
+    from specjax.tools import synthetic
 
     runs = synthetic.run_synthetic(args.synthetic, args.draft_layers, ks=tuple(args.ks or (1, 2, 4, 6)),
                                    batches=tuple(args.batches or (1, 4, 16)), max_new_tokens=args.max_new_tokens,
@@ -318,7 +318,7 @@ def _serve(args):
 def _plan(args):
     """`specjax plan`: compile generate's program for a TPU slice here and say if it fits.
     Exit 0 when it fits, 1 when it does not (2: a usage error, from `entry`)."""
-    from specjax import plan
+    from specjax.tools import plan
 
     draft = None if args.draft in (None, "none") else args.draft
     if args.draft is None and args.early_exit is None and args.target == default_checkpoint("target"):
@@ -446,7 +446,7 @@ def main(argv=None):
     p.set_defaults(run=_datastore_build)
 
     p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")
-    from specjax import bench
+    from specjax.tools import bench
 
     bench.add_arguments(p)
     flags.add_distributed_args(p)  # in a job of several processes each benches its own devices; process 0 prints

@@ -11,8 +11,10 @@ and, for trees, the same for each measured node budget of a dynamic tree family
 (`TreeBudgets`: a step's time and how deep its accepted path reaches). A batch runs until
 its slowest row is done, so the choice of K (or of a node budget) weighs the expected
 number of steps of the slowest of B rows, not one row's; an engine's slots are refilled as
-each row finishes, so its choice (`choose_slot_k`) weighs one row's tokens per step. Pure
-arithmetic, numpy and JSON: it knows nothing about models or JAX.
+each row finishes, so its choice (`choose_slot_k`) weighs one row's tokens per step. The
+acceptance it weighs is read from what a call kept per step (`row_traces` of a
+return_trace=True call; `per_position_acceptance`, `depth_acceptance`). Pure arithmetic,
+numpy and JSON: it knows nothing about models or JAX.
 """
 
 from __future__ import annotations
@@ -358,3 +360,30 @@ def resolve_profile(cost_profile, backend: str) -> CostProfile | None:
     if isinstance(cost_profile, (str, Path)):
         return CostProfile.load(cost_profile)
     raise TypeError(f"cost_profile must be a specjax.CostProfile, a path or None, got {type(cost_profile).__name__}")
+
+
+# ---- acceptance as measured: from the tokens each step kept ------------------------------
+
+
+def row_traces(out) -> list[list[int]]:
+    """A GenerateOutput's (with return_trace) tokens per step, row by row."""
+    trace, steps = np.asarray(out.trace), np.asarray(out.stats.steps)
+    return [trace[b, : steps[b]].tolist() for b in range(trace.shape[0])]
+
+
+def depth_acceptance(traces: list[list[int]], depth: int) -> list[float]:
+    """Per depth k = 1..depth, the fraction of steps that kept at least k drafted tokens,
+    from each row's tokens per step (accepted + 1); a row's last step, which may be cut
+    short, is left out."""
+    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
+    return [float(np.mean(accepted >= k)) if accepted.size else 0.0 for k in range(1, depth + 1)]
+
+
+def per_position_acceptance(traces: list[list[int]], K: int) -> list[float]:
+    """P(draft i accepted | drafts 1..i-1 accepted), from tokens emitted per step (n + 1 in
+    a step that was not cut short; the last step of a row may be, and is left out)."""
+    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
+    if accepted.size == 0:
+        return []
+    return [float(np.mean(accepted[accepted >= i - 1] >= i)) if np.any(accepted >= i - 1) else 0.0
+            for i in range(1, K + 1)]

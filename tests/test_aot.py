@@ -359,7 +359,7 @@ def test_kernels_count_the_rows_and_updates_a_gpu_program_moves_and_its_loop_tri
     tests/data/gpu_program.py): a gather of 8 rows of a 4 MB table moves those rows, not the
     table; a scatter of 8 entries into a donated 8 MB buffer moves the entries, not the
     buffer; the loop's body reads its 4 MB block each of its 8 trips; the total is the kernels'."""
-    from specjax import hlo
+    from specjax.tools import hlo
     from tests.data import gpu_program as g
 
     text = open("tests/data/gpu_program.hlo").read()

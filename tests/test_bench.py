@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-from specjax import bench, synthetic, theory
+from specjax import theory
+from specjax.tools import bench, synthetic
 
 
 def test_synthetic_bench_runs_and_stays_exact(capsys):

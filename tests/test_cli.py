@@ -247,7 +247,7 @@ def test_no_flag_swallows_the_prompt(capsys):
 def test_bench_dispatches_to_its_sections(monkeypatch):
     """`specjax bench` without --synthetic runs bench.run_from_args (the command's own path,
     which the bench tests, calling bench directly, do not take)."""
-    from specjax import bench
+    from specjax.tools import bench
 
     seen = []
     monkeypatch.setattr(bench, "run_from_args", lambda args: seen.append(args.dtype))

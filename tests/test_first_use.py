@@ -181,9 +181,9 @@ def test_bench_synthetic_honours_out(tmp_path, monkeypatch, capsys):
     before); --tokenizer, which it would not read, is refused."""
     import json
 
-    from specjax import synthetic
     from specjax.cli import entry
-    from specjax.measure import Run
+    from specjax.tools import synthetic
+    from specjax.tools.measure import Run
 
     run = Run("small", 2, 0.0, 1, 0.5, 16, 8, 14, 7, tokens_per_s=32.0)
     monkeypatch.setattr(synthetic, "run_synthetic", lambda *a, **k: [run])

@@ -1,5 +1,6 @@
 """The package's shape: no import cycle among specjax's modules (function-level imports
-count), no module over 700 lines, the loop's entry point under 400."""
+count), no module over 700 lines, the loop's entry point under 400, and the library's core
+importing nothing of specjax.tools (the measuring and planning tools)."""
 
 import ast
 from pathlib import Path
@@ -86,3 +87,36 @@ def test_module_sizes():
     lines = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert lines["specjax.generate"] <= 400
     assert {name: n for name, n in lines.items() if n > 700} == {}
+
+
+# The command line is the tools' front door; aot.py joins specjax/tools/ next (it reads
+# compiled programs with specjax.tools.hlo meanwhile, and nothing in the core imports it).
+FRONT_DOOR = {"specjax.cli"}
+MOVING_TO_TOOLS = {"specjax.aot"}
+
+
+def core_imports_of_tools(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Core module (all of specjax outside specjax.tools, FRONT_DOOR and MOVING_TO_TOOLS)
+    -> the specjax.tools modules it imports, where it imports any."""
+    def is_tool(name):
+        return name == "specjax.tools" or name.startswith("specjax.tools.")
+
+    core = {name for name in graph if not is_tool(name)} - FRONT_DOOR - MOVING_TO_TOOLS
+    return {name: sorted(d for d in graph[name] if is_tool(d)) for name in sorted(core)
+            if any(is_tool(d) for d in graph[name])}
+
+
+def test_the_core_check_finds_an_import_of_the_tools():
+    graph = {"specjax.loop": {"specjax.tools.measure"}, "specjax.cli": {"specjax.tools.plan"},
+             "specjax.tools.measure": {"specjax.loop"}, "specjax.tools.plan": set(), "specjax.tree": set()}
+    assert core_imports_of_tools(graph) == {"specjax.loop": ["specjax.tools.measure"]}
+
+
+def test_the_core_imports_no_tools():
+    """specjax.tools (measuring, planning, the bench, the notebooks' helpers) stands on the
+    core; the core, at module level or in a function, never imports it."""
+    graph, paths = import_graph(), _modules()
+    assert "specjax.tools.plan" in graph["specjax.cli"]  # the walker sees the front door's imports
+    offenders = {str(paths[name].relative_to(ROOT.parent)): tools
+                 for name, tools in core_imports_of_tools(graph).items()}
+    assert offenders == {}, f"the core imports specjax.tools: {offenders}"

@@ -1,4 +1,4 @@
-"""specjax.notebook: the small-mode switch and the side-by-side measurement the notebooks
+"""specjax.tools.notebook: the small-mode switch and the side-by-side measurement the notebooks
 plot (on the tiny test pair)."""
 
 import dataclasses
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import notebook, theory
+from specjax import theory
+from specjax.tools import notebook
 
 
 def test_small_mode_reads_the_environment(monkeypatch):

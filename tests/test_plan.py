@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="planning for a TPU compiles with libtpu (jax[tpu]: the test extra on Linux x86-64)")
 
-from specjax import plan  # noqa: E402
+from specjax.tools import plan  # noqa: E402
 from tests import real_configs  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import measure  # noqa: E402
+from specjax.tools import measure  # noqa: E402
 from specjax.cache import KVCache, write  # noqa: E402
 from specjax.models.layers import MLP, Attention, Norm  # noqa: E402
 from specjax.models.transformer import embed_tokens, read_out, rotary_tables, slots_and_masks  # noqa: E402

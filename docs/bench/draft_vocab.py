@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import Tree  # noqa: E402
-from specjax.measure import held_out_prompts, time_generate  # noqa: E402
+from specjax.tools.measure import held_out_prompts, time_generate  # noqa: E402
 from specjax.train import data  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")

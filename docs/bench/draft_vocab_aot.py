@@ -15,7 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specjax import aot, hlo
+from specjax import aot
+from specjax.tools import hlo
 from specjax.config import ModelConfig
 from specjax.drafters import Eagle3
 from specjax.memory import GB, MB

@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import specjax  # noqa: E402
 from specjax import Tree  # noqa: E402
 from specjax.drafters.vocab import draft_vocabulary  # noqa: E402
-from specjax.measure import depth_acceptance, held_out_prompts, time_generate  # noqa: E402
+from specjax.tools.measure import depth_acceptance, held_out_prompts, time_generate  # noqa: E402
 from specjax.train import data  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import specjax
-from specjax.measure import median_time
+from specjax.tools.measure import median_time
 
 ROOT = Path(__file__).resolve().parents[2]
 target = specjax.load_model(ROOT / "checkpoints" / "target")

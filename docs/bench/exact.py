@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import measure  # noqa: E402
+from specjax.tools import measure  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints")
 

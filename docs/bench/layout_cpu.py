@@ -28,7 +28,7 @@ def measure(repeats: int) -> dict:
     import jax.numpy as jnp
 
     import specjax
-    from specjax import bench
+    from specjax.tools import bench
 
     target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
     draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax.tools import bench  # noqa: E402
 
 LENGTHS = (256, 1024, 4096)
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def workload(tokenizer, n: int, seed: int = 0):
-    from specjax.measure import held_out_prompts
+    from specjax.tools.measure import held_out_prompts
 
     rng = np.random.RandomState(seed)
     prompts = held_out_prompts(tokenizer, n, 64, seed=seed)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax.cache import KVCache  # noqa: E402
-from specjax.measure import held_out_prompts, median_time  # noqa: E402
+from specjax.tools.measure import held_out_prompts, median_time  # noqa: E402
 from specjax.memory import nbytes  # noqa: E402
 from specjax.models import apply  # noqa: E402
 

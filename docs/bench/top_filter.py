@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.measure import median_time
+from specjax.tools.measure import median_time
 
 
 def _pick(x, index):

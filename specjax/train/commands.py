@@ -170,7 +170,6 @@ def _train_heads(args):
 
     import specjax
     from specjax.drafters import vocab
-    from specjax.measure import held_out_prompts
     from specjax.train import data, heads
 
     if args.kind == "eagle":
@@ -185,7 +184,7 @@ def _train_heads(args):
     if getattr(args, "draft_vocab", None) is not None:  # refused before the corpus is prepared
         vocab.check_vocab_size(args.draft_vocab, target.config.vocab_size)
     tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
-    probe = np.array(held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
+    probe = np.array(data.held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
     common = dict(record={"held_out_modules": held_modules, "target": str(args.target)}, probe_prompts=probe,
                   mesh=mesh)
     if args.kind == "medusa":

@@ -1,5 +1,6 @@
-"""Training text: the Python standard library's own source, a tokenizer for it, and a
-deterministic stream of training windows.
+"""Training text: the Python standard library's own source, a tokenizer for it, a
+deterministic stream of training windows, and prompts from the held-out modules (for the
+heads' probe, the bench and the notebooks).
 
 The corpus is every `.py` file of the running interpreter's standard library outside test
 folders and site-packages. Whole modules (top-level packages or files) are held out for
@@ -54,6 +55,28 @@ def split_corpus(root: str | Path | None = None) -> tuple[list[str], list[str], 
         else:
             train.append(text)
     return train, held, sorted(held_modules)
+
+
+def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Windows of held-out standard-library code (modules the shipped pair never saw),
+    each starting at a line that opens a def or class."""
+    _, texts, _ = split_corpus()
+    rng = np.random.RandomState(seed)
+    prompts = []
+    for _ in range(1000):
+        if len(prompts) == num_prompts:
+            break
+        text = texts[rng.randint(len(texts))]
+        starts = [i for i, line in enumerate(text.splitlines(keepends=True))
+                  if line.lstrip().startswith(("def ", "class "))]
+        if not starts:
+            continue
+        lines = text.splitlines(keepends=True)
+        start = starts[rng.randint(len(starts))]
+        ids = tokenizer.encode("".join(lines[start:]), add_special_tokens=False)
+        if len(ids) >= prompt_tokens + 64:
+            prompts.append(ids[:prompt_tokens])
+    return prompts
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, folder: str | Path):

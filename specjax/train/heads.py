@@ -143,10 +143,10 @@ def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], 
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
     held-out prompts [B, P] (on `mesh` if given): tokens per target pass and, per depth k,
     the fraction of steps that accepted at least k drafted tokens
-    (`measure.depth_acceptance`). One compilation for all calls."""
+    (`theory.depth_acceptance`). One compilation for all calls."""
     from specjax.generate import generate
-    from specjax.measure import depth_acceptance, row_traces
     from specjax.sharding import gather
+    from specjax.theory import depth_acceptance, row_traces
 
     lengths = np.full(len(prompts), prompts.shape[1], np.int32)
 

@@ -8,9 +8,9 @@ python gpubench.py attention --size 1b  # Model.attention portable vs kernels: p
 Prints a table last; writes JSON to $OUT (or /tmp) when set.
 
 Adapted from /work/shared/gpu/gpubench.py (written for f58689a, stacked [L, ...] layers) to
-the per-layer layout: the synthetic pair is specjax.synthetic.build_synthetic_pair (--size
+the per-layer layout: the synthetic pair is specjax.tools.synthetic.build_synthetic_pair (--size
 1b/8b/tiny = llama-1b/llama-8b/llama-tiny) and the weights-only chain is
-specjax.synthetic.weights_only_time; the rest is as it was (see README.md here).
+specjax.tools.synthetic.weights_only_time; the rest is as it was (see README.md here).
 """
 import argparse
 import contextlib
@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.measure import median_time
-from specjax.synthetic import SIZES as SYNTHETIC_SIZES
+from specjax.tools.measure import median_time
+from specjax.tools.synthetic import SIZES as SYNTHETIC_SIZES
 from specjax.aot import pass_reads
 from specjax.cache import KVCache
 from specjax.models import apply
-from specjax.synthetic import build_synthetic_pair, read_bandwidth, weight_bytes, weights_only_time
+from specjax.tools.synthetic import build_synthetic_pair, read_bandwidth, weight_bytes, weights_only_time
 
 OUT = os.environ.get("OUT", "/tmp")
 RESULTS = {}
@@ -69,7 +69,7 @@ def diverged(rows, ref):
     return n, first
 
 
-# --size -> specjax.synthetic's size. The script's own build_pair (f58689a) made the same
+# --size -> specjax.tools.synthetic's size. The script's own build_pair (f58689a) made the same
 # shapes; differences of build_synthetic_pair: weights drawn in the requested dtype (not
 # float32 then cast), faint layers' o/down kernels x0.01 (not x0.05), llama-tiny's
 # max_position_embeddings 512 and default rope_theta (rotary is computed, not tabled, so
@@ -78,14 +78,14 @@ SIZE_MAP = {"tiny": "llama-tiny", "1b": "llama-1b", "8b": "llama-8b"}
 
 
 def build_pair(size, draft_layers, dtype, seed=0):
-    """(target, draft): specjax.synthetic's random pair of `size` (a key of SIZE_MAP, or any
-    specjax.synthetic.SIZES name): the target's layers past `draft_layers` write faintly into
+    """(target, draft): specjax.tools.synthetic's random pair of `size` (a key of SIZE_MAP, or any
+    specjax.tools.synthetic.SIZES name): the target's layers past `draft_layers` write faintly into
     the residual stream, and the draft is its own first layers + head (shared arrays)."""
     return build_synthetic_pair(SIZE_MAP.get(size, size), draft_layers, seed=seed, dtype=dtype)
 
 
 def synth(args):
-    from specjax.measure import pass_time
+    from specjax.tools.measure import pass_time
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.time()
@@ -181,7 +181,7 @@ def attention(args):
     measure.pass_time runs it) timed, over what it must read (the weights once, the live
     cache once) at the measured bandwidth; then greedy generation (AR, draft K=5) in each
     mode and the rows where its output differs from the portable path's."""
-    from specjax.measure import pass_time
+    from specjax.tools.measure import pass_time
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     target, draft = build_pair(args.size, args.draft_layers, dtype)

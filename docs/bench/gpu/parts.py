@@ -3,8 +3,8 @@ attention instead of cuDNN, the vocabulary head alone, and the layers' matmuls a
 python parts.py SIZE   (run from the project's root with PYTHONPATH set; SIZE: 1b, 8b, tiny)
 
 Adapted from /work/shared/gpu/parts.py (f58689a, stacked layers) to the per-layer layout: the
-pair is specjax.synthetic.build_synthetic_pair (through gpubench.build_pair), and the last
-line, the layers' matmuls alone, is specjax.synthetic.weights_only_time (the original
+pair is specjax.tools.synthetic.build_synthetic_pair (through gpubench.build_pair), and the last
+line, the layers' matmuls alone, is specjax.tools.synthetic.weights_only_time (the original
 printed no such line although its docstring promised it)."""
 import statistics
 import sys
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import gpubench  # noqa: E402
-from specjax.measure import pass_time  # noqa: E402
+from specjax.tools.measure import pass_time  # noqa: E402
 from specjax.models import layers  # noqa: E402
-from specjax.synthetic import weights_only_time  # noqa: E402
+from specjax.tools.synthetic import weights_only_time  # noqa: E402
 
 
 def timeit(f, *a, passes=50):

@@ -26,11 +26,12 @@ import numpy as np
 
 from specjax.aot import pass_reads
 from specjax.config import ModelConfig
-from specjax.measure import Run, median_time, pass_time, predict, print_runs, run_transformers, time_generate
 from specjax.models import Model
 from specjax.models.layers import gate_up_matmul, qkv_matmul
 from specjax.models.transformer import init_params
 from specjax.quant import path_names
+from specjax.tools.measure import (Run, median_time, pass_time, predict, print_runs, run_transformers,
+                                   time_generate)
 
 SIZES = {
     "tiny": dict(model_type="gpt2", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,

@@ -26,8 +26,8 @@ from specjax import theory
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Medusa
 from specjax.generate import pad_prompts
-from specjax.measure import fmt, median_time, pass_time, time_generate
 from specjax.models import Model
+from specjax.tools.measure import fmt, median_time, pass_time, time_generate
 
 SMALL_ENV = "SPECJAX_SMALL"
 

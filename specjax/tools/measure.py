@@ -1,9 +1,11 @@
-"""Timing and statistics of `generate`, shared by the bench (specjax.bench), the synthetic
-pair (specjax.synthetic), the notebooks' comparisons (specjax.notebook) and the heads'
-training probe (specjax.train.heads): medians of timed calls, one pass's cost inside a
-compiled loop, a whole prompt set timed as a `Run`, acceptance from tokens per step,
-theory's predicted speedups, the held-out prompts, and transformers' generate timed on
-the same checkpoints.
+"""Timing and statistics of `generate`, shared by the bench (specjax.tools.bench), the
+synthetic pair (specjax.tools.synthetic) and the notebooks' comparisons
+(specjax.tools.notebook): medians of timed calls, one pass's cost inside a compiled loop, a
+whole prompt set timed as a `Run`, acceptance from tokens per step, theory's predicted
+speedups, the held-out prompts, and transformers' generate timed on the same checkpoints.
+The held-out prompts (specjax.train.data's) and acceptance from a
+trace (row_traces, depth_acceptance, per_position_acceptance: specjax.theory's) live in
+the core, which trains and probes with them; this module re-exports them.
 
 It owns measurement, not experiments: it does not know the bench's sections, its tables
 beyond one list of runs, plots, reports on disk, or the command line.
@@ -23,6 +25,7 @@ from specjax import theory
 from specjax.cache import KVCache, tree_placement
 from specjax.generate import generate, pad_prompts
 from specjax.models import Model, apply, commit
+from specjax.theory import depth_acceptance, per_position_acceptance, row_traces  # noqa: F401 (re-exported)
 from specjax.tree import ancestors, depths
 
 
@@ -147,30 +150,6 @@ def time_generate(target, prompts: list[list[int]], batch: int, repeats: int, dr
     return run, rows
 
 
-def row_traces(out) -> list[list[int]]:
-    """A GenerateOutput's (with return_trace) tokens per step, row by row."""
-    trace, steps = np.asarray(out.trace), np.asarray(out.stats.steps)
-    return [trace[b, : steps[b]].tolist() for b in range(trace.shape[0])]
-
-
-def depth_acceptance(traces: list[list[int]], depth: int) -> list[float]:
-    """Per depth k = 1..depth, the fraction of steps that kept at least k drafted tokens,
-    from each row's tokens per step (accepted + 1); a row's last step, which may be cut
-    short, is left out."""
-    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
-    return [float(np.mean(accepted >= k)) if accepted.size else 0.0 for k in range(1, depth + 1)]
-
-
-def per_position_acceptance(traces: list[list[int]], K: int) -> list[float]:
-    """P(draft i accepted | drafts 1..i-1 accepted), from tokens emitted per step (n + 1 in
-    a step that was not cut short; the last step of a row may be, and is left out)."""
-    accepted = np.array([c - 1 for t in traces for c in t[:-1]])
-    if accepted.size == 0:
-        return []
-    return [float(np.mean(accepted[accepted >= i - 1] >= i)) if np.any(accepted >= i - 1) else 0.0
-            for i in range(1, K + 1)]
-
-
 def predict(run: Run, K: int, t_target: float, t_step: float, t_catch_up: float, t_verify: float):
     """Sets the run's two predicted speedups from measured pass times (seconds): Leviathan
     et al.'s E[tokens per pass] / (K c + 1), alpha fitted to the accepted drafts per step;
@@ -195,27 +174,11 @@ def first_divergence(row: list[int], reference: list[int]) -> int | None:
 
 
 def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
-    """Windows of held-out standard-library code (modules the shipped pair never saw),
-    each starting at a line that opens a def or class."""
-    from specjax.train.data import split_corpus
+    """specjax.train.data.held_out_prompts (imported when first called, as before: training's
+    modules stay out of a measurement that needs no prompts)."""
+    from specjax.train.data import held_out_prompts
 
-    _, texts, _ = split_corpus()
-    rng = np.random.RandomState(seed)
-    prompts = []
-    for _ in range(1000):
-        if len(prompts) == num_prompts:
-            break
-        text = texts[rng.randint(len(texts))]
-        starts = [i for i, line in enumerate(text.splitlines(keepends=True))
-                  if line.lstrip().startswith(("def ", "class "))]
-        if not starts:
-            continue
-        lines = text.splitlines(keepends=True)
-        start = starts[rng.randint(len(starts))]
-        ids = tokenizer.encode("".join(lines[start:]), add_special_tokens=False)
-        if len(ids) >= prompt_tokens + 64:
-            prompts.append(ids[:prompt_tokens])
-    return prompts
+    return held_out_prompts(tokenizer, num_prompts, prompt_tokens, seed)
 
 
 # ---- tables ----------------------------------------------------------------------------

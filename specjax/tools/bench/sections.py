@@ -4,8 +4,8 @@ trained Medusa/EAGLE heads, drafting without a trained drafter (lookahead, retri
 prompt lookup), and num_draft_tokens="auto" against every fixed K or node budget.
 
 Each takes loaded models and prompts and returns a JSON-ready dict, logging its table; it
-does not load the pair, write files or parse arguments (specjax.bench.pair and
-specjax.bench.command do).
+does not load the pair, write files or parse arguments (specjax.tools.bench.pair and
+specjax.tools.bench.command do).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax import theory
 from specjax.drafters import Datastore, DraftModel, EarlyExit, Lookahead, PromptLookup, Retrieval, load_drafter
-from specjax.measure import Run, depth_acceptance, pass_time, time_generate
+from specjax.tools.measure import Run, depth_acceptance, pass_time, time_generate
 from specjax.tree import Tree
 
 

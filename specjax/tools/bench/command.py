@@ -1,14 +1,15 @@
 """The bench's command line: the flags of `specjax bench` (specjax.cli adds them to its
-subcommand) and of `python -m specjax.bench`, and which of specjax.bench.pair's runs they
-call. The default checkpoints come from specjax.shipped; it never imports specjax.cli, and
-`--synthetic` is the cli's to dispatch (to specjax.synthetic), not this module's.
+subcommand) and of `python -m specjax.tools.bench`, and which of specjax.tools.bench.pair's
+runs they call. The default checkpoints come from specjax.shipped; it never imports
+specjax.cli, and `--synthetic` is the cli's to dispatch (to specjax.tools.synthetic), not
+this module's.
 """
 
 from __future__ import annotations
 
-from specjax.bench.pair import (PROFILE_TREE, PROFILE_TREE_NODES, measure_profile, run_divergence, run_pair,
-                                run_quick)
 from specjax.shipped import default_checkpoint
+from specjax.tools.bench.pair import (PROFILE_TREE, PROFILE_TREE_NODES, measure_profile, run_divergence,
+                                      run_pair, run_quick)
 from specjax.tree import Tree
 
 DEFAULT_OUT = "bench"  # --out, where not given (--synthetic writes nothing then)
@@ -17,10 +18,11 @@ DESCRIPTION = ("Benchmarks behind `specjax bench`: autoregressive vs speculative
 
 
 def main(argv=None):
-    """`python -m specjax.bench`: the bench's own flags, without the specjax command around them."""
+    """`python -m specjax.tools.bench`: the bench's own flags, without the specjax command
+    around them."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specjax.bench", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m specjax.tools.bench", description=DESCRIPTION)
     add_arguments(parser)
     run_from_args(parser.parse_args(argv))
 
@@ -35,7 +37,8 @@ def add_arguments(parser):
                         help="the target's tokenizer, which encodes the held-out prompts: a folder or hub id "
                              "(default: the target's own folder)")
     parser.add_argument("--synthetic", choices=["tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama-8b"],
-                        help="benchmark a random pair instead, in the backend's default dtype (see specjax.synthetic)")
+                        help="benchmark a random pair instead, in the backend's default dtype "
+                             "(see specjax.tools.synthetic)")
     parser.add_argument("--draft-layers", type=int, default=2, help="--synthetic: the draft's depth")
     parser.add_argument("--sweep", action="store_true",
                         help="the whole bench (K 1..8 at two temperatures, batches 1 4 16, trees, every other "
@@ -110,10 +113,10 @@ def run_aot(args):
     from pathlib import Path
 
     from specjax import aot
-    from specjax.plan import read_config
+    from specjax.tools.plan import read_config
 
     if args.synthetic:
-        from specjax.synthetic import synthetic_config
+        from specjax.tools.synthetic import synthetic_config
 
         target = synthetic_config(args.synthetic)
         draft = dataclasses.replace(target, num_layers=args.draft_layers)
@@ -139,7 +142,7 @@ def run_aot(args):
 
 def run_from_args(args):
     """Runs what the parsed flags ask for (--synthetic aside, but with --aot: specjax.cli runs
-    specjax.synthetic)."""
+    specjax.tools.synthetic)."""
     if args.out is None:
         args.out = DEFAULT_OUT
     sections = ("sweep", "profile", "trees_only", "heads_only", "training_free_only", "auto_k_only", "hf")

@@ -108,7 +108,7 @@ def large_copies(hlo: str, threshold: int) -> tuple[Copy, ...]:
         first operand's (XLA's own relayout copies carry none)."""
         frame, source, name = _FRAME_ID.search(line), _SOURCE.search(line), _OP_NAME.search(line)
         where = (frames.get(int(frame.group(1)), "?") if frame else
-                 f"{_short(source.group(1))}:{source.group(2)}" if source else "?")
+                 f"{short_path(source.group(1))}:{source.group(2)}" if source else "?")
         if where == "?" and name:
             where = name.group(1).replace("\\'", "'")  # HLO text escapes the quotes of params['...']
         operand = re.search(r"\w+\(%([\w.\-]+)", line.split("=", 1)[1])

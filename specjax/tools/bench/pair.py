@@ -1,11 +1,11 @@
 """The shipped pair (or any --target/--draft) measured whole: `run_pair` (every K and
-temperature, batch sizes, every drafter, then the sections of specjax.bench.sections),
+temperature, batch sizes, every drafter, then the sections of specjax.tools.bench.sections),
 `run_divergence` (greedy rows that differ from autoregressive ones in low precision),
 `measure_profile` (the cost profile behind num_draft_tokens="auto"), and their tables,
 JSON reports and plots.
 
-It loads checkpoints by path and writes reports; the timing itself is specjax.measure's,
-the argument parsing specjax.bench.command's.
+It loads checkpoints by path and writes reports; the timing itself is specjax.tools.measure's,
+the argument parsing specjax.tools.bench.command's.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 import jax
 
 from specjax import theory
-from specjax.bench.sections import run_auto, run_heads, run_training_free, run_trees, trained_heads
 from specjax.drafters import Datastore, DraftModel, EarlyExit, PromptLookup
 from specjax.generate import generate, pad_prompts
-from specjax.measure import (Run, depth_acceptance, first_divergence, fmt, held_out_prompts, pass_time,
-                             per_position_acceptance, predict, print_runs, row_traces, run_transformers,
-                             time_generate)
 from specjax.text import target_tokenizer
+from specjax.tools.bench.sections import run_auto, run_heads, run_training_free, run_trees, trained_heads
+from specjax.tools.measure import (Run, depth_acceptance, first_divergence, fmt, held_out_prompts, pass_time,
+                                   per_position_acceptance, predict, print_runs, row_traces, run_transformers,
+                                   time_generate)
 from specjax.tree import Tree
 
 
