@@ -9,8 +9,11 @@ from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, Ear
                               PromptLookup, Retrieval, load_drafter)
 from specjax.drafters.vocab import draft_vocabulary
 from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
-from specjax.config import GenerationConfig, InvalidConfigError, ModelConfig, UnsupportedConfigError
-from specjax.hf import CheckpointError, UnsafeCheckpointError, load_model, load_tokenizer, save_model
+from specjax.config import GenerationConfig, ModelConfig
+from specjax.hf_config import InvalidConfigError, UnsupportedConfigError
+from specjax.folders import CheckpointError, UnsafeCheckpointError
+from specjax.hf import load_model, save_model
+from specjax.text import load_tokenizer
 from specjax.budget import MemoryEstimate
 from specjax.memory import InsufficientMemoryError
 from specjax.models import Model, forward

@@ -4,8 +4,9 @@ The tables of layouts.py say, for every Hugging Face tensor, its name, its shape
 specjax parameter(s) it becomes and how. Loading checks every tensor against the table
 (missing, unexpected, wrong shape) before converting, then streams each parameter of each
 layer out of the memory-mapped files into its device buffer(s); saving runs the same
-table backwards, so what `save_model` writes loads in transformers. This module knows
-nothing about decoding.
+table backwards, so what `save_model` writes loads in transformers. Folders are found and
+their files checked by folders.py, config.json's values read by config.py and hf_config.py,
+tokenizers loaded by text.py. This module knows nothing about decoding.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import dataclasses
 import json
 import mmap
 import os
-import stat
-import sys
 from pathlib import Path
 
 import jax
@@ -25,15 +24,19 @@ import numpy as np
 
 from specjax import quant, sharding
 from specjax.config import GenerationConfig, ModelConfig
+from specjax.folders import (
+    CheckpointError,
+    UnsafeCheckpointError,
+    _read_json,
+    check_regular,
+    resolve,
+)
 from specjax.layouts import Concat, expected_tensors, layout
 from specjax.models import ATTENTION, Model, default_dtype, layers
+from specjax.text import load_tokenizer
 
 # Buffers some checkpoints carry that hold no weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing files, or its files are corrupt or do not match the config."""
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -53,76 +56,6 @@ SAFETENSORS_DTYPES = {
 # Diagnostics of the last load: elements copied out of checkpoint tensors (a tensor
 # placed on n devices whole counts n times; a split one once).
 stats = {"elements_read": 0}
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """The checkpoint's weights are a pickle (pytorch_model.bin and the like), which specjax
-    refuses to load: unpickling a file can run any code its author chose."""
-
-
-def check_regular(file: Path) -> Path:
-    """file, unless it exists and is not a regular file (a FIFO, a device, a socket: reading
-    one can block forever or never end) or is a symbolic link to nothing: those raise
-    CheckpointError."""
-    try:
-        mode = file.stat().st_mode
-    except FileNotFoundError:
-        if file.is_symlink():
-            raise CheckpointError(f"{file} is a symbolic link to nothing ({os.readlink(file)})") from None
-        return file
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{file} is not a regular file (a folder, FIFO, device or socket); refusing to read it")
-    return file
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A local folder, or else a hub id ("gpt2", "org/name") resolved (downloaded) with
-    huggingface_hub: any name that is no local path and is a valid repo id is tried as one."""
-    folder = Path(path)
-    if folder.is_dir():
-        return folder
-    if folder.exists():
-        raise CheckpointError(f"{folder} is a file; expected a folder with config.json and *.safetensors")
-    name = str(path)
-    if not _is_hub_id(name):
-        raise CheckpointError(f"checkpoint folder {name} does not exist")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.utils import LocalEntryNotFoundError
-
-    if not constants.HF_HUB_OFFLINE:  # offline, the refusal below says it all
-        print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
-    try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:  # offline and not cached, unknown repo, no access: say which and why
-        offline = constants.HF_HUB_OFFLINE and isinstance(e, LocalEntryNotFoundError)
-        why = "it is not in the local cache, and HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"{name} is not a local folder, and tried as a Hugging Face hub id it could not be "
-                              f"fetched: {why}") from e
-
-
-def _is_hub_id(name: str) -> bool:
-    """True for a name the hub could hold ("gpt2", "org/name"); not for paths such as
-    "./x", "/abs" or "a/b/c"."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _read_json(file: Path) -> dict:
-    check_regular(file)
-    try:
-        value = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-    except RecursionError:
-        raise CheckpointError(f"{file} nests its JSON too deeply to be a config") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def _read_hf_config(folder: Path) -> dict:
@@ -518,80 +451,6 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     if repeat > 1:
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat)
     return Model(config, params, generation, rules=rules, attention=attention)
-
-
-# The files a tokenizer is saved as (fast, sentencepiece, GPT-2's BPE, WordPiece): a folder
-# with none of them holds no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-
-
-class NoTokenizerError(CheckpointError):
-    """A model's folder holds no tokenizer (as one `save_model` wrote without a tokenizer);
-    `folder` is the folder."""
-
-    def __init__(self, folder, remedy: str = "load the tokenizer from a folder that has it, or save one beside "
-                                             "the weights with specjax.save_model(..., tokenizer=...)"):
-        self.folder = folder
-        super().__init__(f"{folder} has no tokenizer (no tokenizer.json, tokenizer_config.json or the like): "
-                         f"{remedy}")
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer stored beside the weights (NoTokenizerError where the folder
-    holds none). Code shipped in the folder never runs: transformers is told not to trust
-    remote code, so a tokenizer that needs its own Python (an auto_map naming a class
-    transformers lacks) is refused, never prompted for."""
-    from transformers import AutoTokenizer
-
-    folder = resolve(path)
-    for file in folder.iterdir():  # transformers would read a FIFO forever
-        if not file.is_dir():
-            check_regular(file)
-    if not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise NoTokenizerError(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (folder / name).exists():
-            _read_json(folder / name)  # JSON objects, named if not, before transformers reads them
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-        if not isinstance(tokenizer.model_max_length, int) or tokenizer.model_max_length < 1:
-            raise ValueError(f"tokenizer_config.json: model_max_length={tokenizer.model_max_length!r} must be "
-                             f"an integer >= 1")
-        return tokenizer
-    except Exception as e:  # noqa: BLE001 -- whatever the files make transformers raise
-        words = " ".join(str(e).split())
-        first = words if len(words) <= 300 else words[:300] + " ..."  # one line, and visibly cut if cut
-        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
-            raise UnsafeCheckpointError(f"the tokenizer in {folder} needs Python code shipped in the folder, which "
-                                        f"specjax never runs: use a checkpoint whose tokenizer transformers ships "
-                                        f"({first})") from None
-        if isinstance(e, OSError):  # no tokenizer files at all: as transformers says it
-            raise
-        raise CheckpointError(f"the tokenizer files in {folder} cannot be loaded: {type(e).__name__}: {first}") from None
-
-
-# Text on which two tokenizers must agree: ASCII prose and code, digits, runs of spaces and
-# newlines, accents, CJK, an emoji.
-TOKENIZER_PROBE = ("The quick brown fox, 1234567890 times!\n\ndef f(x):\n    return x ** 2  # ok\n"
-                   "\tcafé déjà-vu naïve Größe 東京 你好 🙂 <|end|> </s>")
-
-
-class TokenizerMismatchError(ValueError):
-    """A draft whose tokenizer turns the same text into other ids than the target's: its
-    proposals would be tokens of another language."""
-
-
-def check_tokenizers(target, draft, target_name="target", draft_name="draft"):
-    """Raises TokenizerMismatchError unless both tokenizers give the same ids for
-    TOKENIZER_PROBE, special tokens included (vocabulary sizes alone prove nothing)."""
-    a, b = target(TOKENIZER_PROBE)["input_ids"], draft(TOKENIZER_PROBE)["input_ids"]
-    if list(a) != list(b):
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        raise TokenizerMismatchError(
-            f"the tokenizers of {target_name} and {draft_name} differ: on a probe text they give "
-            f"{len(a)} and {len(b)} ids, first differing at position {at} "
-            f"({list(a[at:at + 4])} vs {list(b[at:at + 4])}); a draft must share the target's tokenizer")
 
 
 # ---- writing ---------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def test_measure_profile_writes_what_its_runs_measured(tmp_path):
     from pathlib import Path
 
     from specjax import DraftModel, Tree
-    from specjax.hf import load_model, load_tokenizer
+    from specjax.hf import load_model
+    from specjax.text import load_tokenizer
 
     root = Path(__file__).parent.parent / "checkpoints"
     target_path, draft_path = str(root / "target"), str(root / "draft")

@@ -185,7 +185,7 @@ def test_streamed_text_is_the_final_text(tiny_target, capsys):
 def test_draft_with_another_tokenizer_is_refused(tiny_target, tmp_path):
     import shutil
 
-    from specjax.hf import TokenizerMismatchError
+    from specjax.text import TokenizerMismatchError
     from tests import tiny
 
     folder, tok = tiny_target

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from specjax.config import ModelConfig, UnsupportedConfigError, rope_inv_freq
+from specjax.config import ModelConfig, rope_inv_freq
+from specjax.hf_config import UnsupportedConfigError
 from tests import tiny
 
 LEGACY_LLAMA3 = {  # transformers 4.x layout: top-level rope_theta and rope_scaling
@@ -155,7 +156,7 @@ NAN, INF = float("nan"), float("inf")
 ])
 def test_configs_that_would_compute_garbage_are_refused(arch, change, message):
     """Values that load but give NaN logits or silently wrong ones: refused when read."""
-    from specjax.config import InvalidConfigError
+    from specjax.hf_config import InvalidConfigError
 
     base = LEGACY_LLAMA3 if arch == "llama3" else tiny.CONFIGS[arch]().to_dict()
     if arch == "gemma3" and "rope_parameters" in base:  # the local base read from the 5.x layout

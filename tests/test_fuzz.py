@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specjax
-from specjax.config import InvalidConfigError, UnsupportedConfigError
 from specjax.hf import CheckpointError
+from specjax.hf_config import InvalidConfigError, UnsupportedConfigError
 from tests import tiny
 
 # SPECJAX_FUZZ_EXAMPLES=N: N fresh random examples per test instead of the fixed 100 (a deeper

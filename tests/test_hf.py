@@ -40,7 +40,7 @@ def test_save_model_files_take_the_umask_and_a_tokenizer_may_go_beside_them(hf_f
     import os
     import stat
 
-    from specjax.hf import NoTokenizerError
+    from specjax.text import NoTokenizerError
 
     model = specjax.load_model(hf_folder("llama")[0])
     tok = tiny.save_tokenizer(tmp_path / "tok", ["the cat sat on the mat"] * 20)
@@ -322,7 +322,7 @@ def test_load_peak_memory_on_a_1gb_checkpoint():
 
 
 def test_tokenizers_are_compared_on_text(tmp_path):
-    from specjax.hf import TokenizerMismatchError, check_tokenizers
+    from specjax.text import TokenizerMismatchError, check_tokenizers
 
     a = tiny.save_tokenizer(tmp_path / "a", ["the cat sat on the mat"] * 20)
     same = specjax.load_tokenizer(tmp_path / "a")

@@ -1,0 +1,299 @@
+"""config.json and generation_config.json as transformers writes them: which keys hold
+what, the defaults transformers' config classes give what a file leaves out, the readers
+of what differs by model_type or by transformers version (rope, sliding windows), and the
+checks that refuse values that make no sense before anything is allocated.
+
+It turns dicts of plain values into plain values (ModelConfig's and GenerationConfig's
+fields, which config.py assembles: config.py imports this module, never the reverse); it
+opens no file (hf.py does) and knows nothing of weights, dtypes or devices. Anything a
+config asks for that the decoder cannot compute exactly raises `UnsupportedConfigError`
+here or in config.py, at load time, never a wrong answer later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "llama3")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # names transformers gives the tanh-approximated gelu
+
+
+class UnsupportedConfigError(ValueError):
+    """The checkpoint asks for an architecture or feature specjax does not implement."""
+
+
+class InvalidConfigError(ValueError):
+    """A config.json (or generation_config.json) value that makes no sense: a size that is
+    not a positive integer, heads that do not divide, an absurd vocabulary."""
+
+
+# ---- config.json ----------------------------------------------------------------------
+
+# Where a config.json omits head_dim, transformers' class default (else E // H).
+DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+# The model types whose attention_bias puts biases on q, k, v and o.
+ATTENTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3_text")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, dict[str, Any]]:
+    """One rope_parameters dict -> (theta, RopeScaling's fields); refuses what specjax
+    cannot compute."""
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+    if rope_type in ("longrope", "su"):
+        raise UnsupportedConfigError(
+            f"rope_type {rope_type!r} (Phi-3's long-context scaling, {where}) is not supported; "
+            f"specjax supports {ROPE_TYPES}: use a checkpoint with plain rope, e.g. Phi-3's "
+            f"4k-context variants")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"unsupported rope_type {rope_type!r} ({where}); specjax supports {ROPE_TYPES}")
+    return theta, {"rope_type": rope_type, **{
+        k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings") if k in rope}}
+
+
+def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
+    """(theta, RopeScaling's fields) of full-attention layers and the base of sliding ones
+    (Gemma 3 only).
+
+    transformers 5.x writes `rope_parameters` (for Gemma 3: one dict per layer type); 4.x
+    wrote top-level `rope_theta` / `rope_scaling` (Gemma 3: and `rope_local_base_freq`)."""
+    model_type = hf["model_type"]
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
+    params = dict(hf.get("rope_parameters") or {})
+    if model_type != "gemma3_text":
+        legacy = hf.get("rope_scaling") or {}
+        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters")
+        return theta, scaling, None
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:  # the 4.x layout: rope_scaling applies to the global layers only
+        full = {**(hf.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers")
+    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers")
+    if local_scaling["rope_type"] != "default":
+        raise UnsupportedConfigError(
+            f"rope scaling of sliding-window layers ({local_scaling['rope_type']!r}) is not supported; "
+            f"specjax scales only the full-attention layers' rope, as Gemma 3 checkpoints do")
+    return theta, scaling, local_theta
+
+
+def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers reads them for each model_type."""
+    model_type, L = hf["model_type"], hf["num_hidden_layers"]
+    if model_type in ("mistral", "phi3"):  # one window for every layer, if any
+        return hf.get("sliding_window", 4096 if model_type == "mistral" else None), None
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window"):
+            return None, None
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(L)))
+    elif model_type in ("gemma2", "gemma3_text"):
+        # Gemma 2 alternates sliding and global layers; Gemma 3's older configs give a
+        # pattern (every n-th layer global, 6 by default) instead of layer_types.
+        every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern",
+                                                           hf.get("_sliding_window_pattern", 6))
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(L)))
+    else:
+        return None, None
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return hf.get("sliding_window", 4096), layer_types
+
+
+def int_if_whole(x: float):
+    """transformers' Gemma configs type query_pre_attn_scalar as int."""
+    return int(x) if float(x).is_integer() else x
+
+
+def optional_float(x):
+    return None if x is None else float(x)
+
+
+def first_id(token_id):
+    """The first of a list of token ids (GenerationConfig keeps all the EOS ids: generation
+    stops on any of them)."""
+    if isinstance(token_id, (list, tuple)):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+# The names ModelConfig's checks (config._check_positive) give values -> config.json's
+# keys, so that a refusal names the key the file holds.
+GPT2_KEYS = {"norm_eps": "layer_norm_epsilon"}
+ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
+               "local_rope_theta": "rope_local_base_freq (or rope_parameters.sliding_attention.rope_theta)",
+               "rope scaling factor": "rope_parameters.factor (or rope_scaling.factor)",
+               **{f"rope scaling {k}": f"rope_parameters.{k} (or rope_scaling.{k})"
+                  for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+               "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
+
+
+# ---- config.json sanity ----------------------------------------------------------------
+
+# Sizes a config.json may give, under the names its families use; each must be a positive
+# int when present (None means "not given" for the optional ones: head_dim, n_inner, ...).
+SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
+             "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
+             "intermediate_size", "n_inner", "max_position_embeddings", "n_positions")
+# Switches a config.json may give: each must be true or false when present.
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+             "use_bidirectional_attention")
+# Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner")
+# No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
+# a corrupt or hostile file asking for a giant embedding table.
+MAX_VOCAB_SIZE = 2**24
+
+
+# The types of the other values config.json may give (None: absent), checked before any
+# is read, so that a wrong one is named by its key.
+NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
+               "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+               "partial_rotary_factor")
+COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
+              "_sliding_window_pattern": 1, "pretraining_tp": 1}  # key -> least value
+MAPPING_KEYS = ("rope_parameters", "rope_scaling")
+TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_types(hf: dict[str, Any]) -> None:
+    def bad(key, what):
+        raise InvalidConfigError(f"config.json: {key}={hf[key]!r} must be {what}")
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for key in NUMBER_KEYS:  # null means "none" only for soft-caps; elsewhere it is no number
+        if key in hf and not number(hf[key]) and not (hf[key] is None and key.endswith("softcapping")):
+            bad(key, "a number")
+    for key, least in COUNT_KEYS.items():
+        v = hf.get(key)
+        if v is None and key in hf and key != "sliding_window":  # a null window: none
+            bad(key, f"an integer in [{least}, 2**31)")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**31):
+            bad(key, f"an integer in [{least}, 2**31)")
+    for key in MAPPING_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            bad(key, "an object")
+    for key in TEXT_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], str):
+            bad(key, "a string")
+    for key in MAPPING_KEYS:  # the rope values inside (Gemma 3: one mapping per layer type)
+        rope = hf.get(key) or {}
+        for entry in [rope] + [v for v in rope.values() if isinstance(v, dict)]:
+            for name in ROPE_NUMBERS:
+                if name in entry and not number(entry[name]):
+                    raise InvalidConfigError(f"config.json: {key} holds {name}={entry[name]!r}, which must be a number")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = hf.get(key)
+        ids = v if isinstance(v, list) else [] if v is None else [v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            bad(key, "a token id (an integer >= 0), a list of them, or null")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t not in LAYER_TYPES for t in types)
+                              or len(types) != hf.get("num_hidden_layers", len(types))):
+        bad("layer_types", f"a list of {LAYER_TYPES}, one per layer")
+
+
+def check_hf_config(hf: dict[str, Any]) -> None:
+    """Refuses config.json values that make no sense, before anything is allocated:
+    sizes that are not positive ints, a vocabulary over MAX_VOCAB_SIZE, kv heads that do
+    not divide the heads, and a hidden size the heads do not divide when there is no
+    explicit head_dim (with one, as in many Llama-family models, H * head_dim may differ
+    from the hidden size: the projections map between the two)."""
+    for key in SIZE_KEYS:
+        value = hf.get(key)
+        if value is None and key in hf and key not in OPTIONAL_SIZE_KEYS:
+            raise InvalidConfigError(f"config.json: {key}=null must be a positive integer")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidConfigError(f"config.json: {key}={value!r} must be a positive integer")
+    _check_types(hf)
+    for key in BOOL_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise InvalidConfigError(f"config.json: {key}={hf[key]!r} must be true or false")
+    vocab = hf.get("vocab_size")
+    if vocab is not None and vocab > MAX_VOCAB_SIZE:
+        raise InvalidConfigError(f"config.json: vocab_size={vocab} is absurd (more than "
+                                 f"{MAX_VOCAB_SIZE}; real vocabularies are below ~300k)")
+    E_key, H_key = ("n_embd", "n_head") if "n_embd" in hf else ("hidden_size", "num_attention_heads")
+    E, H = hf.get(E_key), hf.get(H_key)
+    G = hf.get("num_key_value_heads")
+    if H is not None and G is not None and H % G:
+        raise InvalidConfigError(f"config.json: num_key_value_heads={G} does not divide "
+                                 f"{H_key}={H} (each kv head serves a whole group of heads)")
+    if E is not None and H is not None and hf.get("head_dim") is None and E % H:
+        raise InvalidConfigError(f"config.json: {H_key}={H} does not divide {E_key}={E}, and "
+                                 f"there is no head_dim to say the size of a head")
+
+
+# ---- generation_config.json ------------------------------------------------------------
+
+# transformers' defaults for what a generation_config.json leaves out.
+_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Keys specjax does not apply, at values that change nothing (transformers' defaults), and
+# bookkeeping keys: neither is reported as ignored.
+_NO_EFFECT = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+              "length_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0, "min_length": 0,
+              "use_cache": True, "early_stopping": False, "output_scores": False,
+              "return_dict_in_generate": False, "output_attentions": False,
+              "output_hidden_states": False, "output_logits": False, "transformers_version": None,
+              "_from_model_config": None, "max_length": None, "max_new_tokens": None}
+
+
+def generation_fields(generation: dict[str, Any] | None, config: dict[str, Any],
+                      vocab_size: int | None = None) -> dict[str, Any]:
+    """GenerationConfig's fields, read from generation_config.json as transformers reads it.
+
+    generation: generation_config.json's dict (None when the folder has none); config:
+    config.json's dict, whose token ids stand in when generation lacks them; vocab_size:
+    token ids outside [0, vocab_size) are refused."""
+    source = "generation_config.json" if generation is not None else "config.json"
+    generation = dict(generation or {})
+    ids = {}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = generation.get(key, config.get(key))
+        values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (
+                    vocab_size is not None and v >= vocab_size):
+                raise InvalidConfigError(f"{source}: {key}={value!r} is not a token id of the "
+                                         f"vocabulary [0, {vocab_size})")
+        ids[key] = values
+    sampling = {k: generation.get(k) for k in _SAMPLING_DEFAULTS}
+    sampling = {k: _SAMPLING_DEFAULTS[k] if v is None else v for k, v in sampling.items()}
+    if not isinstance(sampling["do_sample"], bool):
+        raise InvalidConfigError(f"{source}: do_sample={sampling['do_sample']!r} must be true or false")
+    t, k, p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+    if not sampling["do_sample"]:  # greedy: transformers does not use them either
+        t, k, p = (_SAMPLING_DEFAULTS[key] for key in ("temperature", "top_k", "top_p"))
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+        raise InvalidConfigError(f"{source}: temperature={t!r} must be a finite number > 0")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**31:
+        raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer in [0, 2**31)")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise InvalidConfigError(f"{source}: top_p={p!r} must lie in (0, 1]")
+    known = set(_SAMPLING_DEFAULTS) | {"eos_token_id", "bos_token_id", "pad_token_id"}
+    ignored = tuple(sorted(key for key, v in generation.items() if key not in known
+                           and v is not None and not (key in _NO_EFFECT and v == _NO_EFFECT[key])
+                           and not (key in _NO_EFFECT and _NO_EFFECT[key] is None)))
+    return {"eos_token_id": tuple(ids["eos_token_id"]), "bos_token_id": (ids["bos_token_id"] or [None])[0],
+            "pad_token_id": (ids["pad_token_id"] or [None])[0], "do_sample": sampling["do_sample"],
+            "temperature": float(t), "top_k": k, "top_p": float(p), "ignored": ignored}
