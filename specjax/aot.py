@@ -265,11 +265,14 @@ def _with_kernels(fn: Callable, platform: str | None, mesh: Mesh | None) -> Call
     return run
 
 
-def _carry(tree, batch: int, where: Placement, cache_rules=None):
-    """Shapes of a loop carry placed as the loop lays them (one device: on it)."""
+def _carry(tree, where: Placement, drafter=None):
+    """Shapes of a loop carry placed as the loop lays them (one device: on it): a KVCache by
+    CACHE_AXES, the loop's state by its declared axes (`loop.state_shardings`)."""
     if where.mesh is None:
         return shaped(tree, where.whole())
-    return sharding.place_carry(tree, batch, where.mesh, where.rules, cache_rules)
+    if isinstance(tree, KVCache):
+        return sharding.place_carry(tree, sharding.cache_axes(tree), where.mesh, where.rules)
+    return jax.tree.map(sharding.put, tree, loop.state_shardings(tree, drafter, where.mesh, where.rules))
 
 
 def pass_reads(model: Model) -> int:
@@ -287,7 +290,7 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
     the CUDA figure: a blockwise attention loop's body is counted once)."""
     placed = where.model(target)
     slots = loop.cache_length(context, 0, 0)
-    cache = _carry(jax.eval_shape(lambda: KVCache.init(target.config, batch, slots, target.dtype)), batch, where)
+    cache = _carry(jax.eval_shape(lambda: KVCache.init(target.config, batch, slots, target.dtype)), where)
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=where.rows((batch, tokens)))
 
     def run(model, tokens, positions, cache):
@@ -400,10 +403,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
 
     state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key, sampling)
     key = jax.eval_shape(lambda k: loop.row_keys(k, batch), key)
-    draft_rules = None if where.mesh is None else drafter.state_rules(where.rules)
-    state = state.replace(**{name: _carry(getattr(state, name), batch, where,
-                                          draft_rules if name == "draft_state" else None)
-                             for name in state.__dataclass_fields__})
+    state = _carry(state, where, drafter)
 
     def step(target, drafter, state, key, sampling, threshold):
         request = DraftRequest(target=target, target_cache=state.target_cache, tokens=state.tokens,

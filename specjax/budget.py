@@ -31,7 +31,7 @@ from specjax.cache import KVCache
 from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.drafters.model import DraftModel
 from specjax import loop, memory, sharding
-from specjax.loop import cache_length, initial_state
+from specjax.loop import cache_length, initial_state, state_shardings
 from specjax.memory import GB, MB, InsufficientMemoryError, device_nbytes, device_stats, nbytes
 
 
@@ -61,17 +61,16 @@ def cache_bytes(args, static, per_device: bool = False) -> int:
     """The target's cache and the drafter's state, from the loop's initial state's shapes
     (traced from the arguments, which may be shapes alone); per_device: the bytes one device
     of the call's mesh holds of them (the target's cache split by its rules, the drafter's
-    rows over data)."""
+    state by its declared axes and its drafter's rules)."""
     target, drafter, prompts, lengths, key = args[:5]
     state = jax.eval_shape(lambda t, d, p, n, k: initial_state(t, d, p, n, k, static["max_new_tokens"]),
                            target, drafter, prompts, lengths, key)
     mesh = static.get("mesh")
     if not per_device or mesh is None:
         return nbytes(state.target_cache) + nbytes(state.draft_state)
-    rules, B = static.get("rules") or sharding.DEFAULT_RULES, prompts.shape[0]
-    draft_rules = None if drafter is None else drafter.state_rules(rules)
-    return (device_nbytes(sharding.place_carry(state.target_cache, B, mesh, rules))
-            + device_nbytes(sharding.place_carry(state.draft_state, B, mesh, rules, draft_rules)))
+    placed = jax.tree.map(sharding.put, state, state_shardings(state, drafter, mesh,
+                                                               static.get("rules") or sharding.DEFAULT_RULES))
+    return device_nbytes(placed.target_cache) + device_nbytes(placed.draft_state)
 
 
 def estimate(args, static, stream) -> MemoryEstimate:

@@ -1,12 +1,13 @@
 """The decoding step, and `generate`'s loop of it: autoregressive and speculative, one machinery.
 
-Three programs over one state (`SlotState`: B rows, each its own request, every leaf with the
-batch axis first): `prefill` turns prompts into rows; `insert` writes rows into a live state
-(the engine's refill of a free slot); `step` advances every live row by one verification
-pass. `generate_loop` is prefill, then a `lax.while_loop` of that same step; the serving
-engine (specjax/serve) runs the same step from its own loop. Everything per request is a
-per-row value: sampling settings, stop ids, token budget, PRNG key (row b's step at length
-n draws from fold_in(key_b, n): its samples depend on neither its slot nor its neighbours).
+Three programs over one state (`SlotState`: B rows, each its own request, every array's
+logical axes declared, its rows on the axis named "batch"; `state_axes`): `prefill` turns
+prompts into rows; `insert` writes rows into a live state (the engine's refill of a free
+slot); `step` advances every live row by one verification pass. `generate_loop` is
+prefill, then a `lax.while_loop` of that same step; the serving engine (specjax/serve) runs
+the same step from its own loop. Everything per request is a per-row value: sampling
+settings, stop ids, token budget, PRNG key (row b's step at length n draws from
+fold_in(key_b, n): its samples depend on neither its slot nor its neighbours).
 
 Invariant at the top of every step: row b holds `length[b]` final tokens in `tokens`; the
 target's cache holds correct entries for positions < length[b] - 1 (the last token is in
@@ -69,6 +70,8 @@ class Stats:
     drafted: jax.Array  # int32 [B]: draft tokens proposed to the row
     accepted: jax.Array  # int32 [B]: draft tokens accepted and emitted in the row
 
+    AXES = {"steps": ("batch",), "drafted": ("batch",), "accepted": ("batch",)}  # sharding.declared_axes
+
 
 @struct.dataclass
 class GenerateOutput:
@@ -85,9 +88,11 @@ class GenerateOutput:
 
 @struct.dataclass
 class SlotState:
-    """B rows of decoding, each its own request (a slot). Every leaf has the batch axis first,
-    so rows are inserted (`insert`) and sharded (rows over data) alike. Sized by whoever
-    builds it: `generate` for its call, the engine for its max_len and deepest draft."""
+    """B rows of decoding, each its own request (a slot). Each leaf's logical axes are
+    declared (AXES below; the drafter's state by its drafter, `Drafter.state_axes`): rows are
+    inserted (`insert`) and sharded (rows over data) by them (`state_axes`). Its own fields
+    have the batch axis first. Sized by whoever builds it: `generate` for its call, the
+    engine for its max_len and deepest draft."""
 
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
@@ -101,6 +106,11 @@ class SlotState:
     done: jax.Array  # bool [B]: finished (or an empty slot); frozen since
     stats: Stats
     features: Features | None = None  # the target's hidden states, for drafters that want them
+
+    # Each field's logical axes (sharding.declared_axes); draft_state's are its drafter's.
+    AXES = {"tokens": ("batch", None), "length": ("batch",), "limit": ("batch",), "target_cache": KVCache,
+            "draft_state": None, "sampling": sharding.ROWS, "stop_ids": ("batch", None), "key": ("batch", None),
+            "k_limit": ("batch",), "done": ("batch",), "stats": Stats, "features": Features}
 
 
 @struct.dataclass
@@ -160,24 +170,60 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     if drafter is not None:
         draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None)
     zeros = jnp.zeros((B,), jnp.int32)
-    return SlotState(
+    state = SlotState(
         tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
         limit=jnp.asarray(limit, jnp.int32), target_cache=cache.replace(lengths=lengths - 1),
         draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=jax.random.key_data(key),
         k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
         features=features)
+    state_axes(state, drafter)  # a drafter's state whose declared axes do not fit it fails here, mesh or none
+    return state
 
 
-def insert(state: SlotState, slot, row: SlotState) -> SlotState:
-    """`state` with `row` (one row, from `prefill`) written into its row `slot` (int32 []).
-    Every leaf has the batch axis first; the row's leaf may be shorter than the state's on
-    its other axes (a cache prefilled at its prompt's bucket, not at the state's length)
-    and is written at their start: what lies past it is stale by the loop's invariant
-    (masked by position, overwritten before read). Nothing else moves."""
+def state_axes(state: SlotState, drafter) -> SlotState:
+    """The logical axes of `state`'s arrays (a SlotState of `sharding.Axes`): its own fields'
+    as SlotState.AXES declares them, the drafter's state's as the drafter does
+    (`Drafter.state_axes`), checked against the state's structure and ranks (an error names
+    the drafter and the field). Read at trace time; costs nothing in a program."""
+    axes = sharding.declared_axes(state.replace(draft_state=None), "the loop's state")
+    sharding.check_axes(state.replace(draft_state=None), axes, "the loop's state")
+    if state.draft_state is None:
+        return axes
+    owner = f"{type(drafter).__name__}'s state"
+    draft = drafter.state_axes(state.draft_state)
+    sharding.check_axes(state.draft_state, draft, owner)
+    return axes.replace(draft_state=draft)
+
+
+def take_rows(x, axes: sharding.Axes, start: int, stop: int):
+    """Rows start..stop-1 of one array on its row axis (`Axes.row_axis`); an array all rows
+    share (no row axis) whole."""
+    at = axes.row_axis
+    return x if at is None else jax.lax.slice_in_dim(x, start, stop, axis=at)
+
+
+def write_rows(big, new, axes: sharding.Axes, start):
+    """`big` with `new`'s rows written from row `start` (int, or int32 []) on its row axis, at
+    the start of its other axes (new may be shorter on them); an array all rows share is
+    `new`'s."""
+    at = axes.row_axis
+    if at is None:
+        return new
+    return jax.lax.dynamic_update_slice(big, new, tuple(start if i == at else 0 for i in range(big.ndim)))
+
+
+def insert(state: SlotState, slot, row: SlotState, drafter) -> SlotState:
+    """`state` with `row` (one row, from `prefill`) written into its row `slot` (int32 []),
+    each array on the row axis its declared axes name (`state_axes`; drafter: the one whose
+    state the rows carry); an array all rows share keeps the state's. The row's array may
+    be shorter than the state's on its other axes (a cache prefilled at its prompt's
+    bucket, not at the state's length) and is written at their start: what lies past it is
+    stale by the loop's invariant (masked by position, overwritten before read). Nothing
+    else moves."""
     if jax.tree.structure(state) != jax.tree.structure(row):
         raise ValueError("the row was prefilled for another drafter (or none) than the state's")
-    return jax.tree.map(lambda big, small: jax.lax.dynamic_update_slice(big, small, (slot,) + (0,) * (big.ndim - 1)),
-                        state, row)
+    return jax.tree.map(lambda big, small, axes: big if axes.row_axis is None else write_rows(big, small, axes, slot),
+                        state, row, state_axes(state, drafter))
 
 
 def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False
@@ -263,23 +309,23 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count)
 
 
+def state_shardings(state: SlotState, drafter, mesh, rules) -> SlotState:
+    """Where each array of a state (arrays, or shapes alone) lies on a mesh, by its declared
+    axes (`state_axes`): the loop's fields by `rules` (rows over data, the target cache's
+    heads over model), the drafter's state by the drafter's (`Drafter.state_rules`)."""
+    axes = state_axes(state, drafter)
+    own = sharding.carry_sharding(state.replace(draft_state=None), axes.replace(draft_state=None), mesh, rules)
+    if state.draft_state is None:
+        return own
+    return own.replace(draft_state=sharding.carry_sharding(
+        state.draft_state, axes.draft_state, mesh, drafter.state_rules(rules), f"{type(drafter).__name__}'s state"))
+
+
 def place(state: SlotState, drafter, mesh, rules) -> SlotState:
-    """Pins a state's layout on a mesh: rows over data; the target cache's heads over model
-    by `rules`, the drafter's caches by its own rules."""
+    """Pins a state's layout on a mesh (`state_shardings`)."""
     if mesh is None:
         return state
-    B = state.tokens.shape[0]
-    draft_rules = None if drafter is None else drafter.state_rules(rules)
-
-    def constrain(x, cache_rules):
-        placed = sharding.carry_sharding(x, B, mesh, rules, cache_rules)
-        return x if placed is None else jax.lax.with_sharding_constraint(x, placed)
-
-    is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
-    return state.replace(**{
-        name: jax.tree.map(lambda x: constrain(x, draft_rules if name == "draft_state" else None),
-                           getattr(state, name), is_leaf=is_cache)
-        for name in state.__dataclass_fields__})
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, drafter, mesh, rules))
 
 
 def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,

@@ -17,6 +17,10 @@ still reads a copy of kv head h // (H/G)); its config's num_kv_heads and its cac
 with the copies, which is what the per-device cache costs: each device holds whole kv
 heads instead of a slice of every one.
 
+The decoding loop's state is laid out the same way: each array's logical axes are declared
+(`Axes`; a state's class names them in its AXES table, `declared_axes`; a drafter's by
+`Drafter.state_axes`), never guessed from its shape: "batch" is its rows, over `data`.
+
 This module knows shapes and names; it does not know what the models compute.
 """
 
@@ -183,24 +187,129 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh, rules))
 
 
-def carry_sharding(x, batch: int, mesh: Mesh, rules, cache_rules=None):
-    """Where one node of the decoding loop's carry lies on a mesh: a KVCache by
-    `cache_shardings` (with cache_rules, a drafter's own, else rules), a batch-major array
-    rows over data, anything else None (left to XLA)."""
-    if isinstance(x, KVCache):
-        return cache_shardings(x, mesh, cache_rules or rules)
-    if getattr(x, "ndim", 0) >= 1 and x.shape[0] == batch:
-        return batch_sharding(x.shape, mesh, rules)
-    return None
+class Axes(tuple):
+    """One array's logical axes: a name per dimension ("batch": its rows, split over data and
+    written row by row; None: a dimension no rule splits), e.g. Axes("batch", None) for int32
+    [B, K]. A tuple that pytrees hold as a leaf (a tuple subclass is no pytree node), so a
+    tree of them mirrors a state's structure (`declared_axes`)."""
+
+    def __new__(cls, *names):
+        return super().__new__(cls, names)
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    def __repr__(self):
+        return f"Axes{tuple.__repr__(self)}"
+
+    @property
+    def row_axis(self) -> int | None:
+        """The dimension that holds the rows ("batch"), or None: an array all rows share."""
+        return self.index("batch") if "batch" in self else None
 
 
-def place_carry(tree, batch: int, mesh: Mesh, rules, cache_rules=None):
-    """A loop carry (arrays, or shapes alone) placed where the loop lays it
-    (`carry_sharding`); leaves with no rule stay as they are."""
-    def one(x):
-        where = carry_sharding(x, batch, mesh, rules, cache_rules)
-        return x if where is None else jax.tree.map(put, x, where)
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+class _RowsFirst:
+    def __repr__(self):
+        return "sharding.ROWS"
+
+
+# In an AXES table (`declared_axes`): every array of the field, whatever its structure and
+# rank, has its rows first and no other dimension named.
+ROWS = _RowsFirst()
+
+
+def rows_first(x) -> Axes:
+    """The axes of an array whose first dimension is its rows and whose others are unnamed."""
+    return Axes("batch", *(None,) * (len(np.shape(x)) - 1))
+
+
+def cache_axes(cache: KVCache) -> KVCache:
+    """A KVCache's logical axes (a KVCache of `Axes`): each layer's k and v by CACHE_AXES, its
+    lengths rows; a tree in flight [B, R, G, D] rows and heads."""
+    kv = Axes(*CACHE_AXES)
+    tree = None if cache.tree is None else jax.tree.map(
+        lambda _: Axes("batch", None, "kv_heads", "head_dim"), cache.tree)
+    return cache.replace(k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v), lengths=Axes("batch"), tree=tree)
+
+
+def declared_axes(state, owner: str):
+    """The logical axes a state declares: a pytree of `Axes` with the state's structure. None
+    for None; a KVCache by CACHE_AXES (`cache_axes`); a dataclass by its class's AXES table,
+    {field: declaration} naming every pytree field, a declaration being a tuple (the array's
+    axes, one name or None per dimension), ROWS (each of the field's arrays rows first), a
+    class (the field holds one, or None, and declares its own axes so: KVCache, or a class
+    with an AXES table), or None (the field is None here: e.g. SlotState's draft_state,
+    which its drafter declares). `owner` names the state in errors (e.g. "DraftModel's state")."""
+    if state is None:
+        return None
+    if isinstance(state, KVCache):
+        return cache_axes(state)
+    name = type(state).__name__
+    table = getattr(type(state), "AXES", None)
+    if table is None or not dataclasses.is_dataclass(state):
+        raise TypeError(f"{owner} ({name}) declares no logical axes: give {name} an AXES table of its fields' "
+                        f"axes (sharding.declared_axes), or override the drafter's state_axes")
+    fields = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+    undeclared, unknown = [f for f in fields if f not in table], [k for k in table if k not in fields]
+    if undeclared or unknown:
+        raise ValueError(f"{owner} ({name}): its AXES table " + "; ".join(
+            part for part in (undeclared and f"declares no axes for its field(s) {', '.join(undeclared)}",
+                              unknown and f"names no field(s) {', '.join(unknown)}") if part))
+    axes = {}
+    for field in fields:
+        value, declared, where = getattr(state, field), table[field], f"{owner} ({name}.{field})"
+        if declared is ROWS:
+            axes[field] = jax.tree.map(rows_first, value)
+        elif isinstance(declared, type):
+            if value is not None and not isinstance(value, declared):
+                raise TypeError(f"{where}: declared a {declared.__name__}, holds a {type(value).__name__}")
+            axes[field] = declared_axes(value, where)
+        elif declared is None:
+            if value is not None:
+                raise ValueError(f"{where}: declared None (no axes), holds a {type(value).__name__}")
+            axes[field] = None
+        elif isinstance(declared, tuple) and all(a is None or isinstance(a, str) for a in declared):
+            axes[field] = None if value is None else Axes(*declared)
+        else:
+            raise TypeError(f"{where}: {declared!r} is no axes declaration (a tuple of names or None, ROWS, "
+                            f"a class, or None)")
+    return dataclasses.replace(state, **axes)
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, Axes)
+
+
+def check_axes(tree, axes, owner: str):
+    """Raises, naming `owner` and the field, unless `axes` (a pytree of `Axes`) has the
+    structure of `tree` (arrays, or shapes alone) and one name per dimension of each array."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)
+    named = jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)
+    kind = f" ({type(tree).__name__})" if tree is not None else ""
+    if leaves[1] != named[1] or not all(_is_axes(a) for _, a in named[0]):
+        have = {jax.tree_util.keystr(p) for p, _ in leaves[0]}
+        said = {jax.tree_util.keystr(p): a for p, a in named[0]}
+        wrong = sorted(have ^ set(said)) or sorted(p for p, a in said.items() if not _is_axes(a))
+        detail = (f"at {', '.join(wrong)}" if wrong else f"{named[1]} for a state of structure {leaves[1]}")
+        raise ValueError(f"{owner}{kind}: its declared axes do not match its structure ({detail}; each array's "
+                         f"axes must be a sharding.Axes)")
+    for (path, x), (_, a) in zip(leaves[0], named[0]):
+        if len(a) != len(np.shape(x)):
+            raise ValueError(f"{owner}{kind}{jax.tree_util.keystr(path)}: declared axes {a} for an array of "
+                             f"{len(np.shape(x))} dims {tuple(np.shape(x))}")
+
+
+def carry_sharding(tree, axes, mesh: Mesh, rules, owner: str = "the state"):
+    """Where each array of `tree` (a loop carry's part: arrays, or shapes alone) lies on a
+    mesh, by its declared logical axes (`axes`: a pytree of `Axes`, e.g. `declared_axes`)
+    under `rules`: a pytree of NamedShardings. Checked first (`check_axes`)."""
+    check_axes(tree, axes, owner)
+    return jax.tree.map(lambda x, a: NamedSharding(mesh, spec(np.shape(x), a, mesh, rules)), tree, axes)
+
+
+def place_carry(tree, axes, mesh: Mesh, rules, owner: str = "the state"):
+    """A loop carry's part (arrays, or shapes alone) placed where `carry_sharding` lays it."""
+    return jax.tree.map(put, tree, carry_sharding(tree, axes, mesh, rules, owner))
 
 
 def platform_of(tree, mesh: Mesh | None = None) -> str:

@@ -24,6 +24,7 @@ import specjax  # noqa: E402
 from specjax.budget import compile_loop  # noqa: E402
 from specjax.generate import _prepared, _run  # noqa: E402
 from specjax.loop import cache_length  # noqa: E402
+from tests.axes_drafter import Tabled  # noqa: E402
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
 CONFIG = specjax.ModelConfig(
@@ -168,9 +169,20 @@ def engine_findings(target, draft) -> dict:
     for p, b in requests:
         out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=b)
         alone.append([int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])])
+    # A drafter whose state's table [4, 3] has a first dimension of B = 4 slots but is shared
+    # by the rows (declared so), and whose `seen` [2, B] has its rows on axis 1.
+    tabled = specjax.Engine(specjax.shard_model(target, mesh), draft=Tabled(table_rows=4), slots=4, max_len=48,
+                            num_draft_tokens=(3, 2, 1, 0), mesh=mesh, steps_per_call=4)
+    with tabled:
+        tabled_got = [r.result(timeout=300) for r in [tabled.submit(p, max_new_tokens=b) for p, b in requests]]
+    draft_state = tabled._state.draft_state
     return {"equal": got == alone, "steps_by_K": {str(k): v for k, v in engine.steps.items()},
             "cache_spec": str(engine._state.target_cache.k[0].sharding.spec),
-            "tokens_spec": str(engine._state.tokens.sharding.spec)}
+            "tokens_spec": str(engine._state.tokens.sharding.spec),
+            "declared": {"equal": tabled_got == alone, "table_spec": list(draft_state.table.sharding.spec),
+                         "seen_spec": list(draft_state.seen.sharding.spec),
+                         "table_whole": all(s.data.shape == (4, 3) for s in draft_state.table.addressable_shards),
+                         "table": np.asarray(draft_state.table).tolist()}}
 
 
 # 8 query heads over 2 kv heads: a model axis of 4 takes two copies of each kv head. The

@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import struct
 
-from specjax import sharding
+import specjax
+from specjax import loop, sharding
+from specjax.sampling import Sampling
 from tests import children
+from tests.axes_drafter import Tabled
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,18 @@ def test_the_engine_on_a_mesh_equals_single_device(findings):
     assert m["equal"], m
     assert len(m["steps_by_K"]) >= 2, m  # K changed
     assert "data" in m["tokens_spec"] and "model" in m["cache_spec"], m
+
+
+def test_a_drafter_state_on_a_mesh_follows_its_declared_axes(findings):
+    """The engine on the 2x4 mesh with a drafter whose shared table's first dimension equals
+    the slots (4): the table lies whole on every device (a guess from its shape split it
+    over data), its rows-on-axis-1 array splits there, narrow runs and inserts leave the
+    table whole (it still holds the 4 slots' prefill's values), and the output is exact."""
+    m = findings["engine"]["declared"]
+    assert m["equal"], m
+    assert "data" not in m["table_spec"] and m["table_whole"], m
+    assert m["seen_spec"] == [None, "data"], m
+    assert m["table"][0] == [4000, 4001, 4002], m
 
 
 @pytest.mark.parametrize("mesh, most", [("1x8", 0.2), ("2x4", 0.5)])
@@ -153,3 +171,97 @@ def test_the_prefix_kernel_runs_under_shard_map_on_a_mesh(findings):
     for case, m in findings["prefix_kernel"].items():
         assert m["under_shard_map"] and m["without_rules_portable"], case
         assert m["error"] < 1e-5, (case, m)
+
+
+# A tiny target for the tests of declared axes: its shapes alone, or a prefill of a few rows.
+TINY = specjax.ModelConfig(model_type="llama", vocab_size=53, hidden_size=16, num_layers=1, num_heads=2,
+                           num_kv_heads=2, head_dim=8, intermediate_size=32, max_position_embeddings=64,
+                           norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _rows(drafter, B, seed=0):
+    """A SlotState of B rows for `drafter` (prefilled with tiny random prompts)."""
+    target = specjax.models.init(TINY, jax.random.key(0), jnp.float32)
+    prompts = jnp.asarray(np.random.RandomState(seed).randint(1, 53, (B, 5)), jnp.int32)
+    return loop.prefill(target, drafter.resolve(2), prompts, jnp.full((B,), 5, jnp.int32), cache_len=16,
+                        limit=jnp.full((B,), 12, jnp.int32), sampling=Sampling.make(batch=B),
+                        stop_ids=jnp.full((B, 1), -1, jnp.int32), key=loop.row_keys(jax.random.key(1), B))
+
+
+def test_a_drafter_state_is_laid_out_by_its_declared_axes_not_its_shape():
+    """The table's first dimension equals B (4) but is no row axis: it is not split over
+    data (a guess from shapes split it); `seen` [2, B] has its rows on axis 1, split there;
+    the loop's own fields and caches keep rows over data."""
+    drafter = Tabled(table_rows=4).resolve(2)
+    state = jax.eval_shape(lambda: _rows(drafter, 4))
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])  # data=1: a split still shows in the spec
+    placed = loop.state_shardings(state, drafter, mesh, sharding.DEFAULT_RULES)
+    P = jax.sharding.PartitionSpec
+    assert placed.draft_state.table.spec == P(None, None)
+    assert placed.draft_state.seen.spec == P(None, "data")
+    assert placed.tokens.spec == P("data", None) and placed.target_cache.k[0].spec[0] == "data"
+    placed_shapes = sharding.place_carry(state.draft_state, drafter.state_axes(state.draft_state), mesh,
+                                         sharding.DEFAULT_RULES)
+    assert placed_shapes.table.sharding.spec == P(None, None)
+
+
+def test_insert_writes_each_array_on_its_declared_row_axis():
+    """A row goes into slot 2: `seen` [2, B] in its column 2; the shared table keeps the
+    state's (1000 B + ids: the row's, prefilled alone, says 1000); the loop's fields in row 2."""
+    drafter = Tabled(table_rows=4).resolve(2)
+    state, row = _rows(drafter, 4), _rows(drafter, 1, seed=1)
+    state = state.replace(draft_state=state.draft_state.replace(seen=jnp.arange(8).reshape(2, 4)))
+    row = row.replace(draft_state=row.draft_state.replace(seen=jnp.array([[70], [71]])))
+    out = loop.insert(state, jnp.int32(2), row, drafter)
+    np.testing.assert_array_equal(out.draft_state.seen, [[0, 1, 70, 3], [4, 5, 71, 7]])
+    np.testing.assert_array_equal(out.draft_state.table, state.draft_state.table)
+    assert int(out.draft_state.table[0, 0]) == 4000
+    np.testing.assert_array_equal(out.tokens[2], row.tokens[0])
+    np.testing.assert_array_equal(out.target_cache.k[0][2], row.target_cache.k[0][0])
+
+
+def test_a_drafters_axes_that_do_not_fit_its_state_are_refused_by_name():
+    @struct.dataclass
+    class Undeclared:
+        seen: jax.Array
+
+    @struct.dataclass
+    class Partly:
+        seen: jax.Array
+        extra: jax.Array
+
+        AXES = {"seen": ("batch",)}
+
+    @struct.dataclass
+    class WrongRank:
+        seen: jax.Array
+
+        AXES = {"seen": ("batch",)}
+
+    class Own(Tabled):
+        pass
+
+    for state, error, match in [
+        (Undeclared(jnp.zeros(3)), TypeError, r"Own's state \(Undeclared\) declares no logical axes"),
+        (Partly(jnp.zeros(3), jnp.zeros(3)), ValueError, r"Own's state \(Partly\).*no axes for its field\(s\) extra"),
+        (WrongRank(jnp.zeros((3, 2))), ValueError, r"Own's state \(WrongRank\)\.seen: declared axes "
+                                                  r"Axes\('batch',\) for an array of 2 dims \(3, 2\)"),
+    ]:
+        with pytest.raises(error, match=match):
+            drafter = Own()
+            sharding.check_axes(state, drafter.state_axes(state), "Own's state")
+
+    class Overridden(Tabled):
+        def state_axes(self, state):
+            return {"table": sharding.Axes(None, None)}  # not the state's structure
+
+    with pytest.raises(ValueError, match=r"Overridden's state \(TableState\): its declared axes do not match"):
+        loop.state_axes(_rows(Tabled(), 2), Overridden())
+
+    class Wrong(Tabled):
+        def start(self, *args, **kwargs):
+            state = super().start(*args, **kwargs)
+            return state.replace(seen=state.seen[0])  # [B], declared (None, "batch")
+
+    with pytest.raises(ValueError, match=r"Wrong's state \(TableState\)\.seen: declared axes"):
+        _rows(Wrong(), 2)  # prefill checks, mesh or none

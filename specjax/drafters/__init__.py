@@ -12,6 +12,7 @@ more gets:
     state, target_cache, proposal = drafter.propose(state, request)
     state = drafter.observe(state, logits, active)  # only if the proposal carried a `Branch`
     drafter.state_rules(rules)        # how its state lies on a mesh
+    drafter.state_axes(state)         # its state's logical axes: where its rows are ("batch")
     drafter.fixed_shape               # True: num_draft_tokens="auto" may not choose its shape
 
 `request` (a `DraftRequest`) carries the loop's token buffer and each row's count of final
@@ -25,13 +26,16 @@ and, optionally, a `Branch`: extra tokens the target scores in the same pass und
 drafter's own mask, whose logits the drafter then observes (lookahead's Jacobi window).
 Drafters are pytrees (flax struct dataclasses), so they pass through jit with what they hold.
 
-Every leaf of a drafter's state has the batch axis first: the engine (specjax/serve) writes
-a freshly prefilled row into it, and a shorter leaf (a cache started at a prompt's bucket)
-is written at its start. A drafter keeps, per row, what it has seen (a model drafter: its
-cache's `lengths`), and catches up from there, so its next proposal is right after a step
-at another K, a step in which it did not draft, or in a slot just refilled. Drafters that
-read the target's states (`wants_features`) catch up only from the last pass's, so the
-engine lets them draft every step.
+A drafter's state declares each array's logical axes (`state_axes`; by default an AXES table
+on the state's class, next to its fields: every field must be named), never guessed from
+shapes: rows ("batch") are split over a mesh's data axis and written per row when the
+engine (specjax/serve) inserts a freshly prefilled row (a shorter array, e.g. a cache
+started at a prompt's bucket, at its start); an array with no "batch" is shared by all
+rows. The states here have their rows first. A drafter keeps, per row, what it has seen (a
+model drafter: its cache's `lengths`), and catches up from there, so its next proposal is
+right after a step at another K, a step in which it did not draft, or in a slot just
+refilled. Drafters that read the target's states (`wants_features`) catch up only from the
+last pass's, so the engine lets them draft every step.
 """
 
 from specjax.drafters.base import Branch, Drafter, DraftRequest, Features, Proposal

@@ -13,7 +13,7 @@ from flax import struct
 from specjax.cache import KVCache, tree_placement
 from specjax.drafters.vocab import to_target_vocab
 from specjax.sampling import Sampling, argmax, fold_in, sample, warp
-from specjax.sharding import replicated_rules
+from specjax.sharding import declared_axes, replicated_rules
 from specjax.tree import Tree
 
 
@@ -26,6 +26,8 @@ class Features:
 
     hidden: jax.Array  # [B, D+1, F]: the root's, then the accepted path's (F: E, or E per feature layer)
     start: jax.Array  # int32 [B]: the position of hidden[:, 0]
+
+    AXES = {"hidden": ("batch", None, None), "start": ("batch",)}  # sharding.declared_axes
 
 
 @struct.dataclass
@@ -118,6 +120,16 @@ class Drafter:
         """Logical-axis rules for its state on a mesh whose target runs by `rules`: rows over
         data, the rest replicated (a drafter with a sharded model of its own overrides)."""
         return replicated_rules(rules)
+
+    def state_axes(self, state):
+        """The logical axes of its state (what `start` returns): a pytree of `sharding.Axes`
+        with the state's structure, a name per dimension of each array ("batch": its rows,
+        split over data by `state_rules` and written row by row when the engine inserts a
+        request; None: not split; the names of `state_rules`, e.g. "kv_heads"). It is read,
+        never guessed from shapes: an array all rows share names no "batch". Default: what
+        the state declares (`sharding.declared_axes`): None, a KVCache (by CACHE_AXES), or
+        a dataclass whose AXES table names every field's axes. Override for anything else."""
+        return declared_axes(state, f"{type(self).__name__}'s state")
 
 
 # forward(cache, tokens [B, W], positions [B, W], placement, features [B, W, F] | None)

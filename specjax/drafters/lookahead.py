@@ -41,6 +41,9 @@ class LookaheadState:
     seen: jax.Array  # int32 [B, C]: when each was last seen (larger is more recent; -1 empty)
     clock: jax.Array  # int32 [B]: the row's next step's first stamp (a row's own: the engine refills rows apart)
 
+    AXES = {"window": ("batch", None, None), "pool": ("batch", None, None), "seen": ("batch", None),
+            "clock": ("batch",)}  # sharding.declared_axes
+
 
 @struct.dataclass
 class Lookahead(Drafter):

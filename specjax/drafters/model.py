@@ -217,3 +217,5 @@ class ModelDraftState:
 
     cache: KVCache
     fed: jax.Array  # int32 [B, D-1] (a chain; [B, 0] for a tree): -1 where nothing was fed
+
+    AXES = {"cache": KVCache, "fed": ("batch", None)}  # sharding.declared_axes

@@ -73,9 +73,12 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *
 def _insert(state, slots, rows, state_drafter, *, mesh, rules):
     """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n]).
     Unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
-    cache.write: around a scatter XLA copies the whole buffer)."""
+    cache.write: around a scatter XLA copies the whole buffer). Each array's rows lie on
+    the axis its declared axes name (`loop.state_axes`)."""
+    axes = loop.state_axes(rows, state_drafter)
     for i in range(slots.shape[0]):
-        state = loop.insert(state, slots[i], jax.tree.map(lambda x: x[i:i + 1], rows))
+        row = jax.tree.map(lambda x, a: loop.take_rows(x, a, i, i + 1), rows, axes)
+        state = loop.insert(state, slots[i], row, state_drafter)
     return loop.place(state, state_drafter, mesh, rules)
 
 
@@ -103,7 +106,8 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     whose state the rows carry (the deepest), whose rules lay it out on a mesh whatever K
     runs."""
     in_place = platform != "gpu"  # see _first_rows
-    state = _first_rows(full, width, in_place)
+    axes = loop.state_axes(full, state_drafter)  # where each array's rows lie
+    state = _first_rows(full, width, in_place, axes)
     state = state.replace(sampling=_as_kind(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     was_done = state.done
@@ -125,31 +129,33 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
                  jnp.zeros((steps, B), jnp.int32))
         state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_as_kind(state.sampling))
-    return _written_back(full, state, width, in_place), tokens, counts, taken, state.done
+    return _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
 
 
 _is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
 
 
-def _first_rows(full, width: int, in_place: bool):
-    """The state's first `width` rows, for a run over them: every leaf sliced (copied into the
-    run, written back once per call: a few KB a row), but, in_place, the caches' key/value
+def _first_rows(full, width: int, in_place: bool, axes):
+    """The state's first `width` rows, for a run over them: every leaf sliced on its row axis
+    (`axes`: `loop.state_axes`; an array all rows share whole), copied into the run and
+    written back once per call (a few KB a row), but, in_place, the caches' key/value
     buffers, which a pass reads and writes where they lie whatever their rows (cache.py), so
     a narrow run copies no cache. Not on a GPU: there a cached pass may take cuDNN over the
     whole cache, which wants the pass's rows alone, and a slice of the buffers would be
     copied every pass rather than once a call."""
     if width == full.tokens.shape[0]:
         return full
-    return jax.tree.map(lambda x: x.replace(lengths=x.lengths[:width]) if _is_cache(x) else x[:width], full,
-                        is_leaf=_is_cache if in_place else None)
+    return jax.tree.map(lambda x, a: x.replace(lengths=x.lengths[:width]) if _is_cache(x)
+                        else loop.take_rows(x, a, 0, width), full, axes, is_leaf=_is_cache if in_place else None)
 
 
-def _written_back(full, rows, width: int, in_place: bool):
-    """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows."""
+def _written_back(full, rows, width: int, in_place: bool, axes):
+    """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows (an
+    array all rows share: the run's)."""
     if width == full.tokens.shape[0]:
         return rows
-    return jax.tree.map(lambda big, new: new.replace(lengths=big.lengths.at[:width].set(new.lengths))
-                        if _is_cache(big) else big.at[:width].set(new), full, rows,
+    return jax.tree.map(lambda big, new, a: new.replace(lengths=big.lengths.at[:width].set(new.lengths))
+                        if _is_cache(big) else loop.write_rows(big, new, a, 0), full, rows, axes,
                         is_leaf=_is_cache if in_place else None)
 
 
