@@ -22,8 +22,8 @@ walked) in a program for greedy rows alone, and `accept` otherwise: the same tok
 A chain is tested at all its nodes at once, and a tree of deterministic candidates walks by
 the rejected mass alone (`_accept_deterministic`); only sampled siblings walk r over [B, V].
 
-This module knows nothing about models, caches or how the tree was grown (only which
-platform its program is traced for: `node_row`).
+This module knows nothing about models, caches or how the tree was grown; the platform its
+program is built for, which picks one gather's form (`node_row`), is passed in.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.layers import target_platform
 from specjax.sampling import Sampling, argmax, fold_in, sample, uniform, warp
 
 
@@ -56,14 +55,15 @@ def remove_rejected_mass(mass: jax.Array, p_x: jax.Array) -> jax.Array:
 
 
 def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
-           p: jax.Array, max_depth: int):
+           p: jax.Array, max_depth: int, platform: str | None = None):
     """Walks each row's tree once, nodes in order (parents come before children).
 
     tokens int32 [B, N]: the candidates; parents int [N] or [B, N]: each node's parent in
     verification order (0 = the root, node i is tokens[:, i-1]); valid bool [B, N]: nodes
     actually proposed; q float32 [B, N, V]: the distribution each node was drawn from, or
     None when every candidate is deterministic; p float32 [B, N+1, V]: the target's warped
-    distributions at [root, nodes]; max_depth: a bound on accepted path length.
+    distributions at [root, nodes]; max_depth: a bound on accepted path length; platform:
+    the program's (`node_row`).
     Returns (n int32 [B]: nodes accepted, path int32 [B, max_depth]: their verification
     indices by depth (0 past n), extra int32 [B]: the target's own next token)."""
     B, N = tokens.shape
@@ -71,10 +71,10 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     u = uniform(fold_in(key, 0), (B, N))  # key: one per row [B] (or one [] for all)
     extra_key = fold_in(key, 1)
     if is_chain(parents, N):
-        return _accept_chain(tokens, valid, q, p, u, extra_key, max_depth)
+        return _accept_chain(tokens, valid, q, p, u, extra_key, max_depth, platform)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
     if q is None:
-        return _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth)
+        return _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth, platform)
 
     def visit(i, carry):
         current, r, n, path = carry  # [B], [B, V], [B], [B, max_depth]
@@ -95,7 +95,7 @@ def accept(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.
     return n, path, sample(extra_key, r)
 
 
-def _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth: int):
+def _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth: int, platform: str | None):
     """`accept` for a tree of deterministic candidates (q None: top-k siblings, prompt lookup),
     without a [B, V] distribution in the walk. At the current node r is p there with the
     rejected candidates R removed, r(x) = p(x) / (1 - p(R)) for x outside R (0 inside), so
@@ -124,7 +124,7 @@ def _accept_deterministic(tokens, parents, valid, p, u, extra_key, max_depth: in
     carry = (jnp.zeros((B,), jnp.int32), jnp.zeros((B, N), bool), jnp.zeros((B,), jnp.float32),
              jnp.zeros((B,), jnp.int32), jnp.zeros((B, max_depth), jnp.int32))
     current, removed, _, n, path = jax.lax.fori_loop(0, N, visit, carry)
-    r = node_row(p, current)  # [B, V]: p at the stop
+    r = node_row(p, current, platform)  # [B, V]: p at the stop
     left = r.at[rows[:, None], jnp.where(removed, tokens, r.shape[-1])].set(0.0, mode="drop")
     r = jnp.where(left.sum(-1, keepdims=True) > 0, left, r)  # (`sample` takes it unnormalised)
     return n, path, sample(extra_key, r)
@@ -155,12 +155,12 @@ def accept_greedy(tokens: jax.Array, parents, valid: jax.Array, best: jax.Array,
     return n, path, best[rows, current].astype(jnp.int32)
 
 
-def node_row(x: jax.Array, index: jax.Array) -> jax.Array:
+def node_row(x: jax.Array, index: jax.Array, platform: str | None = None) -> jax.Array:
     """x[b, index[b]] for every row: x [B, M, V], index int32 [B] -> [B, V]. A gather of the
-    rows, except in a program for a TPU: there XLA copies x around that gather (its node axis
-    is tiled with V; docs/bench/accept_aot.txt), and a sum over the node axis with one term
-    kept (exact) reads x once instead."""
-    if target_platform() == "tpu":
+    rows, except in a program for a TPU (platform "tpu"): there XLA copies x around that
+    gather (its node axis is tiled with V; docs/bench/accept_aot.txt), and a sum over the node
+    axis with one term kept (exact) reads x once instead."""
+    if platform == "tpu":
         return jnp.where(jnp.arange(x.shape[1])[None, :, None] == index[:, None, None], x, 0).sum(axis=1)
     return x[jnp.arange(x.shape[0]), index]
 
@@ -181,7 +181,7 @@ def _chain_path(n: jax.Array, B: int, max_depth: int) -> jax.Array:
     return jnp.where(d < n[:, None], d + 1, 0).astype(jnp.int32)
 
 
-def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
+def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int, platform: str | None):
     """`accept` for a chain, all nodes at once: node i+1's only candidate is tried against p at
     node i (every node before it accepted, r is p there), so its test is u_i q_i(x) < p_i(x)
     for all i in parallel and n is the count of leading accepts; r at the stop is p after the
@@ -192,22 +192,22 @@ def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int):
     p_x = p[at]  # [B, N] (p at node i, the candidate's parent)
     q_x = 1.0 if q is None else q[at]
     n = leading(valid & (u * q_x < p_x))
-    r = node_row(p, n)  # [B, V]: p at the stop
+    r = node_row(p, n, platform)  # [B, V]: p at the stop
     if N:
         stopped = jnp.minimum(n, N - 1)[:, None]  # the rejected node, where n < N
         x = jnp.take_along_axis(tokens, stopped, axis=1)[:, 0]
-        q_n = None if q is None else node_row(q, stopped[:, 0])
+        q_n = None if q is None else node_row(q, stopped[:, 0], platform)
         tried = jnp.take_along_axis(valid, stopped, axis=1)[:, 0] & (n < N)
         r = jnp.where(tried[:, None], remove_rejected(r, q_n, x), r)
     return n, _chain_path(n, B, max_depth), sample(extra_key, r)
 
 
 def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
-           logits: jax.Array, sampling: Sampling, max_depth: int):
+           logits: jax.Array, sampling: Sampling, max_depth: int, platform: str | None = None):
     """`accept` against the target's float32 logits [B, N+1, V] under `sampling`: through
     `accept_greedy` when every row is greedy (the sampling's static kind: p is never built),
     else through `accept` with p = warp(logits), where a greedy row's p is one-hot and `accept`
     gives it what `accept_greedy` would. Returns (n, path, extra) as `accept` does."""
     if sampling.greedy:
         return accept_greedy(tokens, parents, valid, argmax(logits), max_depth)
-    return accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth)
+    return accept(key, tokens, parents, valid, q, warp(logits, sampling), max_depth, platform)

@@ -48,12 +48,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from specjax import loop, models, sharding
+from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
 from specjax.drafters.base import DraftRequest, verify_room
 from specjax.memory import GB, MB, device_nbytes, nbytes
-from specjax.models import Model, layers
+from specjax.models import Model
 from specjax.request import prepare
 from specjax.tools.hlo import Copy, large_copies, short_path, traffic
 
@@ -207,8 +208,13 @@ class Placement:
     rules: tuple | None = None
 
     @property
+    def backend(self) -> Backend:
+        """The backend its programs are built for (the mesh's devices, or the device's)."""
+        return Backend.of(None, self.mesh) if self.mesh is not None else Backend(self.device.platform)
+
+    @property
     def platform(self) -> str:
-        return sharding.platform_of(None, self.mesh) if self.mesh is not None else self.device.platform
+        return self.backend.platform
 
     def whole(self) -> jax.sharding.Sharding:
         """Every device holds all of it (one device: that device)."""
@@ -245,7 +251,7 @@ class Spec:
 
     name: str
     fn: Callable  # a jax.jit-wrapped function
-    body: Callable | None  # what fn jits, before kernels_for (None: fn takes a static `platform`)
+    body: Callable | None  # what fn jits, of (backend, *args) (None: fn takes a static `backend`)
     args: tuple
     kwargs: dict
     params: Any  # the parameters it reads (placed shapes): its weights
@@ -256,13 +262,6 @@ class Spec:
     def weights(self) -> int:
         """Bytes of its parameters, all devices together."""
         return nbytes(self.params)
-
-
-def _with_kernels(fn: Callable, platform: str | None, mesh: Mesh | None) -> Callable:
-    def run(*args, **kwargs):
-        with layers.kernels_for(platform, mesh=mesh):
-            return fn(*args, **kwargs)
-    return run
 
 
 def _carry(tree, where: Placement, drafter=None):
@@ -286,18 +285,18 @@ def pass_program(target: Model, where: Placement, batch: int = 1, context: int =
                  name: str | None = None) -> Spec:
     """`tokens` tokens per row through the target over a cache of `context` slots (the
     one-token pass; with tokens = K + 1, a verification pass of a chain of K). Its must_read:
-    the weights a pass reads and the whole cache (keep context <= layers.ATTENTION_BLOCK for
+    the weights a pass reads and the whole cache (keep context <= attention.ATTENTION_BLOCK for
     the CUDA figure: a blockwise attention loop's body is counted once)."""
     placed = where.model(target)
     slots = loop.cache_length(context, 0, 0)
     cache = _carry(jax.eval_shape(lambda: KVCache.init(target.config, batch, slots, target.dtype)), where)
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=where.rows((batch, tokens)))
 
-    def run(model, tokens, positions, cache):
-        logits, _, cache = models.apply(model, tokens, positions, cache)
+    def run(backend, model, tokens, positions, cache):
+        logits, _, cache = models.apply(model.on(backend), tokens, positions, cache)
         return logits, cache
 
-    fn = jax.jit(_with_kernels(run, where.platform, where.mesh), donate_argnums=3)
+    fn = jax.jit(functools.partial(run, where.backend), donate_argnums=3)
     return Spec(name or (f"{tokens}-token pass" if tokens > 1 else "one-token pass"), fn, run,
                 (placed, ids, ids, cache), {}, placed.params,
                 pass_reads(target) + KVCache.nbytes(target.config, batch, context, target.dtype), where.platform)
@@ -359,20 +358,20 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     if where.mesh is not None:
         raise ValueError("engine_program builds the engine on one device")
     placed = where.model(target)
-    holder = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
-    cache_len = loop.cache_length(max_len, 0, verify_room(holder))
+    drafter = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
+    cache_len = loop.cache_length(max_len, 0, verify_room(drafter))
     state = where.replicated(jax.eval_shape(functools.partial(
-        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, platform=where.platform, mesh=None,
-        rules=None), placed, holder))
+        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, backend=where.backend, rules=None),
+        placed, drafter))
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
-    params = (placed.params, drafter_params(holder))
+    params = (placed.params, drafter_params(drafter))
     must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
     width = width or slots
     label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "")
     return Spec(name or label, programs._run, None,
-                (placed, holder if K else None, holder, state, scalar(jnp.float32), scalar(jnp.int32)),
-                dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, platform=where.platform,
-                     mesh=None, rules=None), params, must, where.platform)
+                (placed, drafter if K else None, drafter, state, scalar(jnp.float32), scalar(jnp.int32)),
+                dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, backend=where.backend,
+                     rules=None), params, must, where.platform)
 
 
 def drafter_params(drafter):
@@ -395,28 +394,29 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
     target_placed, drafter, prompts, lengths, key, sampling, _, threshold = args
     if drafter is None:
         raise ValueError("draft_program needs a draft")
-    platform, mesh = static["platform"], static["mesh"]
+    backend = static["backend"]
 
     def state_of(target, drafter, prompts, lengths, key, sampling):
-        with layers.kernels_for(platform, mesh=mesh):
-            return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling)
+        target, drafter = loop.bound(backend, target, drafter)
+        return loop.initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling)
 
     state = jax.eval_shape(state_of, target_placed, drafter, prompts, lengths, key, sampling)
     key = jax.eval_shape(lambda k: loop.row_keys(k, batch), key)
     state = _carry(state, where, drafter)
 
-    def step(target, drafter, state, key, sampling, threshold):
+    def step(backend, target, drafter, state, key, sampling, threshold):
+        target, drafter = loop.bound(backend, target, drafter)
         request = DraftRequest(target=target, target_cache=state.target_cache, tokens=state.tokens,
                                length=state.length, done=state.done, key=key, sampling=state.sampling,
                                k_limit=state.k_limit, threshold=threshold, features=state.features)
         return drafter.propose(state.draft_state, request)
 
-    fn = jax.jit(_with_kernels(step, platform, mesh))
+    fn = jax.jit(functools.partial(step, backend))
     params = drafter_params(drafter)
     must = nbytes(params) + (KVCache.nbytes(drafter.model.config, batch, prompt_len, drafter.model.dtype)
                              if isinstance(drafter, DraftModel) else 0)
     return Spec(name or f"draft step {type(drafter).__name__} {drafter.tree}", fn, step,
-                (target_placed, drafter, state, key, sampling, threshold), {}, params, must, platform)
+                (target_placed, drafter, state, key, sampling, threshold), {}, params, must, backend.platform)
 
 
 def distill_program(target: Model, draft: Model, where: Placement, batch: int = 8, seq_len: int = 256) -> Spec:
@@ -433,13 +433,13 @@ def distill_program(target: Model, draft: Model, where: Placement, batch: int = 
     state = where.replicated(state)
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=where.rows((batch, seq_len + 1)))
 
-    def step(state, batch, teacher):
-        loss_fn, _ = model_objective(student, cfg, teacher)
+    def step(backend, state, batch, teacher):
+        loss_fn, _ = model_objective(student.on(backend), cfg, teacher.on(backend))
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
 
-    fn = jax.jit(_with_kernels(step, where.platform, where.mesh), donate_argnums=0)
+    fn = jax.jit(functools.partial(step, where.backend), donate_argnums=0)
     teacher = where.model(target)
     params = (teacher.params, state.params)
     return Spec("distill step", fn, step, (state, tokens, teacher), {}, params, nbytes(params), where.platform)
@@ -475,15 +475,15 @@ class Program:
 
 
 def _trace_for_cuda(spec: Spec):
-    """The spec's program traced as a CUDA device would run it (its static platform "gpu")."""
+    """The spec's program traced as a CUDA device would run it (for a backend on one GPU)."""
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(
         x, jax.ShapeDtypeStruct) else x, spec.args)
     kwargs = dict(spec.kwargs)
-    if spec.body is None:  # the loop: its static platform names its kernels
+    if spec.body is None:  # a loop's or an engine call's: its static backend
         fn = spec.fn
-        kwargs.update(platform="gpu", mesh=None, rules=None)
+        kwargs.update(backend=Backend("gpu"), rules=None)
     else:
-        fn = jax.jit(_with_kernels(spec.body, "gpu", None))
+        fn = jax.jit(functools.partial(spec.body, Backend("gpu")))
     return fn.trace(*unplaced, **kwargs)
 
 

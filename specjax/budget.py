@@ -65,7 +65,7 @@ def cache_bytes(args, static, per_device: bool = False) -> int:
     target, drafter, prompts, lengths, key = args[:5]
     state = jax.eval_shape(lambda t, d, p, n, k: initial_state(t, d, p, n, k, static["max_new_tokens"]),
                            target, drafter, prompts, lengths, key)
-    mesh = static.get("mesh")
+    mesh = static["backend"].mesh
     if not per_device or mesh is None:
         return nbytes(state.target_cache) + nbytes(state.draft_state)
     placed = jax.tree.map(sharding.put, state, state_shardings(state, drafter, mesh,
@@ -89,7 +89,7 @@ def shape_bound(target, drafter, batch: int, prompt_len: int, max_new_tokens: in
     """Bytes a generate call of these shapes needs at the least, by part, from the shapes
     alone (nothing traced): the weights, the KV caches, and one verification pass's float32
     logits [B, T, V], T = 1 + the tree's nodes (or the drafter's writes; no [B, T, S] mask:
-    a cached pass sees its prefix by each row's length, layers.cached_attention); sampled (any
+    a cached pass sees its prefix by each row's length, attention.cached_attention); sampled (any
     row not greedy): also the target's distributions p [B, T, V] and the drafts' q [B, N, V],
     float32. XLA's program needs these and more."""
     room = verify_room(drafter)
@@ -136,7 +136,7 @@ def check_fits(args, static, stream):
     """Raises InsufficientMemoryError when the program for these prepared arguments needs
     more than the device reports free; does nothing where it reports nothing (CPU). The
     first call per shape compiles the program (the jit cache then serves generate)."""
-    free = memory.device_free_bytes(static.get("mesh"))
+    free = memory.device_free_bytes(static["backend"].mesh)
     if free is None:
         return
     key = _key(args, static, stream)

@@ -3,7 +3,7 @@
 Slot s of row b holds the key/value of the token at position s of that row. A row's
 entries at slots < lengths[b] are valid; entries at or beyond it are stale and are never
 cleared: a pass sees the committed prefix below its first position and its own in-flight
-tokens (layers.cached_attention), and writes its own positions before attending, so a stale
+tokens (attention.cached_attention), and writes its own positions before attending, so a stale
 slot is always overwritten before any query can see it. Rolling back rejected draft tokens
 is therefore only a matter of lowering `lengths`.
 
@@ -127,7 +127,7 @@ class Placement:
     """What a pass's T tokens see when that is not "slot = position, causal" (token trees):
     the committed prefix (slots < start, which hold their own positions) and, of a region
     of R in-flight keys, those that `sees` marks; no [B, T, S] mask is ever built from it
-    (see layers.cached_attention). The region is either the pass's own T tokens (offset
+    (see attention.cached_attention). The region is either the pass's own T tokens (offset
     None: a target's verification of a tree, R = T), whose slots, where the pass writes
     them at all, are start .. start + T-1; or the cache's held tree (`KVCache.tree`), into
     which the pass puts its own at offset .. offset + T-1 (a drafter growing a tree, a depth
@@ -204,8 +204,7 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
     def entries(buffer, new):  # [B, M, G, D]
         # Where the pass wrote them (its token t at slot start + t), they are read back from
         # there: XLA fuses the values' producer into the write, which would read the pass's
-        # q/k/v projection again (on a GPU, its split-K partial sums: 3.4 MB a buffer at
-        # batch 8 of the 1B shape; docs/bench/gpu_tree.txt).
+        # q/k/v projection again (on a GPU, its split-K partial sums: docs/bench/gpu_tree.txt).
         return buffer[rows, :, start[:, None] + kept] if pending.written else new[rows, kept]
 
     def one(buffers, news):  # L x [B', G, S, D], B' >= B; the first layers' new [B, T, G, D]

@@ -58,7 +58,8 @@ from jax.experimental import io_callback
 from specjax import acceptance, sharding, streams
 from specjax.cache import KVCache, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
-from specjax.models import Model, apply, commit, layers
+from specjax.backend import Backend
+from specjax.models import Model, apply, commit
 from specjax.models import prefill as models_prefill
 from specjax.sampling import Sampling, fold_in
 from specjax.tree import ancestors, depths, with_branch
@@ -271,10 +272,10 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
         logits = logits[:, : N + 1]
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
-                                       state.sampling, D)
+                                       state.sampling, D, target.runs_on.platform)
     if pending:  # the root and the path's nodes to the slots of their positions
         kept = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]: the root, then the node at depth j (past n: stale)
-        cache = commit(cache, pending[0], kept, start)
+        cache = commit(target, cache, pending[0], kept, start)
 
     # The row's new tokens: the path's then the target's own; cut after a stop id and at the
     # row's length limit; nothing for rows already done.
@@ -342,33 +343,39 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
                    stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B))
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k",
-                                             "mesh", "rules", "platform"))
+def bound(backend: Backend, target: Model, drafter=None):
+    """The target and the drafter (or None) bound to the backend of the program being built
+    (`Model.on`, `Drafter.on`): what every program that runs them does first."""
+    return target.on(backend), None if drafter is None else drafter.on(backend)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k", "backend", "rules"))
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
                   *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
-                  mesh, rules, platform: str | None = None, stream=None) -> GenerateOutput:
+                  backend: Backend, rules, stream=None) -> GenerateOutput:
     """The whole generation, compiled: `prefill`, then `step` until every row is done.
     drafter: None or a resolved, bound `Drafter`; eos: int32 [N] stop ids padded with -1;
     stream: None, or int32 [] (a handle of `streams`; being None or not is part of the jit
-    key, so None costs nothing). platform: where the program runs ("cpu", "gpu", "tpu";
-    None: the default backend), whose attention kernels it holds; a sharded program's
-    (mesh) keeps only the prefix kernel, under shard_map (layers.kernels_for)."""
-    with layers.kernels_for(platform, mesh=mesh):
-        state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
-        B = state.tokens.shape[0]
-        trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None
+    key, so None costs nothing). backend: where the program runs (its platform's attention
+    kernels and matmul forms; on a mesh, rows over data and the rules' layout), which the
+    models are bound to (`bound`)."""
+    target, drafter = bound(backend, target, drafter)
+    mesh = backend.mesh
+    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
+    B = state.tokens.shape[0]
+    trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None
 
-        def body(carry):
-            state, i, trace = carry
-            state, out = step(target, drafter, state, threshold, adaptive_k=adaptive_k)
-            if trace is not None:
-                trace = trace.at[:, i].set(out.count)
-            if stream is not None:  # the host receives the step's kept tokens, steps in order
-                io_callback(streams.to_host, None, stream, out.tokens, out.count, ordered=True)
-            return place(state, drafter, mesh, rules), i + 1, trace
+    def body(carry):
+        state, i, trace = carry
+        state, out = step(target, drafter, state, threshold, adaptive_k=adaptive_k)
+        if trace is not None:
+            trace = trace.at[:, i].set(out.count)
+        if stream is not None:  # the host receives the step's kept tokens, steps in order
+            io_callback(streams.to_host, None, stream, out.tokens, out.count, ordered=True)
+        return place(state, drafter, mesh, rules), i + 1, trace
 
-        carry = (place(state, drafter, mesh, rules), jnp.zeros((), jnp.int32), trace)
-        state, _, trace = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, carry)
+    carry = (place(state, drafter, mesh, rules), jnp.zeros((), jnp.int32), trace)
+    state, _, trace = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, carry)
 
     rows = jnp.arange(B)[:, None]
     num_tokens = state.length - lengths

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import budget, sharding, theory
+from specjax.backend import Backend
 from specjax.drafters import DraftModel
 from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
@@ -120,8 +121,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     args = (target, drafter, prompts, lengths, key,
             sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
-                  adaptive_k=bool(adaptive_k), mesh=mesh, rules=rules,
-                  platform=sharding.platform_of(target.params, mesh))
+                  adaptive_k=bool(adaptive_k), backend=Backend.of(target.params, mesh), rules=rules)
     return args, static, stream
 
 

@@ -267,7 +267,8 @@ def prefix_kernel_findings() -> dict:
     each device on its own rows and kv heads, and equal the portable path, with a sliding
     window's floors and without; with no rules (a model not sharded) the pass attends
     portably."""
-    from specjax.models import layers
+    from specjax.backend import Backend
+    from specjax.models import attention
 
     mesh = specjax.make_mesh(data=2, model=4)
     rules = specjax.sharding.DEFAULT_RULES
@@ -287,11 +288,10 @@ def prefix_kernel_findings() -> dict:
     found = {}
     for name, floor in floors.items():
         args = (q, k, v, mask, cache_k, cache_v, prefix, floor)
-        want = layers.cached_attention(*args, 0.125)
+        want = attention.cached_attention(*args, 0.125, backend=Backend("cpu"))
         for platform in ("tpu", "gpu"):
-            def run(*a, rules=rules):
-                with layers.kernels_for(platform, mesh=mesh):
-                    return layers.cached_attention(*a, 0.125, kernels=True, interpret=True, rules=rules)
+            def run(*a, rules=rules, backend=Backend(platform, mesh)):
+                return attention.cached_attention(*a, 0.125, backend=backend, kernels=True, interpret=True, rules=rules)
             got = jax.jit(run)(*args)
             jaxpr = str(jax.make_jaxpr(run)(*args))
             portable = str(jax.make_jaxpr(functools.partial(run, rules=None))(*args))

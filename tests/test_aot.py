@@ -178,8 +178,8 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     (a Mosaic custom call); by default ("auto": the TPU's kernels never ran on a TPU) it
     attends portably, and traced for this CPU it has no kernel either way. Traced for a GPU
     (here, without jax's CUDA plugin: no cuDNN, which a GPU machine would give these passes),
-    "auto" takes the Pallas prefix kernel in bfloat16 and not in float16 or float32 (not
-    measured there); "portable" never."""
+    "kernels" takes the Pallas prefix kernel in every dtype; "auto" none (no kernel has run
+    on a GPU since the cache became head-major: attention.MEASURED_KERNELS); "portable" never."""
     config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                              hidden_size=256, max_position_embeddings=1024))
     model = aot.abstract_model(config)
@@ -193,7 +193,7 @@ def test_attention_kernels_follow_the_model_and_the_platform_compiled_for():
     # the portable path by default: traced for a GPU (Triton), and compiled for a TPU (Mosaic),
     # where the kernel reads the cache as it lies (no cache-sized copy, no temporaries).
     f32, f16 = aot.abstract_model(config, jnp.float32), aot.abstract_model(config, jnp.float16)
-    for m, held in ((kernels, True), (model, True), (model.replace(attention="portable"), False), (f32, False),
+    for m, held in ((kernels, True), (model, False), (model.replace(attention="portable"), False), (f32, False),
                     (f16, False), (f32.replace(attention="kernels"), True)):
         spec = aot.verify_program(m, cpu, 4, batch=1, context=256)
         text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
@@ -262,7 +262,7 @@ def test_a_step_waits_on_the_host_for_no_predicate_but_its_loops():
     conditional, for every kind of drafter and sampling: greedy and sampled are static
     programs, drafting runs a static number of passes. The engine's call holds its own loop
     alone (the draft's catch-up after calls that did not draft is a program of its own). Over
-    a cache past layers.ATTENTION_BLOCK slots (the blockwise attention) too."""
+    a cache past attention.ATTENTION_BLOCK slots (the blockwise attention) too."""
     cpu = aot.on_device(jax.devices("cpu")[0])
     eagle3 = jax.eval_shape(lambda: Eagle3.init(TARGET, jax.random.key(0)))
     loops = {

@@ -384,6 +384,7 @@ def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
     run here on the CPU: the same tokens as the CPU's program, for a chain and a tree. And
     the two writes agree."""
     from specjax import cache
+    from specjax.backend import Backend
     from specjax.request import prepare
 
     target, drafts, _ = pair
@@ -394,9 +395,9 @@ def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
                       adaptive_k=False, draft_threshold=0.0, mesh=None, rules=None, stream=None,
                       cost_profile=None, deterministic=False)
         args, static, _ = prepare(target, padded, lengths, **kwargs)
-        cpu = generate_loop(*args, **dict(static, platform="cpu"))
+        cpu = generate_loop(*args, **dict(static, backend=Backend("cpu")))
         for platform in ("tpu", "gpu"):
-            other = generate_loop(*args, **dict(static, platform=platform))
+            other = generate_loop(*args, **dict(static, backend=Backend(platform)))
             np.testing.assert_array_equal(other.tokens, cpu.tokens, err_msg=platform)
             np.testing.assert_array_equal(other.stats.accepted, cpu.stats.accepted, err_msg=platform)
     rng = np.random.default_rng(0)

@@ -3,8 +3,6 @@ tree placements, soft-cap, GQA, a key limit); chunked prefill + blockwise attent
 generate's output unchanged (greedy against transformers, trees, trained heads, sampling
 exactness); an 8,192-token prompt compiles to under 512 MB of temporaries."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,15 +10,20 @@ import pytest
 
 import specjax
 from specjax import models
-from specjax.models import layers
+from specjax.backend import Backend
+from specjax.models import attention as attn
 from tests import tiny
 from tests.test_tree import (MAX_NEW, SAMPLING_DRAFTERS, _greedy_case, _prompts, _sampled_joint,  # noqa: F401
                              exact_joint, tiny_pair)
 from tests.test_sampling import _chi_square_p
 
 
+CPU, GPU_PORTABLE = Backend("cpu"), Backend("gpu", portable=True)
+
+
 def _dense(q, k, v, mask, scale, cap, heads_first=False):
-    return layers.attention(q, k, v, mask, scale, cap, block=k.shape[2 if heads_first else 1], heads_first=heads_first)
+    return attn.attention(q, k, v, mask, scale, cap, block=k.shape[2 if heads_first else 1], backend=CPU,
+                          heads_first=heads_first)
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
@@ -44,24 +47,24 @@ def test_blockwise_attention_equals_dense(kind, cap):
     # Each row's live length: one past the highest slot any of its queries sees.
     limit = jnp.asarray([int(np.max(np.nonzero(np.asarray(mask)[b].any(0))[0])) + 1 for b in range(B)], jnp.int32)
     for block in (4, 7, 16):
-        got = layers.attention(q, k, v, mask, 0.3, cap, block=block)
+        got = attn.attention(q, k, v, mask, 0.3, cap, block=block, backend=CPU)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        got = layers.attention(q, k, v, mask, 0.3, cap, kv_limit=limit, block=block)
+        got = attn.attention(q, k, v, mask, 0.3, cap, kv_limit=limit, block=block, backend=CPU)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the limit re-reading
-            got = jax.jit(lambda *a: layers.attention(*a, 0.3, cap, kv_limit=limit, block=block))(q, k, v, mask)
+        got = jax.jit(lambda *a: attn.attention(*a, 0.3, cap, kv_limit=limit, block=block,  # a GPU's fixed-length loop
+                                                backend=GPU_PORTABLE))(q, k, v, mask)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     if cap is None:  # cuDNN's path (it has no soft-cap), through the same call with "xla"
-        got = layers.dot_product_attention(q, k, v, mask, 0.3, implementation="xla")
+        got = attn.dot_product_attention(q, k, v, mask, 0.3, implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
         # With each row's live length as key_value_seq_lengths (what bounds cuDNN's reads).
-        got = layers.dot_product_attention(q, k, v, mask, 0.3, limit, implementation="xla")
+        got = attn.dot_product_attention(q, k, v, mask, 0.3, limit, implementation="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        # A cache's head-major keys (cuDNN's BNSH layout on a GPU), and through `attention` with them.
+        # A cache's head-major keys, and through `attention` with them.
         heads_first = [jnp.swapaxes(x, 1, 2) for x in (k, v)]
-        got = layers.dot_product_attention(q, *heads_first, mask, 0.3, limit, implementation="xla", heads_first=True)
+        got = attn.dot_product_attention(q, *heads_first, mask, 0.3, limit, implementation="xla", heads_first=True)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        got = layers.attention(q, *heads_first, mask, 0.3, cap, block=7, heads_first=True)
+        got = attn.attention(q, *heads_first, mask, 0.3, cap, block=7, backend=CPU, heads_first=True)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
@@ -117,32 +120,32 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     args, want = _split_case(kind, cap, S=37, D=8)
     wide = args[:4] + tuple(_wider(c) for c in args[4:6]) + args[6:]
     for block in (4, 7, 16, 64):
-        got = layers.cached_attention(*args, block=block)
+        got = attn.cached_attention(*args, block=block, backend=CPU)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        got = layers.cached_attention(*wide, block=block)  # rows past the pass's are not read
+        got = attn.cached_attention(*wide, block=block, backend=CPU)  # rows past the pass's are not read
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-        with layers.kernels_for("gpu", portable=True):  # a fixed-length loop, past the prefix re-reading
-            got = jax.jit(lambda *a: layers.cached_attention(*a, block=block))(*args)
+        # a GPU's fixed-length loop, past the prefix re-reading
+        got = jax.jit(lambda *a: attn.cached_attention(*a, block=block, backend=GPU_PORTABLE))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-    for share, loops in ((layers.GPU_SCORES_OVER_CACHE, 1), (10.0, 0)) if cap is None else ():
+    for share, loops in ((attn.GPU_SCORES_OVER_CACHE, 1), (10.0, 0)) if cap is None else ():
         # a GPU's pass of few queries: one softmax over the whole cache (each kind of mask once)
-        with pytest.MonkeyPatch.context() as patch, layers.kernels_for("gpu", portable=True):
-            patch.setattr(layers, "GPU_SCORES_OVER_CACHE", share)  # (these 10 query rows per kv head of D = 8: few)
-            traced = jax.jit(lambda *a: layers.cached_attention(*a, block=5)).trace(*args)  # past its 5 in-flight keys
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attn, "GPU_SCORES_OVER_CACHE", share)  # (these 10 query rows per kv head of D = 8: few)
+            traced = jax.jit(lambda *a: attn.cached_attention(*a, block=5, backend=GPU_PORTABLE)).trace(
+                *args)  # past its 5 in-flight keys
         jaxpr = str(traced.jaxpr)
         assert jaxpr.count("scan[") + jaxpr.count("while[") == loops, share
         got = traced.lower().compile()(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     with pytest.MonkeyPatch.context() as patch:  # a CPU visits the prefix in smaller blocks than it goes dense at
-        patch.setattr(layers, "CPU_PREFIX_BLOCK", 5)
-        with layers.kernels_for("cpu"):
-            got = jax.jit(lambda *a: layers.cached_attention(*a, block=16))(*args)
+        patch.setattr(attn, "CPU_PREFIX_BLOCK", 5)
+        got = jax.jit(lambda *a: attn.cached_attention(*a, block=16, backend=CPU))(*args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     if kind == "window":  # every row far past its window: the blocks below every floor are skipped
         late, want_late = _split_case(kind, cap, S=37, D=8, late=True)
         for platform in ("cpu", "gpu"):
-            with layers.kernels_for(platform, portable=True):
-                got = jax.jit(lambda *a: layers.cached_attention(*a, block=4))(*late)
+            backend = Backend(platform, portable=True)
+            got = jax.jit(lambda *a: attn.cached_attention(*a, block=4, backend=backend))(*late)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want_late), atol=2e-5, rtol=0, err_msg=platform)
     if (kind, cap) not in (("causal", None), ("tree", None), ("window", 3.0)):
         return  # the kernels' cases (interpreted, they take a while)
@@ -150,17 +153,21 @@ def test_prefix_and_in_flight_attention_equals_one_mask(kind, cap):
     if kind == "tree":  # the pass's rows the first of a wider cache's (the engine's narrow runs)
         args = args[:4] + tuple(_wider(c) for c in args[4:6]) + args[6:]
     for platform in ("gpu", "tpu"):
-        with layers.kernels_for(platform):
-            got = jax.jit(lambda *a: layers.cached_attention(*a, 0.3, cap, kernels=True, interpret=True))(*args[:-2])
+        backend = Backend(platform)
+        got = jax.jit(lambda *a: attn.cached_attention(*a, 0.3, cap, backend=backend, kernels=True,
+                                                       interpret=True))(*args[:-2])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0, err_msg=platform)
 
 
 def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
     f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
-    pick = layers.attention_kernel
-    if not layers._cudnn_available():  # a program for a GPU traced here without jax's CUDA plugin
+
+    def pick(platform, *shape):
+        return attn.choose(Backend(platform), *shape)
+
+    if not attn._cudnn_available():  # a program for a GPU traced here without jax's CUDA plugin
         assert pick("gpu", bf16, 1, 1024, 64, None) == "portable"
-    monkeypatch.setattr(layers, "_cudnn_available", lambda: True)
+    monkeypatch.setattr(attn, "_cudnn_available", lambda: True)
     assert pick("cpu", bf16, 512, 1024, 128, None) == "portable"
     assert pick("gpu", bf16, 1, 1024, 64, None) == "cudnn"
     assert pick("gpu", f16, 512, 1024, 128, None) == "cudnn"
@@ -173,23 +180,21 @@ def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
     assert pick("tpu", bf16, 5, 1024, 128, None) == "portable"  # a decode step of K+1 tokens
     assert pick("tpu", bf16, 512, 1000, 128, None) == "portable"  # S not a multiple of 128
     assert pick("tpu", bf16, 512, 1024, 64, None) == "portable"
-    assert pick("portable", bf16, 512, 1024, 128, None) == "portable"
-    # The platform a program is traced for, not the host's backend, names the kernels.
-    assert layers.kernel_platform() == jax.default_backend()
-    with layers.kernels_for("tpu"):
-        assert layers.kernel_platform() == "tpu"
-        with layers.portable_attention():  # sharded programs
-            assert layers.kernel_platform() == "portable"
-        with layers.kernels_for("cuda"):
-            assert layers.kernel_platform() == "gpu"
-        with layers.kernels_for(None):
-            assert layers.kernel_platform() == "tpu"
-        seen = []  # another thread (the engine's device thread beside a caller) traces under its own
-        thread = threading.Thread(target=lambda: seen.append(layers.kernel_platform()))
-        thread.start()
-        thread.join()
-        assert seen == [jax.default_backend()]
-    assert layers.kernel_platform() == jax.default_backend()
+    # Portable, or sharded (GSPMD does not partition a custom call): the jnp path.
+    assert attn.choose(Backend("tpu", portable=True), bf16, 512, 1024, 128, None) == "portable"
+    assert attn.choose(Backend("gpu", portable=True), bf16, 1, 1024, 64, None) == "portable"
+    mesh = jax.make_mesh((1,), ("data",))
+    assert attn.choose(Backend("tpu", mesh), bf16, 512, 1024, 128, None) == "portable"
+    # Which models take kernels: "kernels" wherever the backend allows; "auto" nowhere until
+    # measured at the code as it stands (MEASURED_KERNELS); "portable" never.
+    for platform in ("cpu", "gpu", "tpu"):
+        assert attn.takes_kernels("kernels", bf16, Backend(platform))
+        assert not attn.takes_kernels("kernels", bf16, Backend(platform, portable=True))
+        assert not attn.takes_kernels("portable", bf16, Backend(platform))
+        assert attn.takes_kernels("auto", bf16, Backend(platform)) == (bf16 in attn.MEASURED_KERNELS.get(platform, ()))
+    assert Backend("cuda").platform == "gpu"
+    with pytest.raises(ValueError, match="platform"):
+        Backend("metal")
 
 
 def test_splash_attention_equals_the_portable_path():
@@ -204,7 +209,7 @@ def test_splash_attention_equals_the_portable_path():
     mask = jnp.asarray((slots <= positions) & (positions - slots < 150))
     want = _dense(q, k, v, mask, 0.1, 5.0)
     heads_first = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # [B, G, S, D], as a cache lies
-    got = jax.jit(lambda q, k, v, m: layers.splash_attention(q, k, v, m, 0.1, 5.0, interpret=True))(q, *heads_first, mask)
+    got = jax.jit(lambda q, k, v, m: attn.splash_attention(q, k, v, m, 0.1, 5.0, interpret=True))(q, *heads_first, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
@@ -212,14 +217,14 @@ def test_blockwise_attention_differentiates_like_dense():
     rng = np.random.RandomState(1)
     q, k, v = (jnp.asarray(rng.randn(1, 12, 2, 4), jnp.float32) for _ in range(3))
     mask = jnp.tril(jnp.ones((12, 12), bool))[None]
-    grad = lambda block: jax.grad(lambda q: layers.attention(q, k, v, mask, 0.5, block=block).sum())(q)  # noqa: E731
+    grad = lambda block: jax.grad(lambda q: attn.attention(q, k, v, mask, 0.5, block=block, backend=CPU).sum())(q)  # noqa: E731
     np.testing.assert_allclose(np.asarray(grad(5)), np.asarray(grad(12)), atol=1e-5)
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Every attention over more than 4 keys goes blockwise; prompts over 4 tokens in chunks."""
-    monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
+    monkeypatch.setattr(attn, "ATTENTION_BLOCK", 4)
     monkeypatch.setattr(models, "PREFILL_CHUNK", 4)
     jax.clear_caches()
     yield
@@ -236,8 +241,8 @@ def test_a_pass_over_a_wider_caches_first_rows_equals_one_over_those_rows(pair, 
     from specjax.cache import KVCache, tree_placement
 
     if blocks == "blockwise":
-        monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
-        monkeypatch.setattr(layers, "CPU_PREFIX_BLOCK", 4)
+        monkeypatch.setattr(attn, "ATTENTION_BLOCK", 4)
+        monkeypatch.setattr(attn, "CPU_PREFIX_BLOCK", 4)
     target = pair[0]
     rng = np.random.default_rng(5)
     prompts = jnp.asarray(rng.integers(3, 97, (3, 9)), jnp.int32)

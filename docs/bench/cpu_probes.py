@@ -7,7 +7,7 @@ weights' bytes over it, and the rate in GFLOP/s. OPTIONS (JSON): XLA options for
 programs (`jax.jit(compiler_options=...)`), e.g. '{"xla_cpu_use_onednn": true}'.
 
 layout: one attention block of 256 cached slots for 8 rows (G=2 kv heads of 3 query heads,
-head_dim 64, 12 distinct layers' caches, 51 MB), as `layers.cached_attention` computes it
+head_dim 64, 12 distinct layers' caches, 51 MB), as `attention.cached_attention` computes it
 (the [B, S, G, D] block relaid for the dots) against the block read as [B, S, G D] with
 block-diagonal queries (G x the flops, no relayout); twice each, alternately.
 

@@ -4,7 +4,7 @@ steps per call (--steps-per-call), for 32 requests of 128 new tokens
 (the prompts of serve_load.py) with 1 and with 8 concurrent clients (threads, each
 submitting its next request when the last finished), and the median time to each request's
 first token; then the ratio 8 clients / 1, the bar the server's issue set at 4x.
---prefix-block sets `layers.CPU_PREFIX_BLOCK` (the slots a CPU reads a long cache's prefix
+--prefix-block sets `attention.CPU_PREFIX_BLOCK` (the slots a CPU reads a long cache's prefix
 in) before anything compiles, to compare values in separate processes:
 
     for b in 512 256; do python docs/bench/engine_clients.py --prefix-block $b; done
@@ -28,20 +28,20 @@ import jax  # noqa: E402
 
 import specjax  # noqa: E402
 from serve_load import prompts  # noqa: E402
-from specjax.models import layers  # noqa: E402
+from specjax.models import attention  # noqa: E402
 from specjax.serve import programs  # noqa: E402
 from specjax.shipped import default_checkpoint  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prefix-block", type=int, default=layers.CPU_PREFIX_BLOCK)
+    p.add_argument("--prefix-block", type=int, default=attention.CPU_PREFIX_BLOCK)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps-per-call", type=int, default=4)
     p.add_argument("--draft", default="none", help="a draft model's folder, 'shipped' (the shipped draft) or "
                    "'none' (plain decoding, the default); K by live rows as the engine chooses it")
     args = p.parse_args()
-    layers.CPU_PREFIX_BLOCK = args.prefix_block
+    attention.CPU_PREFIX_BLOCK = args.prefix_block
     target = specjax.load_model(default_checkpoint("target"))
     tokenizer = specjax.load_tokenizer(default_checkpoint("target"))
     ids = [tokenizer.encode(text) for text in prompts(32)]

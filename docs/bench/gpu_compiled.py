@@ -28,21 +28,21 @@ from specjax import aot  # noqa: E402
 from specjax.tools import hlo  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.memory import GB, MB  # noqa: E402
-from specjax.models import layers  # noqa: E402
+from specjax.models import attention as paths  # noqa: E402
 from tests import real_configs as rc  # noqa: E402
 
 
 def compiled(spec: aot.Spec, attention: str):
     """The spec compiled for its GPU; "prefix" hides cuDNN while it traces."""
-    available = layers._cudnn_available
+    available = paths._cudnn_available
     if attention == "prefix":
-        layers._cudnn_available = lambda: False
+        paths._cudnn_available = lambda: False
     try:
         start = time.perf_counter()
         program = spec.fn.lower(*spec.args, **spec.kwargs).compile()
         return program, time.perf_counter() - start
     finally:
-        layers._cudnn_available = available
+        paths._cudnn_available = available
 
 
 def row(label: str, spec: aot.Spec, attention: str, ratio: bool = True) -> str:

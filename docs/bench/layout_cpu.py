@@ -28,7 +28,10 @@ def measure(repeats: int) -> dict:
     import jax.numpy as jnp
 
     import specjax
-    from specjax.tools import bench
+    try:
+        from specjax.tools import bench
+    except ImportError:  # a checkout from before the tools moved apart (004df2b)
+        from specjax import bench
 
     target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
     draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)

@@ -68,7 +68,7 @@ def main():
     jax.block_until_ready(state)
     print(f"width {args.width}: {1e3 * (time.perf_counter() - start) / CALLS / STEPS:.2f} ms per step untraced")
     hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.int32(STEPS), steps=STEPS, open_steps=STEPS,
-                       width=args.width, kind="greedy", platform=p.platform, mesh=None, rules=None).compile().as_text()
+                       width=args.width, kind="greedy", backend=p.backend, rules=None).compile().as_text()
     what = {}  # instruction name -> (shape, the op it computes: its metadata's, or its opcode)
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)

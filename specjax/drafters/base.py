@@ -93,6 +93,12 @@ class Drafter:
         """Checks the drafter against the target (and adapts to it); called once per request."""
         return self
 
+    def on(self, backend) -> "Drafter":
+        """The drafter bound to the backend of the program about to be built (a `Backend`):
+        a drafter with a model of its own binds it (`Model.on`); one that runs the target's
+        layers or its own reads the backend from the target it is handed. Default: itself."""
+        return self
+
     def check_lengths(self, longest: int, max_new_tokens: int):
         """Raises where prompts of `longest` tokens plus max_new_tokens exceed what the
         drafter's own model can position."""

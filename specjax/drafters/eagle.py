@@ -30,6 +30,7 @@ from specjax.drafters import trained
 from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
 from specjax.layouts import from_layout2_layer, fuse_legacy_layer
 from specjax.models import Model, head_logits
+from specjax.models.attention import takes_kernels
 from specjax.models.layers import init as normal_init
 from specjax.models.transformer import Block, embed_tokens, init_layer, pass_view, rotary_tables
 from specjax.tree import Tree
@@ -57,7 +58,7 @@ def eagle_layer(config: ModelConfig, params: dict, target: Model, tokens, featur
     x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
                          features], axis=-1)
     x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
-    return run_layer(config, params["layer"], x, positions, cache, placement)
+    return run_layer(config, params["layer"], target, x, positions, cache, placement)
 
 
 def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
@@ -68,12 +69,15 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
     return head_logits(target, x), x, cache
 
 
-def run_layer(config: ModelConfig, layer_params: dict, x, positions, cache: KVCache | None = None,
+def run_layer(config: ModelConfig, layer_params: dict, target: Model, x, positions, cache: KVCache | None = None,
               placement=None):
     """The drafter's one decoder layer over x [B, T, E] at positions [B, T], writing its
     one-layer cache (if given; a tree's nodes join its held tree) -> (x [B, T, E], cache).
-    Shared by EAGLE and EAGLE-3."""
-    view = pass_view(config, positions, cache, placement, x.dtype)
+    It attends as its target does: on the target's backend, taking kernels where the
+    target's Model.attention does. Shared by EAGLE and EAGLE-3."""
+    backend = target.runs_on
+    kernels = takes_kernels(target.attention, x.dtype, backend)
+    view = pass_view(config, positions, cache, placement, backend, x.dtype if kernels else None)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
     held = None if view.offset is None else (cache.held_tree().k[0], cache.held_tree().v[0])

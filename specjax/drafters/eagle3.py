@@ -94,7 +94,7 @@ def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, featu
     """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (g_t), positions [B, T]
     -> (the layer's outputs [B, T, E], cache)."""
     x = fused_input(config, params, token_input(config, params, target, tokens, features.dtype), features)
-    return run_layer(config, params["layer"], x, positions, cache, placement)
+    return run_layer(config, params["layer"], target, x, positions, cache, placement)
 
 
 def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features, steps: int):
@@ -121,7 +121,8 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
     for j in range(steps):
         x = fused_input(c, params, token_states, g)  # [B, T, E]
         h = _norm(c, p["attn_norm"], x)
-        q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, method=Attention.project_qkv)
+        q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, target.runs_on.platform == "cpu",
+                             method=Attention.project_qkv)
         keys.append(k)
         values.append(v)
         qg = q.reshape(B, T, G, R, D)

@@ -105,6 +105,9 @@ class DraftModel(Drafter):
             raise ValueError(f"the draft vocabulary holds id {int(self.vocab[-1])}, outside the target's {V} tokens")
         return self
 
+    def on(self, backend) -> "DraftModel":
+        return self.replace(model=self.model.on(backend))
+
     def check_lengths(self, longest: int, max_new_tokens: int):
         c = self.model.config
         if longest + max_new_tokens > c.max_position_embeddings:

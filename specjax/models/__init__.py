@@ -1,7 +1,8 @@
 """`Model`: a config (static) and its params (leaves), one pytree that passes through jit.
 
 This module knows how to run a model (`apply`, `forward`) and make a random one (`init`).
-It does not know about files (see hf.py, checkpoint.py) or decoding (see generate.py).
+It does not know about files (see hf.py, checkpoint.py) or decoding (see generate.py), nor
+where a program runs: whoever builds one binds its models to a `Backend` (`Model.on`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.backend import Backend
 from specjax.cache import KVCache, Pending, Placement
 from specjax.cache import commit as cache_commit
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import exact
-from specjax.models.layers import takes_kernels, writes_per_row
+from specjax.models.attention import takes_kernels
 from specjax.models.transformer import decode, init_params, read_out
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
@@ -43,12 +45,15 @@ class Model:
     # How its passes attend (static: part of every program's jit key). "kernels": where the
     # platform a program is built for has a fused kernel for a pass, it takes it (cuDNN and
     # the Pallas prefix kernel on a GPU, splash and the Pallas prefix kernel on a TPU:
-    # layers.attention_kernel and prefix_kernel.applies say where each applies). "portable":
-    # the jnp path on every backend. "auto" (the default): kernels where they have been
-    # measured on their hardware (a GPU, in bfloat16: layers.MEASURED_KERNELS),
-    # portable elsewhere (TPU kernels are opt-in until they run on one). A sharded program
-    # takes only the prefix kernel, under shard_map, and only with "kernels" (never run sharded).
+    # models/attention.py says where each applies). "portable": the jnp path on every
+    # platform. "auto" (the default): kernels where they have been measured on their
+    # hardware at the code as it stands (attention.MEASURED_KERNELS), portable elsewhere. A
+    # sharded program takes only the prefix kernel, under shard_map, and only with "kernels".
     attention: str = struct.field(pytree_node=False, default="auto")
+    # Where the program it runs in runs (static): set by whoever builds that program
+    # (`on`: generate, the engine, aot.py). None: not bound, traced for the default
+    # backend's devices, unsharded (`Backend.default`), as `jax.jit` of it would run.
+    backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -57,6 +62,15 @@ class Model:
     @property
     def dtype(self):
         return self.params["embedding"].dtype
+
+    def on(self, backend: Backend) -> "Model":
+        """The model bound to the backend of the program about to be built."""
+        return self.replace(backend=backend)
+
+    @property
+    def runs_on(self) -> Backend:
+        """Its backend: the one it is bound to, else the default backend's."""
+        return self.backend or Backend.default()
 
 
 def default_dtype():
@@ -86,17 +100,19 @@ def apply(model: Model, tokens: jax.Array, positions: jax.Array, cache: KVCache 
     defer: the caller writes the keys and values it keeps (a verification pass's accepted
     path): a fourth result holds them (`cache.Pending`; transformer.decode says which passes
     leave the cache unwritten)."""
+    backend = model.runs_on
     if model.exact:
         return exact.decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer,
-                            taps=taps, defer=defer)
+                            taps=taps, defer=defer, flat=backend.platform == "cpu")
     return decode(model.config, model.params, tokens, positions, cache, placement, num_layers=exit_layer, taps=taps,
-                  kernels=takes_kernels(model.attention, model.dtype), rules=model.rules, defer=defer)
+                  backend=backend, kernels=takes_kernels(model.attention, model.dtype, backend), rules=model.rules,
+                  defer=defer)
 
 
-def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array) -> KVCache:
-    """`cache.commit` (kept int32 [B, M] of a deferred pass's tokens to slots start[b] ..), in
-    the form the program being traced wants (`layers.writes_per_row`)."""
-    return cache_commit(cache, pending, kept, start, consecutive=writes_per_row())
+def commit(model: Model, cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array) -> KVCache:
+    """`cache.commit` (kept int32 [B, M] of a deferred pass's tokens to slots start[b] ..) of
+    a pass of `model`, in the form its backend writes (`Backend.consecutive_writes`)."""
+    return cache_commit(cache, pending, kept, start, consecutive=model.runs_on.consecutive_writes)
 
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one pass each,

@@ -123,11 +123,12 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None):
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
            placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
-           defer: bool = False):
+           defer: bool = False, flat: bool = False):
     """transformer.decode, computed deterministically (see the module docstring): the same
     arguments and results, (logits float32 [B, T, V], hidden [B, T, E], cache), and with
     defer the pass's keys and values (`Pending`), which it writes too: its queries read their
-    keys from the cache. (Under a placement with an offset they join the held tree instead.)"""
+    keys from the cache. (Under a placement with an offset they join the held tree instead.)
+    flat: the q/k/v matmul's CPU form (`layers.qkv_matmul`)."""
     B, T = tokens.shape
     N = B * T
     flat_positions = positions.reshape(N)
@@ -173,7 +174,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         def project(x, *cos_sin, p=p):  # [ROWS, E] -> q [ROWS, H, D], k, v [ROWS, G, D]
             h = Norm(c).apply({"params": p["attn_norm"]}, x[None])
             rotation = tuple(a[None] for a in cos_sin) or None
-            q, k, v = attn.apply({"params": p["attn"]}, h, rotation, method=Attention.project_qkv)
+            q, k, v = attn.apply({"params": p["attn"]}, h, rotation, flat, method=Attention.project_qkv)
             return q[0], k[0], v[0]
 
         q, k, v = rowwise(project, x, *rotations.get(sliding, ()))

@@ -2,7 +2,7 @@
 (Mosaic): each row's queries against the cache's slots below its own prefix length, read in
 place.
 
-`layers.cached_attention` splits a cached pass's attention into the committed prefix and
+`attention.cached_attention` splits a cached pass's attention into the committed prefix and
 the in-flight keys, merged by their log-sum-exp. This kernel computes the prefix's part
 (the online softmax's running max, sum and output, before normalising) as the GPU runs it:
 a grid over (row, kv head, split of the cache), so that a decode step at batch 1 still fills
@@ -18,17 +18,12 @@ run in order, accumulating into its output, and blocks past the row's prefix map
 last live block, which the pipeline does not fetch again, so a row reads only its live
 slots (the ragged trick of JAX's TPU paged attention kernels).
 
-Status: the GPU kernel has not run on a GPU. A model takes the kernels by default there
-(Model.attention="auto", measured on one H200), but where cuDNN is installed, as it was
-there, `layers.attention_kernel` gives cuDNN every cached pass it applies to (bfloat16 and
-float16 with head_dim <= 128 and no soft-cap), so this kernel serves only the passes cuDNN
-does not take; programs lowered for CUDA on a host without jax's CUDA plugin (the tests')
-hold it instead of cuDNN. The TPU kernel has not run either: it is compiled for a TPU here
-(tests/test_aot.py) and taken only by a model that opts in (Model.attention="kernels").
-Both are tested in Pallas' interpret mode on CPU against the portable path
-(tests/test_long_context.py), and under shard_map on 8 CPU devices (tests/sharded_check.py).
-A sharded program runs them under shard_map (`layers._prefix_kernel`): they see one
-device's rows and kv heads. They know nothing about models, positions, trees or meshes.
+Status: neither kernel has run on its hardware; models/attention.py says when a program
+takes them (opt-in: Model.attention="kernels"). Both are tested in Pallas' interpret mode
+on CPU against the portable path (tests/test_long_context.py), under shard_map on 8 CPU
+devices (tests/sharded_check.py), and compiled for a TPU here (tests/test_aot.py). A sharded
+program runs them under shard_map (`attention._prefix_kernel`): they see one device's rows
+and kv heads. They know nothing about models, positions, trees or meshes.
 """
 
 from __future__ import annotations

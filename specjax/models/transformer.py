@@ -13,7 +13,7 @@ time that grows with depth (docs/bench/compile_time.txt). With a cache, each lay
 its new keys/values at each row's own positions into its own buffer (unless its caller
 defers the writes: a verification pass, which keeps only the accepted path's) and attends
 to the committed prefix below the pass (read in place) and to the pass's in-flight keys
-under their own mask (`pass_view`, layers.cached_attention); without one, it attends over
+under their own mask (`pass_view`, attention.cached_attention); without one, it attends over
 the T tokens given (a full causal pass).
 
 A `Placement` (cache.py) overrides "slot = position, causal" for one pass: a token tree's
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from specjax.backend import Backend
 from specjax.cache import KVCache, Pending, Placement, attention_mask, join, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import (MLP, Attention, Norm, attention, attention_kernel, cached_attention, init,
-                                   kernel_platform, matmul, rotary_angles, softcap, target_platform,
-                                   writes_per_row)
+from specjax.models.attention import attention, cached_attention, choose
+from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
 from specjax.quant import Int8
 
 
@@ -56,30 +56,31 @@ class Block(nn.Module):
         pass's keys join at view.offset. Returns (x, cache_kv with the T new entries written
         unless view.writes is False, the new (k, v) [B, T, G, D], or the held tree with them)."""
         attn = Attention(self.config, name="attn")
-        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin)
+        backend = view.backend
+        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin, flat=backend.platform == "cpu")
         if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
             k, v = (join(held, new, view.offset) for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v
         if cache_kv is None:  # a full pass: its own keys, causal
-            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, kernels=view.kernels)
+            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels)
         else:
             if view.writes:  # a row's slots are consecutive
-                cache_kv = tuple(write(buf, x, view.slots, writes_per_row()) for buf, x in zip(cache_kv, (k, v)))
+                cache_kv = tuple(write(buf, x, view.slots, backend.consecutive_writes) for buf, x in zip(cache_kv, (k, v)))
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
-                                view.kv_limit, kernels=True, heads_first=True)
+                                view.kv_limit, backend=backend, kernels=True, heads_first=True)
             else:
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
-                                       attn.scale, attn.cap, kernels=view.kernels, rules=view.rules)
+                                       attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules)
         x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache_kv, fresh
 
 
 def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | None = None,
-           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None,
-           kernels: bool = False, rules: tuple | None = None, defer: bool = False):
+           placement: Placement | None = None, num_layers: int | None = None, taps: tuple | None = None, *,
+           backend: Backend, kernels: bool = False, rules: tuple | None = None, defer: bool = False):
     """Activations take the parameters' dtype; logits are always float32.
 
     defer: the caller keeps only some of the pass's keys and values and writes those itself
@@ -91,10 +92,11 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     nothing to the buffers: its keys join the cache's held tree (KVCache.tree), returned in
     the cache.
 
-    kernels: attention takes the fused kernel of the platform being traced for where one
-    applies (`layers.attention_kernel`; `layers.takes_kernels` of Model.attention); otherwise
-    the jnp path. rules: the logical-axis rules the model's params (and so its cache) are
-    laid out by on a mesh (Model.rules), which a sharded program's kernel follows.
+    backend: the program's (backend.py): its platform picks the matmul and cache-write forms
+    and which kernels exist. kernels: attention takes backend's fused kernel where one
+    applies (`attention.choose`; `attention.takes_kernels` of Model.attention); otherwise the
+    jnp path. rules: the logical-axis rules the model's params (and so its cache) are laid
+    out by on a mesh (Model.rules), which a sharded program's kernel follows.
 
     num_layers: run only the first num_layers layers, then the final norm and head (early
     exit; the cache's other layers are returned untouched).
@@ -103,7 +105,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
-    view = pass_view(c, positions, cache, placement, x.dtype if kernels else None, rules, defer)
+    view = pass_view(c, positions, cache, placement, backend, x.dtype if kernels else None, rules, defer)
     angles = rotary_tables(c, positions)
     k, v = (None, None) if cache is None else (list(cache.k), list(cache.v))
     tree = None if view.offset is None else cache.held_tree()
@@ -132,12 +134,11 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         cache = cache.with_tree(fresh_k, fresh_v)
     if defer:
         fresh = tuple(fresh_k), tuple(fresh_v)
-        if not view.writes and target_platform() != "cpu":
+        if not view.writes and backend.platform != "cpu":
             # Computed here, not where they are committed: fused into the commit, their producer
-            # kept its inputs alive through acceptance (a v5e's tree loop of the 1B pair at
-            # batch 1: 71.3 MB of temporaries against 58.9, docs/bench/aot_tree.txt; an H100's
-            # kept the q/k/v matmul's float32 split-K partial sums). A CPU's tree loop ran
-            # slower behind the barrier (docs/bench/cpu_tree.txt).
+            # keeps its inputs alive through acceptance (on a TPU, and on a GPU the q/k/v
+            # matmul's float32 split-K partial sums: docs/bench/aot_tree.txt). Not on a CPU,
+            # whose tree loop runs slower behind the barrier (docs/bench/cpu_tree.txt).
             fresh = jax.lax.optimization_barrier(fresh)
         return logits, hidden, cache, Pending(*fresh, written=view.writes)
     return logits, hidden, cache
@@ -163,7 +164,8 @@ def init_layer(c: ModelConfig, key: jax.Array) -> dict:
     x = jnp.zeros((1, 1, c.hidden_size), jnp.float32)
     positions = jnp.zeros((1, 1), jnp.int32)
     angles = rotary_tables(c, positions)
-    return Block(c).init(key, x, angles[False], pass_view(c, positions, None, None), False)["params"]
+    view = pass_view(c, positions, None, None, Backend("cpu"))  # (shapes alone: any platform's)
+    return Block(c).init(key, x, angles[False], view, False)["params"]
 
 
 def embed_tokens(c: ModelConfig, embedding, tokens):
@@ -197,20 +199,22 @@ class View(NamedTuple):
     offset: jax.Array | None  # int32 []: where the pass's keys join the cache's held tree (None: its own are in flight)
     dense: dict | None  # {sliding: bool [B, T, S]}: the same as one mask over the cache, where a kernel reads it
     kv_limit: jax.Array | None  # int32 [B]: one past the highest slot any query of row b sees (with `dense`)
-    kernels: bool  # whether the pass may take a kernel (the model opts in: Model.attention)
+    backend: Backend  # the program's: its platform, mesh, and whether attention must be portable
+    kernels: bool  # whether the pass may take a kernel of backend's (the model asks: Model.attention)
     rules: tuple | None = None  # the model's logical-axis rules on a mesh (Model.rules), which a kernel follows
     writes: bool = True  # whether the pass writes its keys into the cache (see decode's `defer`)
 
 
-def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None,
+def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None, backend: Backend,
               dtype=None, rules: tuple | None = None, defer: bool = False) -> View:
     """What T tokens at positions [B, T] see. Without a cache: each other, causally. With
     one: the committed prefix (slots below the first position, or the placement's start),
     read in place, and the in-flight keys under their own mask: the pass's own, causally by
     position, or a placement's region (a tree: what `sees` marks), the pass's own or the
-    cache's held tree. A sliding window bounds both by position. dtype: the activations', where the pass may take an
-    attention kernel (None: it attends portably); where one takes a cached pass
-    (`attention_kernel`), the view also holds the [B, T, S] mask of the whole cache it reads.
+    cache's held tree. A sliding window bounds both by position. backend: the program's.
+    dtype: the activations', where the pass may take one of backend's attention kernels
+    (None: it attends portably); where one takes a cached pass (`attention.choose`), the view
+    also holds the [B, T, S] mask of the whole cache it reads.
     rules: the model's (Model.rules), for a sharded program's prefix kernel. defer: see `decode`."""
     window = next((w for w in c.layer_windows() if w is not None), None)
     kinds = (False,) if window is None else (False, True)
@@ -231,12 +235,12 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         raise ValueError("only a cached pass over its own keys (no placement, or Placement.own) may defer its "
                          "cache writes")
     if cache is None:
-        return View(positions, masks, None, {}, None, None, None, dtype is not None, rules)
+        return View(positions, masks, None, {}, None, None, None, backend, dtype is not None, rules)
     floors = {w: positions - window if w else None for w in kinds}
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
-    if dtype is not None and offset is None and attention_kernel(kernel_platform(), dtype, positions.shape[1],
-                                                                 cache.max_len, c.head_dim, cap) != "portable":
+    if dtype is not None and offset is None and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim,
+                                                       cap) != "portable":
         if placement is None:
             kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
             visible = attention_mask(positions, kv_positions)
@@ -247,7 +251,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
     writes = offset is None and (not defer or dense is not None)
     return View(positions if placement is None else placement.slots, masks, prefix, floors, offset, dense, kv_limit,
-                dtype is not None, rules, writes=writes)
+                backend, dtype is not None, rules, writes=writes)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):

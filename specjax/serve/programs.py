@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import loop
+from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import verify_room
 from specjax.memory import nbytes
-from specjax.models import layers
 from specjax.sampling import FILTERED, KINDS, Sampling
 
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
@@ -45,28 +45,28 @@ def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
     return sampling.replace(kind=kind)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "platform", "mesh", "rules"))
-def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, platform, mesh, rules):
+@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "backend", "rules"))
+def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, backend: Backend, rules):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row."""
-    with layers.kernels_for(platform, mesh=mesh):
-        state = loop.prefill(
-            target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
-            cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
-            stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
-    return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, mesh, rules)
+    target, drafter = loop.bound(backend, target, drafter)
+    state = loop.prefill(
+        target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
+        cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
+        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
+    return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, backend.mesh, rules)
 
 
-@functools.partial(jax.jit, static_argnames=("cache_len", "platform", "portable"))
-def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *, cache_len: int, platform,
-             portable: bool):
+@functools.partial(jax.jit, static_argnames=("cache_len", "backend"))
+def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *, cache_len: int, backend: Backend):
     """n requests' rows: prompts int32 [n, P], their lengths and limits int32 [n], seeds
     uint32 [n], settings [n] each, stop ids [n, M]; row i's key is generate's row 0 of
-    key(seed[i]), as if it were prefilled alone."""
+    key(seed[i]), as if it were prefilled alone. backend: unsharded (its rows are placed by
+    `_insert`)."""
     keys = jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
-    with layers.kernels_for(platform, portable=portable):
-        return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
-                            stop_ids=stop_ids, key=keys)
+    target, drafter = loop.bound(backend, target, drafter)
+    return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
+                        stop_ids=stop_ids, key=keys)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
@@ -88,10 +88,10 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "platform", "mesh", "rules"),
+@functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "backend", "rules"),
                    donate_argnums=3)
 def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
-         kind: str, platform, mesh, rules):
+         kind: str, backend: Backend, rules):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
     pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
@@ -105,7 +105,9 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     to the next call). drafter: this K's (None: no drafting); state_drafter: the drafter
     whose state the rows carry (the deepest), whose rules lay it out on a mesh whatever K
     runs."""
-    in_place = platform != "gpu"  # see _first_rows
+    target, drafter = loop.bound(backend, target, drafter)
+    mesh = backend.mesh
+    in_place = backend.platform != "gpu"  # see _first_rows
     axes = loop.state_axes(full, state_drafter)  # where each array's rows lie
     state = _first_rows(full, width, in_place, axes)
     state = state.replace(sampling=_as_kind(state.sampling, kind))
@@ -124,10 +126,9 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
         state = loop.place(state, state_drafter, mesh, rules)
         return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
 
-    with layers.kernels_for(platform, mesh=mesh):
-        carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
-                 jnp.zeros((steps, B), jnp.int32))
-        state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
+    carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
+             jnp.zeros((steps, B), jnp.int32))
+    state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_as_kind(state.sampling))
     return _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
 
@@ -159,13 +160,13 @@ def _written_back(full, rows, width: int, in_place: bool, axes):
                         is_leaf=_is_cache if in_place else None)
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("platform", "mesh", "rules"))
-def _sync(drafter, state, state_drafter, *, platform, mesh, rules):
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("backend", "rules"))
+def _sync(drafter, state, state_drafter, *, backend: Backend, rules):
     """The drafter's state brought within one window of its rows (`Drafter.sync`): run before
     the first call that drafts after calls that did not."""
-    with layers.kernels_for(platform, mesh=mesh):
-        state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
-    return loop.place(state, state_drafter, mesh, rules)
+    drafter = drafter.on(backend)
+    state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
+    return loop.place(state, state_drafter, backend.mesh, rules)
 
 
 class Programs:
@@ -193,7 +194,11 @@ class Programs:
         # measured by `compile_all`. Until then (and where tokens cost nothing measurable
         # beside a call) a call is priced as the largest prefill: bursts go in fewest calls.
         self.call_tokens = self.most_tokens = float(self.buckets[-1] * max(self.prefill_sizes))
-        self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        # Where its programs run: the mesh's devices, else the default backend's.
+        self.backend = Backend.of(None, mesh)
+        # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
+        # portably, as the sharded programs' cuDNN and splash do (one kernel would run per call).
+        self._prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
@@ -207,14 +212,14 @@ class Programs:
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
             _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            platform=self.platform, mesh=self.mesh, rules=self.rules), self.target, self.deepest)
+            backend=self.backend, rules=self.rules), self.target, self.deepest)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, platform=self.platform, mesh=self.mesh, rules=self.rules)
+                      stop_width=self.stop_width, backend=self.backend, rules=self.rules)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
@@ -234,7 +239,7 @@ class Programs:
                             np.array(top_p, np.float32), FILTERED)
         return _prefill(self.target, self.deepest, tokens, np.array([len(p) for p in prompts], np.int32),
                         np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
-                        np.array(seeds, np.uint32), cache_len=b, platform=self.platform, portable=self.mesh is not None)
+                        np.array(seeds, np.uint32), cache_len=b, backend=self._prefill_backend)
 
     def insert(self, state, slots: list, rows):
         """`state` with `prefill`'s rows written into its rows `slots`."""
@@ -373,7 +378,7 @@ class Programs:
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
                     steps=self.steps_per_call, open_steps=self.open_steps, width=self.width(rows), kind=kind,
-                    platform=self.platform, mesh=self.mesh, rules=self.rules)
+                    backend=self.backend, rules=self.rules)
 
     def _synced(self) -> list[int]:
         """The Ks whose calls may follow calls at K = 0 (a draft that skipped steps)."""
@@ -381,4 +386,4 @@ class Programs:
 
     def sync(self, state, K: int):
         """The draft's state caught up on calls that did not draft, before one at K (> 0)."""
-        return _sync(self.drafters[K], state, self.deepest, platform=self.platform, mesh=self.mesh, rules=self.rules)
+        return _sync(self.drafters[K], state, self.deepest, backend=self.backend, rules=self.rules)

@@ -151,7 +151,7 @@ ATTENTION_CASES = ((1, 1, 1024), (1, 6, 1024), (8, 1, 8192), (8, 6, 8192))  # (B
 
 # The attention modes timed: (Model.attention, whether cuDNN is hidden). Where cuDNN is
 # installed, "kernels" gives it every pass it applies to, cached passes of one or six tokens
-# included (layers.attention_kernel); "prefix" hides it, so that cached passes take the
+# included (specjax.models.attention.choose); "prefix" hides it, so that cached passes take the
 # Pallas prefix kernel (and full passes, prefill, the portable path).
 MODES = {"portable": ("portable", False), "kernels": ("kernels", False), "prefix": ("kernels", True)}
 
@@ -160,17 +160,17 @@ MODES = {"portable": ("portable", False), "kernels": ("kernels", False), "prefix
 def attending(mode: str):
     """Model.attention for `mode` (MODES), with cuDNN hidden for "prefix"; jit's caches are
     cleared on the way in and out (the model's key is the same as in "kernels")."""
-    from specjax.models import layers
+    from specjax.models import attention as paths
 
     attention, hide = MODES[mode]
-    real = layers._cudnn_available
+    real = paths._cudnn_available
     jax.clear_caches()
     if hide:
-        layers._cudnn_available = lambda: False
+        paths._cudnn_available = lambda: False
     try:
         yield attention
     finally:
-        layers._cudnn_available = real
+        paths._cudnn_available = real
         jax.clear_caches()
 
 

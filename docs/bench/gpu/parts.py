@@ -1,5 +1,6 @@
-"""Where a one-token pass's time goes on a GPU: the whole pass, the pass with the portable
-attention instead of cuDNN, the vocabulary head alone, and the layers' matmuls alone.
+"""Where a one-token pass's time goes on a GPU: the whole pass with the attention kernels
+(Model.attention="kernels": cuDNN where it is installed), the pass with the portable
+attention, the vocabulary head alone, and the layers' matmuls alone.
 python parts.py SIZE   (run from the project's root with PYTHONPATH set; SIZE: 1b, 8b, tiny)
 
 Adapted from /work/shared/gpu/parts.py (f58689a, stacked layers) to the per-layer layout: the
@@ -16,7 +17,6 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import gpubench  # noqa: E402
 from specjax.tools.measure import pass_time  # noqa: E402
-from specjax.models import layers  # noqa: E402
 from specjax.tools.synthetic import weights_only_time  # noqa: E402
 
 
@@ -34,15 +34,13 @@ size = sys.argv[1]
 target, _ = gpubench.build_pair(size, 2, jnp.bfloat16)
 p = target.params
 print(f"{size}: {gpubench.nbytes(target) / 1e9:.2f} GB", flush=True)
-full = pass_time(target, 1, 1, 1024, 3)
-print(f"full pass T=1:               {full * 1e3:.3f} ms", flush=True)
-orig = layers.attention_kernel
-layers.attention_kernel = lambda *a, **k: "portable"
-port = pass_time(target, 1, 1, 1024, 3)
+full = pass_time(target.replace(attention="kernels"), 1, 1, 1024, 3)
+print(f"full pass T=1, kernels:       {full * 1e3:.3f} ms", flush=True)
+portable = target.replace(attention="portable")
+port = pass_time(portable, 1, 1, 1024, 3)
 print(f"full pass T=1, portable attn: {port * 1e3:.3f} ms", flush=True)
-port8 = pass_time(target, 1, 8, 1024, 3)
+port8 = pass_time(portable, 1, 8, 1024, 3)
 print(f"full pass T=8, portable attn: {port8 * 1e3:.3f} ms", flush=True)
-layers.attention_kernel = orig
 head = p["lm_head"] if "lm_head" in p else None
 emb = p["embedding"]
 x = jnp.ones((1, emb.shape[1]), emb.dtype) * 0.01
