@@ -1,6 +1,6 @@
 """specjax's programs built for devices this machine lacks: compiled for TPU slices by XLA's
 TPU compiler (libtpu, from jax's `tpu` extra), sharded with specjax's own mesh rules, and
-lowered for CUDA; what they cost, read from the compiled programs (specjax/aot.py).
+lowered for CUDA; what they cost, read from the compiled programs (specjax/tools/aot.py).
 
 Every TPU compile happens in this one process (libtpu admits one loader at a time unless
 each allows more: conftest.py does). Models are tiny except where a real shape is the point
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu]: the test extra on Linux x86-64)")
 
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafters import DraftModel, Eagle3, EarlyExit  # noqa: E402
 from specjax.memory import MB, device_nbytes  # noqa: E402

@@ -89,19 +89,17 @@ def test_module_sizes():
     assert {name: n for name, n in lines.items() if n > 700} == {}
 
 
-# The command line is the tools' front door; aot.py joins specjax/tools/ next (it reads
-# compiled programs with specjax.tools.hlo meanwhile, and nothing in the core imports it).
+# The command line is the tools' front door.
 FRONT_DOOR = {"specjax.cli"}
-MOVING_TO_TOOLS = {"specjax.aot"}
 
 
 def core_imports_of_tools(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Core module (all of specjax outside specjax.tools, FRONT_DOOR and MOVING_TO_TOOLS)
+    """Core module (all of specjax outside specjax.tools and FRONT_DOOR)
     -> the specjax.tools modules it imports, where it imports any."""
     def is_tool(name):
         return name == "specjax.tools" or name.startswith("specjax.tools.")
 
-    core = {name for name in graph if not is_tool(name)} - FRONT_DOOR - MOVING_TO_TOOLS
+    core = {name for name in graph if not is_tool(name)} - FRONT_DOOR
     return {name: sorted(d for d in graph[name] if is_tool(d)) for name in sorted(core)
             if any(is_tool(d) for d in graph[name])}
 

@@ -1,5 +1,5 @@
 """What a step costs on TPU slices we cannot reach, read from programs compiled here
-(specjax/aot.py): for a Llama-3.2-1B-shaped target with a 2-layer draft of its shape and a
+(specjax/tools/aot.py): for a Llama-3.2-1B-shaped target with a 2-layer draft of its shape and a
 Llama-3.1-8B-shaped target with Llama-3.2-1B as its draft (tests/real_configs.py), per
 program (the one-token pass, the verification pass of K=4, the draft step, generate's
 whole loop with a chain of 4, and the plain loop): compile time, per-device memory,
@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from tests import real_configs as rc  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
 from aot import pair  # noqa: E402  (docs/bench/aot.py)
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.tools import hlo  # noqa: E402
 from specjax.drafters import DraftModel  # noqa: E402
 from specjax.memory import MB  # noqa: E402

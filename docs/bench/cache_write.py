@@ -16,7 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specjax import aot, cache
+from specjax import cache
+from specjax.tools import aot
 from specjax.config import ModelConfig
 from specjax.models import transformer
 from tests import real_configs as rc

@@ -10,7 +10,7 @@ import collections
 
 import jax
 
-from specjax import aot
+from specjax.tools import aot
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel, Eagle3, EarlyExit, PromptLookup
 from specjax.tree import Tree

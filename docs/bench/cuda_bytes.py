@@ -1,5 +1,5 @@
 """Bytes a pass accesses on a GPU over the bytes it must read, from the CUDA lowering traced
-here (specjax/aot.py: `cuda_bytes`, before XLA optimises it: every operand once), for a
+here (specjax/tools/aot.py: `cuda_bytes`, before XLA optimises it: every operand once), for a
 Llama-3.1-8B-shaped target in bfloat16: the one-token pass and the verification pass of a
 chain of 5 (6 tokens), at batch 1 over a 1K cache and at batch 8 over an 8K cache (where
 the cache is about a third of the bytes), with attention portable and with
@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from tests import real_configs as rc  # noqa: E402
 

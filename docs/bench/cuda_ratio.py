@@ -12,7 +12,7 @@ root = sys.argv[1]
 sys.path[:0] = [root, root + "/docs/bench"]
 
 from aot import pair  # noqa: E402  (ROOT's docs/bench/aot.py)
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 
 target, _ = pair("1b", None)
 spec = aot.pass_program(target, aot.on_device(aot.tpu_slice("v5e:1x1").devices[0]), batch=1, context=512, tokens=1)

@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specjax import aot
+from specjax.tools import aot
 from specjax.tools import hlo
 from specjax.config import ModelConfig
 from specjax.drafters import Eagle3

@@ -9,7 +9,7 @@ Run at a tree before and after the drafter's weights were cast when bound (eagle
 
 import jax
 
-from specjax import aot
+from specjax.tools import aot
 from specjax.config import ModelConfig
 from specjax.drafters import Eagle3
 from tests import real_configs as rc

@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from specjax import aot
+from specjax.tools import aot
 from specjax.config import ModelConfig
 from tests import real_configs as rc
 

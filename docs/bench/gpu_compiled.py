@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the plugin loads without a driv
 
 import jax  # noqa: E402
 
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.tools import hlo  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.memory import GB, MB  # noqa: E402

@@ -1,4 +1,4 @@
-"""generate's speculative loop at a serving shape, compiled here for TPU slices (specjax/aot.py):
+"""generate's speculative loop at a serving shape, compiled here for TPU slices (specjax/tools/aot.py):
 the Llama-3.2-1B-shaped pair (a 2-layer draft of its shape, replicated on a mesh), 8 rows of
 128 prompt tokens and 1,920 new (a 2,048-slot cache), a chain of 4, greedy; on one v5e chip
 and on a v5e 2x2 slice (data 2 x model 2). Per device: temporaries, and every copy of 4 MB or
@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from specjax import aot  # noqa: E402
+from specjax.tools import aot  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from tests import real_configs as rc  # noqa: E402
 

@@ -33,7 +33,7 @@ def sorted_filter(scores, top_k, top_p):
 
 
 def tpu_figures(fn, shape):
-    from specjax import aot
+    from specjax.tools import aot
 
     device = aot.tpu_slice("v5e:1x1").devices[0]
     placed = jax.sharding.SingleDeviceSharding(device)

@@ -6,11 +6,10 @@ what runs them.
     specjax.tools.synthetic  a random pair of any size, timed against its weight-read roofline
     specjax.tools.plan       `specjax plan`: before renting a TPU or a GPU, the program compiled
                              for it here, and whether it fits
+    specjax.tools.aot        programs compiled ahead of time for TPU slices and GPUs from any
+                             machine (a static Backend of their platform), and their figures
     specjax.tools.hlo        reading optimised HLO text: large copies, the bytes kernels move
     specjax.tools.notebook   the Colab notebooks' helpers (small mode, side-by-side timing)
-
-Ahead-of-time compiling for other platforms (TPU slices, CUDA, from any machine) is
-specjax/aot.py's, which joins these next.
 
 The rule: the library's core (everything in specjax outside tools/) never imports
 specjax.tools, at module level or inside a function; the command line (specjax/cli.py and

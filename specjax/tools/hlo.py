@@ -42,7 +42,7 @@ MOVES = ("copy", "transpose", "convert")
 
 
 def _frames(hlo: str) -> dict[int, str]:
-    """stack_frame_id -> "file:line" of the innermost frame outside JAX, Flax and specjax/aot.py (which builds the programs)
+    """stack_frame_id -> "file:line" of the innermost frame outside JAX, Flax and specjax/tools/aot.py (which builds the programs)
     (the HLO text's FileNames / FileLocations / StackFrames tables)."""
     tables: dict[str, dict[int, str]] = {}
     section = None
@@ -76,7 +76,7 @@ def _frames(hlo: str) -> dict[int, str]:
             seen.add(frame)
             location, parent = frames[frame]
             file, line = locations.get(location, ("?", 0))
-            if not any(part in file for part in ("/jax/", "/jaxlib/", "/flax/", "specjax/aot.py", "?")):
+            if not any(part in file for part in ("/jax/", "/jaxlib/", "/flax/", "specjax/tools/aot.py", "?")):
                 return f"{short_path(file)}:{line}"
             frame = parent
         return "?"

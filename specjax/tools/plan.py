@@ -18,7 +18,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from specjax import aot, budget
+from specjax import budget
+from specjax.tools import aot
 from specjax.config import ModelConfig
 from specjax.memory import GB, MB, device_nbytes, nbytes
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.aot import pass_reads
+from specjax.tools.aot import pass_reads
 from specjax.config import ModelConfig
 from specjax.models import Model
 from specjax.models.layers import gate_up_matmul, qkv_matmul

@@ -11,7 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from specjax import aot
+from specjax.tools import aot
 
 TABLE, BUFFER, LOOPED, WEIGHT = (4096, 256), (8, 2048, 128), (16, 4096, 128), (256, 1024)
 TRIPS = 8

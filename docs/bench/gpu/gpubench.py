@@ -26,7 +26,7 @@ import numpy as np
 import specjax
 from specjax.tools.measure import median_time
 from specjax.tools.synthetic import SIZES as SYNTHETIC_SIZES
-from specjax.aot import pass_reads
+from specjax.tools.aot import pass_reads
 from specjax.cache import KVCache
 from specjax.models import apply
 from specjax.tools.synthetic import build_synthetic_pair, read_bandwidth, weight_bytes, weights_only_time

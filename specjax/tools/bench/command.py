@@ -106,13 +106,13 @@ def _tree_family(text: str) -> tuple[int, int] | None:
 
 
 def run_aot(args):
-    """--aot SLICE: the pair's step programs (specjax.aot.step_programs) compiled for a TPU
+    """--aot SLICE: the pair's step programs (specjax.tools.aot.step_programs) compiled for a TPU
     slice or a GPU from the configs alone, the instrument's table printed and written to
     OUT/aot.txt."""
     import dataclasses
     from pathlib import Path
 
-    from specjax import aot
+    from specjax.tools import aot
     from specjax.tools.plan import read_config
 
     if args.synthetic:
