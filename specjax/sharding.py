@@ -312,20 +312,6 @@ def place_carry(tree, axes, mesh: Mesh, rules, owner: str = "the state"):
     return jax.tree.map(put, tree, carry_sharding(tree, axes, mesh, rules, owner))
 
 
-def platform_of(tree, mesh: Mesh | None = None) -> str:
-    """The platform ("cpu", "gpu", "tpu") of the devices a call runs on: the mesh's, else
-    those its arrays (or shape structs with a sharding) are placed on, else the default
-    backend's. A program built ahead of time for devices this host lacks (aot.py) learns
-    its platform so."""
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    for leaf in jax.tree.leaves(tree):
-        placed = getattr(leaf, "sharding", None)
-        if placed is not None:
-            return next(iter(placed.device_set)).platform
-    return jax.default_backend()
-
-
 def barrier(name: str):
     """Waits for every process of a jax.distributed job (nothing to wait for alone)."""
     if jax.process_count() > 1:
