@@ -27,6 +27,13 @@ one XLA gives a token-major [B, S, G, D] buffer inside a program, relaying the w
 in and out at every program's edge otherwise: docs/bench/gpu_compiled.txt). A pass's own
 keys come token-major, [B, T, G, D], and are written in place.
 
+A paged cache (PagedAttention) holds each layer's keys in a pool of pages shared by its
+rows, [P, G, page, D] (a kv head's slots of one page together), and a page table per row,
+`pages` int32 [B, M]: row b's slot s lies at slot s % page of page pages[b, s // page].
+Slots, lengths, trees and commits mean what they mean for row buffers; `write` and
+`page_blocks` translate slots to pages, and a row reads only the pages its table names.
+Which pages a row holds is the host's business (serve/pages.py).
+
 The cache knows nothing about models beyond their shapes, nor about decoding.
 """
 
@@ -51,6 +58,9 @@ class KVCache:
     # A tree in flight while a drafter grows it (`hold_tree`): its R nodes' keys and values,
     # L x [B, R, G, D], beside the buffers; None otherwise.
     tree: "Pending | None" = None
+    # A paged cache's page table, int32 [B, M] (the buffers are then pools L x [P, G, page,
+    # D]); None: the buffers are rows, L x [B', G, S, D].
+    pages: jax.Array | None = None
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
@@ -60,6 +70,16 @@ class KVCache:
                    v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
+    @classmethod
+    def init_paged(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, table_width: int,
+                   dtype=jnp.float32) -> "KVCache":
+        """A paged cache: pools of num_pages pages of page_size slots, and a page table of
+        table_width pages per row, every entry the null page 0 (serve/pages.py)."""
+        shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   lengths=jnp.zeros((batch,), jnp.int32), pages=jnp.zeros((batch, table_width), jnp.int32))
+
     @staticmethod
     def nbytes(config: ModelConfig, batch: int, slots: int, dtype) -> int:
         """Bytes of the keys and values of `slots` positions of `batch` rows, every layer: what
@@ -68,7 +88,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        """Slots a row can hold: a row buffer's length, or a page table's pages' slots."""
+        return self.k[0].shape[2] * (1 if self.pages is None else self.pages.shape[1])
 
     def hold_tree(self, batch: int, nodes: int) -> "KVCache":
         """The cache with room beside its buffers for a tree of `nodes` nodes over its first
@@ -95,14 +116,28 @@ class KVCache:
         return self.replace(tree=Pending(tuple(k) + tree.k[len(k):], tuple(v) + tree.v[len(v):]))
 
 
+def page_blocks(pool: jax.Array, pages: jax.Array, first, count: int) -> jax.Array:
+    """Slots first * page .. (first + count) * page - 1 of every row, read from their pages:
+    pool [P, G, page, D], pages int32 [B, M], first int32 [] (a page index; entries past the
+    table repeat its last page, whose slots the caller masks) -> [B, G, count * page, D]. A
+    gather of B * count pages: nothing else of the pool is read."""
+    B, M = pages.shape
+    _, G, size, D = pool.shape
+    ids = jnp.take(pages, jnp.clip(first + jnp.arange(count), 0, M - 1), axis=1)  # [B, count]
+    return jnp.swapaxes(pool[ids], 1, 2).reshape(B, G, count * size, D)  # [B, count, G, page, D] -> rows
+
+
 def join(held: jax.Array, new: jax.Array, offset) -> jax.Array:
     """A held tree's layer [B, R, G, D] with a pass's new entries [B, T, G, D] at nodes
     offset .. offset + T-1 (one dynamic_update_slice)."""
     return jax.lax.dynamic_update_slice_in_dim(held, new.astype(held.dtype), offset, axis=1)
 
 
-def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False) -> jax.Array:
-    """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset.
+def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool = False,
+          pages: jax.Array | None = None) -> jax.Array:
+    """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset (with a page
+    table pages [B, M], into the pool buffer [P, G, page, D] at the slot's page: one scatter,
+    writes at slots past the table dropped).
 
     buffer [B', G, S, D] (one layer's; B' >= B: rows past B untouched), new [B, T, G, D],
     slots int32 [B, T]. One scatter
@@ -114,6 +149,12 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
     scatter XLA copies the whole buffer; a fori_loop over rows fails in XLA's TPU compiler
     (docs/bench/engine_aot.txt and cache_write.txt measure both)."""
     new = new.astype(buffer.dtype)
+    if pages is not None:
+        size, width = buffer.shape[2], pages.shape[1]
+        index = slots // size  # [B, T]: the slot's entry in its row's table
+        page = jnp.take_along_axis(pages, jnp.clip(index, 0, width - 1), axis=1)
+        page = jnp.where(index < width, page, buffer.shape[0])  # past the table: out of the pool, dropped
+        return buffer.at[page, :, slots % size].set(new, mode="drop")  # ([B, T, G, D], as below)
     if not consecutive:
         rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
         return buffer.at[rows, :, slots].set(new, mode="drop")  # (the indexed axes come first: [B, T, G, D])
@@ -198,6 +239,9 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
     the pass ran (every one, but after an early exit), in the buffers' first B rows.
     consecutive: as `write`'s. A tree's root and accepted path are so written to the slots of
     their positions, and the rest of the tree never reaches the cache."""
+    if pending.written and cache.pages is not None:
+        raise NotImplementedError("a paged cache takes no pass that writes its entries before they are kept "
+                                  "(a kernel over the whole cache, a deterministic pass)")
     rows = jnp.arange(kept.shape[0])[:, None]  # [B, 1]
     slots = start[:, None] + jnp.arange(kept.shape[1])[None, :]  # [B, M]
 
@@ -208,7 +252,7 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
         return buffer[rows, :, start[:, None] + kept] if pending.written else new[rows, kept]
 
     def one(buffers, news):  # L x [B', G, S, D], B' >= B; the first layers' new [B, T, G, D]
-        return tuple(write(buffer, entries(buffer, new), slots, consecutive)
+        return tuple(write(buffer, entries(buffer, new), slots, consecutive, cache.pages)
                      for buffer, new in zip(buffers, news)) + buffers[len(news):]
 
     return cache.replace(k=one(cache.k, pending.k), v=one(cache.v, pending.v))

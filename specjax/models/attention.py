@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from specjax import sharding
 from specjax.backend import Backend
+from specjax.cache import page_blocks
 from specjax.models import prefix_kernel
 from specjax.models.layers import softcap
 
@@ -93,7 +94,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
 
 def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
                      cap: float | None = None, block: int | None = None, *, backend: Backend,
-                     kernels: bool = False, interpret: bool = False, rules=None):
+                     kernels: bool = False, interpret: bool = False, rules=None, pages=None):
     """Attention of a cached pass, over two key sets merged by their log-sum-exp (one online
     softmax): the committed prefix, read in place from the cache, and the pass's in-flight
     keys, under their own mask. No [B, T, S] mask is built, nor any key copied but the
@@ -117,14 +118,21 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     applies (`_prefix_kernel`), the prefix goes through that platform's Pallas kernel
     (per-row lengths, read in place; in a sharded program under `shard_map`, by the model's
     `rules`); interpret=True runs it in Pallas' interpreter, on any backend (the tests').
+    pages: a paged cache's page table int32 [B, M] (cache_k/cache_v are then the layer's
+    pools [P, G, page, D]): the prefix is read page by page through it, the same
+    computation over the same slots (no kernel reads pages yet).
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
     G, S, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
     block = block or ATTENTION_BLOCK
+    if pages is not None:  # pools [P, G, page, D]: S slots a row, read page by page
+        page, S = S, S * pages.shape[1]
+        block = max(page, min(block, S) // page * page)
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
-    kernel = _prefix_kernel(backend, B, cache_k.shape, rules, scale, cap, interpret) if kernels else None
+    kernel = (_prefix_kernel(backend, B, cache_k.shape, rules, scale, cap, interpret)
+              if kernels and pages is None else None)
     one_softmax = kernel is None and N <= block and (S <= block or _whole_cache_on_gpu(backend, T * (H // G), D))
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
@@ -133,7 +141,10 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         return seen if floor is None else seen & (slots[None, None, :] > floor[:, :, None])
 
     if one_softmax:  # over both key sets, without joining them
-        cache_k, cache_v = cache_k[:B], cache_v[:B]
+        if pages is None:
+            cache_k, cache_v = cache_k[:B], cache_v[:B]
+        else:  # every page of the row's table, gathered
+            cache_k, cache_v = (page_blocks(pool, pages, 0, pages.shape[1]) for pool in (cache_k, cache_v))
         seen = (prefix_seen(0, S)[:, None, None], mask[:, None, None])  # [B, 1, 1, T or 1, S], [.., T, N]
         scores = [jnp.where(m, _scores(qg, keys, scale, cap), _NEG) for m, keys in zip(seen, (cache_k, k))]
         top = jnp.maximum(scores[0].max(axis=-1), scores[1].max(axis=-1, initial=_NEG))[..., None]  # [B, G, R, T, 1]
@@ -155,12 +166,12 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     qg = qg.transpose(0, 2, 3, 1, 4) if layout == "bgrtd" else qg
     state = _masked_state(qg, k, v, mask, _empty_state(qg, layout), scale, cap, block, layout)  # in-flight keys first
     if backend.platform == "cpu":
-        block = min(block, CPU_PREFIX_BLOCK)
+        block = min(block, CPU_PREFIX_BLOCK) if pages is None else max(page, min(block, CPU_PREFIX_BLOCK) // page * page)
     upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
     # A sliding window: blocks wholly below every query's floor are not read.
     first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)
     state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first, layout,
-                          fixed_length=backend.platform == "gpu")
+                          fixed_length=backend.platform == "gpu", pages=pages)
     return _normalise(state, v.dtype)
 
 
@@ -201,24 +212,28 @@ def _accumulate(state, s, seen, vb):
 
 
 def _visit_blocks(qg, k, v, seen_of, state, scale: float, cap: float | None, block: int, upto=None, first=None,
-                  layout: str = "btgrd", fixed_length: bool = False):
+                  layout: str = "btgrd", fixed_length: bool = False, pages=None):
     """The online softmax's state after the keys k/v [B', G, S, D] (rows [:B] read, B the
     queries' rows), visited `block` slots at a time; seen_of(start, n) -> bool [B, T or 1,
     n]: what each query sees of slots start .. start+n-1. upto: None (every block, a
     fixed-length loop), or a traced count of blocks to visit; first: None, or the traced
     index of the first block to visit (those before it hold no key any query sees); layout:
     qg's (`_scores`). fixed_length: the loop over `upto` blocks is fixed-length anyway (a
-    GPU's: see below)."""
-    B, S = qg.shape[0], k.shape[2]
+    GPU's: see below). pages: a page table int32 [B, M], k/v then pools [P, G, page, D] and
+    `block` a multiple of the page (`cache.page_blocks` reads a block's pages)."""
+    B, S = qg.shape[0], k.shape[2] * (1 if pages is None else pages.shape[1])
     num_blocks = -(-S // block)
+
+    def fetch(buffer, start):  # [B, G, block, D]: slots start .. start + block - 1 of the first B rows
+        if pages is not None:
+            return page_blocks(buffer, pages, start // buffer.shape[2], block // buffer.shape[2])
+        return jax.lax.dynamic_slice(buffer, (0, 0, start, 0), (B, buffer.shape[1], block, buffer.shape[3]))
 
     def visit(i, state, live=True):
         # The last block is slid back to fit inside S (no padded copy of k/v); the slots it
         # shares with the previous block are masked out so that none is counted twice.
         start = jnp.minimum(i * block, S - block)
-        at, size = (0, 0, start, 0), (B, k.shape[1], block, k.shape[3])
-        kb = jax.lax.dynamic_slice(k, at, size)  # [B, G, block, D]
-        vb = jax.lax.dynamic_slice(v, at, size)
+        kb, vb = fetch(k, start), fetch(v, start)
         seen = seen_of(start, block) & (start + jnp.arange(block) >= i * block) & live
         seen = seen[:, None, None]  # [B, 1, 1, T or 1, block]
         return _accumulate(state, jnp.where(seen, _scores(qg, kb, scale, cap, layout), _NEG), seen, vb)

@@ -129,6 +129,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     defer the pass's keys and values (`Pending`), which it writes too: its queries read their
     keys from the cache. (Under a placement with an offset they join the held tree instead.)
     flat: the q/k/v matmul's CPU form (`layers.qkv_matmul`)."""
+    if cache is not None and cache.pages is not None:
+        raise NotImplementedError("the deterministic decoder reads row buffers; a paged cache is not supported")
     B, T = tokens.shape
     N = B * T
     flat_positions = positions.reshape(N)

@@ -65,14 +65,16 @@ class Block(nn.Module):
             out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels)
         else:
             if view.writes:  # a row's slots are consecutive
-                cache_kv = tuple(write(buf, x, view.slots, backend.consecutive_writes) for buf, x in zip(cache_kv, (k, v)))
+                cache_kv = tuple(write(buf, x, view.slots, backend.consecutive_writes, view.pages)
+                                 for buf, x in zip(cache_kv, (k, v)))
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
                                 view.kv_limit, backend=backend, kernels=True, heads_first=True)
             else:
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
-                                       attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules)
+                                       attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules,
+                                       pages=view.pages)
         x = x + attn.project_out(out)
         x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache_kv, fresh
@@ -203,6 +205,7 @@ class View(NamedTuple):
     kernels: bool  # whether the pass may take a kernel of backend's (the model asks: Model.attention)
     rules: tuple | None = None  # the model's logical-axis rules on a mesh (Model.rules), which a kernel follows
     writes: bool = True  # whether the pass writes its keys into the cache (see decode's `defer`)
+    pages: jax.Array | None = None  # int32 [B, M]: a paged cache's page table (KVCache.pages)
 
 
 def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Placement | None, backend: Backend,
@@ -239,8 +242,8 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     floors = {w: positions - window if w else None for w in kinds}
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
-    if dtype is not None and offset is None and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim,
-                                                       cap) != "portable":
+    if (dtype is not None and offset is None and cache.pages is None
+            and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim, cap) != "portable"):
         if placement is None:
             kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
             visible = attention_mask(positions, kv_positions)
@@ -251,7 +254,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
         kv_limit = jnp.max(jnp.where(seen, jnp.arange(cache.max_len, dtype=jnp.int32) + 1, 0), axis=1)
     writes = offset is None and (not defer or dense is not None)
     return View(positions if placement is None else placement.slots, masks, prefix, floors, offset, dense, kv_limit,
-                backend, dtype is not None, rules, writes=writes)
+                backend, dtype is not None, rules, writes=writes, pages=cache.pages)
 
 
 def read_out(c: ModelConfig, head, hidden, transposed: bool = False):
