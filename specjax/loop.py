@@ -146,12 +146,13 @@ def row_keys(key: jax.Array, batch: int) -> jax.Array:
 
 
 def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, sampling: Sampling,
-            stop_ids, key) -> SlotState:
+            stop_ids, key, cache: KVCache | None = None) -> SlotState:
     """Rows for these prompts (int32 [B, P] right-padded, lengths [B]): the target's cache (and
     the drafter's state) holding them, at cache length `cache_len` (>= P); limit int32 [B]:
     each row's length limit; sampling [B]; stop_ids int32 [B, M]; key [B]: each row's PRNG key.
     The drafter (None, or resolved and bound) sizes its state for its own depth, the deepest
-    any step over these rows may draft."""
+    any step over these rows may draft. cache: the target's cache to write them into (a
+    paged one, whose table places them); default a new one of cache_len slots a row."""
     B, P = prompts.shape
     S = cache_len
     D = 0 if drafter is None else drafter.tree.depth
@@ -159,7 +160,7 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     # will be overwritten before any query can see them. Long prompts go in chunks
     # (models.prefill); hidden [B, P, E] only for drafters that read it.
     wants_features = drafter is not None and drafter.wants_features
-    cache = KVCache.init(target.config, B, S, target.dtype)
+    cache = KVCache.init(target.config, B, S, target.dtype) if cache is None else cache
     taps = drafter.feature_layers if wants_features else None
     hidden, cache = models_prefill(target, prompts, cache, return_hidden=wants_features, taps=taps)
     features, draft_state = None, None

@@ -225,11 +225,13 @@ def rows_first(x) -> Axes:
 
 def cache_axes(cache: KVCache) -> KVCache:
     """A KVCache's logical axes (a KVCache of `Axes`): each layer's k and v by CACHE_AXES, its
-    lengths rows; a tree in flight [B, R, G, D] rows and heads."""
-    kv = Axes(*CACHE_AXES)
+    lengths rows; a tree in flight [B, R, G, D] rows and heads. A paged cache's pools [P, G,
+    page, D] belong to no row (their pages are shared), its page table [B, M] is rows."""
+    kv = Axes(*CACHE_AXES) if cache.pages is None else Axes(None, "kv_heads", None, "head_dim")
     tree = None if cache.tree is None else jax.tree.map(
         lambda _: Axes("batch", None, "kv_heads", "head_dim"), cache.tree)
-    return cache.replace(k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v), lengths=Axes("batch"), tree=tree)
+    return cache.replace(k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v), lengths=Axes("batch"), tree=tree,
+                         pages=None if cache.pages is None else Axes("batch", None))
 
 
 def declared_axes(state, owner: str):

@@ -39,6 +39,7 @@ from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
 from specjax.sampling import kind_of, validate
+from specjax.serve.pages import OutOfPages, PagePool
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
 
@@ -182,11 +183,19 @@ class Engine:
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
     steps_per_call: steps per device call (the most a call runs before the host looks).
     max_stop_ids: how many stop ids a request may carry.
+    kv_pages: None (each slot holds max_len positions of the target's keys and values), or
+        the target's cache in a pool of this many pages of `page_size` positions that the
+        rows share (PagedAttention): a request holds the pages its prompt and max_new_tokens
+        need, taken when it is admitted (it waits while too few are free) and given back when
+        it ends, so that slots can exceed what max_len-sized rows would fit. A request larger
+        than the whole pool is refused at `submit`. Not yet on a mesh, with
+        deterministic=True, or for a draft model's own cache (it keeps max_len-sized rows).
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
-                 steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0):
+                 steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
+                 kv_pages: int | None = None, page_size: int = 16):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         for name, value in (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -214,8 +223,14 @@ class Engine:
         off = {0} if self.policy.may_turn_off else set()  # K = 0 compiled too: the drafter may skip steps
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
                     for K in sorted(set(self.policy.table) | off)}
+        if kv_pages is not None and (not isinstance(kv_pages, (int, np.integer)) or isinstance(kv_pages, bool)
+                                     or kv_pages < 1):
+            raise ValueError(f"kv_pages must be None or an int >= 1, got {kv_pages!r}")
+        # The pool's page 0 is its null page, never handed out: kv_pages more are.
+        self.pages = None if kv_pages is None else PagePool(int(kv_pages) + 1, int(page_size))
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
-                                 int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS)
+                                 int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
+                                 paging=None if self.pages is None else (self.pages.num_pages, self.pages.page_size))
         self.policy.bind(self.programs.drafters, self.programs.width)
         self.memory = self._check_memory()
         self._state = None
@@ -292,6 +307,10 @@ class Engine:
         if prompt.size + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"engine's max_len ({self.max_len})")
+        if self.pages is not None and not self.pages.fits(prompt.size + max_new_tokens):
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) needs more than the "
+                             f"engine's whole page pool ({self.pages.capacity_tokens} tokens in "
+                             f"{self.pages.num_pages - 1} pages of {self.pages.page_size})")
         validate(temperature, top_k, top_p)
         stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
         if len(stops) > self.programs.stop_width:
@@ -457,7 +476,19 @@ class Engine:
             self._waiting = collections.deque(r for r in self._waiting if r not in requests)
             self._live = {slot: r for slot, r in self._live.items() if r not in requests}
         for request in requests:
+            self._give_back(request)
             request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
+
+    def _give_back(self, request: Request):
+        """The request's pages back to the pool (paged; nothing otherwise)."""
+        if self.pages is not None:
+            self.pages.release(request)
+
+    def _table(self, extra: dict | None = None) -> np.ndarray:
+        """The page table as the host holds it: each slot's request's pages (live, and `extra`
+        {slot: request} being inserted), a free slot's null pages."""
+        owners = {**self._live, **(extra or {})}
+        return self.pages.table([owners.get(slot) for slot in range(self.slots)], self.programs.table_width)
 
     def _recover(self, error: Exception):
         """A device call failed: the requests in the state (every live row) fail with it, the
@@ -487,6 +518,7 @@ class Engine:
             if cancelled:  # cancelled while `_admit` held it, then put back
                 self._waiting = collections.deque(r for r in self._waiting if r not in cancelled)
         for request in cancelled:
+            self._give_back(request)
             request._finish("cancelled")
 
     def _admit(self) -> bool:
@@ -497,7 +529,9 @@ class Engine:
         an insert fails and the error goes up to `_recover`) put back at its front."""
         with self._lock:
             free = [s for s in range(self.slots) if s not in self._live]
-            taken = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+            taken = []
+            while len(taken) < len(free) and self._waiting and self._takes_pages(self._waiting[0]):
+                taken.append(self._waiting.popleft())
         before, arrived = len(free), list(taken)
         taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
         try:
@@ -505,10 +539,24 @@ class Engine:
                                              skip=self._compiling):
                 self._place(taken, n, free)
         finally:
-            if taken:  # back at the front, in the order they arrived
+            if taken:  # back at the front, in the order they arrived, holding no pages
+                for request in taken:
+                    self._give_back(request)
                 with self._lock:
                     self._waiting.extendleft(reversed([r for r in arrived if r in taken]))
         return len(free) < before  # `_place` takes the slots it fills from `free`
+
+    def _takes_pages(self, request: Request) -> bool:
+        """Whether the request's pages could be taken (paged: its prompt and max_new_tokens'
+        worth, all at admission); the first waiting request that cannot stops admission, so
+        that requests are admitted in the order they arrived."""
+        if self.pages is None:
+            return True
+        try:
+            self.pages.grow(request, len(request.prompt) + request.max_new_tokens)
+        except OutOfPages:
+            return False
+        return True
 
     def _place(self, taken: list[Request], n: int, free: list[int]):
         """Prefills the first `n` requests of `taken` in one call and inserts their rows into
@@ -527,6 +575,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
             if n == 1:
                 del taken[0]
+                self._give_back(group[0])
                 group[0]._finish(None, e)
             else:
                 for _ in range(n):
@@ -535,7 +584,8 @@ class Engine:
         del taken[:n]
         slots = [free.pop(0) for _ in group]
         try:
-            self._state = self.programs.insert(self._state, slots, rows)
+            table = None if self.pages is None else self._table(dict(zip(slots, group)))
+            self._state = self.programs.insert(self._state, slots, rows, table)
         except Exception as e:
             self._fail(group, e)
             raise
@@ -580,6 +630,7 @@ class Engine:
                 with self._lock:
                     if self._live.get(slot) is request:
                         del self._live[slot]
+                self._give_back(request)
                 request._finish("stop" if stopped else "length")
 
     @property
@@ -615,5 +666,15 @@ class Engine:
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
                 "failures": self.failures, "programs": self.programs.listing(), "step_ms": self.step_ms,
-                "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens, **self.memory}
+                "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
+                **self._page_stats(), **self.memory}
+
+    def _page_stats(self) -> dict:
+        """Paged: the pool's size, what is free, and the share in use (vLLM's kv_cache_usage_perc)."""
+        if self.pages is None:
+            return {}
+        pool = self.pages
+        held = pool.num_pages - 1
+        return {"kv_pages": held, "page_size": pool.page_size, "kv_capacity_tokens": pool.capacity_tokens,
+                "free_pages": pool.free_pages, "kv_cache_usage": round(1 - pool.free_pages / held, 4)}
 

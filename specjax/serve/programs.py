@@ -45,15 +45,21 @@ def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
     return sampling.replace(kind=kind)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "backend", "rules"))
-def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, backend: Backend, rules):
+@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "backend", "rules", "paging"))
+def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, backend: Backend, rules,
+           paging: tuple | None = None):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
-    per row, so that its structure is exactly what `prefill` gives an inserted row."""
+    per row, so that its structure is exactly what `prefill` gives an inserted row.
+    paging: None, or (pages, page size): the target's cache in a pool of pages, every row's
+    table the null page (serve/pages.py)."""
     target, drafter = loop.bound(backend, target, drafter)
+    cache = None if paging is None else KVCache.init_paged(target.config, slots, paging[0], paging[1],
+                                                           -(-cache_len // paging[1]), target.dtype)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
         cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
-        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
+        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots),
+        cache=cache)
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, backend.mesh, rules)
 
 
@@ -70,16 +76,42 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
-def _insert(state, slots, rows, state_drafter, *, mesh, rules):
+def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
     """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n]).
     Unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
     cache.write: around a scatter XLA copies the whole buffer). Each array's rows lie on
-    the axis its declared axes name (`loop.state_axes`)."""
+    the axis its declared axes name (`loop.state_axes`). table: a paged target cache's whole
+    page table int32 [slots, M], as the host holds it (the rows' pages, every other row's,
+    a free row's null pages): a row's prefilled entries go to its pages, and the state's
+    table becomes this one."""
     axes = loop.state_axes(rows, state_drafter)
     for i in range(slots.shape[0]):
         row = jax.tree.map(lambda x, a: loop.take_rows(x, a, i, i + 1), rows, axes)
-        state = loop.insert(state, slots[i], row, state_drafter)
+        if table is None:
+            state = loop.insert(state, slots[i], row, state_drafter)
+            continue
+        cache = _paste_pages(state.target_cache, slots[i], row.target_cache, table[slots[i]])
+        state = loop.insert(state.replace(target_cache=None), slots[i], row.replace(target_cache=None),
+                            state_drafter).replace(target_cache=cache)
+    if table is not None:
+        state = state.replace(target_cache=state.target_cache.replace(pages=table))
     return loop.place(state, state_drafter, mesh, rules)
+
+
+def _paste_pages(cache: KVCache, slot, row: KVCache, pages):
+    """A paged cache with one prefilled row (a row-buffer cache [1, G, b, D] a layer) written
+    into the pages `pages` int32 [M] (its first b / page of them; the rest of the row is
+    stale by the loop's invariant) and its length into row `slot`."""
+    size, width = cache.k[0].shape[2], pages.shape[0]
+    n = min(row.max_len // size, width)  # (a bucket is a whole number of pages: Programs checks)
+    ids = pages[:n]
+
+    def paste(pool, buffer):  # [P, G, page, D] <- [1, G, n page, D]
+        G, D = buffer.shape[1], buffer.shape[3]
+        return pool.at[ids].set(buffer[0, :, :n * size].reshape(G, n, size, D).swapaxes(0, 1).astype(pool.dtype))
+
+    return cache.replace(k=tuple(map(paste, cache.k, row.k)), v=tuple(map(paste, cache.v, row.v)),
+                         lengths=cache.lengths.at[slot].set(row.lengths[0]))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -146,7 +178,8 @@ def _first_rows(full, width: int, in_place: bool, axes):
     copied every pass rather than once a call."""
     if width == full.tokens.shape[0]:
         return full
-    return jax.tree.map(lambda x, a: x.replace(lengths=x.lengths[:width]) if _is_cache(x)
+    return jax.tree.map(lambda x, a: x.replace(lengths=x.lengths[:width],
+                                               pages=None if x.pages is None else x.pages[:width]) if _is_cache(x)
                         else loop.take_rows(x, a, 0, width), full, axes, is_leaf=_is_cache if in_place else None)
 
 
@@ -155,7 +188,7 @@ def _written_back(full, rows, width: int, in_place: bool, axes):
     array all rows share: the run's)."""
     if width == full.tokens.shape[0]:
         return rows
-    return jax.tree.map(lambda big, new, a: new.replace(lengths=big.lengths.at[:width].set(new.lengths))
+    return jax.tree.map(lambda big, new, a: new.replace(lengths=big.lengths.at[:width].set(new.lengths), pages=big.pages)
                         if _is_cache(big) else loop.write_rows(big, new, a, 0), full, rows, axes,
                         is_leaf=_is_cache if in_place else None)
 
@@ -175,8 +208,16 @@ class Programs:
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
-                 open_steps: int | None = None):
+                 open_steps: int | None = None, paging: tuple | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
+        # None, or (pages, page size): the target's cache in a pool of pages (serve/pages.py).
+        self.paging = None if paging is None else tuple(int(x) for x in paging)
+        if self.paging is not None:
+            if MIN_BUCKET % self.paging[1]:
+                raise ValueError(f"page_size must divide {MIN_BUCKET} (a prompt bucket is a whole number of pages), "
+                                 f"got {self.paging[1]}")
+            if mesh is not None or deterministic:
+                raise NotImplementedError("a paged cache is not supported on a mesh or with deterministic=True yet")
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
         self.open_steps = steps_per_call if open_steps is None else min(open_steps, steps_per_call)
         self.threshold = jnp.float32(threshold)
@@ -212,14 +253,14 @@ class Programs:
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
             _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            backend=self.backend, rules=self.rules), self.target, self.deepest)
+            backend=self.backend, rules=self.rules, paging=self.paging), self.target, self.deepest)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, backend=self.backend, rules=self.rules)
+                      stop_width=self.stop_width, backend=self.backend, rules=self.rules, paging=self.paging)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
@@ -241,9 +282,18 @@ class Programs:
                         np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
                         np.array(seeds, np.uint32), cache_len=b, backend=self._prefill_backend)
 
-    def insert(self, state, slots: list, rows):
-        """`state` with `prefill`'s rows written into its rows `slots`."""
-        return _insert(state, np.array(slots, np.int32), rows, self.deepest, mesh=self.mesh, rules=self.rules)
+    @property
+    def table_width(self) -> int:
+        """Pages in a row's table (paged): enough for the state's cache length."""
+        return -(-self.cache_len // self.paging[1])
+
+    def insert(self, state, slots: list, rows, table=None):
+        """`state` with `prefill`'s rows written into its rows `slots`; paged, with the whole
+        page table int32 [slots, table_width] as the host holds it (None: every row's null
+        pages, for rows that are thrown away)."""
+        if self.paging is not None and table is None:
+            table = np.zeros((self.slots, self.table_width), np.int32)
+        return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
 
     def release(self, state, slots):
         free = np.zeros((self.slots,), bool)
@@ -335,7 +385,8 @@ class Programs:
         finds the executable in jax's compilation cache, which `lower().compile()` fills for
         the same program and shardings (should it not, that call compiles, and is slower)."""
         rows = self._dummy_rows(n, b)
-        _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, mesh=self.mesh,
+        table = None if self.paging is None else jax.ShapeDtypeStruct((self.slots, self.table_width), jnp.int32)
+        _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, table, mesh=self.mesh,
                       rules=self.rules).compile()
 
     def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:

@@ -1,0 +1,67 @@
+"""The engine with its target's cache in pages (Engine(kv_pages=...)): staggered requests
+give what `generate` gives each alone, with a pool too small for all of them at once (so
+that requests wait for pages), a pool whose pages all come back when the engine is idle,
+a cancelled request's pages freed, and a request larger than the pool refused at submit."""
+
+import time
+
+import numpy as np
+import pytest
+
+import specjax
+from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def paged(pair):
+    target, drafts, _ = pair
+    made = {}
+
+    def make(name):
+        if name not in made:
+            draft, table = {"plain": (None, None), "draft": (drafts["near"], (3, 1, 0)),
+                            "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3))}[name]
+            # 7 pages of 8 (56 tokens, less than max_len): three requests of up to 48 tokens cannot
+            # all run at once.
+            made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
+                                        steps_per_call=4, kv_pages=7, page_size=PAGE)
+        return made[name]
+
+    yield make
+    for engine in made.values():
+        if engine._thread is not None:
+            engine.stop()
+
+
+@pytest.mark.parametrize("name", ["plain", "draft", "lookup"])
+def test_paged_requests_equal_generate_alone(pair, paged, name):
+    target = pair[0]
+    engine = paged(name)
+    outputs, requests = _staggered(engine, REQUESTS)
+    for (prompt, budget, stops), got in zip(REQUESTS, outputs):
+        assert got == _alone(target, None, prompt, budget, stops), (name, len(prompt), budget)
+    stats = engine.stats()
+    assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
+    assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
+    assert engine.pages._owned == {}
+
+
+def test_paged_admission_cancellation_and_refusal(pair, paged):
+    target = pair[0]
+    engine = paged("plain")
+    with pytest.raises(ValueError, match=r"needs more than the engine's whole page pool \(56 tokens in 7 pages of 8\)"):
+        engine.submit([5] * 40, max_new_tokens=20)  # 60 tokens: within max_len, not the pool
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 97, 20)]
+    with engine:
+        long = engine.submit(prompt, max_new_tokens=30)  # 50 tokens: all 7 pages
+        waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 25 tokens: 4 pages, more than are left
+        deadline = time.time() + 60
+        while not long.tokens and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.load() == (1, 1) and not waiting.tokens  # a slot is free: it waits for pages
+        long.cancel()
+        assert waiting.result(timeout=300) == _alone(target, None, prompt[:5], 20, ())
+    assert long.finish_reason == "cancelled"
+    assert engine.stats()["free_pages"] == 7
