@@ -312,7 +312,8 @@ def _serve(args):
                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
-                 warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer)
+                 warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
+                 kv_pages=args.kv_pages, page_size=args.page_size)
 
 
 def _plan(args):
@@ -481,6 +482,11 @@ def main(argv=None):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="the target's keys and values in a pool of N pages that the slots share (PagedAttention): "
+                        "a request holds its prompt + max_tokens' pages, so --slots can exceed what max-model-len "
+                        "rows would fit (default: each slot holds max-model-len positions)")
+    p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 (default 16)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")

@@ -46,6 +46,12 @@ def test_paged_requests_equal_generate_alone(pair, paged, name):
     assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
     assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
     assert engine.pages._owned == {}
+    if name == "plain":  # the server's gauge, under vLLM's name
+        from prometheus_client import generate_latest
+
+        from specjax.serve.metrics import Metrics
+        scraped = generate_latest(Metrics(engine, "m").registry).decode()
+        assert 'specjax:kv_cache_usage_perc{model_name="m"} 0.0' in scraped
 
 
 def test_paged_admission_cancellation_and_refusal(pair, paged):

@@ -68,6 +68,9 @@ class _EngineCollector:
             per_position.add_metric([*labels.values(), str(position)], n)
         yield per_position
         yield counter("engine_failures", "Device calls that failed (their requests failed).", stats["failures"])
+        if "kv_cache_usage" in stats:  # a paged engine (vLLM's name)
+            yield gauge("kv_cache_usage_perc", "Fraction of the KV cache's pages held by requests (1 = all).",
+                        stats["kv_cache_usage"])
         yield gauge("num_prefill_groups_compiling", "(group size, bucket) prefills still compiling in the background; "
                     "until one is, its requests are prefilled in smaller groups.", stats["compiling"])
 
