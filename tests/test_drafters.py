@@ -221,6 +221,7 @@ def test_early_exit_holds_no_copy_of_the_weights():
     import jax
     import jax.numpy as jnp
 
+    from specjax.backend import Backend
     from specjax.loop import generate_loop
     from specjax.models import init
     from specjax.sampling import Sampling
@@ -234,7 +235,7 @@ def test_early_exit_holds_no_copy_of_the_weights():
     def scratch(drafter):
         return generate_loop.lower(target, drafter, jnp.ones((1, 16), jnp.int32), jnp.array([8], jnp.int32),
                                jax.random.key(0), Sampling.make(), jnp.int32(-1), jnp.float32(0),
-                               max_new_tokens=16, return_trace=False, adaptive_k=False, mesh=None,
-                               rules=None).compile().memory_analysis().temp_size_in_bytes
+                               max_new_tokens=16, return_trace=False, adaptive_k=False,
+                               backend=Backend.default(), rules=None).compile().memory_analysis().temp_size_in_bytes
 
     assert scratch(specjax.EarlyExit(2).resolve(4)) - scratch(None) < 0.25 * two_layers

@@ -35,7 +35,8 @@ def paged(pair):
             engine.stop()
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", "lookup"])
+@pytest.mark.parametrize("name", ["plain", pytest.param("draft", marks=pytest.mark.slow),
+                                  pytest.param("lookup", marks=pytest.mark.slow)])
 def test_paged_requests_equal_generate_alone(pair, paged, name):
     target = pair[0]
     engine = paged(name)

@@ -227,7 +227,7 @@ def test_a_tiny_temperature_decodes_greedily(tiny_pair):
     np.testing.assert_array_equal(run(draft, 1e-37), greedy)
 
 
-def _accept_all(key, tokens, parents, valid, q, p, max_depth):
+def _accept_all(key, tokens, parents, valid, q, p, max_depth, platform=None):
     """Broken: every draft of the chain accepted, so the draft's distribution leaks through."""
     B, N = tokens.shape
     path = jnp.broadcast_to(jnp.arange(1, max_depth + 1, dtype=jnp.int32), (B, max_depth))
