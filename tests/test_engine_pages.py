@@ -1,7 +1,8 @@
 """The engine with its target's cache in pages (Engine(kv_pages=...)): staggered requests
 give what `generate` gives each alone, with a pool too small for all of them at once (so
-that requests wait for pages), a pool whose pages all come back when the engine is idle,
-a cancelled request's pages freed, and a request larger than the pool refused at submit."""
+that requests wait for pages, and running ones are preempted and resume), a pool whose
+pages all come back when the engine is idle, a cancelled request's pages freed, and a
+request larger than the pool refused at submit."""
 
 import time
 
@@ -60,10 +61,10 @@ def test_paged_admission_cancellation_and_refusal(pair, paged):
     engine = paged("plain")
     with pytest.raises(ValueError, match=r"needs more than the engine's whole page pool \(56 tokens in 7 pages of 8\)"):
         engine.submit([5] * 40, max_new_tokens=20)  # 60 tokens: within max_len, not the pool
-    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 97, 20)]
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 97, 40)]
     with engine:
-        long = engine.submit(prompt, max_new_tokens=30)  # 50 tokens: all 7 pages
-        waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 25 tokens: 4 pages, more than are left
+        long = engine.submit(prompt, max_new_tokens=16)  # 40 + 16 tokens: 6 pages at once, then all 7
+        waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 2 pages at once: more than are left
         deadline = time.time() + 60
         while not long.tokens and time.time() < deadline:
             time.sleep(0.01)
@@ -71,4 +72,22 @@ def test_paged_admission_cancellation_and_refusal(pair, paged):
         long.cancel()
         assert waiting.result(timeout=300) == _alone(target, None, prompt[:5], 20, ())
     assert long.finish_reason == "cancelled"
+    assert engine.stats()["free_pages"] == 7
+
+
+def test_rows_that_outgrow_the_pool_are_preempted_and_resume_exactly(pair, paged):
+    """Three requests of 10 + 30 tokens submitted together on 7 pages of 8: two start (3
+    pages each), and as they grow together past the pool the newer is preempted, waits with
+    its tokens, and resumes by prefilling them: every output is generate's alone."""
+    target = pair[0]
+    engine = paged("plain")
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 97, 10)] for _ in range(3)]
+    before = engine.preemptions
+    with engine:
+        with engine._lock:
+            requests = [engine.submit(p, max_new_tokens=30) for p in prompts]
+        outputs = [r.result(timeout=300) for r in requests]
+    assert outputs == [_alone(target, None, p, 30, ()) for p in prompts]
+    assert engine.preemptions > before
     assert engine.stats()["free_pages"] == 7

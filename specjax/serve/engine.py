@@ -100,6 +100,12 @@ class Request:
     def finished(self) -> bool:
         return self._finished.is_set()
 
+    @property
+    def context(self) -> tuple:
+        """What its row is prefilled from: its prompt, and the tokens it has generated (a
+        request preempted for pages resumes from them)."""
+        return self.prompt + tuple(self.tokens)
+
     def __iter__(self):
         while True:
             chunk = self._chunks.get()
@@ -185,11 +191,14 @@ class Engine:
     max_stop_ids: how many stop ids a request may carry.
     kv_pages: None (each slot holds max_len positions of the target's keys and values), or
         the target's cache in a pool of this many pages of `page_size` positions that the
-        rows share (PagedAttention): a request holds the pages its prompt and max_new_tokens
-        need, taken when it is admitted (it waits while too few are free) and given back when
-        it ends, so that slots can exceed what max_len-sized rows would fit. A request larger
-        than the whole pool is refused at `submit`. Not yet on a mesh, with
-        deterministic=True, or for a draft model's own cache (it keeps max_len-sized rows).
+        rows share (PagedAttention): a running request holds the pages its next two calls can
+        write (`_reach`), grown before each call; a waiting one is admitted when its pages are
+        free; when growth runs out of pages the request that arrived last is preempted (its
+        pages freed; it waits with its tokens and resumes by prefilling them, its output
+        unchanged); a request gives its pages back when it ends; so slots can exceed what
+        max_len-sized rows would fit. A request larger than the whole pool is refused at
+        `submit`. Not yet on a mesh, with deterministic=True, or for a draft model's own
+        cache (it keeps max_len-sized rows).
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
@@ -246,6 +255,7 @@ class Engine:
         self.steps = collections.Counter()  # steps per K
         self.k_in_use = self.policy.table[0]  # the K of the last device call
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
+        self.preemptions = 0  # requests sent back to wait, their pages freed, when pages ran out (paged)
         self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
         self.compile_error: Exception | None = None  # why the background compile stopped, if it did
         self._compiler: threading.Thread | None = None  # the background compile (compile_all)
@@ -455,6 +465,13 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._release(cancelled)
+                # Paged: the live rows' pages first (the next two calls' worth), then admission
+                # takes what is left.
+                if self.pages is not None and not self._grow_live():
+                    if pending is not None:  # lengths as they are, before anyone is preempted
+                        self._deliver(pending)
+                        pending = None
+                    self._preempt_until_grown()
                 out = self._dispatch(fresh=self._admit())
                 if pending is not None:
                     self._deliver(pending)
@@ -533,9 +550,9 @@ class Engine:
             while len(taken) < len(free) and self._waiting and self._takes_pages(self._waiting[0]):
                 taken.append(self._waiting.popleft())
         before, arrived = len(free), list(taken)
-        taken.sort(key=lambda r: len(r.prompt))  # a group runs in its longest prompt's bucket
+        taken.sort(key=lambda r: len(r.context))  # a group runs in its longest prompt's bucket
         try:
-            for n in self.programs.partition([len(r.prompt) for r in taken], self.programs.call_tokens,
+            for n in self.programs.partition([len(r.context) for r in taken], self.programs.call_tokens,
                                              skip=self._compiling):
                 self._place(taken, n, free)
         finally:
@@ -547,16 +564,55 @@ class Engine:
         return len(free) < before  # `_place` takes the slots it fills from `free`
 
     def _takes_pages(self, request: Request) -> bool:
-        """Whether the request's pages could be taken (paged: its prompt and max_new_tokens'
-        worth, all at admission); the first waiting request that cannot stops admission, so
-        that requests are admitted in the order they arrived."""
+        """Whether the request's pages could be taken (paged: `_reach`'s); the first waiting
+        request that cannot stops admission, so that requests are admitted in the order they
+        arrived."""
         if self.pages is None:
             return True
         try:
-            self.pages.grow(request, len(request.prompt) + request.max_new_tokens)
+            self.pages.grow(request, self._reach(request))
         except OutOfPages:
             return False
         return True
+
+    def _reach(self, request: Request) -> int:
+        """The slots a request's row may have written by the end of the next two device calls
+        (the host knows its tokens a call late), at most its limit: what its pages cover."""
+        depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
+        known = len(request.prompt) + len(request.tokens)
+        return min(len(request.prompt) + request.max_new_tokens,
+                   known + 2 * self.programs.steps_per_call * (depth + 1))
+
+    def _grow_live(self) -> bool:
+        """Every live row's pages grown to its `_reach`, oldest request first, and the device's
+        page table set if any changed; False where the free pages ran out first."""
+        with self._lock:
+            live = sorted(self._live.values(), key=lambda r: r.submitted)
+        before = {r: len(self.pages.pages(r)) for r in live}
+        try:
+            for request in live:
+                self.pages.grow(request, self._reach(request))
+        except OutOfPages:
+            return False
+        finally:
+            if any(len(self.pages.pages(r)) != n for r, n in before.items()):
+                self._state = self.programs.set_table(self._state, self._table())
+        return True
+
+    def _preempt_until_grown(self):
+        """Pages ran out: the request that arrived last among the live ones goes back to the
+        front of the queue, its pages freed, until the others' grow (vLLM's recompute: it
+        resumes by prefilling its prompt and the tokens it has, and goes on as it would have:
+        its samples depend on its seed and positions alone)."""
+        while not self._grow_live():
+            with self._lock:
+                slot, request = max(self._live.items(), key=lambda item: item[1].submitted)
+                del self._live[slot]
+                self._waiting.appendleft(request)
+            self._state = self.programs.release(self._state, [slot])
+            self.pages.release(request)
+            self.preemptions += 1
+        self._state = self.programs.set_table(self._state, self._table())
 
     def _place(self, taken: list[Request], n: int, free: list[int]):
         """Prefills the first `n` requests of `taken` in one call and inserts their rows into
@@ -569,7 +625,7 @@ class Engine:
         for i, request in enumerate(group):
             stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
         try:
-            rows = self.programs.prefill([np.asarray(r.prompt, np.int32) for r in group],
+            rows = self.programs.prefill([np.asarray(r.context, np.int32) for r in group],
                                          [len(r.prompt) + r.max_new_tokens for r in group],
                                          [r.sampling for r in group], stops, [r.seed for r in group])
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
@@ -665,7 +721,8 @@ class Engine:
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
-                "failures": self.failures, "programs": self.programs.listing(), "step_ms": self.step_ms,
+                "failures": self.failures, "preemptions": self.preemptions, "programs": self.programs.listing(),
+                "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
                 **self._page_stats(), **self.memory}
 

@@ -115,6 +115,12 @@ def _paste_pages(cache: KVCache, slot, row: KVCache, pages):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
+def _set_table(state, table):
+    """A paged state with the page table int32 [slots, M] the host holds now."""
+    return state.replace(target_cache=state.target_cache.replace(pages=table))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
 def _release(state, free):
     """Marks rows free (bool [B]) done: a cancelled request's slot stops at once."""
     return state.replace(done=state.done | free)
@@ -244,6 +250,7 @@ class Programs:
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
+                + ([] if self.paging is None else [f"set the page table [{self.slots}, {self.table_width}]"])
                 + [f"{name} [{n}, {b}]" for b in self.buckets for n in self.prefill_sizes
                    for name in ("prefill", "insert")]
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
@@ -295,6 +302,10 @@ class Programs:
             table = np.zeros((self.slots, self.table_width), np.int32)
         return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
 
+    def set_table(self, state, table):
+        """A paged state with the host's page table (rows grown, or freed, since it was set)."""
+        return _set_table(state, np.asarray(table, np.int32))
+
     def release(self, state, slots):
         free = np.zeros((self.slots,), bool)
         free[list(slots)] = True
@@ -333,6 +344,9 @@ class Programs:
         done = progress or (lambda n: None)
         state = self.empty()
         done(1)
+        if self.paging is not None:
+            state = self.set_table(state, np.zeros((self.slots, self.table_width), np.int32))
+            done(1)
         layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for b in self.buckets:
             for n in self.prefill_sizes:
