@@ -7,6 +7,7 @@ from specjax import theory
 from specjax.tools import bench, synthetic
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_synthetic_bench_runs_and_stays_exact(capsys):
     runs = synthetic.run_synthetic(size="llama-tiny", draft_layers=2, ks=(2,), batches=(1, 2), max_new_tokens=16,
                                    repeats=1, widths=(1, 4))
@@ -143,6 +144,7 @@ def test_measure_profile_writes_what_its_runs_measured(tmp_path):
     assert any("num_draft_tokens='auto' picks K = " in line for line in lines)
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_specjax_bench_with_no_flags_is_a_quick_side_by_side(tmp_path, capsys):
     """`specjax bench` alone: plain vs the draft's chain, greedy, batch 1, a line per pair
     printed as measured and quick.json written (here on two prompts at K = 2, briefly)."""

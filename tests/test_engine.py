@@ -142,6 +142,7 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
         assert got == _alone(pair[0], None, prompt, budget, stops)
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
     """compile_all(groups_later=True) returns before the prefills of several requests are
     compiled: until they are, a burst is prefilled one request at a time, and once they are,

@@ -36,7 +36,7 @@ def paged(pair):
             engine.stop()
 
 
-@pytest.mark.parametrize("name", ["plain", pytest.param("draft", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("draft", marks=pytest.mark.slow),
                                   pytest.param("lookup", marks=pytest.mark.slow)])
 def test_paged_requests_equal_generate_alone(pair, paged, name):
     target = pair[0]

@@ -350,7 +350,8 @@ def own_text(pair):
     return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["medusa", pytest.param("eagle", marks=pytest.mark.slow), "eagle3",
+@pytest.mark.parametrize("kind", ["medusa", pytest.param("eagle", marks=pytest.mark.slow),
+                                  pytest.param("eagle3", marks=pytest.mark.slow),
                                   pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
 def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):
     from specjax.train import TrainConfig, heads

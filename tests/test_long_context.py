@@ -280,6 +280,7 @@ def test_blockwise_forward_matches_transformers(arch, hf_folder, small_blocks):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_chunked_generate_equals_transformers(pair, small_blocks):
     """No draft, a chain, a tree, early exit and a trained head (which reads the chunked
     prefill's states), ragged rows, an EOS: all greedy-exact with 4-slot blocks and 4-token

@@ -106,6 +106,7 @@ def test_greedy_equals_transformers(pair):
     assert int(out.stats.accepted.sum()) > 0
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_sampling_is_exact(tiny_pair, exact_joint):  # noqa: F811
     target, _ = tiny_pair
     observed = _sampled_joint(target, specjax.Lookahead(window=2, ngram=3, guesses=2))

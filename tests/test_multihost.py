@@ -52,6 +52,7 @@ def _run_job(job: str, out_dir: Path, timeout: float = 540) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_speculative_generate_on_two_processes_equals_one_device(tmp_path):
     """The shipped pair, a chain and a tree: every process reads (specjax.gather) exactly
     the tokens one process on one device gives; stream= is called in process 0 only, with

@@ -80,7 +80,8 @@ def test_tree_and_num_draft_tokens_conflict(pair):
 # ---- one tree pass == full passes over each path -------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])  # mistral: window 5 < the paths
+@pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow),  # window 5 < the paths
+                                  pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     target = specjax.load_model(hf_folder(name)[0])
     tree = Tree.from_paths(STATIC)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import queue
 import threading
-import time
 import weakref
 from typing import Sequence
 
@@ -42,6 +40,7 @@ from specjax.sampling import kind_of, validate
 from specjax.serve.pages import OutOfPages, PagePool
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
+from specjax.serve.requests import Request
 
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
@@ -50,7 +49,6 @@ OPEN_STEPS = 2
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
-_END = object()
 _COMPILING = weakref.WeakSet()  # engines whose background compile may still run
 
 
@@ -75,80 +73,6 @@ class Call:
     taken: jax.Array  # int32 []: steps the call ran
     done: jax.Array  # bool [slots]: rows finished (or empty) after it
     read_now: bool  # requests wait or rows are new: read it at once, not while the next call runs
-
-
-class Request:
-    """One generation submitted to an `Engine`. Iterate it for chunks (lists of new token
-    ids, as the device emits them; one consumer), or wait for `result()`. `finish_reason`:
-    "stop" (a stop id was emitted, and is the last token), "length" (max_new_tokens) or
-    "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
-
-    def __init__(self, engine: "Engine", prompt: tuple, max_new_tokens: int, sampling: tuple,
-                 stop_ids: tuple, seed: int, listener=None):
-        self._engine, self._listener = engine, listener
-        self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
-        self.stop_token_ids, self.seed = stop_ids, seed
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.submitted = time.perf_counter()
-        self.chunk_times: list[tuple[float, int]] = []  # (when, tokens) per chunk
-        self._chunks: queue.Queue = queue.Queue()
-        self._finished = threading.Event()
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
-
-    @property
-    def context(self) -> tuple:
-        """What its row is prefilled from: its prompt, and the tokens it has generated (a
-        request preempted for pages resumes from them)."""
-        return self.prompt + tuple(self.tokens)
-
-    def __iter__(self):
-        while True:
-            chunk = self._chunks.get()
-            if chunk is _END:
-                if self.error is not None:
-                    raise self.error
-                return
-            yield chunk
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """All generated token ids (a stop id included), once the request has finished."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"the request did not finish within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return list(self.tokens)
-
-    def cancel(self):
-        """Stops the request; its slot is freed at the engine's next device call."""
-        self._engine._cancel(self)
-
-    def _emit(self, tokens: list[int]):
-        self.tokens.extend(tokens)
-        self.chunk_times.append((time.perf_counter(), len(tokens)))
-        self._chunks.put(tokens)
-        self._tell(tokens)
-
-    def _finish(self, reason: str | None, error: BaseException | None = None):
-        if self.finished:
-            return
-        self.finish_reason, self.error = reason, error
-        self._finished.set()
-        self._chunks.put(_END)
-        self._tell(None)
-
-    def _tell(self, tokens):
-        """The listener hears a chunk (or None: finished) on the engine's thread; what it
-        raises is its own business, never the engine's."""
-        if self._listener is not None:
-            try:
-                self._listener(tokens)
-            except Exception:  # noqa: BLE001 - e.g. the server's event loop has closed
-                pass
 
 
 def _supported(draft):

@@ -1,0 +1,85 @@
+"""`Request`: one generation submitted to an `Engine`, as its caller and the engine's thread
+share it: the chunks it emits, its tokens, how it finished, and the context a preempted
+request resumes from. It knows nothing of devices, slots or pages."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+_END = object()  # the chunk queue's last item
+
+
+class Request:
+    """One generation submitted to an `Engine`. Iterate it for chunks (lists of new token
+    ids, as the device emits them; one consumer), or wait for `result()`. `finish_reason`:
+    "stop" (a stop id was emitted, and is the last token), "length" (max_new_tokens) or
+    "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
+
+    def __init__(self, engine, prompt: tuple, max_new_tokens: int, sampling: tuple,
+                 stop_ids: tuple, seed: int, listener=None):
+        self._engine, self._listener = engine, listener  # its Engine (for cancel)
+        self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
+        self.stop_token_ids, self.seed = stop_ids, seed
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.chunk_times: list[tuple[float, int]] = []  # (when, tokens) per chunk
+        self._chunks: queue.Queue = queue.Queue()
+        self._finished = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def context(self) -> tuple:
+        """What its row is prefilled from: its prompt, and the tokens it has generated (a
+        request preempted for pages resumes from them)."""
+        return self.prompt + tuple(self.tokens)
+
+    def __iter__(self):
+        while True:
+            chunk = self._chunks.get()
+            if chunk is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield chunk
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All generated token ids (a stop id included), once the request has finished."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+    def cancel(self):
+        """Stops the request; its slot is freed at the engine's next device call."""
+        self._engine._cancel(self)
+
+    def _emit(self, tokens: list[int]):
+        self.tokens.extend(tokens)
+        self.chunk_times.append((time.perf_counter(), len(tokens)))
+        self._chunks.put(tokens)
+        self._tell(tokens)
+
+    def _finish(self, reason: str | None, error: BaseException | None = None):
+        if self.finished:
+            return
+        self.finish_reason, self.error = reason, error
+        self._finished.set()
+        self._chunks.put(_END)
+        self._tell(None)
+
+    def _tell(self, tokens):
+        """The listener hears a chunk (or None: finished) on the engine's thread; what it
+        raises is its own business, never the engine's."""
+        if self._listener is not None:
+            try:
+                self._listener(tokens)
+            except Exception:  # noqa: BLE001 - e.g. the server's event loop has closed
+                pass
