@@ -127,6 +127,22 @@ def page_blocks(pool: jax.Array, pages: jax.Array, first, count: int) -> jax.Arr
     return jnp.swapaxes(pool[ids], 1, 2).reshape(B, G, count * size, D)  # [B, count, G, page, D] -> rows
 
 
+def paste_row(cache: KVCache, slot, row: KVCache, pages) -> KVCache:
+    """A paged cache with one prefilled row (a row-buffer cache [1, G, b, D] a layer) written
+    into the pages `pages` int32 [M] (its first b / page of them; the rest of the row is
+    stale by the loop's invariant) and its length into row `slot`."""
+    size, width = cache.k[0].shape[2], pages.shape[0]
+    n = min(row.max_len // size, width)  # (the caller's rows are a whole number of pages)
+    ids = pages[:n]
+
+    def paste(pool, buffer):  # [P, G, page, D] <- [1, G, n page, D]
+        G, D = buffer.shape[1], buffer.shape[3]
+        return pool.at[ids].set(buffer[0, :, :n * size].reshape(G, n, size, D).swapaxes(0, 1).astype(pool.dtype))
+
+    return cache.replace(k=tuple(map(paste, cache.k, row.k)), v=tuple(map(paste, cache.v, row.v)),
+                         lengths=cache.lengths.at[slot].set(row.lengths[0]))
+
+
 def join(held: jax.Array, new: jax.Array, offset) -> jax.Array:
     """A held tree's layer [B, R, G, D] with a pass's new entries [B, T, G, D] at nodes
     offset .. offset + T-1 (one dynamic_update_slice)."""

@@ -128,7 +128,6 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     block = block or ATTENTION_BLOCK
     if pages is not None:  # pools [P, G, page, D]: S slots a row, read page by page
         page, S = S, S * pages.shape[1]
-        block = max(page, min(block, S) // page * page)
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
     kernel = (_prefix_kernel(backend, B, cache_k.shape, rules, scale, cap, interpret)
@@ -166,7 +165,9 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     qg = qg.transpose(0, 2, 3, 1, 4) if layout == "bgrtd" else qg
     state = _masked_state(qg, k, v, mask, _empty_state(qg, layout), scale, cap, block, layout)  # in-flight keys first
     if backend.platform == "cpu":
-        block = min(block, CPU_PREFIX_BLOCK) if pages is None else max(page, min(block, CPU_PREFIX_BLOCK) // page * page)
+        block = min(block, CPU_PREFIX_BLOCK)
+    if pages is not None:  # the prefix's blocks are whole pages
+        block = max(page, min(block, S) // page * page)
     upto = jnp.clip((jnp.max(prefix) + block - 1) // block, 0, -(-S // block))
     # A sliding window: blocks wholly below every query's floor are not read.
     first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)

@@ -131,8 +131,9 @@ class Engine:
                  kv_pages: int | None = None, page_size: int = 16):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
-        for name, value in (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
-                            ("max_stop_ids", max_stop_ids)):
+        sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
+                 ("max_stop_ids", max_stop_ids), ("page_size", page_size))
+        for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_len > target.config.max_position_embeddings:
@@ -156,9 +157,6 @@ class Engine:
         off = {0} if self.policy.may_turn_off else set()  # K = 0 compiled too: the drafter may skip steps
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
                     for K in sorted(set(self.policy.table) | off)}
-        if kv_pages is not None and (not isinstance(kv_pages, (int, np.integer)) or isinstance(kv_pages, bool)
-                                     or kv_pages < 1):
-            raise ValueError(f"kv_pages must be None or an int >= 1, got {kv_pages!r}")
         # The pool's page 0 is its null page, never handed out: kv_pages more are.
         self.pages = None if kv_pages is None else PagePool(int(kv_pages) + 1, int(page_size))
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
@@ -391,11 +389,16 @@ class Engine:
                 self._release(cancelled)
                 # Paged: the live rows' pages first (the next two calls' worth), then admission
                 # takes what is left.
-                if self.pages is not None and not self._grow_live():
-                    if pending is not None:  # lengths as they are, before anyone is preempted
-                        self._deliver(pending)
-                        pending = None
-                    self._preempt_until_grown()
+                if self.pages is not None:
+                    before = self._table()
+                    if not self._grow_live():
+                        if pending is not None:  # lengths as they are, before anyone is preempted
+                            self._deliver(pending)
+                            pending = None
+                        self._preempt_until_grown()
+                    table = self._table()
+                    if not np.array_equal(table, before):  # rows grew, or were freed
+                        self._state = self.programs.set_table(self._state, table)
                 out = self._dispatch(fresh=self._admit())
                 if pending is not None:
                     self._deliver(pending)
@@ -508,19 +511,15 @@ class Engine:
                    known + 2 * self.programs.steps_per_call * (depth + 1))
 
     def _grow_live(self) -> bool:
-        """Every live row's pages grown to its `_reach`, oldest request first, and the device's
-        page table set if any changed; False where the free pages ran out first."""
+        """Every live row's pages grown to its `_reach`, oldest request first (on the host: the
+        caller sets the device's table); False where the free pages ran out first."""
         with self._lock:
             live = sorted(self._live.values(), key=lambda r: r.submitted)
-        before = {r: len(self.pages.pages(r)) for r in live}
         try:
             for request in live:
                 self.pages.grow(request, self._reach(request))
         except OutOfPages:
             return False
-        finally:
-            if any(len(self.pages.pages(r)) != n for r, n in before.items()):
-                self._state = self.programs.set_table(self._state, self._table())
         return True
 
     def _preempt_until_grown(self):
@@ -536,7 +535,6 @@ class Engine:
             self._state = self.programs.release(self._state, [slot])
             self.pages.release(request)
             self.preemptions += 1
-        self._state = self.programs.set_table(self._state, self._table())
 
     def _place(self, taken: list[Request], n: int, free: list[int]):
         """Prefills the first `n` requests of `taken` in one call and inserts their rows into
@@ -648,14 +646,5 @@ class Engine:
                 "failures": self.failures, "preemptions": self.preemptions, "programs": self.programs.listing(),
                 "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
-                **self._page_stats(), **self.memory}
-
-    def _page_stats(self) -> dict:
-        """Paged: the pool's size, what is free, and the share in use (vLLM's kv_cache_usage_perc)."""
-        if self.pages is None:
-            return {}
-        pool = self.pages
-        held = pool.num_pages - 1
-        return {"kv_pages": held, "page_size": pool.page_size, "kv_capacity_tokens": pool.capacity_tokens,
-                "free_pages": pool.free_pages, "kv_cache_usage": round(1 - pool.free_pages / held, 4)}
+                **({} if self.pages is None else self.pages.stats()), **self.memory}
 

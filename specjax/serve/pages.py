@@ -77,6 +77,12 @@ class PagePool:
         self._free.extend(reversed(held))
         return len(held)
 
+    def stats(self) -> dict:
+        """Its size, what is free, and the share held (vLLM's kv_cache_usage_perc)."""
+        held = self.num_pages - 1
+        return {"kv_pages": held, "page_size": self.page_size, "kv_capacity_tokens": self.capacity_tokens,
+                "free_pages": self.free_pages, "kv_cache_usage": round(1 - self.free_pages / held, 4)}
+
     def table(self, owners: list, width: int) -> np.ndarray:
         """int32 [len(owners), width]: each owner's pages in slot order, then the null page
         (an owner of None: a row of null pages). Raises where an owner holds more than width."""

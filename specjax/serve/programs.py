@@ -21,7 +21,7 @@ import numpy as np
 
 from specjax import loop
 from specjax.backend import Backend
-from specjax.cache import KVCache
+from specjax.cache import KVCache, paste_row
 from specjax.drafters.base import verify_room
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Sampling
@@ -90,28 +90,12 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
         if table is None:
             state = loop.insert(state, slots[i], row, state_drafter)
             continue
-        cache = _paste_pages(state.target_cache, slots[i], row.target_cache, table[slots[i]])
+        cache = paste_row(state.target_cache, slots[i], row.target_cache, table[slots[i]])
         state = loop.insert(state.replace(target_cache=None), slots[i], row.replace(target_cache=None),
                             state_drafter).replace(target_cache=cache)
     if table is not None:
         state = state.replace(target_cache=state.target_cache.replace(pages=table))
     return loop.place(state, state_drafter, mesh, rules)
-
-
-def _paste_pages(cache: KVCache, slot, row: KVCache, pages):
-    """A paged cache with one prefilled row (a row-buffer cache [1, G, b, D] a layer) written
-    into the pages `pages` int32 [M] (its first b / page of them; the rest of the row is
-    stale by the loop's invariant) and its length into row `slot`."""
-    size, width = cache.k[0].shape[2], pages.shape[0]
-    n = min(row.max_len // size, width)  # (a bucket is a whole number of pages: Programs checks)
-    ids = pages[:n]
-
-    def paste(pool, buffer):  # [P, G, page, D] <- [1, G, n page, D]
-        G, D = buffer.shape[1], buffer.shape[3]
-        return pool.at[ids].set(buffer[0, :, :n * size].reshape(G, n, size, D).swapaxes(0, 1).astype(pool.dtype))
-
-    return cache.replace(k=tuple(map(paste, cache.k, row.k)), v=tuple(map(paste, cache.v, row.v)),
-                         lengths=cache.lengths.at[slot].set(row.lengths[0]))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
