@@ -186,12 +186,20 @@ def test_attention_kernels_are_selected_only_where_they_apply(monkeypatch):
     mesh = jax.make_mesh((1,), ("data",))
     assert attn.choose(Backend("tpu", mesh), bf16, 512, 1024, 128, None) == "portable"
     # Which models take kernels: "kernels" wherever the backend allows; "auto" nowhere until
-    # measured at the code as it stands (MEASURED_KERNELS); "portable" never.
+    # measured at the code as it stands (none is: the GPU's ran before the head-major cache);
+    # "portable" never.
     for platform in ("cpu", "gpu", "tpu"):
         assert attn.takes_kernels("kernels", bf16, Backend(platform))
         assert not attn.takes_kernels("kernels", bf16, Backend(platform, portable=True))
         assert not attn.takes_kernels("portable", bf16, Backend(platform))
-        assert attn.takes_kernels("auto", bf16, Backend(platform)) == (bf16 in attn.MEASURED_KERNELS.get(platform, ()))
+        assert not attn.takes_kernels("auto", bf16, Backend(platform))
+    # Once a platform's kernels are measured, "auto" takes them there, in the dtypes measured,
+    # on one device only.
+    monkeypatch.setattr(attn, "MEASURED_KERNELS", {"gpu": (bf16,)})
+    assert attn.takes_kernels("auto", bf16, Backend("gpu"))
+    assert not attn.takes_kernels("auto", f16, Backend("gpu"))
+    assert not attn.takes_kernels("auto", bf16, Backend("gpu", mesh))
+    assert not attn.takes_kernels("auto", bf16, Backend("tpu"))
     assert Backend("cuda").platform == "gpu"
     with pytest.raises(ValueError, match="platform"):
         Backend("metal")

@@ -63,10 +63,10 @@ def test_writes_and_reads_through_a_page_table_are_the_row_buffers():
     rows = jnp.asarray(rng.standard_normal((B, G, S, D)), jnp.float32)
     table = _table(B, S // PAGE, 40)
     pool = _paged(rows, table, 40)
-    for first, count in ((0, S // PAGE), (2, 3), (5, 4)):  # past the table: its last page again
+    for first, count in ((0, S // PAGE), (2, 3), (5, 4)):
         got = kv.page_blocks(pool, table, jnp.int32(first), count)
-        want = rows[:, :, [min(s, S - 1) if s < S else (S // PAGE - 1) * PAGE + s % PAGE
-                           for s in range(first * PAGE, (first + count) * PAGE)]]
+        last = (S // PAGE - 1) * PAGE  # past the table: its last page's slots again
+        want = rows[:, :, [s if s < S else last + s % PAGE for s in range(first * PAGE, (first + count) * PAGE)]]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     new = jnp.asarray(rng.standard_normal((B, T, G, D)), jnp.float32)
     slots = jnp.asarray([[2, 3, 4, 5, 6], [19, 20, 21, 22, 23], [21, 22, 23, 24, 25]], jnp.int32)  # past S: dropped
