@@ -89,7 +89,7 @@ def test_attention_through_a_page_table_equals_row_buffers(kind):
     table = _table(B, M, 30, seed=2)
     pools = [_paged(c, table, 30) for c in (cache_k, cache_v)]
     for backend in (Backend("cpu"), Backend("gpu", portable=True)):
-        for block in (4, 64):
+        for block in (4, 12, 64):  # a page a block, three pages a block, one softmax
             dense = jax.jit(lambda *a: attn.cached_attention(*a, block=block, backend=backend))(*args)
             paged = jax.jit(lambda *a: attn.cached_attention(*a, block=block, backend=backend, pages=table))(
                 q, k, v, mask, *pools, prefix, floor, scale, cap)
