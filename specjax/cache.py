@@ -75,10 +75,16 @@ class KVCache:
                    dtype=jnp.float32) -> "KVCache":
         """A paged cache: pools of num_pages pages of page_size slots, and a page table of
         table_width pages per row, every entry the null page 0 (serve/pages.py)."""
-        shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
-        layers = range(config.num_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   lengths=jnp.zeros((batch,), jnp.int32), pages=jnp.zeros((batch, table_width), jnp.int32))
+        return cls.init(config, batch, 1, dtype).in_pages(num_pages, page_size, table_width)
+
+    def in_pages(self, num_pages: int, page_size: int, table_width: int) -> "KVCache":
+        """A paged cache of this one's layers, heads, dtype and lengths (its entries not
+        kept): pools of num_pages pages of page_size slots, every row's table of table_width
+        pages the null page 0. Inside a program, this cache's buffers are then never made."""
+        def pool(buffer):  # [B', G, S, D] -> [P, G, page, D]
+            return jnp.zeros((num_pages, buffer.shape[1], page_size, buffer.shape[3]), buffer.dtype)
+        return self.replace(k=tuple(map(pool, self.k)), v=tuple(map(pool, self.v)), tree=None,
+                            pages=jnp.zeros((self.lengths.shape[0], table_width), jnp.int32))
 
     @staticmethod
     def nbytes(config: ModelConfig, batch: int, slots: int, dtype) -> int:

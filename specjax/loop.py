@@ -56,7 +56,7 @@ from flax import struct
 from jax.experimental import io_callback
 
 from specjax import acceptance, sharding, streams
-from specjax.cache import KVCache, tree_placement
+from specjax.cache import KVCache, paste_row, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
 from specjax.backend import Backend
 from specjax.models import Model, apply, commit
@@ -214,18 +214,41 @@ def write_rows(big, new, axes: sharding.Axes, start):
     return jax.lax.dynamic_update_slice(big, new, tuple(start if i == at else 0 for i in range(big.ndim)))
 
 
-def insert(state: SlotState, slot, row: SlotState, drafter) -> SlotState:
+_is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+
+
+def insert(state: SlotState, slot, row: SlotState, drafter, pages=None) -> SlotState:
     """`state` with `row` (one row, from `prefill`) written into its row `slot` (int32 []),
     each array on the row axis its declared axes name (`state_axes`; drafter: the one whose
     state the rows carry); an array all rows share keeps the state's. The row's array may
     be shorter than the state's on its other axes (a cache prefilled at its prompt's
     bucket, not at the state's length) and is written at their start: what lies past it is
     stale by the loop's invariant (masked by position, overwritten before read). Nothing
-    else moves."""
-    if jax.tree.structure(state) != jax.tree.structure(row):
+    else moves. pages: where the state's caches are paged, the row's page table int32 [M]:
+    each of the row's caches goes into those pages of its pool (`cache.paste_row`)."""
+    if jax.tree.structure(state, is_leaf=_is_cache) != jax.tree.structure(row, is_leaf=_is_cache):
         raise ValueError("the row was prefilled for another drafter (or none) than the state's")
-    return jax.tree.map(lambda big, small, axes: big if axes.row_axis is None else write_rows(big, small, axes, slot),
-                        state, row, state_axes(state, drafter))
+
+    def one(big, small, axes):
+        if isinstance(big, KVCache) and big.pages is not None:
+            return paste_row(big, slot, small, pages)
+        return jax.tree.map(lambda b, s, a: b if a.row_axis is None else write_rows(b, s, a, slot), big, small, axes)
+
+    return jax.tree.map(one, state, row, state_axes(state, drafter), is_leaf=_is_cache)
+
+
+def paged(state: SlotState, num_pages: int, page_size: int, table_width: int) -> SlotState:
+    """The state with every cache it holds (the target's, a draft model's, an EAGLE layer's)
+    in pools of num_pages pages of page_size slots, every row's table of table_width pages
+    the null page (`KVCache.in_pages`): what a paged engine's empty state is."""
+    return jax.tree.map(lambda x: x.in_pages(num_pages, page_size, table_width) if _is_cache(x) else x, state,
+                        is_leaf=_is_cache)
+
+
+def with_pages(state: SlotState, pages) -> SlotState:
+    """A paged state whose every cache reads the page table pages int32 [B, M] (one table:
+    a row's page ids index each cache's own pool)."""
+    return jax.tree.map(lambda x: x.replace(pages=pages) if _is_cache(x) else x, state, is_leaf=_is_cache)
 
 
 def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False

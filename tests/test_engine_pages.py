@@ -4,12 +4,14 @@ that requests wait for pages, and running ones are preempted and resume), a pool
 pages all come back when the engine is idle, a cancelled request's pages freed, and a
 request larger than the pool refused at submit."""
 
-import time
 
+import jax
 import numpy as np
 import pytest
 
 import specjax
+from specjax.cache import KVCache
+from specjax.drafters import Eagle3
 from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
 
 PAGE = 8
@@ -23,6 +25,7 @@ def paged(pair):
     def make(name):
         if name not in made:
             draft, table = {"plain": (None, None), "draft": (drafts["near"], (3, 1, 0)),
+                            "eagle3": (Eagle3.init(target, jax.random.key(1)), (3, 2, 1)),
                             "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3))}[name]
             # 7 pages of 8 (56 tokens, less than max_len): three requests of up to 48 tokens cannot
             # all run at once.
@@ -36,8 +39,8 @@ def paged(pair):
             engine.stop()
 
 
-@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("draft", marks=pytest.mark.slow),
-                                  pytest.param("lookup", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft",
+                                  pytest.param("eagle3", marks=pytest.mark.slow), pytest.param("lookup", marks=pytest.mark.slow)])
 def test_paged_requests_equal_generate_alone(pair, paged, name):
     target = pair[0]
     engine = paged(name)
@@ -48,6 +51,12 @@ def test_paged_requests_equal_generate_alone(pair, paged, name):
     assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
     assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
     assert engine.pages._owned == {}
+    caches = [x for x in jax.tree.leaves(engine._state, is_leaf=lambda x: isinstance(x, KVCache))
+              if isinstance(x, KVCache)]
+    assert len(caches) == (1 if name in ("plain", "lookup") else 2)  # the target's, and a draft model's or layer's
+    for cache in caches:  # every cache in pools of the engine's pages, one table
+        assert cache.k[0].shape[0] == 8 and cache.k[0].shape[2] == PAGE, cache.k[0].shape
+        assert cache.pages.shape == (SLOTS, engine.programs.table_width)
     if name == "plain":  # the server's gauge, under vLLM's name
         from prometheus_client import generate_latest
 
@@ -62,16 +71,20 @@ def test_paged_admission_cancellation_and_refusal(pair, paged):
     with pytest.raises(ValueError, match=r"needs more than the engine's whole page pool \(56 tokens in 7 pages of 8\)"):
         engine.submit([5] * 40, max_new_tokens=20)  # 60 tokens: within max_len, not the pool
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 97, 40)]
+    seen = []
+
+    def first_chunk(tokens):  # on the engine's thread, between calls: what waits, then cancel
+        if tokens and not seen:
+            seen.append((engine.load(), list(waiting.tokens)))
+            long.cancel()
+
     with engine:
-        long = engine.submit(prompt, max_new_tokens=16)  # 40 + 16 tokens: 6 pages at once, then all 7
-        waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 2 pages at once: more than are left
-        deadline = time.time() + 60
-        while not long.tokens and time.time() < deadline:
-            time.sleep(0.01)
-        assert engine.load() == (1, 1) and not waiting.tokens  # a slot is free: it waits for pages
-        long.cancel()
+        with engine._lock:  # both queued before the engine admits either
+            long = engine.submit(prompt, max_new_tokens=16, listener=first_chunk)  # 40 + 16: 6 pages, then 7
+            waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 2 pages at once: more than are left
         assert waiting.result(timeout=300) == _alone(target, None, prompt[:5], 20, ())
-    assert long.finish_reason == "cancelled"
+    assert seen == [((1, 1), [])]  # a slot was free: it waited for pages
+    assert long.finish_reason == "cancelled" and len(long.tokens) < 16
     assert engine.stats()["free_pages"] == 7
 
 

@@ -4,7 +4,6 @@ all 8 devices, as one process per host would on a TPU pod slice or a GPU cluster
 (tests/multihost_child.py does each process's part)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys

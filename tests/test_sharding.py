@@ -2,7 +2,6 @@
 starts), plus the rules on their own."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

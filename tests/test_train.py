@@ -173,7 +173,6 @@ def test_a_damaged_latest_step_is_never_restored_silently(stream, tmp_path, capf
     orbax reads anything (its readers failing half-way printed dozens of asyncio tracebacks)."""
     import os
     import shutil
-    from pathlib import Path
 
     from specjax.checkpoint import CheckpointManager, DamagedCheckpointError
     from specjax.train.loop import restore_model

@@ -200,7 +200,7 @@ def _tpu_kernel(prefix_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     blocks in the output blocks (they stay resident while the row's blocks run)."""
     b, j = pl.program_id(0), pl.program_id(1)
     hi = prefix_ref[b]
-    M, D = q_ref.shape[1], q_ref.shape[2]
+    M = q_ref.shape[1]
 
     @pl.when(j == 0)
     def _():

@@ -113,16 +113,16 @@ class Engine:
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
     steps_per_call: steps per device call (the most a call runs before the host looks).
     max_stop_ids: how many stop ids a request may carry.
-    kv_pages: None (each slot holds max_len positions of the target's keys and values), or
-        the target's cache in a pool of this many pages of `page_size` positions that the
-        rows share (PagedAttention): a running request holds the pages its next two calls can
+    kv_pages: None (each slot holds max_len positions of keys and values), or every cache
+        (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
+        in pools of this many pages of `page_size` positions that the rows share
+        (PagedAttention): a running request holds the pages its next two calls can
         write (`_reach`), grown before each call; a waiting one is admitted when its pages are
         free; when growth runs out of pages the request that arrived last is preempted (its
         pages freed; it waits with its tokens and resumes by prefilling them, its output
         unchanged); a request gives its pages back when it ends; so slots can exceed what
         max_len-sized rows would fit. A request larger than the whole pool is refused at
-        `submit`. Not yet on a mesh, with deterministic=True, or for a draft model's own
-        cache (it keeps max_len-sized rows).
+        `submit`. Not yet on a mesh or with deterministic=True.
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,

@@ -21,8 +21,8 @@ import numpy as np
 
 from specjax import loop
 from specjax.backend import Backend
-from specjax.cache import KVCache, paste_row
-from specjax.drafters.base import verify_room
+from specjax.cache import KVCache
+from specjax.drafters.base import grow_cache_length, verify_room
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Sampling
 
@@ -50,16 +50,15 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, back
            paging: tuple | None = None):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row.
-    paging: None, or (pages, page size): the target's cache in a pool of pages, every row's
-    table the null page (serve/pages.py)."""
+    paging: None, or (pages, page size, table width): every cache of the state (the target's,
+    the drafter's) in a pool of pages, every row's table the null page (serve/pages.py)."""
     target, drafter = loop.bound(backend, target, drafter)
-    cache = None if paging is None else KVCache.init_paged(target.config, slots, paging[0], paging[1],
-                                                           -(-cache_len // paging[1]), target.dtype)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
         cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
-        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots),
-        cache=cache)
+        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
+    if paging is not None:  # (the row buffers above are then never made: nothing reads them)
+        state = loop.paged(state, *paging)
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, backend.mesh, rules)
 
 
@@ -87,21 +86,16 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
     axes = loop.state_axes(rows, state_drafter)
     for i in range(slots.shape[0]):
         row = jax.tree.map(lambda x, a: loop.take_rows(x, a, i, i + 1), rows, axes)
-        if table is None:
-            state = loop.insert(state, slots[i], row, state_drafter)
-            continue
-        cache = paste_row(state.target_cache, slots[i], row.target_cache, table[slots[i]])
-        state = loop.insert(state.replace(target_cache=None), slots[i], row.replace(target_cache=None),
-                            state_drafter).replace(target_cache=cache)
+        state = loop.insert(state, slots[i], row, state_drafter, None if table is None else table[slots[i]])
     if table is not None:
-        state = state.replace(target_cache=state.target_cache.replace(pages=table))
+        state = loop.with_pages(state, table)
     return loop.place(state, state_drafter, mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_table(state, table):
     """A paged state with the page table int32 [slots, M] the host holds now."""
-    return state.replace(target_cache=state.target_cache.replace(pages=table))
+    return loop.with_pages(state, table)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -155,7 +149,10 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     return _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
 
 
-_is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+def _whole(x, in_place: bool) -> bool:
+    """Whether a run takes this leaf of the state whole, its rows' lengths and tables sliced
+    (`_first_rows`): a cache read in place, or a paged one (its pools are no row's)."""
+    return isinstance(x, KVCache) and (in_place or x.pages is not None)
 
 
 def _first_rows(full, width: int, in_place: bool, axes):
@@ -165,12 +162,16 @@ def _first_rows(full, width: int, in_place: bool, axes):
     buffers, which a pass reads and writes where they lie whatever their rows (cache.py), so
     a narrow run copies no cache. Not on a GPU: there a cached pass may take cuDNN over the
     whole cache, which wants the pass's rows alone, and a slice of the buffers would be
-    copied every pass rather than once a call."""
+    copied every pass rather than once a call. A paged cache's pools are shared: never sliced."""
     if width == full.tokens.shape[0]:
         return full
-    return jax.tree.map(lambda x, a: x.replace(lengths=x.lengths[:width],
-                                               pages=None if x.pages is None else x.pages[:width]) if _is_cache(x)
-                        else loop.take_rows(x, a, 0, width), full, axes, is_leaf=_is_cache if in_place else None)
+
+    def first(x, a):
+        if _whole(x, in_place):
+            return x.replace(lengths=x.lengths[:width], pages=None if x.pages is None else x.pages[:width])
+        return jax.tree.map(lambda leaf, leaf_axes: loop.take_rows(leaf, leaf_axes, 0, width), x, a)
+
+    return jax.tree.map(first, full, axes, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def _written_back(full, rows, width: int, in_place: bool, axes):
@@ -178,9 +179,13 @@ def _written_back(full, rows, width: int, in_place: bool, axes):
     array all rows share: the run's)."""
     if width == full.tokens.shape[0]:
         return rows
-    return jax.tree.map(lambda big, new, a: new.replace(lengths=big.lengths.at[:width].set(new.lengths), pages=big.pages)
-                        if _is_cache(big) else loop.write_rows(big, new, a, 0), full, rows, axes,
-                        is_leaf=_is_cache if in_place else None)
+
+    def back(big, new, a):
+        if _whole(big, in_place):
+            return new.replace(lengths=big.lengths.at[:width].set(new.lengths), pages=big.pages)
+        return jax.tree.map(lambda b, n, leaf_axes: loop.write_rows(b, n, leaf_axes, 0), big, new, a)
+
+    return jax.tree.map(back, full, rows, axes, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("backend", "rules"))
@@ -244,14 +249,14 @@ class Programs:
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
             _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            backend=self.backend, rules=self.rules, paging=self.paging), self.target, self.deepest)
+            backend=self.backend, rules=self.rules, paging=self._paging), self.target, self.deepest)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, backend=self.backend, rules=self.rules, paging=self.paging)
+                      stop_width=self.stop_width, backend=self.backend, rules=self.rules, paging=self._paging)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
@@ -275,8 +280,15 @@ class Programs:
 
     @property
     def table_width(self) -> int:
-        """Pages in a row's table (paged): enough for the state's cache length."""
-        return -(-self.cache_len // self.paging[1])
+        """Pages in a row's table (paged): enough for its longest cache (a drafter's own runs
+        a window past the target's: `grow_cache_length`)."""
+        longest = self.cache_len if self.deepest is None else grow_cache_length(self.deepest.tree, self.cache_len)
+        return -(-longest // self.paging[1])
+
+    @property
+    def _paging(self) -> tuple | None:
+        """`_empty`'s paging: (pages, page size, table width), or None."""
+        return None if self.paging is None else (*self.paging, self.table_width)
 
     def insert(self, state, slots: list, rows, table=None):
         """`state` with `prefill`'s rows written into its rows `slots`; paged, with the whole
