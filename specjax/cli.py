@@ -313,7 +313,7 @@ def _serve(args):
                  api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
                  warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
-                 kv_pages=args.kv_pages, page_size=args.page_size)
+                 kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size)
 
 
 def _plan(args):
@@ -482,10 +482,15 @@ def main(argv=None):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
-    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
-                   help="the target's keys and values in a pool of N pages that the slots share (PagedAttention): "
-                        "a request holds its prompt + max_tokens' pages, so --slots can exceed what max-model-len "
-                        "rows would fit (default: each slot holds max-model-len positions)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                      help="keys and values (the target's and the drafter's) in a pool of N pages that the slots "
+                           "share (PagedAttention): a request holds the pages its tokens reach, so --slots can exceed "
+                           "what max-model-len rows would fit (default: each slot holds max-model-len positions)")
+    pool.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                      help="the page pool sized from a budget instead of --kv-pages: e.g. 4GiB, 512MiB; or 'auto': "
+                           "90%% of the device's free memory after the weights and the programs' temporaries (not "
+                           "on a CPU)")
     p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 (default 16)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")

@@ -6,6 +6,7 @@ budget.py decides from these whether a request fits.
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -51,6 +52,35 @@ def device_stats(device) -> dict:
         return device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - backends without the call
         return {}
+
+
+_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+          "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
+
+
+def parse_bytes(size) -> int:
+    """Bytes from an int, or a string such as "4GiB", "512 MiB", "1.5GB", "4G" (KiB, MiB, GiB,
+    TiB are powers of 2; kB, MB, GB, TB of 10; a bare K, M, G, T is a power of 2, as in `free -h`)."""
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        value = int(size)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*", str(size), re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"{size!r} is not a size in bytes (e.g. 4GiB, 512MiB, 2GB, 1073741824)")
+        number, unit, binary, b = match.groups()
+        binary = binary or (unit and not b)
+        value = int(float(number) * _UNITS[unit.lower() + ("i" if binary and unit else "")])
+    if value < 1:
+        raise ValueError(f"a size in bytes must be positive, got {size!r}")
+    return value
+
+
+def readable(n: int) -> str:
+    """Bytes in words: "24.0 KiB", "1.50 GiB"."""
+    for unit, size in (("GiB", GB), ("MiB", MB), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 class InsufficientMemoryError(MemoryError):

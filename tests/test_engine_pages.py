@@ -104,3 +104,37 @@ def test_rows_that_outgrow_the_pool_are_preempted_and_resume_exactly(pair, paged
     assert outputs == [_alone(target, None, p, 30, ()) for p in prompts]
     assert engine.preemptions > before
     assert engine.stats()["free_pages"] == 7
+
+
+def test_the_pool_is_sized_from_a_byte_budget(pair, monkeypatch):
+    """kv_cache_bytes: as many pages as the bytes hold, every cache's share of a page counted
+    (the target's and the draft model's), the null page included, at most what every slot at
+    max_len holds; "auto" from the device's free memory less the programs' temporaries (a CPU
+    reports none: refused); too small a budget, or both sizes, refused with the numbers."""
+    from specjax.serve import engine as engine_module
+
+    target, drafts, _ = pair
+    engine = specjax.Engine(target, draft=drafts["near"], slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes="96KiB",
+                            page_size=PAGE)
+    per_page = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * PAGE * 4
+                   for m in (target, drafts["near"]))  # float32 keys and values, both models
+    stats = engine.stats()
+    assert stats["kv_pages"] == 96 * 1024 // per_page - 1 and stats["kv_cache_bytes"] == per_page * (stats["kv_pages"] + 1)
+    assert engine.programs.paging == (stats["kv_pages"] + 1, PAGE)
+    big = specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes=2 ** 30, page_size=PAGE)
+    assert big.stats()["kv_pages"] == SLOTS * big.programs.table_width  # no more than the rows can hold
+    with pytest.raises(ValueError, match=r"device \(cpu\) does not report: give kv_cache_bytes in bytes"):
+        specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes="auto")
+    with pytest.raises(ValueError, match=r"kv_cache_bytes='1KiB' leaves 1.0 KiB for pages of .* not one page"):
+        specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes="1KiB")
+    with pytest.raises(ValueError, match="give kv_pages or kv_cache_bytes"):
+        specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_pages=4, kv_cache_bytes="1MiB")
+    monkeypatch.setattr(engine_module.memory, "device_free_bytes", lambda mesh=None: 4 * 2 ** 20)
+    auto = specjax.Engine(target, slots=1, max_len=32, kv_cache_bytes="auto", page_size=PAGE)
+    stats = auto.stats()
+    temporaries = stats["kv_budget_temporary_bytes"]
+    assert 0 < temporaries < 4 * 2 ** 20 and stats["kv_budget_free_bytes"] == 4 * 2 ** 20
+    per_page = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * PAGE * 4
+    rest = auto.programs.state_bytes() - per_page * (stats["kv_pages"] + 1)
+    assert stats["kv_pages"] == min((int(0.9 * 4 * 2 ** 20) - rest - temporaries) // per_page - 1,
+                                    auto.programs.table_width)

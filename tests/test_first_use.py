@@ -174,6 +174,9 @@ def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_pa
         capsys.readouterr().err
     assert entry(args + ["--tokenizer", str(tmp_path / "tok")]) == 0
     assert served and served[0].encode("the cat") == specjax.load_tokenizer(tmp_path / "tok").encode("the cat")
+    capsys.readouterr()  # a page pool from a budget (at most what the one slot holds): on the start-up line
+    assert entry(args + ["--tokenizer", str(tmp_path / "tok"), "--kv-cache-memory", "64KiB", "--page-size", "8"]) == 0
+    assert "KV cache in 4 pages of 8 positions (20.0 KiB): 32 tokens for 1 slots" in capsys.readouterr().err
 
 
 def test_bench_synthetic_honours_out(tmp_path, monkeypatch, capsys):

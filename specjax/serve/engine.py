@@ -45,6 +45,7 @@ from specjax.serve.requests import Request
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
+KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
@@ -123,12 +124,20 @@ class Engine:
         unchanged); a request gives its pages back when it ends; so slots can exceed what
         max_len-sized rows would fit. A request larger than the whole pool is refused at
         `submit`. Not yet on a mesh or with deterministic=True.
+    kv_cache_bytes: the pool sized from a budget instead of kv_pages: an int of bytes or a
+        string ("4GiB", "512MiB", "2GB"): as many pages as fit, every cache's share of a page
+        counted, the null page included; or "auto": KV_MEMORY_FRACTION of the device's free
+        memory now (the weights placed), less the state's other arrays and the most any
+        program needs beside its arguments (`Programs.temporaries`: compiled here and read
+        from XLA's `memory_analysis()`), on a device that reports its memory (not a CPU). At
+        most the pages every slot at max_len holds. `stats()` reports the pool's pages,
+        tokens and bytes.
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
-                 kv_pages: int | None = None, page_size: int = 16):
+                 kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -157,11 +166,20 @@ class Engine:
         off = {0} if self.policy.may_turn_off else set()  # K = 0 compiled too: the drafter may skip steps
         drafters = {K: None if base is None or K == 0 else base.resolve(None if own else K)
                     for K in sorted(set(self.policy.table) | off)}
-        # The pool's page 0 is its null page, never handed out: kv_pages more are.
-        self.pages = None if kv_pages is None else PagePool(int(kv_pages) + 1, int(page_size))
+        if kv_pages is not None and kv_cache_bytes is not None:
+            raise ValueError("give kv_pages or kv_cache_bytes (the pool in pages, or in bytes), not both")
+        paged = kv_pages is not None or kv_cache_bytes is not None
+        # The pool's page 0 is its null page, never handed out: kv_pages more are (a budget's
+        # pages are counted once the state's shapes are known: 2 until then).
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
-                                 paging=None if self.pages is None else (self.pages.num_pages, self.pages.page_size))
+                                 paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None)
+        self.kv_budget: dict = {}
+        if kv_cache_bytes is not None:
+            kv_pages = self._pages_within(kv_cache_bytes, mesh)
+        self.pages = PagePool(int(kv_pages) + 1, int(page_size)) if paged else None
+        if paged:  # the pools' bytes, every cache's, the null page included
+            self.kv_budget["kv_cache_bytes"] = self.programs.page_bytes()[0] * self.pages.num_pages
         self.policy.bind(self.programs.drafters, self.programs.width)
         self.memory = self._check_memory()
         self._state = None
@@ -199,6 +217,31 @@ class Engine:
     def step_ms(self) -> dict | None:
         """The steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
         return self.policy.step_ms
+
+    def _pages_within(self, budget, mesh) -> int:
+        """The pages a byte budget holds (see kv_cache_bytes), set as the programs' pool."""
+        per_page, rest = self.programs.page_bytes()
+        if budget == "auto":
+            free = memory.device_free_bytes(mesh)
+            if free is None:
+                raise ValueError(f"kv_cache_bytes='auto' takes {KV_MEMORY_FRACTION:.0%} of the device's free memory, "
+                                 f"which this device ({jax.devices()[0].platform}) does not report: give "
+                                 f"kv_cache_bytes in bytes (e.g. '4GiB') or kv_pages")
+            temporaries = self.programs.temporaries()
+            held = int(KV_MEMORY_FRACTION * free) - rest - temporaries
+            self.kv_budget = {"kv_budget_free_bytes": free, "kv_budget_temporary_bytes": temporaries}
+            how = (f"{KV_MEMORY_FRACTION:.0%} of the {memory.readable(free)} free, less {memory.readable(rest)} of rows "
+                   f"and {memory.readable(temporaries)} of the programs' temporaries")
+        else:
+            held = memory.parse_bytes(budget)
+            how = f"kv_cache_bytes={budget!r}"
+        most = self.slots * self.programs.table_width  # every slot at max_len
+        pages = min(held // per_page - 1, most)
+        if pages < 1:
+            raise ValueError(f"{how} leaves {memory.readable(max(held, 0))} for pages of {memory.readable(per_page)} "
+                             f"(every cache's {self.programs.paging[1]} positions): not one page beside the null page")
+        self.programs.set_pool(pages + 1)
+        return pages
 
     def _check_memory(self) -> dict:
         """The state's bytes against what the devices have; refused with the numbers."""
@@ -646,5 +689,5 @@ class Engine:
                 "failures": self.failures, "preemptions": self.preemptions, "programs": self.programs.listing(),
                 "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
-                **({} if self.pages is None else self.pages.stats()), **self.memory}
+                **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}
 

@@ -254,6 +254,36 @@ class Programs:
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
 
+    def page_bytes(self) -> tuple[int, int]:
+        """(bytes of one page, every cache's pools together; bytes of the state but its pools),
+        read from the paged state's shapes: what a byte budget of pages is divided by."""
+        pools = lambda state: sum(nbytes((c.k, c.v)) for c in jax.tree.leaves(  # noqa: E731
+            state, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(c, KVCache))
+        shapes = self.state_shapes()
+        per_page = pools(shapes) // self.paging[0]
+        return per_page, nbytes(shapes) - pools(shapes)
+
+    def set_pool(self, num_pages: int):
+        """The pool's size in pages (its null page included), before any program is built."""
+        self.paging = (int(num_pages), self.paging[1])
+
+    def temporaries(self) -> int:
+        """The most bytes any of its programs needs beside its arguments (XLA's accounting,
+        `memory_analysis()`, of each K's widest run and the largest prefill, compiled for
+        this device here), a prefill's rows counted: what the device must keep free beside
+        the state and the weights."""
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state_shapes())
+        most = 0
+        for K in self.drafters:
+            run = _run.lower(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(1),
+                             steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
+                             kind=KINDS[-1], backend=self.backend, rules=self.rules)
+            most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
+        args, b = self._prefill_args(*self._dummy_prompts(max(self.prefill_sizes), self.buckets[-1]))
+        prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
+                                 backend=self._prefill_backend).compile().memory_analysis()
+        return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
+
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
                       stop_width=self.stop_width, backend=self.backend, rules=self.rules, paging=self._paging)
@@ -265,6 +295,11 @@ class Programs:
         """n requests' rows (n in `prefill_sizes`), in the bucket of the longest prompt:
         prompts int32 [P_i] each; samplings (temperature, top_k, top_p) each; stop_ids int32
         [n, M]. Its arguments go as host arrays: nothing runs eagerly."""
+        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds)
+        return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
+
+    def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list):
+        """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket)."""
         n, b = len(prompts), self.bucket(max(len(p) for p in prompts))
         if n not in self.prefill_sizes:
             raise ValueError(f"{n} rows: this engine prefills {self.prefill_sizes} at a time")
@@ -274,9 +309,8 @@ class Programs:
         temperature, top_k, top_p = zip(*samplings)
         settings = Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32),
                             np.array(top_p, np.float32), FILTERED)
-        return _prefill(self.target, self.deepest, tokens, np.array([len(p) for p in prompts], np.int32),
-                        np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
-                        np.array(seeds, np.uint32), cache_len=b, backend=self._prefill_backend)
+        return (tokens, np.array([len(p) for p in prompts], np.int32), np.array(limits, np.int32), settings,
+                np.asarray(stop_ids, np.int32).reshape(n, -1), np.array(seeds, np.uint32)), b
 
     @property
     def table_width(self) -> int:
@@ -328,9 +362,12 @@ class Programs:
 
     def _dummy_rows(self, n: int, b: int):
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
+        return self.prefill(*self._dummy_prompts(n, b))
+
+    def _dummy_prompts(self, n: int, b: int) -> tuple:
+        """`prefill`'s arguments for n prompts filling bucket b."""
         stops = np.full((n, self.stop_width), -1, np.int32)
-        return self.prefill([np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [(0.0, 0, 1.0)] * n,
-                            stops, [0] * n)
+        return [np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [(0.0, 0, 1.0)] * n, stops, [0] * n
 
     def compile_all(self, skip=(), progress=None):
         """Runs every program once on a throwaway state, so that none compiles while serving,

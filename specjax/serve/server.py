@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from specjax.memory import readable
+
 DRAFT_CHOICES = "PATH|none|prompt-lookup|lookahead|early-exit:N|medusa|eagle|eagle3"
 
 
@@ -55,9 +57,11 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           max_model_len: int | None = None, served_model_name: str | None = None, api_key: str | None = None,
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
           drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
-          tokenizer: str | None = None, kv_pages: int | None = None, page_size: int = 16) -> int:
+          tokenizer: str | None = None, kv_pages: int | None = None, kv_cache_bytes: int | str | None = None,
+          page_size: int = 16) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
-    target's own folder's). kv_pages, page_size: the engine's page pool (Engine's)."""
+    target's own folder's). kv_pages, kv_cache_bytes, page_size: the engine's page pool
+    (Engine's)."""
     import uvicorn
 
     import specjax
@@ -74,7 +78,7 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     length = int(max_model_len or min(target.config.max_position_embeddings, 2048))
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
                             deterministic=deterministic, steps_per_call=steps_per_call, kv_pages=kv_pages,
-                            page_size=page_size)
+                            kv_cache_bytes=kv_cache_bytes, page_size=page_size)
     name = served_model_name or Path(target_path).name
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())
@@ -82,8 +86,9 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
         _compile(engine, slots, length)
     if engine.pages is not None:
         pool = engine.pages
-        print(f"specjax serve: KV cache in {pool.num_pages - 1} pages of {pool.page_size} positions: "
-              f"{pool.capacity_tokens} tokens for {slots} slots", file=sys.stderr, flush=True)
+        print(f"specjax serve: KV cache in {pool.num_pages - 1} pages of {pool.page_size} positions "
+              f"({readable(engine.kv_budget['kv_cache_bytes'])}): {pool.capacity_tokens} tokens for {slots} slots",
+              file=sys.stderr, flush=True)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_timeout)
