@@ -176,7 +176,18 @@ def engine_findings(target, draft) -> dict:
     with tabled:
         tabled_got = [r.result(timeout=300) for r in [tabled.submit(p, max_new_tokens=b) for p, b in requests]]
     draft_state = tabled._state.draft_state
-    return {"equal": got == alone, "steps_by_K": {str(k): v for k, v in engine.steps.items()},
+    # Pages on the mesh: the target's and the draft's pools over model (kv heads, or head_dim
+    # where they do not divide it), every row's page table over data; a pool of 10 pages of 8
+    # for 4 slots of 48.
+    paged = specjax.Engine(specjax.shard_model(target, mesh), draft=specjax.shard_model(draft, mesh), slots=4,
+                           max_len=48, num_draft_tokens=2, mesh=mesh, steps_per_call=4, kv_pages=10, page_size=8)
+    with paged:
+        paged_got = [r.result(timeout=300) for r in [paged.submit(p, max_new_tokens=b) for p, b in requests]]
+    state = paged._state
+    return {"paged": {"equal": paged_got == alone, "free_pages": paged.stats()["free_pages"],
+                      "pool_spec": [str(c.k[0].sharding.spec) for c in (state.target_cache, state.draft_state.cache)],
+                      "table_spec": str(state.target_cache.pages.sharding.spec)},
+            "equal": got == alone, "steps_by_K": {str(k): v for k, v in engine.steps.items()},
             "cache_spec": str(engine._state.target_cache.k[0].sharding.spec),
             "tokens_spec": str(engine._state.tokens.sharding.spec),
             "declared": {"equal": tabled_got == alone, "table_spec": list(draft_state.table.sharding.spec),

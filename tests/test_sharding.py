@@ -48,6 +48,16 @@ def test_the_engine_on_a_mesh_equals_single_device(findings):
     assert "data" in m["tokens_spec"] and "model" in m["cache_spec"], m
 
 
+def test_a_paged_engine_on_a_mesh_equals_single_device(findings):
+    """Pages on the 2x4 mesh: the target's and the draft model's pools split over model, the
+    page table's rows over data; every request's output is single-device generate's alone,
+    and every page is back when the engine is idle."""
+    m = findings["engine"]["paged"]
+    assert m["equal"] and m["free_pages"] == 10, m
+    assert all("model" in spec and "data" not in spec for spec in m["pool_spec"]), m
+    assert m["table_spec"] == "P('data',)", m
+
+
 def test_a_drafter_state_on_a_mesh_follows_its_declared_axes(findings):
     """The engine on the 2x4 mesh with a drafter whose shared table's first dimension equals
     the slots (4): the table lies whole on every device (a guess from its shape split it

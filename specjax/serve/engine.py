@@ -123,7 +123,8 @@ class Engine:
         pages freed; it waits with its tokens and resumes by prefilling them, its output
         unchanged); a request gives its pages back when it ends; so slots can exceed what
         max_len-sized rows would fit. A request larger than the whole pool is refused at
-        `submit`. Not yet on a mesh or with deterministic=True.
+        `submit`. On a mesh the pools split as the caches' heads do, the tables' rows over
+        `data`. Not yet with deterministic=True.
     kv_cache_bytes: the pool sized from a budget instead of kv_pages: an int of bytes or a
         string ("4GiB", "512MiB", "2GB"): as many pages as fit, every cache's share of a page
         counted, the null page included; or "auto": KV_MEMORY_FRACTION of the device's free
