@@ -149,6 +149,18 @@ def paste_row(cache: KVCache, slot, row: KVCache, pages) -> KVCache:
                          lengths=cache.lengths.at[slot].set(row.lengths[0]))
 
 
+def read(buffer: jax.Array, slots: jax.Array, pages: jax.Array | None = None) -> jax.Array:
+    """The entries at slots int32 [B, T] of each row (slots past the buffer clipped to its
+    last): buffer [B', G, S, D] (rows [:B] read), or with a page table pages [B, M] a pool
+    [P, G, page, D], read through the table -> [B, T, G, D]."""
+    rows = jnp.arange(slots.shape[0])[:, None]  # [B, 1]
+    if pages is None:
+        return buffer[rows, :, jnp.minimum(slots, buffer.shape[2] - 1)]
+    size, width = buffer.shape[2], pages.shape[1]
+    slots = jnp.minimum(slots, size * width - 1)
+    return buffer[pages[rows, slots // size], :, slots % size]
+
+
 def join(held: jax.Array, new: jax.Array, offset) -> jax.Array:
     """A held tree's layer [B, R, G, D] with a pass's new entries [B, T, G, D] at nodes
     offset .. offset + T-1 (one dynamic_update_slice)."""
@@ -261,9 +273,6 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
     the pass ran (every one, but after an early exit), in the buffers' first B rows.
     consecutive: as `write`'s. A tree's root and accepted path are so written to the slots of
     their positions, and the rest of the tree never reaches the cache."""
-    if pending.written and cache.pages is not None:
-        raise NotImplementedError("a paged cache takes no pass that writes its entries before they are kept "
-                                  "(a kernel over the whole cache, a deterministic pass)")
     rows = jnp.arange(kept.shape[0])[:, None]  # [B, 1]
     slots = start[:, None] + jnp.arange(kept.shape[1])[None, :]  # [B, M]
 
@@ -271,7 +280,7 @@ def commit(cache: KVCache, pending: Pending, kept: jax.Array, start: jax.Array, 
         # Where the pass wrote them (its token t at slot start + t), they are read back from
         # there: XLA fuses the values' producer into the write, which would read the pass's
         # q/k/v projection again (on a GPU, its split-K partial sums: docs/bench/gpu_tree.txt).
-        return buffer[rows, :, start[:, None] + kept] if pending.written else new[rows, kept]
+        return read(buffer, start[:, None] + kept, cache.pages) if pending.written else new[rows, kept]
 
     def one(buffers, news):  # L x [B', G, S, D], B' >= B; the first layers' new [B, T, G, D]
         return tuple(write(buffer, entries(buffer, new), slots, consecutive, cache.pages)

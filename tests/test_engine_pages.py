@@ -138,3 +138,23 @@ def test_the_pool_is_sized_from_a_byte_budget(pair, monkeypatch):
     rest = auto.programs.state_bytes() - per_page * (stats["kv_pages"] + 1)
     assert stats["kv_pages"] == min((int(0.9 * 4 * 2 ** 20) - rest - temporaries) // per_page - 1,
                                     auto.programs.table_width)
+
+
+def test_deterministic_pages_give_generate_s_bits(pair):
+    """Deterministic mode over pages (its passes read their own keys back through the table):
+    sampled requests, a draft model at K=2, on a pool small enough that they wait and are
+    preempted, each the same bits as generate's deterministic run alone with its seed."""
+    target, drafts, _ = pair
+    engine = specjax.Engine(target, draft=drafts["near"], slots=2, max_len=MAX_LEN, num_draft_tokens=2,
+                            deterministic=True, steps_per_call=2, kv_pages=7, page_size=PAGE)
+    settings = dict(max_new_tokens=20, temperature=0.8, top_k=20)  # 3 pages each at first, 4 at last
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 97, 7)] for i in range(3)]  # one shape: one compile
+    with engine:
+        with engine._lock:
+            submitted = [engine.submit(p, seed=i, **settings) for i, p in enumerate(prompts)]
+        got = [r.result(timeout=300) for r in submitted]
+    for i, (prompt, tokens) in enumerate(zip(prompts, got)):
+        out = specjax.generate(target, *specjax.pad_prompts([prompt]), key=jax.random.key(i), deterministic=True,
+                               draft=drafts["near"], num_draft_tokens=2, **settings)
+        assert tokens == [int(t) for t in np.asarray(out.tokens[0])], i
+    assert engine.stats()["free_pages"] == 7 and engine.preemptions > 0

@@ -81,16 +81,22 @@ def _slot_of_position(positions, cache_len: int, placement: Placement | None):
     return jax.vmap(jax.vmap(one, (0, None)))(stands_for, lies)
 
 
-def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None):
-    """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache); b its row;
-    where int32 [S'] (`_slot_of_position`); position its position; tree_kv: None, or the
-    layer's held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]."""
-    G, S, D = k.shape[1:]
+def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None, pages=None):
+    """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache; with a page
+    table pages int32 [B, M], pools [P, G, page, D] read through row b's); b its row; where
+    int32 [S'] (`_slot_of_position`); position its position; tree_kv: None, or the layer's
+    held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]."""
+    G, D = k.shape[1], k.shape[3]
+    S = k.shape[2] * (1 if pages is None else pages.shape[1])
     H = q.shape[0]
     qg = q.reshape(G, H // G, D)
 
     def gather(buf, held, slots):  # [G, BLOCK, D]
-        got = buf[b][:, jnp.minimum(slots, S - 1)]
+        slots_in = jnp.minimum(slots, S - 1)
+        if pages is None:
+            got = buf[b][:, slots_in]
+        else:  # the same entries, where the row's table puts them
+            got = jnp.swapaxes(buf[pages[b, slots_in // buf.shape[2]], :, slots_in % buf.shape[2]], 0, 1)
         if held is None:
             return got
         from_tree = jnp.swapaxes(held[b][jnp.clip(slots - S, 0, held.shape[1] - 1)], 0, 1)
@@ -129,8 +135,6 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     defer the pass's keys and values (`Pending`), which it writes too: its queries read their
     keys from the cache. (Under a placement with an offset they join the held tree instead.)
     flat: the q/k/v matmul's CPU form (`layers.qkv_matmul`)."""
-    if cache is not None and cache.pages is not None:
-        raise NotImplementedError("the deterministic decoder reads row buffers; a paged cache is not supported")
     B, T = tokens.shape
     N = B * T
     flat_positions = positions.reshape(N)
@@ -143,6 +147,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         return x
 
     x = rowwise(embed, tokens.reshape(N), flat_positions)  # [N, E]
+    pages = None if cache is None else cache.pages  # int32 [B, M]: a paged cache's table
     if cache is None:  # a full causal pass: its own keys are the cache
         own = KVCache.init(c, B, T, x.dtype)
         k_all, v_all, slots, length = list(own.k), list(own.v), positions, T
@@ -186,11 +191,11 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             tree_k[i], tree_v[i] = (join(buf[i], new[-1], placement.offset)
                                     for buf, new in ((tree_k, fresh_k), (tree_v, fresh_v)))
         else:
-            k_all[i] = write(k_all[i], fresh_k[-1], slots)
-            v_all[i] = write(v_all[i], fresh_v[-1], slots)
+            k_all[i] = write(k_all[i], fresh_k[-1], slots, pages=pages)
+            v_all[i] = write(v_all[i], fresh_v[-1], slots, pages=pages)
         heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
             q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i],
-            (tree_k[i], tree_v[i]) if held else None)), (q, rows, where, flat_positions))
+            (tree_k[i], tree_v[i]) if held else None, pages)), (q, rows, where, flat_positions))
 
         def finish(x, heads, p=p):  # the residual stream after attention and MLP, [ROWS, E]
             x = x + attn.apply({"params": p["attn"]}, heads[None], method=Attention.project_out)[0]

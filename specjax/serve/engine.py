@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import memory, sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
 from specjax.sampling import kind_of, validate
@@ -124,7 +124,7 @@ class Engine:
         unchanged); a request gives its pages back when it ends; so slots can exceed what
         max_len-sized rows would fit. A request larger than the whole pool is refused at
         `submit`. On a mesh the pools split as the caches' heads do, the tables' rows over
-        `data`. Not yet with deterministic=True.
+        `data`; with deterministic=True, bit for bit as without pages.
     kv_cache_bytes: the pool sized from a budget instead of kv_pages: an int of bytes or a
         string ("4GiB", "512MiB", "2GB"): as many pages as fit, every cache's share of a page
         counted, the null page included; or "auto": KV_MEMORY_FRACTION of the device's free
@@ -283,10 +283,12 @@ class Engine:
         if prompt.size + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"engine's max_len ({self.max_len})")
-        if self.pages is not None and not self.pages.fits(prompt.size + max_new_tokens):
-            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) needs more than the "
-                             f"engine's whole page pool ({self.pages.capacity_tokens} tokens in "
-                             f"{self.pages.num_pages - 1} pages of {self.pages.page_size})")
+        room = verify_room(self.programs.deepest)  # a last step's in-flight tokens (`_reach`)
+        if self.pages is not None and not self.pages.fits(prompt.size + max_new_tokens + room):
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens})"
+                             f"{f' + {room} in flight' if room else ''} needs more than the engine's whole page pool "
+                             f"({self.pages.capacity_tokens} tokens in {self.pages.num_pages - 1} pages of "
+                             f"{self.pages.page_size})")
         validate(temperature, top_k, top_p)
         stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
         if len(stops) > self.programs.stop_width:
@@ -548,11 +550,13 @@ class Engine:
 
     def _reach(self, request: Request) -> int:
         """The slots a request's row may have written by the end of the next two device calls
-        (the host knows its tokens a call late), at most its limit: what its pages cover."""
+        (the host knows its tokens a call late): its tokens then, at most its limit, and the
+        last step's in-flight ones past them (`verify_room`: a deterministic pass reads them
+        back from the cache). What its pages cover."""
         depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
         known = len(request.prompt) + len(request.tokens)
         return min(len(request.prompt) + request.max_new_tokens,
-                   known + 2 * self.programs.steps_per_call * (depth + 1))
+                   known + 2 * self.programs.steps_per_call * (depth + 1)) + verify_room(self.programs.deepest)
 
     def _grow_live(self) -> bool:
         """Every live row's pages grown to its `_reach`, oldest request first (on the host: the

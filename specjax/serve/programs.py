@@ -211,8 +211,6 @@ class Programs:
             if MIN_BUCKET % self.paging[1]:
                 raise ValueError(f"page_size must divide {MIN_BUCKET} (a prompt bucket is a whole number of pages), "
                                  f"got {self.paging[1]}")
-            if deterministic:
-                raise NotImplementedError("a paged cache is not supported with deterministic=True yet")
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
         self.open_steps = steps_per_call if open_steps is None else min(open_steps, steps_per_call)
         self.threshold = jnp.float32(threshold)
