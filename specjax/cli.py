@@ -491,7 +491,7 @@ def main(argv=None):
                       help="the page pool sized from a budget instead of --kv-pages: e.g. 4GiB, 512MiB; or 'auto': "
                            "90%% of the device's free memory after the weights and the programs' temporaries (not "
                            "on a CPU)")
-    p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 (default 16)")
+    p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 or a multiple of it (default 16)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")

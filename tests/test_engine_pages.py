@@ -158,3 +158,19 @@ def test_deterministic_pages_give_generate_s_bits(pair):
                                draft=drafts["near"], num_draft_tokens=2, **settings)
         assert tokens == [int(t) for t in np.asarray(out.tokens[0])], i
     assert engine.stats()["free_pages"] == 7 and engine.preemptions > 0
+
+
+def test_pages_larger_than_a_bucket_round_the_buckets_up(pair):
+    """Pages of 32 (a multiple of 16, as a TPU kernel wants larger pages): the prompt buckets
+    start at a page and the last rounds max_len up to whole pages; requests still give what
+    generate gives them alone. A page of 24 (neither divides 16 nor is a multiple) is refused."""
+    target = pair[0]
+    engine = specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=4, page_size=32, steps_per_call=4)
+    assert engine.programs.buckets == (32, 64) and engine.programs.cache_len >= 64
+    chosen = [REQUESTS[4], REQUESTS[2]]  # 30 + 15 tokens (2 pages), 3 + 20
+    with engine:
+        got = [r.result(timeout=300) for r in [engine.submit(p, max_new_tokens=b, stop_token_ids=s)
+                                                for p, b, s in chosen]]
+    assert got == [_alone(target, None, *r) for r in chosen]
+    with pytest.raises(ValueError, match="page_size must divide 16 or be a multiple of it"):
+        specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=4, page_size=24)

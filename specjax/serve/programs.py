@@ -29,10 +29,11 @@ from specjax.sampling import FILTERED, KINDS, Sampling
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
 
 
-def buckets(max_len: int) -> tuple[int, ...]:
-    """Prompt-length buckets: 16, 32, 64, ... doubling, the last max_len rounded up to 16."""
-    last = -(-max_len // MIN_BUCKET) * MIN_BUCKET
-    out, b = [], MIN_BUCKET
+def buckets(max_len: int, unit: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Prompt-length buckets: unit (16, or a page of more), doubling, the last max_len rounded
+    up to the unit: each a whole number of units."""
+    last = -(-max_len // unit) * unit
+    out, b = [], unit
     while b < last:
         out.append(b)
         b *= 2
@@ -208,15 +209,18 @@ class Programs:
         # None, or (pages, page size): the target's cache in a pool of pages (serve/pages.py).
         self.paging = None if paging is None else tuple(int(x) for x in paging)
         if self.paging is not None:
-            if MIN_BUCKET % self.paging[1]:
-                raise ValueError(f"page_size must divide {MIN_BUCKET} (a prompt bucket is a whole number of pages), "
-                                 f"got {self.paging[1]}")
+            page = self.paging[1]
+            if MIN_BUCKET % page and page % MIN_BUCKET:
+                raise ValueError(f"page_size must divide {MIN_BUCKET} or be a multiple of it (a prompt bucket is a "
+                                 f"whole number of pages), got {page}")
         self.stop_width, self.steps_per_call = stop_width, steps_per_call
         self.open_steps = steps_per_call if open_steps is None else min(open_steps, steps_per_call)
         self.threshold = jnp.float32(threshold)
         self.deepest = max((d for d in drafters.values() if d is not None), key=lambda d: d.tree.depth, default=None)
-        self.cache_len = loop.cache_length(max_len, 0, verify_room(self.deepest))
-        self.buckets = buckets(max_len)
+        self.buckets = buckets(max_len, MIN_BUCKET if paging is None else max(MIN_BUCKET, self.paging[1]))
+        # (a prefilled row's tokens and caches fit the state's: pages of more than 16 round
+        # the last bucket up past max_len)
+        self.cache_len = max(loop.cache_length(max_len, 0, verify_room(self.deepest)), self.buckets[-1])
         doubling = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))  # 1, 2, 4, .. slots
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
         self.widths = (slots,) if mesh is not None else doubling
