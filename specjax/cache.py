@@ -171,7 +171,10 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
           pages: jax.Array | None = None) -> jax.Array:
     """Writes new[b, t] into buffer[b, slots[b, t]]: each row at its own offset (with a page
     table pages [B, M], into the pool buffer [P, G, page, D] at the slot's page: one scatter,
-    writes at slots past the table dropped).
+    writes at slots past the table dropped; consecutive, one dynamic_update_slice of a token's
+    entry [1, G, 1, D] a token, B T of them unrolled, writes past the table going to the null
+    page 0: around the scatter XLA relaid the whole pool out, every layer's, in a TPU engine
+    call, and not around these (tests/test_aot.py)).
 
     buffer [B', G, S, D] (one layer's; B' >= B: rows past B untouched), new [B, T, G, D],
     slots int32 [B, T]. One scatter
@@ -187,6 +190,14 @@ def write(buffer: jax.Array, new: jax.Array, slots: jax.Array, consecutive: bool
         size, width = buffer.shape[2], pages.shape[1]
         index = slots // size  # [B, T]: the slot's entry in its row's table
         page = jnp.take_along_axis(pages, jnp.clip(index, 0, width - 1), axis=1)
+        if consecutive:  # an entry [1, G, 1, D] a token, B T of them, unrolled (past the table: the null page 0)
+            page, slot = jnp.where(index < width, page, 0), slots % size
+            heads_first = jnp.swapaxes(new, 1, 2)  # [B, G, T, D]
+            for b in range(new.shape[0]):
+                for t in range(new.shape[1]):
+                    buffer = jax.lax.dynamic_update_slice(buffer, heads_first[b:b + 1, :, t:t + 1],
+                                                          (page[b, t], 0, slot[b, t], 0))
+            return buffer
         page = jnp.where(index < width, page, buffer.shape[0])  # past the table: out of the pool, dropped
         return buffer.at[page, :, slots % size].set(new, mode="drop")  # ([B, T, G, D], as below)
     if not consecutive:

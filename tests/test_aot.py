@@ -152,6 +152,37 @@ def test_no_step_copies_the_targets_cache_on_a_tpu():
         assert copies == [], (spec.name, [str(c) for c in copies])
 
 
+def test_a_paged_engine_call_writes_its_pools_in_place_on_a_tpu():
+    """A paged engine's call (Engine(kv_pages=, page_size=16): every cache in pools [P, G,
+    page, D]) at K=0 and K=4, compiled for one v5e chip, holds no pool-sized copy: each row's
+    new entries go to their pages one token's [1, G, 1, D] at a time (cache.write,
+    consecutive). Around the point scatter it wrote with before, XLA relaid every layer's pool
+    out and back (4 pool-sized copies at K=0, 6 at K=4); and so did it around one
+    dynamic_update_slice a token of the token-major [G, D] entry. With kernels
+    (Model.attention="kernels", head_dim 128), the prefix goes through the TPU's paged kernel
+    (a Mosaic call), still copying no pool; lowered for a GPU, through Triton's. (Head_dim
+    128: with 32 or 64, XLA's TPU layout of a pool argument lays its pages along the lanes,
+    and every call relays the pools in and out whatever the write.)"""
+    config = ModelConfig.from_hf_config(dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                             hidden_size=256, max_position_embeddings=1024))
+    target, draft = aot.abstract_model(config), aot.abstract_model(dataclasses.replace(config, num_layers=1))
+    where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    for K in (0, 4):
+        for attention in ("portable", "kernels"):
+            spec = aot.engine_program(target.replace(attention=attention), draft.replace(attention=attention), where,
+                                      slots=4, max_len=256, K=K, steps=2, kv_pages=100, page_size=16)
+            pools = {x.shape for x in jax.tree.leaves(spec.args[3]) if x.ndim == 4}
+            assert pools == {(101, 2, 16, 128)}, pools  # the target's and the draft's: [P, G, page, D]
+            program = aot.compile_spec(spec, copies_threshold=101 * 2 * 16 * 128)  # half a bfloat16 pool
+            copies = [str(c) for c in program.copies if c.shape.startswith("bf16[101,2,16,128]")]
+            assert copies == [], (K, attention, copies)
+            text = spec.fn.lower(*spec.args, **spec.kwargs).as_text()
+            assert ("specjax_paged_prefix_attention" in text) == (attention == "kernels"), (K, attention)
+            if attention == "kernels":  # and lowered for a GPU, Triton's paged kernel
+                text = aot._trace_for_cuda(spec).lower(lowering_platforms=("cuda",)).as_text()
+                assert "specjax_paged_prefix_attention" in text, K
+
+
 def test_large_copies_are_found_and_named_by_their_line():
     """The instrument itself: a transpose (XLA makes it a relayout copy of the argument) and a
     float32 convert of a 4 MB weight, written out because the program returns them, are found

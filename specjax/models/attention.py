@@ -11,8 +11,8 @@ densely (the reference: float32 scores, scaled, soft-capped, masked softmax):
 - kernels, taken only where `choose` / `_prefix_kernel` say they apply and the model asks
   (`takes_kernels`): cuDNN (`dot_product_attention`, through jax's public API), Pallas splash
   attention on a TPU (`splash_attention`), and the Pallas prefix kernels of prefix_kernel.py
-  (a GPU's Triton and a TPU's Mosaic) for a cached pass's prefix, under `shard_map` in a
-  sharded program.
+  (a GPU's Triton and a TPU's Mosaic) for a cached pass's prefix, in row buffers or in pages,
+  under `shard_map` in a sharded program.
 
 Every choice reads the program's `Backend` (backend.py), passed in: nothing here asks which
 platform it runs on. Tested together against the dense reference in
@@ -120,7 +120,9 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     `rules`); interpret=True runs it in Pallas' interpreter, on any backend (the tests').
     pages: a paged cache's page table int32 [B, M] (cache_k/cache_v are then the layer's
     pools [P, G, page, D]): the prefix is read page by page through it, the same
-    computation over the same slots (no kernel reads pages yet).
+    computation over the same slots; with kernels=True, where a paged kernel applies
+    (`_prefix_kernel`: the page size `prefix_kernel.applies` takes), by that kernel, which
+    reads each row's live pages through its table.
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
@@ -130,8 +132,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         page, S = S, S * pages.shape[1]
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, G, N, D], as the cache lies
-    kernel = (_prefix_kernel(backend, B, cache_k.shape, rules, scale, cap, interpret)
-              if kernels and pages is None else None)
+    kernel = _prefix_kernel(backend, B, cache_k.shape, rules, scale, cap, interpret, pages) if kernels else None
     one_softmax = kernel is None and N <= block and (S <= block or _whole_cache_on_gpu(backend, T * (H // G), D))
 
     def prefix_seen(start, n):  # bool [B, T or 1, n]: which of cache slots start .. start+n-1 each query sees
@@ -289,8 +290,9 @@ def _normalise(state, dtype):
 # every pass it applies to, a cached pass of few tokens included (`pass_view` then masks the
 # whole cache for it); the Pallas prefix kernel takes the cached passes cuDNN does not (a
 # soft-cap, head_dim over 128, float32), and every cached pass of a GPU program lowered here
-# without the plugin. The constraints below are those the kernels document or check (cuDNN's
-# flash attention; the splash kernel's 128-lane blocks).
+# without the plugin, and every cached pass over a paged cache (cuDNN and splash read rows; the
+# paged prefix kernels never ran either). The constraints below are those the kernels
+# document or check (cuDNN's flash attention; the splash kernel's 128-lane blocks).
 
 # Where Model.attention="auto" takes the kernels: {platform: dtypes} whose kernels have been
 # measured on their hardware at the code as it stands. Empty: see the status above.
@@ -313,10 +315,12 @@ def takes_kernels(attention: str, dtype, backend: Backend) -> bool:
 
 
 def _prefix_kernel(backend: Backend, B: int, cache_shape: tuple, rules, scale: float, cap: float | None,
-                   interpret: bool):
+                   interpret: bool, pages=None):
     """The Pallas prefix kernel that takes a cached pass of B rows over a cache of
     cache_shape [B', G, S, D], as a function (qg, cache_k, cache_v, prefix, floor) -> the
     prefix's online-softmax state (`prefix_kernel.state`), or None: the portable path.
+    pages: a paged cache's page table int32 [B, M] (cache_shape is then a pool's, [P, G,
+    page, D]), which the function reads the pools through (the paged kernel).
 
     On one device: where backend's platform has a kernel that applies
     (`prefix_kernel.applies`). In a sharded program (backend.mesh): under
@@ -324,27 +328,40 @@ def _prefix_kernel(backend: Backend, B: int, cache_shape: tuple, rules, scale: f
     model's rules lay it (sharding.CACHE_AXES: rows over `data`, kv heads over `model`), so
     that nothing moves between devices; only where a device holds whole rows of whole kv
     heads (the cache's slots and head_dim not split), the pass's rows are all the cache's
-    (B = B'), and the model knows its rules (`Model.rules`: `shard_model` sets them)."""
+    (B = B'), and the model knows its rules (`Model.rules`: `shard_model` sets them). A paged
+    cache likewise: its pools split as `sharding.cache_axes` lays them (kv heads over `model`,
+    their pages whole on every device), its table's rows as the pass's."""
     mesh = backend.mesh
     _, G, S, D = cache_shape
-    if backend.portable or not prefix_kernel.applies(backend.platform, S, G, D):
+    page = None if pages is None else S
+    S = S if pages is None else S * pages.shape[1]
+    if backend.portable or not prefix_kernel.applies(backend.platform, S, G, D, page):
         return None
     run = functools.partial(prefix_kernel.state, backend.platform, scale=scale, cap=cap, interpret=interpret)
     if mesh is None:
-        return run
-    if rules is None or cache_shape[0] != B:
+        return run if pages is None else functools.partial(run, pages=pages)
+    if rules is None or (pages is None and cache_shape[0] != B):
         return None
-    rows, heads, slots, dims = sharding.spec(cache_shape, sharding.CACHE_AXES, mesh, rules)
+    if pages is None:
+        rows, heads, slots, dims = sharding.spec(cache_shape, sharding.CACHE_AXES, mesh, rules)
+        cache = PartitionSpec(rows, heads)  # the cache [B, G, S, D]
+    else:  # pools [P, G, page, D] as cache_axes lays them; the table [B, M] by its rows
+        _, heads, slots, dims = sharding.spec(cache_shape, (None, "kv_heads", None, "head_dim"), mesh, rules)
+        rows = sharding.spec(pages.shape, ("batch", None), mesh, rules)[0]
+        cache = PartitionSpec(None, heads)
     if slots is not None or dims is not None:
         return None
-    heads_first = PartitionSpec(rows, heads)  # the cache [B, G, S, D] and the state [B, G, ...]
+    heads_first = PartitionSpec(rows, heads)  # the state [B, G, ...]
     q, row = PartitionSpec(rows, None, heads), PartitionSpec(rows)  # qg [B, T, G, R, D]; prefix [B], floor [B, T]
+    table = () if pages is None else (pages,)
 
     def sharded(qg, cache_k, cache_v, prefix, floor):
         floors = () if floor is None else (floor,)  # shard_map takes arrays only
-        return jax.shard_map(lambda qg, k, v, prefix, *floor: run(qg, k, v, prefix, *(floor or (None,))),
-                             mesh=mesh, in_specs=(q, heads_first, heads_first, row) + (row,) * len(floors),
-                             out_specs=(heads_first,) * 3, check_vma=False)(qg, cache_k, cache_v, prefix, *floors)
+
+        def local(qg, k, v, prefix, *rest):  # rest: (floor,) then (pages,), where given
+            return run(qg, k, v, prefix, rest[0] if floors else None, pages=rest[-1] if table else None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q, cache, cache, row) + (row,) * len(floors) + (row,) * len(
+            table), out_specs=(heads_first,) * 3, check_vma=False)(qg, cache_k, cache_v, prefix, *floors, *table)
     return sharded
 
 

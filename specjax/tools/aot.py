@@ -348,10 +348,14 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
 
 def engine_program(target: Model, draft: Model | None, where: Placement, slots: int = 8, max_len: int = 2048,
                    K: int = 4, steps: int = 8, kind: str = "greedy", name: str | None = None,
-                   width: int | None = None) -> Spec:
+                   width: int | None = None, kv_pages: int | None = None, page_size: int = 16) -> Spec:
     """One device call of `specjax.Engine` (serve/programs.py's run): `steps` steps at K (0: the
     draft's state carried, not drafting) of the first `width` (default: all `slots`) rows of a
-    state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS)."""
+    state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS).
+    kv_pages: a paged engine's (Engine(kv_pages=, page_size=)): every cache in pools of
+    kv_pages pages (and the null page) of page_size slots, each row's table as wide as its
+    longest cache needs (`Programs.table_width`)."""
+    from specjax.drafters.base import grow_cache_length
     from specjax.serve import programs
     from specjax.serve.engine import OPEN_STEPS
 
@@ -360,14 +364,19 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     placed = where.model(target)
     drafter = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
     cache_len = loop.cache_length(max_len, 0, verify_room(drafter))
+    paging = None
+    if kv_pages is not None:
+        longest = cache_len if drafter is None else grow_cache_length(drafter.tree, cache_len)
+        paging = (kv_pages + 1, page_size, -(-longest // page_size))
     state = where.replicated(jax.eval_shape(functools.partial(
-        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, backend=where.backend, rules=None),
-        placed, drafter))
+        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, backend=where.backend, rules=None,
+        paging=paging), placed, drafter))
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
     params = (placed.params, drafter_params(drafter))
     must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
     width = width or slots
-    label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "")
+    label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "") + (
+        "" if paging is None else f", {kv_pages} pages of {page_size}")
     return Spec(name or label, programs._run, None,
                 (placed, drafter if K else None, drafter, state, scalar(jnp.float32), scalar(jnp.int32)),
                 dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, backend=where.backend,
