@@ -510,6 +510,22 @@ def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     assert not made, made
 
 
+def test_a_prefill_group_holds_at_most_group_tokens(pair, monkeypatch):
+    """Several waiting requests are prefilled together only while their rows hold at most
+    GROUP_TOKENS tokens (dense until inserted): a long bucket's requests go in smaller groups
+    or alone, and a burst is partitioned among the groups that exist."""
+    from specjax.serve import programs as programs_module
+
+    monkeypatch.setattr(programs_module, "GROUP_TOKENS", 64)
+    p = specjax.Engine(pair[0], slots=8, max_len=MAX_LEN).programs
+    assert p.buckets == (16, 32, 64) and p.prefill_sizes == (1, 2, 4, 8)
+    assert p.sizes == ((1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64))
+    assert p.partition([40] * 3, call_tokens=1000) == [1, 1, 1]  # no group in the 64 bucket
+    assert sorted(p.partition([20] * 5, call_tokens=1000)) == [1, 2, 2]
+    with pytest.raises(ValueError, match="at most 64 tokens together"):
+        p.prefill([[1] * 40] * 2, [50] * 2, [(0.0, 0, 1.0)] * 2, np.full((2, 8), -1, np.int32), [0, 0])
+
+
 def test_a_burst_is_partitioned_by_what_a_call_costs(engines):
     """Waiting prompts (ascending) go in consecutive groups that cost least: n rows in their
     longest prompt's bucket cost n b token slots plus a call's own cost. Dear calls: one

@@ -27,6 +27,10 @@ from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Sampling
 
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
+# The most prompt tokens one prefill of several requests holds (n requests x their bucket):
+# its rows' caches are dense until inserted, so a group bounds what a prefill holds beside
+# the state (a long prompt goes alone; 64 slots of 8K-token prompts would be 64 GiB of an 8B's).
+GROUP_TOKENS = 4096
 
 
 def buckets(max_len: int, unit: int = MIN_BUCKET) -> tuple[int, ...]:
@@ -231,7 +235,7 @@ class Programs:
         # What a prefill call costs beyond its token slots, in tokens' worth (`partition`):
         # measured by `compile_all`. Until then (and where tokens cost nothing measurable
         # beside a call) a call is priced as the largest prefill: bursts go in fewest calls.
-        self.call_tokens = self.most_tokens = float(self.buckets[-1] * max(self.prefill_sizes))
+        self.call_tokens = self.most_tokens = float(max(n * b for n, b in self.sizes))
         # Where its programs run: the mesh's devices, else the default backend's.
         self.backend = Backend.of(None, mesh)
         # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
@@ -242,8 +246,7 @@ class Programs:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
                 + ([] if self.paging is None else [f"set the page table [{self.slots}, {self.table_width}]"])
-                + [f"{name} [{n}, {b}]" for b in self.buckets for n in self.prefill_sizes
-                   for name in ("prefill", "insert")]
+                + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in ("prefill", "insert")]
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + [f"sync the draft for K={K}" for K in self._synced()])
@@ -281,7 +284,7 @@ class Programs:
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
-        args, b = self._prefill_args(*self._dummy_prompts(max(self.prefill_sizes), self.buckets[-1]))
+        args, b = self._prefill_args(*self._dummy_prompts(*max(self.sizes, key=lambda nb: nb[0] * nb[1])))
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
                                  backend=self._prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
@@ -303,8 +306,9 @@ class Programs:
     def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list):
         """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket)."""
         n, b = len(prompts), self.bucket(max(len(p) for p in prompts))
-        if n not in self.prefill_sizes:
-            raise ValueError(f"{n} rows: this engine prefills {self.prefill_sizes} at a time")
+        if (n, b) not in self.sizes:
+            raise ValueError(f"{n} rows in bucket {b}: this engine prefills {self.prefill_sizes} at a time, at most "
+                             f"{GROUP_TOKENS} tokens together")
         tokens = np.zeros((n, b), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
@@ -354,13 +358,20 @@ class Programs:
         for i in range(1, len(lengths) + 1):
             b = self.bucket(lengths[i - 1])
             best.append(min(((best[i - n][0] + n * b + call_tokens, best[i - n][1] + (n,))
-                             for n in self.prefill_sizes if n <= i and (n == 1 or (n, b) not in skip)),
+                             for n in self.prefill_sizes if n <= i and (n, b) in self.sizes
+                             and (n == 1 or (n, b) not in skip)),
                             key=lambda option: (option[0], len(option[1]))))  # a tie: fewer calls
         return list(best[-1][1])
 
     def groups(self) -> list[tuple[int, int]]:
         """(n, bucket) of every prefill of more than one request, shortest bucket first."""
-        return [(n, b) for b in self.buckets for n in self.prefill_sizes if n > 1]
+        return [(n, b) for n, b in self.sizes if n > 1]
+
+    @functools.cached_property
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        """(n, bucket) of every prefill: n requests of a bucket together, one always, more
+        while they hold at most GROUP_TOKENS; shortest bucket first."""
+        return tuple((n, b) for b in self.buckets for n in self.prefill_sizes if n == 1 or n * b <= GROUP_TOKENS)
 
     def _dummy_rows(self, n: int, b: int):
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
@@ -383,11 +394,10 @@ class Programs:
             state = self.set_table(state, np.zeros((self.slots, self.table_width), np.int32))
             done(1)
         layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        for b in self.buckets:
-            for n in self.prefill_sizes:
-                if (n, b) not in skip:
-                    state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
-                    done(2)
+        for n, b in self.sizes:
+            if (n, b) not in skip:
+                state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
+                done(2)
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
         done(1)
@@ -410,7 +420,7 @@ class Programs:
         its tokens (the intercept) in tokens (over the slope). Those in `skip` (not compiled
         yet) are left out."""
         points = {(n, b) for n in (1, max(self.prefill_sizes)) for b in (self.buckets[0], self.buckets[:3][-1])}
-        points -= set(skip)
+        points = (points & set(self.sizes)) - set(skip)
         slots, times = [], []
         for n, b in sorted(points):
             runs = []
