@@ -324,6 +324,17 @@ def _plan(args):
     draft = None if args.draft in (None, "none") else args.draft
     if args.draft is None and args.early_exit is None and args.target == default_checkpoint("target"):
         draft = default_checkpoint("draft")  # the shipped pair
+    if args.serve:
+        from specjax.tools.serve_plan import serve_plan
+
+        if args.early_exit is not None or args.tree is not None or args.mesh is not None:
+            raise ValueError("plan --serve plans a draft model's chain on one chip: --early-exit, --tree and --mesh "
+                             "are not taken")
+        print(serve_plan(args.target, draft, topology=args.topology, slots=args.slots, max_len=args.max_len,
+                         page_size=args.page_size, num_draft_tokens=args.num_draft_tokens,
+                         mean_tokens=args.mean_tokens, quantize=args.quantize,
+                         log=lambda line: print(line, file=sys.stderr, flush=True)))
+        return 0
     result = plan.plan(args.target, draft, topology=args.topology, batch=args.batch, prompt_len=args.prompt_len,
                        max_len=args.max_len, num_draft_tokens=args.num_draft_tokens, tree=_parse_tree(args.tree),
                        mesh=args.mesh, quantize=args.quantize, early_exit=args.early_exit,
@@ -517,6 +528,14 @@ def main(argv=None):
     p.add_argument("--mesh", type=flags.ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
                    help="plan this (data, model) mesh only (default: every one the chips and batch allow)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantisation")
+    serving = p.add_argument_group("serving (--serve): the engine's KV pages on one chip")
+    serving.add_argument("--serve", action="store_true",
+                         help="plan `specjax serve` instead: the tokens of KV pages that fit beside the weights and the "
+                              "engine's compiled programs, and the requests they hold against --max-len slots")
+    serving.add_argument("--slots", type=int, default=64, help="the engine's slots (default 64)")
+    serving.add_argument("--page-size", type=int, default=16, help="positions per page (default 16)")
+    serving.add_argument("--mean-tokens", type=int, default=1500,
+                         help="a request's mean prompt + output tokens (default 1500)")
     p.set_defaults(run=_plan)
 
     commands.add_commands(sub)
