@@ -26,6 +26,8 @@ def paged(pair):
         if name not in made:
             draft, table = {"plain": (None, None), "draft": (drafts["near"], (3, 1, 0)),
                             "eagle3": (Eagle3.init(target, jax.random.key(1)), (3, 2, 1)),
+                            # a tree of 6 nodes: a verification's in-flight tokens pass its depth
+                            "tree": (specjax.DraftModel(drafts["near"], specjax.Tree(3, 2, 6)), None),
                             "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3))}[name]
             # 7 pages of 8 (56 tokens, less than max_len): three requests of up to 48 tokens cannot
             # all run at once.
@@ -40,7 +42,8 @@ def paged(pair):
 
 
 @pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft",
-                                  pytest.param("eagle3", marks=pytest.mark.slow), pytest.param("lookup", marks=pytest.mark.slow)])
+                                  pytest.param("eagle3", marks=pytest.mark.slow), "tree",
+                                  pytest.param("lookup", marks=pytest.mark.slow)])
 def test_paged_requests_equal_generate_alone(pair, paged, name):
     target = pair[0]
     engine = paged(name)
