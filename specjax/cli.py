@@ -313,7 +313,8 @@ def _serve(args):
                  api_key=args.api_key, max_queue=args.max_queue, deterministic=args.deterministic,
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
                  warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
-                 kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size)
+                 kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size,
+                 compilation_cache=None if args.no_compilation_cache else args.compilation_cache)
 
 
 def _plan(args):
@@ -493,6 +494,11 @@ def main(argv=None):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", default="default", metavar="DIR",
+                       help="keep compiled programs in DIR, so that a second start compiles nothing (default: "
+                            "$XDG_CACHE_HOME/specjax/xla, i.e. ~/.cache/specjax/xla)")
+    cache.add_argument("--no-compilation-cache", action="store_true", help="compile every program at every start")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--kv-pages", type=int, default=None, metavar="N",
                       help="keys and values (the target's and the drafter's) in a pool of N pages that the slots "

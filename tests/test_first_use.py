@@ -168,7 +168,8 @@ def test_a_target_without_a_tokenizer_takes_one_from_tokenizer(hf_folder, tmp_pa
     monkeypatch.setattr(api, "create_app", lambda app_server, owns_engine: served.append(app_server.tokenizer))
     monkeypatch.setattr(server, "_server_class", lambda: lambda config: type("Run", (), {"run": lambda self: None})())
     monkeypatch.setattr("uvicorn.Config", lambda *a, **k: None)  # (its logging would write to capsys' stream)
-    args = ["serve", str(folder), "--draft", "none", "--slots", "1", "--max-model-len", "32", "--no-warmup"]
+    args = ["serve", str(folder), "--draft", "none", "--slots", "1", "--max-model-len", "32", "--no-warmup",
+            "--no-compilation-cache"]
     assert entry(args) == 2
     assert "has no tokenizer (no tokenizer.json, tokenizer_config.json or the like): pass --tokenizer PATH" in \
         capsys.readouterr().err
@@ -237,7 +238,7 @@ def test_serve_drafts_from_the_saved_vocabulary_on_a_mesh_too(monkeypatch, capsy
         app_server.engine.programs.deepest))
     monkeypatch.setattr(server, "_server_class", lambda: lambda config: type("Run", (), {"run": lambda self: None})())
     monkeypatch.setattr("uvicorn.Config", lambda *a, **k: None)  # (its logging would write to capsys' stream)
-    args = ["serve", "--slots", "1", "--max-model-len", "64", "--no-warmup"]
+    args = ["serve", "--slots", "1", "--max-model-len", "64", "--no-warmup", "--no-compilation-cache"]
     assert entry(args) == 0 and entry(args + ["--mesh", "1,1"]) == 0
     assert [int(d.vocab.shape[0]) for d in drafts] == [1024, 1024]
 

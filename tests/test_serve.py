@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import re
 import resource
 import shutil
@@ -465,7 +466,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
     process exits 0 (at 02042b0 it aborted, SIGABRT, from the compile thread inside XLA)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", str(folder), "--draft", "none",
-                             "--port", str(port), "--slots", "2", "--max-model-len", "64"],
+                             "--port", str(port), "--slots", "2", "--max-model-len", "64", "--no-compilation-cache"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -520,3 +521,22 @@ def test_the_readmes_client_example_runs_against_a_server(servers):
     assert body.pop("model") == "target" and body["stream"] is True
     with httpx.stream("POST", live.url + "/v1/completions", json={**body, "model": "tiny"}, timeout=60) as r:
         assert r.status_code == 200 and [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+
+
+def test_a_second_start_compiles_nothing(folder, tmp_path):
+    """`specjax serve` keeps its compiled programs in JAX's persistent compilation cache
+    (--compilation-cache DIR; by default ~/.cache/specjax/xla): a first start fills it, a
+    second start on the same folder and settings finds every program there."""
+    cache = tmp_path / "xla"
+    child = [sys.executable, str(Path(__file__).parent / "serve_cache_child.py"), str(folder), "--draft", "none",
+             "--slots", "1", "--max-model-len", "32", "--compilation-cache", str(cache)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    runs = []
+    for _ in range(2):
+        result = subprocess.run(child, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        assert f"compiled programs cached in {cache}" in result.stderr
+    first, second = runs
+    assert first["code"] == second["code"] == 0
+    assert first["misses"] > 0 and second["misses"] == 0 and second["hits"] >= first["misses"], runs

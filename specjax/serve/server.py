@@ -11,6 +11,7 @@ nothing of routes (api.py) or of what the engine computes.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -58,16 +59,23 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
           drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
           tokenizer: str | None = None, kv_pages: int | None = None, kv_cache_bytes: int | str | None = None,
-          page_size: int = 16) -> int:
+          page_size: int = 16, compilation_cache: str | None = "default") -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
     target's own folder's). kv_pages, kv_cache_bytes, page_size: the engine's page pool
-    (Engine's)."""
+    (Engine's). compilation_cache: a folder for JAX's persistent compilation cache, where a
+    second start finds every program compiled ("default": `default_compilation_cache()`;
+    None: none)."""
     import uvicorn
 
     import specjax
     from specjax.serve.api import Server, create_app
     from specjax.text import stop_ids, target_tokenizer
 
+    if compilation_cache is not None:
+        folder = use_compilation_cache(default_compilation_cache() if compilation_cache == "default"
+                                       else compilation_cache)
+        print(f"specjax serve: compiled programs cached in {folder} ({len(list(folder.iterdir()))} there)",
+              file=sys.stderr, flush=True)
     target = specjax.load_model(target_path, mesh=mesh, attention=attention)
     tokenizer = target_tokenizer(target_path, tokenizer)
     drafter = load_draft(draft, target, tokenizer, target_path)
@@ -94,6 +102,26 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
                             timeout_graceful_shutdown=drain_timeout)
     _server_class()(config).run()
     return 0
+
+
+def default_compilation_cache() -> Path:
+    """$XDG_CACHE_HOME/specjax/xla (~/.cache/specjax/xla): where `specjax serve` keeps its
+    compiled programs unless told otherwise."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax" / "xla"
+
+
+def use_compilation_cache(folder) -> Path:
+    """Turns on JAX's persistent compilation cache in `folder` for this process (every
+    program, however quick to compile: a server compiles many small ones). A process-wide
+    setting: the server's, never the library's."""
+    import jax
+
+    folder = Path(folder).expanduser().absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
 
 
 def _compile(engine, slots: int, length: int):
