@@ -635,6 +635,7 @@ class Engine:
         self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind,
                                                                      1 if fresh else None)
         self.calls[K] += 1
+        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done))  # read from here: `_deliver`
         return Call(owners, K, tokens, counts, taken, done, read_now=waiting or fresh)
 
     def _deliver(self, call: Call):
