@@ -214,7 +214,14 @@ def write_rows(big, new, axes: sharding.Axes, start):
     return jax.lax.dynamic_update_slice(big, new, tuple(start if i == at else 0 for i in range(big.ndim)))
 
 
-_is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+def is_cache(x) -> bool:
+    """Whether a state's leaf (taken with `is_leaf=is_cache`) is a KVCache."""
+    return isinstance(x, KVCache)
+
+
+def caches(state) -> list[KVCache]:
+    """Every KVCache a state holds (the target's, a draft model's, an EAGLE layer's)."""
+    return [x for x in jax.tree.leaves(state, is_leaf=is_cache) if is_cache(x)]
 
 
 def insert(state: SlotState, slot, row: SlotState, drafter, pages=None) -> SlotState:
@@ -226,7 +233,7 @@ def insert(state: SlotState, slot, row: SlotState, drafter, pages=None) -> SlotS
     stale by the loop's invariant (masked by position, overwritten before read). Nothing
     else moves. pages: where the state's caches are paged, the row's page table int32 [M]:
     each of the row's caches goes into those pages of its pool (`cache.paste_row`)."""
-    if jax.tree.structure(state, is_leaf=_is_cache) != jax.tree.structure(row, is_leaf=_is_cache):
+    if jax.tree.structure(state, is_leaf=is_cache) != jax.tree.structure(row, is_leaf=is_cache):
         raise ValueError("the row was prefilled for another drafter (or none) than the state's")
 
     def one(big, small, axes):
@@ -234,21 +241,21 @@ def insert(state: SlotState, slot, row: SlotState, drafter, pages=None) -> SlotS
             return paste_row(big, slot, small, pages)
         return jax.tree.map(lambda b, s, a: b if a.row_axis is None else write_rows(b, s, a, slot), big, small, axes)
 
-    return jax.tree.map(one, state, row, state_axes(state, drafter), is_leaf=_is_cache)
+    return jax.tree.map(one, state, row, state_axes(state, drafter), is_leaf=is_cache)
 
 
 def paged(state: SlotState, num_pages: int, page_size: int, table_width: int) -> SlotState:
     """The state with every cache it holds (the target's, a draft model's, an EAGLE layer's)
     in pools of num_pages pages of page_size slots, every row's table of table_width pages
     the null page (`KVCache.in_pages`): what a paged engine's empty state is."""
-    return jax.tree.map(lambda x: x.in_pages(num_pages, page_size, table_width) if _is_cache(x) else x, state,
-                        is_leaf=_is_cache)
+    return jax.tree.map(lambda x: x.in_pages(num_pages, page_size, table_width) if is_cache(x) else x, state,
+                        is_leaf=is_cache)
 
 
 def with_pages(state: SlotState, pages) -> SlotState:
     """A paged state whose every cache reads the page table pages int32 [B, M] (one table:
     a row's page ids index each cache's own pool)."""
-    return jax.tree.map(lambda x: x.replace(pages=pages) if _is_cache(x) else x, state, is_leaf=_is_cache)
+    return jax.tree.map(lambda x: x.replace(pages=pages) if is_cache(x) else x, state, is_leaf=is_cache)
 
 
 def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import KVCache
+from specjax import loop
 from specjax.drafters import Eagle3
 from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
 
@@ -54,8 +54,7 @@ def test_paged_requests_equal_generate_alone(pair, paged, name):
     assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
     assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
     assert engine.pages._owned == {}
-    caches = [x for x in jax.tree.leaves(engine._state, is_leaf=lambda x: isinstance(x, KVCache))
-              if isinstance(x, KVCache)]
+    caches = loop.caches(engine._state)
     assert len(caches) == (1 if name in ("plain", "lookup") else 2)  # the target's, and a draft model's or layer's
     for cache in caches:  # every cache in pools of the engine's pages, one table
         assert cache.k[0].shape[0] == 8 and cache.k[0].shape[2] == PAGE, cache.k[0].shape

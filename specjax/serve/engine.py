@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import memory, sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
-from specjax.drafters.base import Drafter, verify_room
+from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
 from specjax.sampling import kind_of, validate
@@ -130,9 +130,8 @@ class Engine:
         counted, the null page included; or "auto": KV_MEMORY_FRACTION of the device's free
         memory now (the weights placed), less the state's other arrays and the most any
         program needs beside its arguments (`Programs.temporaries`: compiled here and read
-        from XLA's `memory_analysis()`), on a device that reports its memory (not a CPU). At
-        most the pages every slot at max_len holds. `stats()` reports the pool's pages,
-        tokens and bytes.
+        from XLA's `memory_analysis()`), on a device that reports its memory (not a CPU); at
+        most the pages every slot at max_len holds. `stats()` reports pages, tokens, bytes.
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
@@ -176,11 +175,13 @@ class Engine:
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None)
         self.kv_budget: dict = {}
-        if kv_cache_bytes is not None:
-            kv_pages = self._pages_within(kv_cache_bytes, mesh)
-        self.pages = PagePool(int(kv_pages) + 1, int(page_size)) if paged else None
-        if paged:  # the pools' bytes, every cache's, the null page included
-            self.kv_budget["kv_cache_bytes"] = self.programs.page_bytes()[0] * self.pages.num_pages
+        self.pages = None
+        if paged:
+            per_page, rest = self.programs.page_bytes()
+            if kv_cache_bytes is not None:
+                kv_pages = self._pages_within(kv_cache_bytes, per_page, rest, mesh)
+            self.pages = PagePool(int(kv_pages) + 1, int(page_size))
+            self.kv_budget["kv_cache_bytes"] = per_page * self.pages.num_pages  # every cache's, the null page too
         self.policy.bind(self.programs.drafters, self.programs.width)
         self.memory = self._check_memory()
         self._state = None
@@ -219,9 +220,8 @@ class Engine:
         """The steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
         return self.policy.step_ms
 
-    def _pages_within(self, budget, mesh) -> int:
-        """The pages a byte budget holds (see kv_cache_bytes), set as the programs' pool."""
-        per_page, rest = self.programs.page_bytes()
+    def _pages_within(self, budget, per_page: int, rest: int, mesh) -> int:
+        """The pages a byte budget holds (kv_cache_bytes; per_page, rest: `page_bytes`), set."""
         if budget == "auto":
             free = memory.device_free_bytes(mesh)
             if free is None:
@@ -283,7 +283,7 @@ class Engine:
         if prompt.size + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"engine's max_len ({self.max_len})")
-        room = verify_room(self.programs.deepest)  # a last step's in-flight tokens (`_reach`)
+        room = self.programs.room  # a last step's in-flight tokens (`_reach`)
         if self.pages is not None and not self.pages.fits(prompt.size + max_new_tokens + room):
             raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens})"
                              f"{f' + {room} in flight' if room else ''} needs more than the engine's whole page pool "
@@ -556,7 +556,7 @@ class Engine:
         depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
         known = len(request.prompt) + len(request.tokens)
         return min(len(request.prompt) + request.max_new_tokens,
-                   known + 2 * self.programs.steps_per_call * (depth + 1)) + verify_room(self.programs.deepest)
+                   known + 2 * self.programs.steps_per_call * (depth + 1)) + self.programs.room
 
     def _grow_live(self) -> bool:
         """Every live row's pages grown to its `_reach`, oldest request first (on the host: the

@@ -176,7 +176,7 @@ def _first_rows(full, width: int, in_place: bool, axes):
             return x.replace(lengths=x.lengths[:width], pages=None if x.pages is None else x.pages[:width])
         return jax.tree.map(lambda leaf, leaf_axes: loop.take_rows(leaf, leaf_axes, 0, width), x, a)
 
-    return jax.tree.map(first, full, axes, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(first, full, axes, is_leaf=loop.is_cache)
 
 
 def _written_back(full, rows, width: int, in_place: bool, axes):
@@ -190,7 +190,7 @@ def _written_back(full, rows, width: int, in_place: bool, axes):
             return new.replace(lengths=big.lengths.at[:width].set(new.lengths), pages=big.pages)
         return jax.tree.map(lambda b, n, leaf_axes: loop.write_rows(b, n, leaf_axes, 0), big, new, a)
 
-    return jax.tree.map(back, full, rows, axes, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(back, full, rows, axes, is_leaf=loop.is_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("backend", "rules"))
@@ -200,6 +200,11 @@ def _sync(drafter, state, state_drafter, *, backend: Backend, rules):
     drafter = drafter.on(backend)
     state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
     return loop.place(state, state_drafter, backend.mesh, rules)
+
+
+def pool_bytes(state) -> int:
+    """Bytes of the key/value buffers of every cache a state holds (a paged state's pools)."""
+    return sum(nbytes((c.k, c.v)) for c in loop.caches(state))
 
 
 class Programs:
@@ -224,7 +229,8 @@ class Programs:
         self.buckets = buckets(max_len, MIN_BUCKET if paging is None else max(MIN_BUCKET, self.paging[1]))
         # (a prefilled row's tokens and caches fit the state's: pages of more than 16 round
         # the last bucket up past max_len)
-        self.cache_len = max(loop.cache_length(max_len, 0, verify_room(self.deepest)), self.buckets[-1])
+        self.room = verify_room(self.deepest)  # slots past the root a step writes
+        self.cache_len = max(loop.cache_length(max_len, 0, self.room), self.buckets[-1])
         doubling = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))  # 1, 2, 4, .. slots
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
         self.widths = (slots,) if mesh is not None else doubling
@@ -262,11 +268,9 @@ class Programs:
     def page_bytes(self) -> tuple[int, int]:
         """(bytes of one page, every cache's pools together; bytes of the state but its pools),
         read from the paged state's shapes: what a byte budget of pages is divided by."""
-        pools = lambda state: sum(nbytes((c.k, c.v)) for c in jax.tree.leaves(  # noqa: E731
-            state, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(c, KVCache))
         shapes = self.state_shapes()
-        per_page = pools(shapes) // self.paging[0]
-        return per_page, nbytes(shapes) - pools(shapes)
+        pools = pool_bytes(shapes)
+        return pools // self.paging[0], nbytes(shapes) - pools
 
     def set_pool(self, num_pages: int):
         """The pool's size in pages (its null page included), before any program is built."""
@@ -284,10 +288,16 @@ class Programs:
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
-        args, b = self._prefill_args(*self._dummy_prompts(*max(self.sizes, key=lambda nb: nb[0] * nb[1])))
+        args, b = self.largest_prefill()
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
                                  backend=self._prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
+
+    def largest_prefill(self) -> tuple:
+        """(`_prefill`'s host arguments, their bucket) for its prefill of the most tokens
+        (`sizes`; of those, the most requests): the one whose rows and temporaries a device
+        must keep room for."""
+        return self._prefill_args(*self._dummy_prompts(*max(self.sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))))
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,

@@ -52,7 +52,7 @@ from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
-from specjax.drafters.base import DraftRequest, verify_room
+from specjax.drafters.base import DraftRequest
 from specjax.memory import GB, MB, device_nbytes, nbytes
 from specjax.models import Model
 from specjax.request import prepare
@@ -354,8 +354,8 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS).
     kv_pages: a paged engine's (Engine(kv_pages=, page_size=)): every cache in pools of
     kv_pages pages (and the null page) of page_size slots, each row's table as wide as its
-    longest cache needs (`Programs.table_width`)."""
-    from specjax.drafters.base import grow_cache_length
+    longest cache needs: the state is the engine's own (`Programs`: its cache length and
+    table width)."""
     from specjax.serve import programs
     from specjax.serve.engine import OPEN_STEPS
 
@@ -363,20 +363,15 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
         raise ValueError("engine_program builds the engine on one device")
     placed = where.model(target)
     drafter = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
-    cache_len = loop.cache_length(max_len, 0, verify_room(drafter))
-    paging = None
-    if kv_pages is not None:
-        longest = cache_len if drafter is None else grow_cache_length(drafter.tree, cache_len)
-        paging = (kv_pages + 1, page_size, -(-longest // page_size))
-    state = where.replicated(jax.eval_shape(functools.partial(
-        programs._empty, slots=slots, cache_len=cache_len, stop_width=8, backend=where.backend, rules=None,
-        paging=paging), placed, drafter))
+    engine = programs.Programs(placed, {0: None} if drafter is None else {max(K, 1): drafter}, slots, max_len, 8,
+                               steps, 0.0, paging=None if kv_pages is None else (kv_pages + 1, page_size))
+    state = where.replicated(engine.state_shapes())  # (its shapes are every platform's)
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
     params = (placed.params, drafter_params(drafter))
     must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
     width = width or slots
     label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "") + (
-        "" if paging is None else f", {kv_pages} pages of {page_size}")
+        "" if kv_pages is None else f", {kv_pages} pages of {page_size}")
     return Spec(name or label, programs._run, None,
                 (placed, drafter if K else None, drafter, state, scalar(jnp.float32), scalar(jnp.int32)),
                 dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, backend=where.backend,

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel
 from specjax.memory import GB, MB, nbytes
-from specjax.sampling import FILTERED, Sampling
+from specjax.serve import programs
 from specjax.tools import aot
 from specjax.tools.plan import read_config
 
@@ -107,8 +105,7 @@ def serve_plan(target, draft=None, *, topology: str, slots: int = 64, max_len: i
                                 page_size=page_size) for K in Ks]
     compiled = [aot.compile_spec(spec) for spec in paged]
     state = paged[0].args[3]
-    pools = sum(nbytes((c.k, c.v)) for c in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
-                if isinstance(c, KVCache))
+    pools = programs.pool_bytes(state)
     page_bytes = pools // 2  # (kv_pages=1: the null page and one)
     prefill = aot.compile_spec(_largest_prefill(target_model, draft_model, where, slots, max_len, page_size,
                                                 num_draft_tokens))
@@ -141,20 +138,14 @@ def serve_plan(target, draft=None, *, topology: str, slots: int = 64, max_len: i
 
 
 def _largest_prefill(target, draft, where: aot.Placement, slots: int, max_len: int, page_size: int, K: int) -> aot.Spec:
-    """The engine's prefill of the most tokens (n requests x their bucket: `Programs.sizes`)."""
-    from specjax.serve import programs
-
+    """The engine's prefill of the most tokens (`Programs.largest_prefill`), placed on the chip."""
     placed = where.model(target)
     drafter = None if draft is None else DraftModel(where.model(draft)).resolve(K).bind(placed)
-    doubling = sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
-    sizes = [(n, b) for b in programs.buckets(max_len, max(programs.MIN_BUCKET, page_size)) for n in doubling
-             if n == 1 or n * b <= programs.GROUP_TOKENS]
-    n, b = max(sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))
-    host = (np.zeros((n, b), np.int32), np.full((n,), b, np.int32), np.full((n,), max_len, np.int32),
-            Sampling(np.ones((n,), np.float32), np.zeros((n,), np.int32), np.ones((n,), np.float32), FILTERED),
-            np.full((n, 8), -1, np.int32), np.zeros((n,), np.uint32))
-    args = (placed, drafter) + tuple(where.replicated(host))
+    engine = programs.Programs(placed, {0: None} if drafter is None else {K: drafter}, slots, max_len, 8, 1, 0.0,
+                               paging=(2, page_size))
+    host, b = engine.largest_prefill()
     params = (placed.params, aot.drafter_params(drafter))
-    must = nbytes(params) + KVCache.nbytes(target.config, n, b, target.dtype)
-    return aot.Spec(f"prefill [{n}, {b}]", programs._prefill, None, args, dict(cache_len=b, backend=where.backend),
+    must = nbytes(params) + KVCache.nbytes(target.config, host[0].shape[0], b, target.dtype)
+    return aot.Spec(f"prefill [{host[0].shape[0]}, {b}]", programs._prefill, None,
+                    (placed, drafter) + tuple(where.replicated(host)), dict(cache_len=b, backend=where.backend),
                     params, must, where.platform)
