@@ -57,7 +57,7 @@ from jax.experimental import io_callback
 
 from specjax import acceptance, sharding, streams
 from specjax.cache import KVCache, paste_row, tree_placement
-from specjax.drafters.base import DraftRequest, Features, Proposal, verify_room
+from specjax.drafters.base import DraftRequest, Features, Proposal, Resume, verify_room
 from specjax.backend import Backend
 from specjax.models import Model, apply, commit
 from specjax.models import prefill as models_prefill
@@ -146,13 +146,18 @@ def row_keys(key: jax.Array, batch: int) -> jax.Array:
 
 
 def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, sampling: Sampling,
-            stop_ids, key, cache: KVCache | None = None) -> SlotState:
+            stop_ids, key, cache: KVCache | None = None, resume: Resume | None = None) -> SlotState:
     """Rows for these prompts (int32 [B, P] right-padded, lengths [B]): the target's cache (and
     the drafter's state) holding them, at cache length `cache_len` (>= P); limit int32 [B]:
     each row's length limit; sampling [B]; stop_ids int32 [B, M]; key [B]: each row's PRNG key.
     The drafter (None, or resolved and bound) sizes its state for its own depth, the deepest
     any step over these rows may draft. cache: the target's cache to write them into (a
-    paged one, whose table places them); default a new one of cache_len slots a row."""
+    paged one, whose table places them); default a new one of cache_len slots a row.
+    resume: None, or where the prefill resumes (`Resume`: the paged engine's admission of
+    rows whose caches hold a cached prefix; resume.cache the drafter's cache of the rows):
+    only positions resume.start .. + width - 1 are computed, into `cache` and the drafter's,
+    which hold the positions before them already; start <= length - 2 (a drafter's
+    features begin there)."""
     B, P = prompts.shape
     S = cache_len
     D = 0 if drafter is None else drafter.tree.depth
@@ -162,15 +167,22 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     wants_features = drafter is not None and drafter.wants_features
     cache = KVCache.init(target.config, B, S, target.dtype) if cache is None else cache
     taps = drafter.feature_layers if wants_features else None
-    hidden, cache = models_prefill(target, prompts, cache, return_hidden=wants_features, taps=taps)
+    if resume is None:
+        window, start, W = prompts, jnp.zeros((B,), jnp.int32), P
+    else:  # the window of positions computed: [B, width]
+        window = jnp.take_along_axis(prompts, jnp.minimum(resume.positions, P - 1), axis=1)
+        start, W = resume.start, resume.width
+    hidden, cache = models_prefill(target, window, cache, return_hidden=wants_features, taps=taps,
+                                   start=None if resume is None else start)
     features, draft_state = None, None
     if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
         first = lengths - 2
-        at = jnp.clip(first[:, None] + jnp.arange(D + 1)[None, :], 0, P - 1)  # [B, D+1]
+        at = jnp.clip(first[:, None] - start[:, None] + jnp.arange(D + 1)[None, :], 0, W - 1)  # [B, D+1]
         features = Features(jnp.take_along_axis(hidden, at[..., None], axis=1), first)
     if drafter is not None:
-        draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None)
+        resumed = {} if resume is None or not drafter.keeps_cache else {"resume": resume}
+        draft_state = drafter.start(target, prompts, lengths, S, hidden=hidden if wants_features else None, **resumed)
     zeros = jnp.zeros((B,), jnp.int32)
     state = SlotState(
         tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
@@ -242,6 +254,36 @@ def insert(state: SlotState, slot, row: SlotState, drafter, pages=None) -> SlotS
         return jax.tree.map(lambda b, s, a: b if a.row_axis is None else write_rows(b, s, a, slot), big, small, axes)
 
     return jax.tree.map(one, state, row, state_axes(state, drafter), is_leaf=is_cache)
+
+
+def resumed_views(state: SlotState, slots, table, start):
+    """(the target's cache, the drafter's own cache or None) of a paged state's rows `slots`
+    int32 [n] for a prefill that resumes at start int32 [n] (`prefill`'s resume): the state's
+    pools, the rows' tables table[slots] (table: int32 [B, M], the host's), lengths start."""
+    def view(cache):
+        return cache.replace(pages=table[slots], lengths=start, tree=None)
+    own = caches(state.draft_state)
+    return view(state.target_cache), view(own[0]) if own else None
+
+
+def admit(state: SlotState, slots, rows: SlotState, drafter, table) -> SlotState:
+    """A paged `state` with `rows` (n rows, from a `prefill` that resumed into the state's own
+    pools: `resumed_views`) in its rows slots int32 [n]: each row's arrays written at its
+    slot (n unrolled dynamic_update_slices an array, as `insert`), the caches' pools the
+    rows' (which hold their new entries and every other row's), their lengths at the
+    slots, and every cache's table the host's, table int32 [B, M]."""
+    if jax.tree.structure(state, is_leaf=is_cache) != jax.tree.structure(rows, is_leaf=is_cache):
+        raise ValueError("the rows were prefilled for another drafter (or none) than the state's")
+
+    def one(big, small, axes):
+        if is_cache(big):
+            return big.replace(k=small.k, v=small.v, lengths=big.lengths.at[slots].set(small.lengths), pages=table)
+        for i in range(slots.shape[0]):
+            big = jax.tree.map(lambda b, s, a: b if a.row_axis is None else write_rows(b, take_rows(s, a, i, i + 1), a,
+                                                                                      slots[i]), big, small, axes)
+        return big
+
+    return jax.tree.map(one, state, rows, state_axes(state, drafter), is_leaf=is_cache)
 
 
 def paged(state: SlotState, num_pages: int, page_size: int, table_width: int) -> SlotState:

@@ -113,7 +113,7 @@ def test_the_pool_is_sized_from_a_byte_budget(pair, monkeypatch):
     (the target's and the draft model's), the null page included, at most what every slot at
     max_len holds; "auto" from the device's free memory less the programs' temporaries (a CPU
     reports none: refused); too small a budget, or both sizes, refused with the numbers."""
-    from specjax.serve import engine as engine_module
+    from specjax.serve import sizing
 
     target, drafts, _ = pair
     engine = specjax.Engine(target, draft=drafts["near"], slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes="96KiB",
@@ -131,7 +131,7 @@ def test_the_pool_is_sized_from_a_byte_budget(pair, monkeypatch):
         specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_cache_bytes="1KiB")
     with pytest.raises(ValueError, match="give kv_pages or kv_cache_bytes"):
         specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, kv_pages=4, kv_cache_bytes="1MiB")
-    monkeypatch.setattr(engine_module.memory, "device_free_bytes", lambda mesh=None: 4 * 2 ** 20)
+    monkeypatch.setattr(sizing.memory, "device_free_bytes", lambda mesh=None: 4 * 2 ** 20)
     auto = specjax.Engine(target, slots=1, max_len=32, kv_cache_bytes="auto", page_size=PAGE)
     stats = auto.stats()
     temporaries = stats["kv_budget_temporary_bytes"]
@@ -176,3 +176,55 @@ def test_pages_larger_than_a_bucket_round_the_buckets_up(pair):
     assert got == [_alone(target, None, *r) for r in chosen]
     with pytest.raises(ValueError, match="page_size must divide 16 or be a multiple of it"):
         specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=4, page_size=24)
+
+
+SHARED = [int(t) for t in np.random.default_rng(7).integers(3, 97, 26)]  # 3 full pages of 8, and 2 tokens
+
+
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft", "eagle3", "tree"])
+def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
+    """Prefix caching (on by default where paged): a request whose context begins with an
+    earlier one's takes its 3 full pages of every cache (the target's, the draft model's or
+    EAGLE-3's layer's) and prefills the rest: the same output as generate alone, and the
+    same drafts accepted as its fresh prefill (the drafter's cached pages are right too).
+    After a request that needs every page evicts them, the same prompt is prefilled whole,
+    as right. Idle, every page is held by no one."""
+    target = pair[0]
+    engine = paged(name)
+    other = [int(t) for t in np.random.default_rng(8).integers(3, 97, 37)]
+    asked = [SHARED + [5, 9, 13], SHARED + [5, 9, 13], SHARED + [44, 2, 71, 8, 30, 12, 6, 19, 3],
+             other, SHARED + [5, 9, 13]]  # (the 4th's 37 + 12 tokens and those in flight take all 7 pages)
+    before = engine.stats()
+    outputs, cached, accepted = [], [], []
+    with engine:
+        for prompt in asked:
+            start = engine.stats()["accepted"]
+            request = engine.submit(prompt, max_new_tokens=12)
+            outputs.append(request.result(timeout=300))
+            cached.append(request.cached_tokens)
+            accepted.append(engine.stats()["accepted"] - start)
+    assert outputs == [_alone(target, None, p, 12, ()) for p in asked]
+    assert cached == [0, 24, 24, 0, 0], cached
+    if name != "plain":
+        assert accepted[1] == accepted[0] == accepted[4], accepted
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] - before["prefix_cache_queries"] == sum(map(len, asked))
+    assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] == 48
+    assert stats["free_pages"] == 7 and stats["cached_pages"] > 0
+    assert engine.pages._owned == {} and not +engine.pages._holders  # every page's holders back to zero
+
+
+def test_prefix_caching_off_and_refused_without_pages(pair):
+    """Engine(prefix_caching=False) shares nothing (every request prefilled whole); asking for
+    it without pages is refused by name."""
+    target = pair[0]
+    engine = specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=7, page_size=PAGE, prefix_caching=False)
+    with engine:
+        got = [engine.submit(SHARED + [5, 9, 13], max_new_tokens=4) for _ in range(2)]
+        outputs = [r.result(timeout=300) for r in got]
+    assert outputs[0] == outputs[1] == _alone(target, None, SHARED + [5, 9, 13], 4, ())
+    assert [r.cached_tokens for r in got] == [0, 0]
+    stats = engine.stats()
+    assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0 and stats["cached_pages"] == 0
+    with pytest.raises(ValueError, match="prefix_caching shares pages of the KV cache: give kv_pages or kv_cache"):
+        specjax.Engine(target, slots=2, max_len=MAX_LEN, prefix_caching=True)

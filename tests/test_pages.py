@@ -13,7 +13,7 @@ from specjax import cache as kv
 from specjax import models
 from specjax.backend import Backend
 from specjax.models import attention as attn
-from specjax.serve.pages import NULL_PAGE, OutOfPages, PagePool, pages_for
+from specjax.serve.pages import NULL_PAGE, OutOfPages, PagePool, cached_pages, page_keys, pages_for
 from tests.test_long_context import _split_case
 
 PAGE = 4
@@ -41,6 +41,52 @@ def test_the_pool_hands_out_and_takes_back_every_page():
     assert pool.free_pages == 8 and pool.fits(32) and not pool.fits(33)
     with pytest.raises(ValueError, match="null page"):
         PagePool(num_pages=1, page_size=PAGE)
+
+
+def test_page_keys_name_a_page_by_every_token_before_it_and_the_next():
+    """Page j's key hashes the tokens of pages 0..j and the token after it; only pages whose
+    positions and next token lie below length - 2 get one; a salt separates engines."""
+    tokens = list(range(3, 17))  # 14 tokens: (14 - 2) // 4 = 3 pages
+    keys = page_keys(tokens, PAGE)
+    assert len(keys) == cached_pages(14, PAGE) == 3 and len(set(keys)) == 3
+    assert page_keys(tokens + [99, 98], PAGE)[:3] == keys  # what comes later changes nothing before
+    changed = tokens[:12] + [0] + tokens[13:]  # the token after page 2 (position 12)
+    assert page_keys(changed, PAGE)[:2] == keys[:2] and page_keys(changed, PAGE)[2] != keys[2]
+    early = [0] + tokens[1:]  # a token of page 0 changes every key after it
+    assert not set(page_keys(early, PAGE)) & set(keys)
+    assert page_keys(tokens, PAGE, salt=b"other model") != keys
+    assert cached_pages(5, PAGE) == 0 and cached_pages(6, PAGE) == 1 and cached_pages(1, PAGE) == 0
+
+
+def test_cached_pages_are_shared_counted_and_evicted_least_recently_used_first():
+    pool = PagePool(num_pages=9, page_size=PAGE)  # 8 pages
+    a_keys, b_keys = [b"a0", b"a1", b"a2"], [b"b0", b"b1"]
+    assert pool.share("a", a_keys) == 0  # nothing cached yet
+    a = pool.grow("a", 16)  # 4 pages, the first 3 of which it writes in full
+    pool.register("a", a_keys)
+    assert pool.share("x", a_keys[:2] + [b"other"]) == 2 and pool.pages("x") == a[:2]  # the longest run
+    assert pool.holders(a[0]) == 2 and pool.holders(a[3]) == 1
+    with pytest.raises(ValueError, match="shares cached pages before it holds any"):
+        pool.share("x", a_keys)
+    pool.grow("x", 12)  # a page of its own after the two it shares
+    assert len(pool.pages("x")) == 3 and pool.free_pages == 3
+    pool.register("x", [b"a0", b"a1", b"x2"])  # already cached pages keep their keys; its own gets one
+    assert pool.stats()["cached_pages"] == 4
+    pool.release("a")  # a2 and a3 leave a; a2 stays cached, a3 is free; a0, a1 still held by x
+    assert pool.holders(a[0]) == 1 and pool.free_pages == 5
+    pool.release("x")
+    assert pool.free_pages == 8 and pool.stats()["cached_pages"] == 4 and not +pool._holders
+    b = pool.grow("b", 4 * 4)  # 4 pages: the 4 free (uncached) ones, no eviction
+    pool.register("b", b_keys)
+    assert pool.stats()["cached_pages"] == 6 and set(b).isdisjoint(a[:3])
+    c = pool.grow("c", 4 * 2)  # 2 more: the least recently used cached pages go: a2 (released first), then x's own
+    assert pool.stats()["cached_pages"] == 4
+    assert pool.share("d", a_keys) == 2 and pool.pages("d") == a[:2]  # a0, a1 survived: released last
+    for owner in "bcd":
+        pool.release(owner)
+    assert pool.free_pages == 8 and len(set(b + c)) == 6
+    pool.forget()  # the device's pages were made anew
+    assert pool.stats()["cached_pages"] == 0 and pool.share("e", a_keys) == 0 and pool.free_pages == 8
 
 
 def _paged(buffer, table, num_pages):

@@ -58,6 +58,23 @@ class Branch:
 
 
 @struct.dataclass
+class Resume:
+    """A prefill that resumes part way (the paged engine's admission): the rows' caches hold
+    positions < start already (pages of a cached prefix), and the pass computes the `width`
+    positions from start on. A drafter with a cache of its own writes them into `cache`:
+    its cache of these rows (a paged view: its pools, the rows' page tables), not a new one."""
+
+    cache: KVCache | None  # the drafter's own cache of the rows (None: it keeps none)
+    start: jax.Array  # int32 [B]: positions its cache holds already
+    width: int = struct.field(pytree_node=False)  # positions computed: start .. start + width - 1
+
+    @property
+    def positions(self) -> jax.Array:
+        """int32 [B, width]: the positions the pass computes."""
+        return self.start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+
+
+@struct.dataclass
 class Proposal:
     """A token tree per row. Node i (1..N) is tokens[:, i-1]; node 0 is the root, the row's
     last final token. Nodes come after their parents."""
@@ -84,6 +101,7 @@ class Drafter:
     feature_layers = None  # None: features are the target's final-normed states; else the
     # outputs of these layers (1..L), concatenated (EAGLE-3)
     fixed_shape = False  # True: num_draft_tokens="auto" may not choose its shape
+    keeps_cache = False  # True: its state holds a KVCache of its own, which `start` fills (`Resume`)
 
     def resolve(self, K: int | None) -> "Drafter":
         """The drafter with its shape set: its own tree, or a chain of K (static)."""
@@ -103,9 +121,12 @@ class Drafter:
         """Raises where prompts of `longest` tokens plus max_new_tokens exceed what the
         drafter's own model can position."""
 
-    def start(self, target, prompts, lengths, max_len: int, hidden=None):
+    def start(self, target, prompts, lengths, max_len: int, hidden=None, resume: Resume | None = None):
         """Its state before the loop (prompts [B, P], lengths [B]; hidden [B, P, E] when it
-        wants features)."""
+        wants features). resume: None, or where a prefill resumes (`Resume`): the rows'
+        caches hold a prefix already; prompts are then the rows' whole token buffers and
+        hidden the states at resume.positions [B, width, E] alone (only drafters that keep a
+        cache read it: the loop passes it to no other)."""
         raise NotImplementedError(f"{type(self).__name__} does not start")
 
     def propose(self, state, request: DraftRequest):

@@ -27,7 +27,7 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, Resume, grow, grow_cache_length, shape_for
 from specjax.layouts import from_layout2_layer, fuse_legacy_layer
 from specjax.models import Model, head_logits
 from specjax.models.attention import takes_kernels
@@ -142,12 +142,21 @@ class Eagle(Drafter):
         """The shapes its params must have for the layer config `config`."""
         return eagle_shapes(config)
 
-    def start(self, target: Model, prompts, lengths, max_len, hidden=None):
-        """Its cache, filled with the prompt's pairs (hidden [B, P, E]: the prefill's states)."""
+    keeps_cache = True
+
+    def start(self, target: Model, prompts, lengths, max_len, hidden=None, resume: Resume | None = None):
+        """Its cache, filled with the prompt's pairs (hidden [B, P, E]: the prefill's states),
+        or, resumed, the pairs at resume.positions (hidden: their states) in resume.cache.
+        The pair at a prompt's last position has no next token yet (0: re-fed by `propose`)."""
         B, P = prompts.shape
-        cache = KVCache.init(self.config, B, grow_cache_length(self.tree, max_len), hidden.dtype)
-        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
+        if resume is None:
+            cache = KVCache.init(self.config, B, grow_cache_length(self.tree, max_len), hidden.dtype)
+            positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+            next_tokens = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
+        else:
+            cache, positions = resume.cache, resume.positions
+            next_tokens = jnp.take_along_axis(prompts, jnp.minimum(positions + 1, P - 1), axis=1)
+            next_tokens = jnp.where(positions + 1 < lengths[:, None], next_tokens, 0)
         return self.advance(target, next_tokens, hidden, positions, cache)[1]
 
     def propose(self, cache, request: DraftRequest):

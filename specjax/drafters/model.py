@@ -23,7 +23,7 @@ from flax import struct
 
 from specjax.acceptance import leading
 from specjax.cache import KVCache
-from specjax.drafters.base import DraftRequest, Drafter, grow, grow_cache_length, shape_for
+from specjax.drafters.base import DraftRequest, Drafter, Resume, grow, grow_cache_length, shape_for
 from specjax.drafters.vocab import check_tree_fits, check_vocab, head_columns, read_vocab
 from specjax.hf import load_model
 from specjax.models import Model, apply, head_logits, prefill
@@ -118,11 +118,18 @@ class DraftModel(Drafter):
         """A sharded draft's cache follows the draft's own rules; a replicated draft's, replicated."""
         return self.model.rules or super().state_rules(rules)
 
-    def start(self, target: Model, prompts, lengths, max_len, hidden=None):
-        """Prefills the draft's cache with the prompts. prompts [B, P], lengths [B]."""
+    keeps_cache = True
+
+    def start(self, target: Model, prompts, lengths, max_len, hidden=None, resume: Resume | None = None):
+        """Prefills the draft's cache with the prompts (prompts [B, P], lengths [B]), or,
+        resumed, its positions resume.positions into resume.cache."""
         B, P = prompts.shape
-        cache = KVCache.init(self.model.config, B, grow_cache_length(self.tree, max_len), self.model.dtype)
-        _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
+        if resume is None:
+            cache = KVCache.init(self.model.config, B, grow_cache_length(self.tree, max_len), self.model.dtype)
+            _, cache = prefill(self.model, prompts, cache, return_hidden=False)  # in chunks if long
+        else:
+            window = jnp.take_along_axis(prompts, jnp.minimum(resume.positions, P - 1), axis=1)
+            _, cache = prefill(self.model, window, resume.cache, return_hidden=False, start=resume.start)
         fed = jnp.full((B, self.tree.depth - 1 if self.tree.is_chain else 0), -1, jnp.int32)
         return ModelDraftState(cache.replace(lengths=lengths - 1), fed)
 

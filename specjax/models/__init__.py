@@ -122,11 +122,13 @@ PREFILL_CHUNK = 512
 
 
 def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool = True,
-            chunk: int | None = None, taps: tuple | None = None):
-    """Writes tokens int32 [B, P] at positions 0..P-1 of every row into the cache: one pass
-    when P <= chunk (default PREFILL_CHUNK), else ceil(P / chunk) passes of `chunk` tokens
-    in a `lax.scan`, each attending over the cache written so far. Returns (hidden [B, P, E]
-    (the final-normed states, or the `taps`' states, as `apply` gives them) or None, cache).
+            chunk: int | None = None, taps: tuple | None = None, start: jax.Array | None = None):
+    """Writes tokens int32 [B, P] at positions start..start+P-1 of every row into the cache
+    (start int32 [B], default 0: a row whose cache holds positions < start already, a cached
+    prefix or earlier chunks, attends to them): one pass when P <= chunk (default
+    PREFILL_CHUNK), else ceil(P / chunk) passes of `chunk` tokens in a `lax.scan`, each
+    attending over the cache written so far. Returns (hidden [B, P, E] (the final-normed
+    states, or the `taps`' states, as `apply` gives them) or None, cache).
 
     The last chunk is right-padded with token 0 at positions P and on: their entries land
     at slots the caller treats as stale (or beyond the buffer, dropped), like the padding of
@@ -135,8 +137,9 @@ def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool
     C = int(chunk or PREFILL_CHUNK)
     if C < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {C}")
+    first = jnp.zeros((B, 1), jnp.int32) if start is None else jnp.asarray(start, jnp.int32).reshape(B, 1)
     if P <= C:
-        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        positions = first + jnp.arange(P, dtype=jnp.int32)
         _, hidden, cache = apply(model, tokens, positions, cache, taps=taps)
         return (hidden if return_hidden else None), cache
     n = -(-P // C)
@@ -144,7 +147,7 @@ def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool
 
     def one(cache, xs):
         i, chunk_tokens = xs
-        positions = jnp.broadcast_to(i * C + jnp.arange(C, dtype=jnp.int32), (B, C))
+        positions = first + i * C + jnp.arange(C, dtype=jnp.int32)  # [B, C]
         _, hidden, cache = apply(model, chunk_tokens, positions, cache, taps=taps)
         return cache, (hidden if return_hidden else None)
 

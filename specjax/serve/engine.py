@@ -31,13 +31,14 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax import memory, sharding
+from specjax import sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
 from specjax.sampling import kind_of, validate
-from specjax.serve.pages import OutOfPages, PagePool
+from specjax.serve import sizing
+from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
 from specjax.serve.requests import Request
@@ -45,7 +46,6 @@ from specjax.serve.requests import Request
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
-KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
@@ -127,17 +127,25 @@ class Engine:
         `data`; with deterministic=True, bit for bit as without pages.
     kv_cache_bytes: the pool sized from a budget instead of kv_pages: an int of bytes or a
         string ("4GiB", "512MiB", "2GB"): as many pages as fit, every cache's share of a page
-        counted, the null page included; or "auto": KV_MEMORY_FRACTION of the device's free
-        memory now (the weights placed), less the state's other arrays and the most any
+        counted, the null page included; or "auto": sizing.KV_MEMORY_FRACTION of the device's
+        free memory now (the weights placed), less the state's other arrays and the most any
         program needs beside its arguments (`Programs.temporaries`: compiled here and read
         from XLA's `memory_analysis()`), on a device that reports its memory (not a CPU); at
         most the pages every slot at max_len holds. `stats()` reports pages, tokens, bytes.
+    prefix_caching: paged, whether a request's row takes the cached pages of its context's
+        longest run of full pages that an earlier request's row wrote with the same tokens
+        before them (`pages.page_keys`), for every cache, and prefills only the rest into its
+        own pages; a cached page no request holds is kept until pages run out (least recently
+        used first). None (the default): on where paged. Its output is what a fresh prefill
+        gives (greedy: token for token; deterministic: bit for bit). `stats()` counts tokens
+        looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
-                 kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16):
+                 kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
+                 prefix_caching: bool | None = None):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -179,11 +187,16 @@ class Engine:
         if paged:
             per_page, rest = self.programs.page_bytes()
             if kv_cache_bytes is not None:
-                kv_pages = self._pages_within(kv_cache_bytes, per_page, rest, mesh)
+                kv_pages, self.kv_budget = sizing.pages_within(self.programs, kv_cache_bytes, per_page, rest, mesh)
             self.pages = PagePool(int(kv_pages) + 1, int(page_size))
             self.kv_budget["kv_cache_bytes"] = per_page * self.pages.num_pages  # every cache's, the null page too
+        if prefix_caching and not paged:
+            raise ValueError("prefix_caching shares pages of the KV cache: give kv_pages or kv_cache_bytes")
+        self.prefix_caching = paged if prefix_caching is None else bool(prefix_caching)
+        # What decides a page's contents beside its tokens (`page_keys`' salt): fixed per engine.
+        self._salt = f"{target.config}|{target.dtype}|{deterministic}|{type(self.programs.deepest)}".encode()
         self.policy.bind(self.programs.drafters, self.programs.width)
-        self.memory = self._check_memory()
+        self.memory = sizing.check_memory(self.programs, target)
         self._state = None
         self._lock = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -219,48 +232,6 @@ class Engine:
     def step_ms(self) -> dict | None:
         """The steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
         return self.policy.step_ms
-
-    def _pages_within(self, budget, per_page: int, rest: int, mesh) -> int:
-        """The pages a byte budget holds (kv_cache_bytes; per_page, rest: `page_bytes`), set."""
-        if budget == "auto":
-            free = memory.device_free_bytes(mesh)
-            if free is None:
-                raise ValueError(f"kv_cache_bytes='auto' takes {KV_MEMORY_FRACTION:.0%} of the device's free memory, "
-                                 f"which this device ({jax.devices()[0].platform}) does not report: give "
-                                 f"kv_cache_bytes in bytes (e.g. '4GiB') or kv_pages")
-            temporaries = self.programs.temporaries()
-            held = int(KV_MEMORY_FRACTION * free) - rest - temporaries
-            self.kv_budget = {"kv_budget_free_bytes": free, "kv_budget_temporary_bytes": temporaries}
-            how = (f"{KV_MEMORY_FRACTION:.0%} of the {memory.readable(free)} free, less {memory.readable(rest)} of rows "
-                   f"and {memory.readable(temporaries)} of the programs' temporaries")
-        else:
-            held = memory.parse_bytes(budget)
-            how = f"kv_cache_bytes={budget!r}"
-        most = self.slots * self.programs.table_width  # every slot at max_len
-        pages = min(held // per_page - 1, most)
-        if pages < 1:
-            raise ValueError(f"{how} leaves {memory.readable(max(held, 0))} for pages of {memory.readable(per_page)} "
-                             f"(every cache's {self.programs.paging[1]} positions): not one page beside the null page")
-        self.programs.set_pool(pages + 1)
-        return pages
-
-    def _check_memory(self) -> dict:
-        """The state's bytes against what the devices have; refused with the numbers."""
-        state = self.programs.state_bytes()
-        weights = memory.nbytes(self.target.params) + memory.nbytes(self.programs.deepest)  # K's drafters share it
-        mesh = self.programs.mesh
-        free = memory.device_free_bytes(mesh)
-        if free is not None and mesh is not None:  # rows and heads are split over the mesh's devices
-            free *= mesh.devices.size
-        if free is None:  # CPU: the host's memory holds the weights too
-            capacity = memory.memory_capacity()
-            free = None if capacity is None else capacity - weights
-        if free is not None and state > free:
-            raise memory.InsufficientMemoryError(
-                f"Engine(slots={self.slots}, max_len={self.max_len}) needs {state / memory.GB:.2f} GB for its "
-                f"caches and rows beside {weights / memory.GB:.2f} GB of weights; the device has "
-                f"{free / memory.GB:.2f} GB free: use fewer slots or a shorter max_len")
-        return {"state_bytes": state, "weight_bytes": weights, "free_bytes": free}
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -489,6 +460,8 @@ class Engine:
             live = list(self._live.values())
         self._fail(live, error)
         self._draft_behind = False
+        if self.pages is not None:  # the new state's pages hold nothing
+            self.pages.forget()
         try:
             self._state = self.programs.empty()
         except Exception:
@@ -523,9 +496,10 @@ class Engine:
             while len(taken) < len(free) and self._waiting and self._takes_pages(self._waiting[0]):
                 taken.append(self._waiting.popleft())
         before, arrived = len(free), list(taken)
-        taken.sort(key=lambda r: len(r.context))  # a group runs in its longest prompt's bucket
+        rest = lambda r: len(r.context) - r.cached_tokens  # noqa: E731 - what its prefill computes
+        taken.sort(key=rest)  # a group runs in its longest prompt's bucket
         try:
-            for n in self.programs.partition([len(r.context) for r in taken], self.programs.call_tokens,
+            for n in self.programs.partition([rest(r) for r in taken], self.programs.call_tokens,
                                              skip=self._compiling):
                 self._place(taken, n, free)
         finally:
@@ -542,11 +516,19 @@ class Engine:
         arrived."""
         if self.pages is None:
             return True
+        shared = self.pages.share(request, self._keys(request))
         try:
             self.pages.grow(request, self._reach(request))
         except OutOfPages:
+            self.pages.release(request)
             return False
+        request.cached_tokens = shared * self.pages.page_size
         return True
+
+    def _keys(self, request: Request) -> list:
+        """The keys of the request's context's cacheable pages (`page_keys`; none without
+        prefix caching): a hash a page, microseconds."""
+        return page_keys(request.context, self.pages.page_size, self._salt) if self.prefix_caching else []
 
     def _reach(self, request: Request) -> int:
         """The slots a request's row may have written by the end of the next two device calls
@@ -586,18 +568,20 @@ class Engine:
 
     def _place(self, taken: list[Request], n: int, free: list[int]):
         """Prefills the first `n` requests of `taken` in one call and inserts their rows into
-        the first of the `free` slots; each is removed from `taken` (and its slot from `free`)
-        as it is placed or failed. A request whose preparation fails fails alone: a group that
-        fails is prepared again one request at a time. An insert that fails fails its group
-        and re-raises (a device call: the state is suspect)."""
+        the first of the `free` slots (paged: one call prefills them into their own pages,
+        past the cached ones they share); each is removed from `taken` (and its slot from
+        `free`) as it is placed or failed. A request whose preparation fails fails alone: a
+        group that fails is prepared again one request at a time. An insert (or a paged
+        admission) that fails fails its group and re-raises (a device call: the state is suspect)."""
         group = taken[:n]
         stops = np.full((n, self.programs.stop_width), -1, np.int32)
         for i, request in enumerate(group):
             stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
+        contexts = [np.asarray(r.context, np.int32) for r in group]
+        limits, samplings = [len(r.prompt) + r.max_new_tokens for r in group], [r.sampling for r in group]
         try:
-            rows = self.programs.prefill([np.asarray(r.context, np.int32) for r in group],
-                                         [len(r.prompt) + r.max_new_tokens for r in group],
-                                         [r.sampling for r in group], stops, [r.seed for r in group])
+            rows = None if self.pages else self.programs.prefill(contexts, limits, samplings, stops,
+                                                                 [r.seed for r in group])
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
             if n == 1:
                 del taken[0]
@@ -610,11 +594,15 @@ class Engine:
         del taken[:n]
         slots = [free.pop(0) for _ in group]
         try:
-            table = None if self.pages is None else self._table(dict(zip(slots, group)))
-            self._state = self.programs.insert(self._state, slots, rows, table)
+            self._state = (self.programs.insert(self._state, slots, rows) if rows is not None else self.programs.admit(
+                self._state, slots, contexts, [r.cached_tokens for r in group], limits, samplings, stops,
+                [r.seed for r in group], self._table(dict(zip(slots, group)))))
         except Exception as e:
             self._fail(group, e)
             raise
+        for request in group if self.pages else ():  # the pages they write are cached (calls run in order)
+            self.pages.count(len(request.context) if self.prefix_caching else 0, request.cached_tokens)
+            self.pages.register(request, self._keys(request))
         with self._lock:
             self._live.update(zip(slots, group))
 
@@ -692,7 +680,8 @@ class Engine:
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
-                "failures": self.failures, "preemptions": self.preemptions, "programs": self.programs.listing(),
+                "failures": self.failures, "preemptions": self.preemptions, "prefix_caching": self.prefix_caching,
+                "programs": self.programs.listing(),
                 "step_ms": self.step_ms,
                 "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}

@@ -9,15 +9,45 @@ table's unused entries point, so that a write past a row's pages lands there har
 
 This module hands pages out and takes them back, one owner (a request) at a time: an
 owner grows by the pages its next tokens need, never beyond what it asked for at most,
-and gives them all back when it ends. It knows nothing of devices, models or requests'
-contents; the engine turns its tables into the int32 [rows, pages] array its programs read.
+and gives them all back when it ends. With prefix caching, a full page an owner wrote
+may be kept under a key (`page_keys`: a hash of the tokens that decide its contents):
+another owner whose tokens give the same key shares it (`share`: pages are counted by
+the owners holding them), and a kept page no owner holds stays cached until the free
+pages run out, the least recently used evicted first (vLLM's automatic prefix caching).
+It knows nothing of devices or models; the engine turns its tables into the int32 [rows,
+pages] array its programs read, and says which pages are written (`register`).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+
 import numpy as np
 
 NULL_PAGE = 0
+
+
+def cached_pages(length: int, page_size: int) -> int:
+    """How many of the first full pages of a context of `length` tokens may be cached or
+    shared: those whose positions, and the one after them, lie below length - 2. A row's
+    later passes write from position length - 2 on (an EAGLE layer re-feeds its last pair;
+    the target's cache from length - 1), so such a page is never written again; and a
+    drafter's entry at a page's last position may read the next token (EAGLE's pairs)."""
+    return max(0, (int(length) - 2) // page_size)
+
+
+def page_keys(tokens, page_size: int, salt: bytes = b"") -> list[bytes]:
+    """The keys of the `cached_pages` of a context of tokens: page j's is a hash of page j-1's
+    key (salt for the first: what else decides the contents, e.g. the model), the page's
+    tokens and the token after it; equal keys, equal contents."""
+    tokens = np.asarray(tokens, np.int32)
+    keys, previous = [], hashlib.blake2b(salt, digest_size=16).digest()
+    for j in range(cached_pages(tokens.size, page_size)):
+        previous = hashlib.blake2b(previous + tokens[j * page_size:(j + 1) * page_size + 1].tobytes(),
+                                   digest_size=16).digest()
+        keys.append(previous)
+    return keys
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -38,12 +68,18 @@ class PagePool:
             raise ValueError(f"a page pool needs page_size >= 1 and num_pages >= 2 (page 0 is the null page), "
                              f"got {page_size} and {num_pages}")
         self.num_pages, self.page_size = int(num_pages), int(page_size)
-        self._free = list(range(self.num_pages - 1, 0, -1))  # popped from the end: low pages first
+        self._free = list(range(self.num_pages - 1, 0, -1))  # neither held nor cached; popped from the end
         self._owned: dict = {}  # owner -> its pages, in slot order
+        self._holders: collections.Counter = collections.Counter()  # page -> owners holding it
+        self._page_of: dict[bytes, int] = {}  # key -> the cached page holding its contents
+        self._key_of: dict[int, bytes] = {}  # the reverse
+        self._idle: collections.OrderedDict = collections.OrderedDict()  # cached, unheld: least recently used first
+        self.queries = self.hits = 0  # tokens looked up in the cache, and found (`share`)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an owner may take: free ones, and cached ones no owner holds (evicted then)."""
+        return len(self._free) + len(self._idle)
 
     @property
     def capacity_tokens(self) -> int:
@@ -63,25 +99,83 @@ class PagePool:
         shrinking), -> its pages. Raises OutOfPages, taking nothing, where too few are free."""
         held = self._owned.setdefault(owner, [])
         more = pages_for(tokens, self.page_size) - len(held)
-        if more > len(self._free):
+        if more > self.free_pages:
             if not held:
                 del self._owned[owner]
-            raise OutOfPages(f"{more} more pages wanted, {len(self._free)} free of {self.num_pages - 1}")
+            raise OutOfPages(f"{more} more pages wanted, {self.free_pages} free of {self.num_pages - 1}")
         for _ in range(max(more, 0)):
-            held.append(self._free.pop())
+            page = self._free.pop() if self._free else self._evict()
+            self._holders[page] += 1
+            held.append(page)
         return list(held)
 
-    def release(self, owner) -> int:
-        """Gives all of the owner's pages back; -> how many."""
-        held = self._owned.pop(owner, [])
-        self._free.extend(reversed(held))
+    def _evict(self) -> int:
+        """The least recently used cached page no owner holds, forgotten."""
+        page, _ = self._idle.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        return page
+
+    def share(self, owner, keys: list[bytes]) -> int:
+        """An owner that holds nothing takes the cached pages of its longest run of keys
+        (`page_keys`) from the first; -> how many pages. Counts the tokens looked up and found."""
+        if self._owned.get(owner):
+            raise ValueError("an owner shares cached pages before it holds any")
+        held = self._owned.setdefault(owner, [])
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            self._idle.pop(page, None)
+            self._holders[page] += 1
+            held.append(page)
         return len(held)
 
+    def count(self, queried: int, hit: int):
+        """Tokens an admitted request looked up in the cache, and found (vLLM's metrics)."""
+        self.queries += int(queried)
+        self.hits += int(hit)
+
+    def register(self, owner, keys: list[bytes]):
+        """The owner's first len(keys) pages are written with the contents those keys name:
+        each is cached under its key (where no other page is already)."""
+        for page, key in zip(self._owned.get(owner, ()), keys):
+            if page not in self._key_of and key not in self._page_of:
+                self._page_of[key], self._key_of[page] = page, key
+
+    def forget(self):
+        """Every cached page forgotten (their contents are lost: the device's state was made anew)."""
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._page_of.clear()
+        self._key_of.clear()
+
+    def release(self, owner) -> int:
+        """Gives all of the owner's pages back; -> how many. A cached page no other owner
+        holds stays cached (its last page the first evicted)."""
+        held = self._owned.pop(owner, [])
+        for page in reversed(held):
+            self._holders[page] -= 1
+            if self._holders[page]:
+                continue
+            del self._holders[page]
+            if page in self._key_of:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+        return len(held)
+
+    def holders(self, page: int) -> int:
+        """How many owners hold a page."""
+        return self._holders[page]
+
     def stats(self) -> dict:
-        """Its size, what is free, and the share held (vLLM's kv_cache_usage_perc)."""
+        """Its size, what is free, the share held (vLLM's kv_cache_usage_perc), and the prefix
+        cache's pages and counts of tokens."""
         held = self.num_pages - 1
         return {"kv_pages": held, "page_size": self.page_size, "kv_capacity_tokens": self.capacity_tokens,
-                "free_pages": self.free_pages, "kv_cache_usage": round(1 - self.free_pages / held, 4)}
+                "free_pages": self.free_pages, "kv_cache_usage": round(1 - self.free_pages / held, 4),
+                "cached_pages": len(self._key_of), "prefix_cache_queries": self.queries,
+                "prefix_cache_hits": self.hits}
 
     def table(self, owners: list, width: int) -> np.ndarray:
         """int32 [len(owners), width]: each owner's pages in slot order, then the null page

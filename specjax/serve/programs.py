@@ -22,7 +22,7 @@ import numpy as np
 from specjax import loop
 from specjax.backend import Backend
 from specjax.cache import KVCache
-from specjax.drafters.base import grow_cache_length, verify_room
+from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Sampling
 
@@ -95,6 +95,25 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
     if table is not None:
         state = loop.with_pages(state, table)
     return loop.place(state, state_drafter, mesh, rules)
+
+
+@functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend", "rules"))
+def _admit(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, table, *,
+           width: int, backend: Backend, rules):
+    """A paged state with n waiting requests prefilled straight into its pages and placed in
+    its rows slots int32 [n]: prompts int32 [n, S] (each request's tokens, S the state's
+    token buffer), of which positions start[i] .. start[i] + width - 1 are computed (its
+    pages hold the ones before: a cached prefix), lengths and limits int32 [n], settings [n]
+    each, stop ids [n, M], seeds uint32 [n] (row i's key as `_prefill`'s); table: the whole
+    page table int32 [slots, M] as the host holds it, the rows' pages included. No row of
+    its own is made: the pass writes the state's pools in place."""
+    keys = jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
+    target, drafter = loop.bound(backend, target, drafter)
+    cache, draft_cache = loop.resumed_views(state, slots, table, start)
+    rows = loop.prefill(target, drafter, prompts, length, cache_len=state.tokens.shape[1], limit=limit,
+                        sampling=sampling, stop_ids=stop_ids, key=keys, cache=cache,
+                        resume=Resume(draft_cache, start, width))
+    return loop.place(loop.admit(state, slots, rows, drafter, table), drafter, backend.mesh, rules)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -252,10 +271,16 @@ class Programs:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
                 + ([] if self.paging is None else [f"set the page table [{self.slots}, {self.table_width}]"])
-                + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in ("prefill", "insert")]
+                + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in self._admissions]
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + [f"sync the draft for K={K}" for K in self._synced()])
+
+    @property
+    def _admissions(self) -> tuple[str, ...]:
+        """The programs that admit a group: a prefill of rows, then their insert; or, paged,
+        one that prefills into the state's own pages (`_admit`)."""
+        return ("prefill", "insert") if self.paging is None else ("admit",)
 
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
@@ -288,16 +313,27 @@ class Programs:
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
+        if self.paging is not None:  # the admission of the most tokens: its rows are the state's
+            n, b = self._largest_size()
+            args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
+            admit = _admit.lower(self.target, self.deepest, state, np.arange(n, dtype=np.int32), *args,
+                                 np.zeros((self.slots, self.table_width), np.int32), width=b,
+                                 backend=self.backend, rules=self.rules).compile().memory_analysis()
+            return int(max(most, admit.temp_size_in_bytes))
         args, b = self.largest_prefill()
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
                                  backend=self._prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
 
+    def _largest_size(self) -> tuple[int, int]:
+        """(n, bucket) of the prefill of the most tokens (`sizes`; of those, the most requests)."""
+        return max(self.sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))
+
     def largest_prefill(self) -> tuple:
         """(`_prefill`'s host arguments, their bucket) for its prefill of the most tokens
         (`sizes`; of those, the most requests): the one whose rows and temporaries a device
         must keep room for."""
-        return self._prefill_args(*self._dummy_prompts(*max(self.sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))))
+        return self._prefill_args(*self._dummy_prompts(*self._largest_size()))
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
@@ -313,20 +349,25 @@ class Programs:
         args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds)
         return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
 
-    def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list):
-        """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket)."""
-        n, b = len(prompts), self.bucket(max(len(p) for p in prompts))
+    def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None):
+        """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket: the longest
+        prompt's). starts: None, or (`_admit`'s) where each prompt's prefill starts: then the
+        tokens are [n, cache_len], the starts follow them, and the bucket is the longest rest's."""
+        n = len(prompts)
+        starts = [0] * n if starts is None else list(starts)
+        b = self.bucket(max(len(p) - s for p, s in zip(prompts, starts)))
         if (n, b) not in self.sizes:
             raise ValueError(f"{n} rows in bucket {b}: this engine prefills {self.prefill_sizes} at a time, at most "
                              f"{GROUP_TOKENS} tokens together")
-        tokens = np.zeros((n, b), np.int32)
+        tokens = np.zeros((n, b if self.paging is None else self.cache_len), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
         temperature, top_k, top_p = zip(*samplings)
         settings = Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32),
                             np.array(top_p, np.float32), FILTERED)
-        return (tokens, np.array([len(p) for p in prompts], np.int32), np.array(limits, np.int32), settings,
-                np.asarray(stop_ids, np.int32).reshape(n, -1), np.array(seeds, np.uint32)), b
+        head = (tokens,) if self.paging is None else (tokens, np.array(starts, np.int32))
+        return head + (np.array([len(p) for p in prompts], np.int32), np.array(limits, np.int32), settings,
+                       np.asarray(stop_ids, np.int32).reshape(n, -1), np.array(seeds, np.uint32)), b
 
     @property
     def table_width(self) -> int:
@@ -347,6 +388,20 @@ class Programs:
         if self.paging is not None and table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
         return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
+
+    def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
+              seeds: list, table=None):
+        """Paged: n requests (n in `prefill_sizes`) prefilled straight into their pages and
+        placed in the state's rows `slots`, in the bucket of the longest rest of a prompt past
+        its start (starts: positions its pages hold already, a cached prefix: a whole number
+        of pages, at most its length - 2); table: the whole page table as the host holds it,
+        the rows' pages included (None: every row's null pages, for throwaway rows).
+        `prefill`'s other arguments; nothing runs eagerly."""
+        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, starts=starts)
+        if table is None:
+            table = np.zeros((self.slots, self.table_width), np.int32)
+        return _admit(self.target, self.deepest, state, np.array(slots, np.int32), *args,
+                      np.asarray(table, np.int32), width=b, backend=self.backend, rules=self.rules)
 
     def set_table(self, state, table):
         """A paged state with the host's page table (rows grown, or freed, since it was set)."""
@@ -387,6 +442,14 @@ class Programs:
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
         return self.prefill(*self._dummy_prompts(n, b))
 
+    def _dummy_admit(self, state, n: int, b: int):
+        """`state` with n prompts filling bucket b admitted into its rows 0..n-1 (their prefill
+        and insert, or, paged, their admission into the null pages), compiling them once."""
+        if self.paging is None:
+            return self.insert(state, list(range(n)), self._dummy_rows(n, b))
+        prompts, limits, samplings, stops, seeds = self._dummy_prompts(n, b)
+        return self.admit(state, list(range(n)), prompts, [0] * n, limits, samplings, stops, seeds)
+
     def _dummy_prompts(self, n: int, b: int) -> tuple:
         """`prefill`'s arguments for n prompts filling bucket b."""
         stops = np.full((n, self.stop_width), -1, np.int32)
@@ -406,8 +469,8 @@ class Programs:
         layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for n, b in self.sizes:
             if (n, b) not in skip:
-                state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
-                done(2)
+                state = self._dummy_admit(state, n, b)
+                done(len(self._admissions))
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
         done(1)
@@ -436,7 +499,7 @@ class Programs:
             runs = []
             for _ in range(3):
                 start = time.perf_counter()
-                state = self.insert(state, list(range(n)), self._dummy_rows(n, b))
+                state = self._dummy_admit(state, n, b)
                 runs.append(time.perf_counter() - start)
             slots.append(n * b)
             times.append(min(runs))
@@ -453,10 +516,15 @@ class Programs:
         made), while the engine may be serving from its own state. The insert's later call
         finds the executable in jax's compilation cache, which `lower().compile()` fills for
         the same program and shardings (should it not, that call compiles, and is slower)."""
+        slots = jax.ShapeDtypeStruct((n,), jnp.int32)
+        if self.paging is not None:  # one program, the state's own pages its rows
+            args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
+            table = jax.ShapeDtypeStruct((self.slots, self.table_width), jnp.int32)
+            _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b, backend=self.backend,
+                         rules=self.rules).compile()
+            return
         rows = self._dummy_rows(n, b)
-        table = None if self.paging is None else jax.ShapeDtypeStruct((self.slots, self.table_width), jnp.int32)
-        _insert.lower(layout, jax.ShapeDtypeStruct((n,), jnp.int32), rows, self.deepest, table, mesh=self.mesh,
-                      rules=self.rules).compile()
+        _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh, rules=self.rules).compile()
 
     def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:
         """Milliseconds of one step of each run program, {K: {width: ms}}, on this device:
@@ -465,15 +533,17 @@ class Programs:
         limited only by max_len), the rest free, as the engine runs them. A step's cost does
         not depend on what it accepts (its shapes are fixed). A (K, width) whose rows all
         finish before any call is timed is left out. Run after `compile_all` (no compiles)."""
-        prompt = np.ones((self.buckets[0],), np.int32)
-        row = self.prefill([prompt], [self.max_len], [(0.0, 0, 1.0)], np.full((1, self.stop_width), -1, np.int32), [0])
+        request = ([np.ones((self.buckets[0],), np.int32)], [self.max_len], [(0.0, 0, 1.0)],
+                   np.full((1, self.stop_width), -1, np.int32), [0])
+        row = self.prefill(*request) if self.paging is None else None
         state, costs = self.empty(), {}
         for K in sorted(self.drafters):
             costs[K] = {}
             for w in self.widths:
                 state = self.release(state, range(self.slots))
-                for slot in range(w):
-                    state = self.insert(state, [slot], row)
+                for slot in range(w):  # (paged: into the null pages, as timing wants no more)
+                    state = (self.insert(state, [slot], row) if row is not None
+                             else self.admit(state, [slot], request[0], [0], *request[1:]))
                 times = []
                 for call in range(calls + 1):
                     start = time.perf_counter()

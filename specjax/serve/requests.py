@@ -23,6 +23,7 @@ class Request:
         self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
         self.stop_token_ids, self.seed = stop_ids, seed
         self.tokens: list[int] = []
+        self.cached_tokens = 0  # of its context, those its row took from cached pages (prefix caching)
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()

@@ -1,0 +1,61 @@
+"""How large an engine's state may be: the pages a byte budget holds (`pages_within`), and
+the state's bytes checked against what the devices have (`check_memory`).
+
+This module reads a `Programs`' shapes and the devices' memory; it knows nothing of
+requests, queues or threads (engine.py).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from specjax import memory
+
+KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
+
+
+def pages_within(programs, budget, per_page: int, rest: int, mesh) -> tuple[int, dict]:
+    """(the pages a byte budget holds, what it was computed from), the pool then set to them
+    (`Programs.set_pool`). budget: `Engine`'s kv_cache_bytes (bytes, "4GiB", or "auto");
+    per_page, rest: `Programs.page_bytes`."""
+    found = {}
+    if budget == "auto":
+        free = memory.device_free_bytes(mesh)
+        if free is None:
+            raise ValueError(f"kv_cache_bytes='auto' takes {KV_MEMORY_FRACTION:.0%} of the device's free memory, "
+                             f"which this device ({jax.devices()[0].platform}) does not report: give "
+                             f"kv_cache_bytes in bytes (e.g. '4GiB') or kv_pages")
+        temporaries = programs.temporaries()
+        held = int(KV_MEMORY_FRACTION * free) - rest - temporaries
+        found = {"kv_budget_free_bytes": free, "kv_budget_temporary_bytes": temporaries}
+        how = (f"{KV_MEMORY_FRACTION:.0%} of the {memory.readable(free)} free, less {memory.readable(rest)} of rows "
+               f"and {memory.readable(temporaries)} of the programs' temporaries")
+    else:
+        held = memory.parse_bytes(budget)
+        how = f"kv_cache_bytes={budget!r}"
+    most = programs.slots * programs.table_width  # every slot at max_len
+    pages = min(held // per_page - 1, most)
+    if pages < 1:
+        raise ValueError(f"{how} leaves {memory.readable(max(held, 0))} for pages of {memory.readable(per_page)} "
+                         f"(every cache's {programs.paging[1]} positions): not one page beside the null page")
+    programs.set_pool(pages + 1)
+    return pages, found
+
+
+def check_memory(programs, target) -> dict:
+    """The state's bytes against what the devices have; refused with the numbers."""
+    state = programs.state_bytes()
+    weights = memory.nbytes(target.params) + memory.nbytes(programs.deepest)  # K's drafters share it
+    mesh = programs.mesh
+    free = memory.device_free_bytes(mesh)
+    if free is not None and mesh is not None:  # rows and heads are split over the mesh's devices
+        free *= mesh.devices.size
+    if free is None:  # CPU: the host's memory holds the weights too
+        capacity = memory.memory_capacity()
+        free = None if capacity is None else capacity - weights
+    if free is not None and state > free:
+        raise memory.InsufficientMemoryError(
+            f"Engine(slots={programs.slots}, max_len={programs.max_len}) needs {state / memory.GB:.2f} GB for its "
+            f"caches and rows beside {weights / memory.GB:.2f} GB of weights; the device has "
+            f"{free / memory.GB:.2f} GB free: use fewer slots or a shorter max_len")
+    return {"state_bytes": state, "weight_bytes": weights, "free_bytes": free}
