@@ -314,7 +314,8 @@ def _serve(args):
                  mesh=flags.mesh(args), steps_per_call=args.steps_per_call, drain_timeout=args.drain_timeout,
                  warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
                  kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size,
-                 compilation_cache=None if args.no_compilation_cache else args.compilation_cache)
+                 compilation_cache=None if args.no_compilation_cache else args.compilation_cache,
+                 prefix_caching=not args.no_prefix_caching)
 
 
 def _plan(args):
@@ -509,6 +510,9 @@ def main(argv=None):
                            "90%% of the device's free memory after the weights and the programs' temporaries (not "
                            "on a CPU)")
     p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 or a multiple of it (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="with pages, prefill every prompt whole (by default a prompt takes the cached pages of an "
+                        "earlier one that began with the same tokens)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")

@@ -212,6 +212,13 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
     assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] == 48
     assert stats["free_pages"] == 7 and stats["cached_pages"] > 0
     assert engine.pages._owned == {} and not +engine.pages._holders  # every page's holders back to zero
+    if name == "draft":  # the server's counters, under vLLM's names
+        from prometheus_client import generate_latest
+
+        from specjax.serve.metrics import Metrics
+        scraped = generate_latest(Metrics(engine, "m").registry).decode()
+        assert f'specjax:prefix_cache_hits_total{{model_name="m"}} {float(stats["prefix_cache_hits"])}' in scraped
+        assert f'specjax:prefix_cache_queries_total{{model_name="m"}} {float(stats["prefix_cache_queries"])}' in scraped
 
 
 def test_prefix_caching_off_and_refused_without_pages(pair):

@@ -540,3 +540,33 @@ def test_a_second_start_compiles_nothing(folder, tmp_path):
     first, second = runs
     assert first["code"] == second["code"] == 0
     assert first["misses"] > 0 and second["misses"] == 0 and second["hits"] >= first["misses"], runs
+
+
+def test_usage_counts_each_prompt_once_and_its_cached_tokens():
+    """`usage`: each prompt's tokens once whatever n, every choice's completion tokens, and
+    OpenAI's prompt_tokens_details.cached_tokens: what each prompt's first request took from
+    a paged engine's prefix cache."""
+    from types import SimpleNamespace
+
+    from specjax.serve.api import _usage
+
+    def choice(prompt, tokens, cached):
+        return SimpleNamespace(prompt=prompt, tokens=tokens, request=SimpleNamespace(cached_tokens=cached))
+
+    generation = SimpleNamespace(choices=[choice([1] * 40, 3, 32), choice([1] * 40, 5, 32),
+                                          choice([2] * 9, 4, 0), choice([2] * 9, 2, 0)])
+    assert _usage(generation, 2) == {"prompt_tokens": 49, "completion_tokens": 14, "total_tokens": 63,
+                                     "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+def test_serve_flags_reach_the_engine(monkeypatch):
+    """`specjax serve`'s pool flags: prefix caching on unless --no-prefix-caching."""
+    import specjax.serve.server as server_module
+    from specjax.cli import entry
+
+    seen = []
+    monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
+    assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32"]) == 0
+    assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
+    assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"]) for s in seen] == [
+        (64, None, 32, True), (None, "4GiB", 16, False)]

@@ -304,7 +304,9 @@ async def _disconnected(request: Request):
 def _usage(generation: Generation, n: int) -> dict:
     prompt = sum(len(c.prompt) for c in generation.choices[::n])
     completion = sum(c.tokens for c in generation.choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.request.cached_tokens for c in generation.choices[::n] if c.request is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # (a paged engine's prefix cache: OpenAI's field)
 
 
 def _record(server: Server, generation: Generation):

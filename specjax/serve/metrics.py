@@ -71,6 +71,10 @@ class _EngineCollector:
         if "kv_cache_usage" in stats:  # a paged engine (vLLM's name)
             yield gauge("kv_cache_usage_perc", "Fraction of the KV cache's pages held by requests (1 = all).",
                         stats["kv_cache_usage"])
+            yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          stats["prefix_cache_queries"])
+            yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their pages shared).",
+                          stats["prefix_cache_hits"])
         yield gauge("num_prefill_groups_compiling", "(group size, bucket) prefills still compiling in the background; "
                     "until one is, its requests are prefilled in smaller groups.", stats["compiling"])
 

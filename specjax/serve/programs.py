@@ -313,14 +313,13 @@ class Programs:
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
+        args, b = self.largest_prefill()
         if self.paging is not None:  # the admission of the most tokens: its rows are the state's
-            n, b = self._largest_size()
-            args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
+            n = args[0].shape[0]
             admit = _admit.lower(self.target, self.deepest, state, np.arange(n, dtype=np.int32), *args,
                                  np.zeros((self.slots, self.table_width), np.int32), width=b,
                                  backend=self.backend, rules=self.rules).compile().memory_analysis()
             return int(max(most, admit.temp_size_in_bytes))
-        args, b = self.largest_prefill()
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
                                  backend=self._prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
@@ -330,10 +329,11 @@ class Programs:
         return max(self.sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))
 
     def largest_prefill(self) -> tuple:
-        """(`_prefill`'s host arguments, their bucket) for its prefill of the most tokens
-        (`sizes`; of those, the most requests): the one whose rows and temporaries a device
-        must keep room for."""
-        return self._prefill_args(*self._dummy_prompts(*self._largest_size()))
+        """(`_prefill`'s host arguments, their bucket; paged, `_admit`'s after the state and the
+        slots, starting at 0) for its prefill of the most tokens (`sizes`; of those, the most
+        requests): the one whose rows and temporaries a device must keep room for."""
+        n, b = self._largest_size()
+        return self._prefill_args(*self._dummy_prompts(n, b), starts=None if self.paging is None else [0] * n)
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,

@@ -59,10 +59,10 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
           drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
           tokenizer: str | None = None, kv_pages: int | None = None, kv_cache_bytes: int | str | None = None,
-          page_size: int = 16, compilation_cache: str | None = "default") -> int:
+          page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
-    target's own folder's). kv_pages, kv_cache_bytes, page_size: the engine's page pool
-    (Engine's). compilation_cache: a folder for JAX's persistent compilation cache, where a
+    target's own folder's). kv_pages, kv_cache_bytes, page_size, prefix_caching: the engine's
+    page pool and whether it shares cached prefixes (Engine's; the last only where paged). compilation_cache: a folder for JAX's persistent compilation cache, where a
     second start finds every program compiled ("default": `default_compilation_cache()`;
     None: none)."""
     import uvicorn
@@ -86,7 +86,8 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     length = int(max_model_len or min(target.config.max_position_embeddings, 2048))
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
                             deterministic=deterministic, steps_per_call=steps_per_call, kv_pages=kv_pages,
-                            kv_cache_bytes=kv_cache_bytes, page_size=page_size)
+                            kv_cache_bytes=kv_cache_bytes, page_size=page_size,
+                            prefix_caching=None if prefix_caching else False)
     name = served_model_name or Path(target_path).name
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())
@@ -95,7 +96,8 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     if engine.pages is not None:
         pool = engine.pages
         print(f"specjax serve: KV cache in {pool.num_pages - 1} pages of {pool.page_size} positions "
-              f"({readable(engine.kv_budget['kv_cache_bytes'])}): {pool.capacity_tokens} tokens for {slots} slots",
+              f"({readable(engine.kv_budget['kv_cache_bytes'])}): {pool.capacity_tokens} tokens for {slots} slots; "
+              f"prefix caching {'on' if engine.prefix_caching else 'off'}",
               file=sys.stderr, flush=True)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",

@@ -2,7 +2,8 @@
 engine's programs, and how many requests that holds at once against max_len-sized slots.
 
 `serve_plan` builds the engine's programs from shapes (`specjax.Engine`'s run calls at K = 0
-and at the draft's K, and its largest prefill), compiles them for one chip here (aot.py: a
+and at the draft's K, and its admission of the most prompt tokens, prefilled into the
+state's pages), compiles them for one chip here (aot.py: a
 TPU's compiler, or a GPU's through jax's CUDA plugin), and reads XLA's figures
 (`memory_analysis()`): the chip's memory less the weights, the state's rows (tokens, page
 tables, settings) and the most any program needs beside its arguments is what pages may
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.cache import KVCache
 from specjax.drafters import DraftModel
@@ -35,7 +37,7 @@ class ServePlan:
     hbm: int
     weights: int
     rows: int  # the state's arrays but its pools: tokens, page tables, settings
-    temporaries: int  # the most any program needs beside its arguments (a prefill's rows counted)
+    temporaries: int  # the most any program needs beside its arguments
     page_bytes: int  # one page of every cache (target and draft)
     page_size: int
     slots: int
@@ -107,9 +109,9 @@ def serve_plan(target, draft=None, *, topology: str, slots: int = 64, max_len: i
     state = paged[0].args[3]
     pools = programs.pool_bytes(state)
     page_bytes = pools // 2  # (kv_pages=1: the null page and one)
-    prefill = aot.compile_spec(_largest_prefill(target_model, draft_model, where, slots, max_len, page_size,
-                                                num_draft_tokens))
-    temporaries = max(max(p.temporaries for p in compiled), prefill.temporaries + prefill.outputs)
+    prefill = aot.compile_spec(_largest_admission(target_model, draft_model, where, slots, max_len, page_size,
+                                                  num_draft_tokens))
+    temporaries = max(max(p.temporaries for p in compiled), prefill.temporaries)  # (its output: the state, donated)
     weights = compiled[-1].weights
     kind = "plain decoding" if draft_model is None else f"draft chain K={num_draft_tokens}"
     request = (f"{target_model.config.model_type} {target_model.config.num_params() / 1e9:.2f}B params "
@@ -137,15 +139,20 @@ def serve_plan(target, draft=None, *, topology: str, slots: int = 64, max_len: i
                      mean_tokens, int(dense_slots), fits, seconds)
 
 
-def _largest_prefill(target, draft, where: aot.Placement, slots: int, max_len: int, page_size: int, K: int) -> aot.Spec:
-    """The engine's prefill of the most tokens (`Programs.largest_prefill`), placed on the chip."""
+def _largest_admission(target, draft, where: aot.Placement, slots: int, max_len: int, page_size: int,
+                       K: int) -> aot.Spec:
+    """The paged engine's admission of the most tokens (`Programs.largest_prefill`: a group
+    prefilled straight into the state's pages), placed on the chip."""
     placed = where.model(target)
     drafter = None if draft is None else DraftModel(where.model(draft)).resolve(K).bind(placed)
     engine = programs.Programs(placed, {0: None} if drafter is None else {K: drafter}, slots, max_len, 8, 1, 0.0,
                                paging=(2, page_size))
     host, b = engine.largest_prefill()
+    n = host[0].shape[0]
+    state = engine.state_shapes()
     params = (placed.params, aot.drafter_params(drafter))
-    must = nbytes(params) + KVCache.nbytes(target.config, host[0].shape[0], b, target.dtype)
-    return aot.Spec(f"prefill [{host[0].shape[0]}, {b}]", programs._prefill, None,
-                    (placed, drafter) + tuple(where.replicated(host)), dict(cache_len=b, backend=where.backend),
-                    params, must, where.platform)
+    table = np.zeros((slots, engine.table_width), np.int32)
+    args = where.replicated((state, np.arange(n, dtype=np.int32)) + tuple(host) + (table,))
+    return aot.Spec(f"admission [{n}, {b}]", programs._admit, None, (placed, drafter) + tuple(args),
+                    dict(width=b, backend=where.backend, rules=None), params, nbytes(params) + nbytes(state),
+                    where.platform)
