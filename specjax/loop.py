@@ -286,6 +286,14 @@ def admit(state: SlotState, slots, rows: SlotState, drafter, table) -> SlotState
     return jax.tree.map(one, state, rows, state_axes(state, drafter), is_leaf=is_cache)
 
 
+def with_pools(state: SlotState, rows: SlotState) -> SlotState:
+    """`state` with every cache's pools taken from `rows`' (a `prefill` that resumed into the
+    state's pools, `resumed_views`): its entries written, nothing else of the rows kept."""
+    pools = iter(caches(rows))
+    return jax.tree.map(lambda x: x.replace(k=(c := next(pools)).k, v=c.v) if is_cache(x) else x, state,
+                        is_leaf=is_cache)
+
+
 def paged(state: SlotState, num_pages: int, page_size: int, table_width: int) -> SlotState:
     """The state with every cache it holds (the target's, a draft model's, an EAGLE layer's)
     in pools of num_pages pages of page_size slots, every row's table of table_width pages

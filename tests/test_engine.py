@@ -188,7 +188,7 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
     threading.Timer(0.2, gate.set).start()
     engine.stop_compiling()
     assert not engine.warming and engine.stats()["compiling"] == 5
-    engine._compiling.clear()  # those programs are compiled already
+    engine.warmup.pending.clear()  # those programs are compiled already
 
     def fail(*a):
         raise RuntimeError("out of memory, say")
@@ -198,8 +198,8 @@ def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
     settled()
     assert "out of memory, say" in str(engine.compile_error) and engine.stats()["compiling"] == 6
     assert prefills_of_a_burst() == [1] * SLOTS
-    engine.compile_error = None
-    engine._compiling.clear()
+    engine.warmup.error = None
+    engine.warmup.pending.clear()
 
 
 def test_chunks_come_as_the_device_emits_them(pair, engines):

@@ -2,8 +2,11 @@
 give what `generate` gives each alone, with a pool too small for all of them at once (so
 that requests wait for pages, and running ones are preempted and resume), a pool whose
 pages all come back when the engine is idle, a cancelled request's pages freed, and a
-request larger than the pool refused at submit."""
+request larger than the pool refused at submit; prefixes cached and shared, and long
+prompts prefilled a chunk a call while other rows stream."""
 
+
+import time
 
 import jax
 import numpy as np
@@ -30,9 +33,9 @@ def paged(pair):
                             "tree": (specjax.DraftModel(drafts["near"], specjax.Tree(3, 2, 6)), None),
                             "lookup": (specjax.PromptLookup(2, 1), (3, 3, 3))}[name]
             # 7 pages of 8 (56 tokens, less than max_len): three requests of up to 48 tokens cannot
-            # all run at once.
+            # all run at once. Prompts over 16 tokens are prefilled 16 a call (chunked prefill).
             made[name] = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=table,
-                                        steps_per_call=4, kv_pages=7, page_size=PAGE)
+                                        steps_per_call=4, kv_pages=7, page_size=PAGE, prefill_chunk=16)
         return made[name]
 
     yield make
@@ -235,3 +238,31 @@ def test_prefix_caching_off_and_refused_without_pages(pair):
     assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0 and stats["cached_pages"] == 0
     with pytest.raises(ValueError, match="prefix_caching shares pages of the KV cache: give kv_pages or kv_cache"):
         specjax.Engine(target, slots=2, max_len=MAX_LEN, prefix_caching=True)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_a_row_streams(pair):
+    """prefill_chunk=16: a 45-token prompt submitted while another request streams is
+    prefilled 16 tokens a call (2 chunks, then admitted with its last 13): the streaming row
+    gets a call between each (never paused for more than one call and one chunk), and both
+    give what generate gives them alone."""
+    target = pair[0]
+    engine = specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=14, page_size=PAGE, prefill_chunk=20,
+                            steps_per_call=2)
+    assert engine.programs.chunk == 16 and "prefill a chunk [1, 16]" in engine.stats()["programs"]
+    assert engine.programs.sizes == ((1, 16), (2, 16))  # nothing admitted past a chunk
+    long_prompt = [int(t) for t in np.random.default_rng(9).integers(3, 97, 45)]
+    chunks = []
+    real = engine.programs.prefill_chunk
+    engine.programs.prefill_chunk = lambda *a: chunks.append((a[3], engine.load()[0])) or real(*a)
+    with engine:
+        streaming = engine.submit([4, 5, 6], max_new_tokens=60)
+        while not streaming.tokens:
+            time.sleep(0.01)
+        long = engine.submit(long_prompt, max_new_tokens=8)
+        outputs = [streaming.result(timeout=300), long.result(timeout=300)]
+    assert outputs == [_alone(target, None, [4, 5, 6], 60, ()), _alone(target, None, long_prompt, 8, ())]
+    assert [start for start, _ in chunks] == [0, 16] and all(running == 2 for _, running in chunks)
+    first = long.chunk_times[0][0]
+    between = [t for t, _ in streaming.chunk_times if long.submitted < t < first]
+    assert len(between) >= 2, (len(between), streaming.chunk_times)  # a call of its own around each chunk
+    assert long.prefilled == 32 and long.cached_tokens == 0 and engine.stats()["free_pages"] == 14

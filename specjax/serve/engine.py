@@ -21,11 +21,9 @@ and nothing of what a step computes (loop.py) or how its programs are shaped (pr
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import threading
-import weakref
 from typing import Sequence
 
 import jax
@@ -42,24 +40,16 @@ from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
 from specjax.serve.requests import Request
+from specjax.serve.warmup import Warmup
 
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
+PREFILL_CHUNK = 512  # a paged engine's default prefill_chunk (tokens a call)
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
-_COMPILING = weakref.WeakSet()  # engines whose background compile may still run
-
-
-@atexit.register
-def _stop_background_compiles():
-    """At interpreter exit a thread still inside XLA's compiler aborts the process (SIGABRT:
-    "terminate called after throwing an instance of ''"): each background compile stops
-    after the program it is compiling, and is waited for."""
-    for engine in list(_COMPILING):
-        engine.stop_compiling()
 
 
 @dataclasses.dataclass
@@ -139,13 +129,17 @@ class Engine:
         used first). None (the default): on where paged. Its output is what a fresh prefill
         gives (greedy: token for token; deterministic: bit for bit). `stats()` counts tokens
         looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
+    prefill_chunk: paged, the most prompt tokens one device call prefills (None: PREFILL_CHUNK;
+        rounded down to a prompt bucket): a longer prompt's row holds a slot and its pages
+        while its chunks are prefilled a call apiece between the live rows' calls, which go
+        on streaming, and is placed with its last (its first token then).
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
-                 prefix_caching: bool | None = None):
+                 prefix_caching: bool | None = None, prefill_chunk: int | None = None):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -181,7 +175,8 @@ class Engine:
         # pages are counted once the state's shapes are known: 2 until then).
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
-                                 paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None)
+                                 paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
+                                 prefill_chunk=PREFILL_CHUNK if paged and prefill_chunk is None else prefill_chunk)
         self.kv_budget: dict = {}
         self.pages = None
         if paged:
@@ -201,6 +196,7 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[int, Request] = {}
+        self._chunking: dict[int, Request] = {}  # slot -> a long prompt's request being prefilled a chunk a call
         self._cancelled: set[Request] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -211,10 +207,7 @@ class Engine:
         self.k_in_use = self.policy.table[0]  # the K of the last device call
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
         self.preemptions = 0  # requests sent back to wait, their pages freed, when pages ran out (paged)
-        self._compiling: set[tuple[int, int]] = set()  # (n, bucket): grouped prefills not compiled yet
-        self.compile_error: Exception | None = None  # why the background compile stopped, if it did
-        self._compiler: threading.Thread | None = None  # the background compile (compile_all)
-        self._stop_compiling = threading.Event()
+        self.warmup = Warmup()  # the grouped prefills compiled in the background (compile_all)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -313,53 +306,32 @@ class Engine:
         another machine (`stats()["step_ms"]`)."""
         self.wait_warm()  # an earlier call's background compile ends first
         later = self.programs.groups() if groups_later else []
-        self._compiling = set(later)
-        layout = self.programs.compile_all(skip=self._compiling, progress=progress)
+        self.warmup.pending = set(later)
+        layout = self.programs.compile_all(skip=self.warmup.pending, progress=progress)
         if self.policy.profile is not None:  # a table the profile chose is priced at this device's own steps
             self.policy.price(self.programs.measure_steps(), self.programs.widths)
         if later:
-            self._stop_compiling.clear()
-            self._compiler = threading.Thread(target=self._compile_groups, args=(later, layout, progress),
-                                              name="specjax-compile", daemon=True)
-            _COMPILING.add(self)
-            self._compiler.start()
+            self.warmup.start(self.programs, later, layout, progress)
         return self
-
-    def _compile_groups(self, groups, layout, progress):
-        """The background thread of `compile_all(groups_later=True)`. A compile that fails
-        leaves its size and the rest unused (`compile_error` says why); the engine serves on."""
-        for n, b in groups:
-            if self._stop_compiling.is_set():
-                return
-            try:
-                self.programs.compile_group(n, b, layout)
-            except Exception as e:  # noqa: BLE001 - those groups stay unused; requests go in smaller ones
-                self.compile_error = e
-                return
-            self._compiling.discard((n, b))
-            if progress is not None:
-                progress(2)  # the group's prefill and insert
 
     @property
     def warming(self) -> bool:
         """Whether the background compile of `compile_all(groups_later=True)` still runs."""
-        thread = self._compiler
-        return thread is not None and thread.is_alive()
+        return self.warmup.running
+
+    @property
+    def compile_error(self) -> Exception | None:
+        """Why the background compile stopped early, if it did (its groups stay unused)."""
+        return self.warmup.error
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Waits for the background compile to end (finished, failed or stopped); whether it has."""
-        thread = self._compiler
-        if thread is not None:
-            thread.join(timeout)
-        return not self.warming
+        return self.warmup.wait(timeout)
 
     def stop_compiling(self):
-        """Stops the background compile after the program it is compiling (XLA's compile of
-        one program cannot be interrupted) and waits for it; the groups not compiled stay
-        unused (their requests are prefilled in smaller groups)."""
-        self._stop_compiling.set()
-        self.wait_warm()
-        _COMPILING.discard(self)
+        """Stops the background compile after the program it is compiling and waits for it;
+        the groups not compiled stay unused (their requests are prefilled in smaller groups)."""
+        self.warmup.stop()
 
     def close(self):
         """`stop`, then `stop_compiling`: what a process does before it exits."""
@@ -397,9 +369,10 @@ class Engine:
         pending = None
         while True:
             with self._lock:
-                while not (self._waiting or self._live or self._cancelled or pending or self._stopping):
+                while not (self._waiting or self._live or self._chunking or self._cancelled or pending
+                           or self._stopping):
                     self._lock.wait()  # idle: blocks, using no CPU
-                if self._stopping and not (self._waiting or self._live or pending):
+                if self._stopping and not (self._waiting or self._live or self._chunking or pending):
                     return
                 cancelled, self._cancelled = self._cancelled, set()
             try:
@@ -416,7 +389,8 @@ class Engine:
                     table = self._table()
                     if not np.array_equal(table, before):  # rows grew, or were freed
                         self._state = self.programs.set_table(self._state, table)
-                out = self._dispatch(fresh=self._admit())
+                fresh = self._admit()
+                out = self._dispatch(fresh=self._prefill_chunk() or fresh)
                 if pending is not None:
                     self._deliver(pending)
                     pending = None
@@ -429,7 +403,7 @@ class Engine:
                 pending = None
                 self._recover(e)
             except BaseException as e:  # interpreter exit: every request learns why
-                self._fail(list(self._live.values()) + list(self._waiting), e)
+                self._fail(list(self._live.values()) + list(self._chunking.values()) + list(self._waiting), e)
                 raise
 
     def _fail(self, requests: list[Request], error: BaseException):
@@ -457,7 +431,8 @@ class Engine:
         cannot be made, every request fails and the thread stops."""
         self.failures += 1
         with self._lock:
-            live = list(self._live.values())
+            live = list(self._live.values()) + list(self._chunking.values())
+            self._chunking.clear()
         self._fail(live, error)
         self._draft_behind = False
         if self.pages is not None:  # the new state's pages hold nothing
@@ -472,6 +447,7 @@ class Engine:
             raise
 
     def _release(self, cancelled: set[Request]):
+        self._chunking = {slot: r for slot, r in self._chunking.items() if r not in cancelled}
         slots = [slot for slot, r in self._live.items() if r in cancelled]
         if slots:
             self._state = self.programs.release(self._state, slots)
@@ -491,16 +467,19 @@ class Engine:
         tokens go out at once). Every request taken off the queue is placed, failed, or (when
         an insert fails and the error goes up to `_recover`) put back at its front."""
         with self._lock:
-            free = [s for s in range(self.slots) if s not in self._live]
+            free = [s for s in range(self.slots) if s not in self._live and s not in self._chunking]
             taken = []
             while len(taken) < len(free) and self._waiting and self._takes_pages(self._waiting[0]):
                 taken.append(self._waiting.popleft())
+        rest = lambda r: len(r.context) - r.prefilled  # noqa: E731 - what its prefill computes
+        for request in [r for r in taken if self.programs.chunk and rest(r) > self.programs.chunk]:
+            taken.remove(request)  # prefilled a chunk a call (`_prefill_chunk`)
+            self._chunking[free.pop(0)] = request
         before, arrived = len(free), list(taken)
-        rest = lambda r: len(r.context) - r.cached_tokens  # noqa: E731 - what its prefill computes
         taken.sort(key=rest)  # a group runs in its longest prompt's bucket
         try:
             for n in self.programs.partition([rest(r) for r in taken], self.programs.call_tokens,
-                                             skip=self._compiling):
+                                             skip=self.warmup.pending):
                 self._place(taken, n, free)
         finally:
             if taken:  # back at the front, in the order they arrived, holding no pages
@@ -522,8 +501,23 @@ class Engine:
         except OutOfPages:
             self.pages.release(request)
             return False
-        request.cached_tokens = shared * self.pages.page_size
+        request.cached_tokens = request.prefilled = shared * self.pages.page_size
         return True
+
+    def _prefill_chunk(self) -> bool:
+        """The oldest long prompt being prefilled a chunk a call gets its next chunk, or, if
+        what is left fits one, is placed (`_place`: its row then steps). Whether it was."""
+        if not self._chunking:
+            return False
+        slot, request = min(self._chunking.items(), key=lambda item: item[1].submitted)
+        if len(request.context) - request.prefilled <= self.programs.chunk:
+            del self._chunking[slot]
+            self._place([request], 1, [slot])
+            return True
+        self._state = self.programs.prefill_chunk(self._state, slot, request.context, request.prefilled,
+                                                  self._table({slot: request}))
+        request.prefilled += self.programs.chunk
+        return False
 
     def _keys(self, request: Request) -> list:
         """The keys of the request's context's cacheable pages (`page_keys`; none without
@@ -595,7 +589,7 @@ class Engine:
         slots = [free.pop(0) for _ in group]
         try:
             self._state = (self.programs.insert(self._state, slots, rows) if rows is not None else self.programs.admit(
-                self._state, slots, contexts, [r.cached_tokens for r in group], limits, samplings, stops,
+                self._state, slots, contexts, [r.prefilled for r in group], limits, samplings, stops,
                 [r.seed for r in group], self._table(dict(zip(slots, group)))))
         except Exception as e:
             self._fail(group, e)
@@ -656,14 +650,15 @@ class Engine:
         return thread is not None and thread.is_alive()
 
     def load(self) -> tuple[int, int]:
-        """(running, waiting): requests in slots, and requests queued for one."""
+        """(running, waiting): requests in slots (a long prompt's being prefilled too), and
+        requests queued for one."""
         with self._lock:
-            return len(self._live), len(self._waiting)
+            return len(self._live) + len(self._chunking), len(self._waiting)
 
     def cancel_all(self):
         """Cancels every request, waiting or running (a server's bounded drain)."""
         with self._lock:
-            everyone = list(self._waiting) + list(self._live.values())
+            everyone = list(self._waiting) + list(self._live.values()) + list(self._chunking.values())
         for request in everyone:
             request.cancel()
 
@@ -683,6 +678,6 @@ class Engine:
                 "failures": self.failures, "preemptions": self.preemptions, "prefix_caching": self.prefix_caching,
                 "programs": self.programs.listing(),
                 "step_ms": self.step_ms,
-                "compiling": len(self._compiling), "prefill_call_tokens": self.programs.call_tokens,
+                "compiling": len(self.warmup.pending), "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}
 

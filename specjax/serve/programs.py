@@ -116,6 +116,21 @@ def _admit(target, drafter, state, slots, prompts, start, length, limit, samplin
     return loop.place(loop.admit(state, slots, rows, drafter, table), drafter, backend.mesh, rules)
 
 
+@functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend"))
+def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table, *, width: int, backend: Backend):
+    """A paged state with positions start[i] .. start[i] + width - 1 of n requests' prompts
+    (`_admit`'s arguments) written into their pages: a chunk of a long prompt, its rows not
+    live yet (the state's own table keeps their pages away from every step until `_admit`
+    places them). Only the caches' pools change."""
+    n = slots.shape[0]
+    target, drafter = loop.bound(backend, target, drafter)
+    cache, draft_cache = loop.resumed_views(state, slots, table, start)
+    rows = loop.prefill(target, drafter, prompts, length, cache_len=state.tokens.shape[1], limit=length,
+                        sampling=_as_kind(Sampling.make(batch=n)), stop_ids=jnp.full((n, 1), -1, jnp.int32),
+                        key=loop.row_keys(jax.random.key(0), n), cache=cache, resume=Resume(draft_cache, start, width))
+    return loop.with_pools(state, rows)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_table(state, table):
     """A paged state with the page table int32 [slots, M] the host holds now."""
@@ -232,7 +247,7 @@ class Programs:
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
-                 open_steps: int | None = None, paging: tuple | None = None):
+                 open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
         # None, or (pages, page size): the target's cache in a pool of pages (serve/pages.py).
         self.paging = None if paging is None else tuple(int(x) for x in paging)
@@ -250,6 +265,14 @@ class Programs:
         # the last bucket up past max_len)
         self.room = verify_room(self.deepest)  # slots past the root a step writes
         self.cache_len = max(loop.cache_length(max_len, 0, self.room), self.buckets[-1])
+        # Paged: a prompt longer than `chunk` (the longest bucket within prefill_chunk) is
+        # prefilled a chunk a call (`prefill_chunk`) and admitted with its last; the buckets
+        # a group is admitted in stop there. None: every prompt at once.
+        self.chunk = None
+        if prefill_chunk is not None:
+            if self.paging is None:
+                raise ValueError("prefill_chunk prefills into a row's pages: give kv_pages or kv_cache_bytes")
+            self.chunk = max([b for b in self.buckets if b <= prefill_chunk] or [self.buckets[0]])
         doubling = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))  # 1, 2, 4, .. slots
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
         self.widths = (slots,) if mesh is not None else doubling
@@ -271,13 +294,14 @@ class Programs:
         """Every program this engine may compile, by name and shape."""
         return ([f"empty state [{self.slots}, {self.cache_len}]", "release"]
                 + ([] if self.paging is None else [f"set the page table [{self.slots}, {self.table_width}]"])
-                + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in self._admissions]
+                + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in self.admissions]
+                + ([] if self.chunk is None else [f"prefill a chunk [1, {self.chunk}]"])
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + [f"sync the draft for K={K}" for K in self._synced()])
 
     @property
-    def _admissions(self) -> tuple[str, ...]:
+    def admissions(self) -> tuple[str, ...]:
         """The programs that admit a group: a prefill of rows, then their insert; or, paged,
         one that prefills into the state's own pages (`_admit`)."""
         return ("prefill", "insert") if self.paging is None else ("admit",)
@@ -403,6 +427,15 @@ class Programs:
         return _admit(self.target, self.deepest, state, np.array(slots, np.int32), *args,
                       np.asarray(table, np.int32), width=b, backend=self.backend, rules=self.rules)
 
+    def prefill_chunk(self, state, slot: int, prompt, start: int, table):
+        """Paged: positions start .. start + `chunk` - 1 of a long prompt written into its
+        pages (table: the host's, the row's pages included), its row not placed yet."""
+        tokens = np.zeros((1, self.cache_len), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        return _prefill_chunk(self.target, self.deepest, state, np.array([slot], np.int32), tokens,
+                              np.array([start], np.int32), np.array([len(prompt)], np.int32),
+                              np.asarray(table, np.int32), width=self.chunk, backend=self.backend)
+
     def set_table(self, state, table):
         """A paged state with the host's page table (rows grown, or freed, since it was set)."""
         return _set_table(state, np.asarray(table, np.int32))
@@ -436,7 +469,8 @@ class Programs:
     def sizes(self) -> tuple[tuple[int, int], ...]:
         """(n, bucket) of every prefill: n requests of a bucket together, one always, more
         while they hold at most GROUP_TOKENS; shortest bucket first."""
-        return tuple((n, b) for b in self.buckets for n in self.prefill_sizes if n == 1 or n * b <= GROUP_TOKENS)
+        return tuple((n, b) for b in self.buckets for n in self.prefill_sizes
+                     if (n == 1 or n * b <= GROUP_TOKENS) and (self.chunk is None or b <= self.chunk))
 
     def _dummy_rows(self, n: int, b: int):
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
@@ -470,7 +504,11 @@ class Programs:
         for n, b in self.sizes:
             if (n, b) not in skip:
                 state = self._dummy_admit(state, n, b)
-                done(len(self._admissions))
+                done(len(self.admissions))
+        if self.chunk is not None:  # (into the null pages)
+            state = self.prefill_chunk(state, 0, np.ones((self.chunk,), np.int32), 0,
+                                       np.zeros((self.slots, self.table_width), np.int32))
+            done(1)
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
         done(1)

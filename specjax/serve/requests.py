@@ -24,6 +24,7 @@ class Request:
         self.stop_token_ids, self.seed = stop_ids, seed
         self.tokens: list[int] = []
         self.cached_tokens = 0  # of its context, those its row took from cached pages (prefix caching)
+        self.prefilled = 0  # of its context, those its row's pages hold before its admission (cached, chunks)
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
