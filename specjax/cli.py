@@ -315,7 +315,7 @@ def _serve(args):
                  warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
                  kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size,
                  compilation_cache=None if args.no_compilation_cache else args.compilation_cache,
-                 prefix_caching=not args.no_prefix_caching)
+                 prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk)
 
 
 def _plan(args):
@@ -513,6 +513,9 @@ def main(argv=None):
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="with pages, prefill every prompt whole (by default a prompt takes the cached pages of an "
                         "earlier one that began with the same tokens)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
+                        "chunk a call while the running requests stream (default 512)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")

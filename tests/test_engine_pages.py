@@ -184,7 +184,8 @@ def test_pages_larger_than_a_bucket_round_the_buckets_up(pair):
 SHARED = [int(t) for t in np.random.default_rng(7).integers(3, 97, 26)]  # 3 full pages of 8, and 2 tokens
 
 
-@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft", "eagle3", "tree"])
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft", "eagle3",
+                                  pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
     """Prefix caching (on by default where paged): a request whose context begins with an
     earlier one's takes its 3 full pages of every cache (the target's, the draft model's or

@@ -122,13 +122,12 @@ def test_real_pairs_plan_on_a_v5e_2x2(pair, batch, max_len, fits):
         assert "exceeds available HBM" in str(result) and "smaller --batch" in result.advice
 
 
+@pytest.mark.slow  # the suite's time on 2 cores: five programs compiled for a v5e (-m slow runs it)
 def test_plan_serve_counts_pages_beside_the_weights_and_compiled_programs(tmp_path):
-    """`plan --serve`: a tiny pair's engine on one v5e chip, its paged calls and largest prefill
-    compiled: the pages that fit are the chip less the weights, the rows and the programs'
-    temporaries over a page of every cache (target and draft), at most every slot at max_len;
-    the dense engine at the same slots compiles and fits. A slice of several chips is refused."""
-    from specjax.tools.serve_plan import ServePlan
-
+    """`plan --serve`: a tiny pair's engine on one v5e chip, its paged calls and largest
+    admission compiled: the pages that fit are the chip less the weights, the rows and the
+    programs' temporaries over a page of every cache (target and draft), at most every slot
+    at max_len; the dense engine at the same slots compiles and fits."""
     target = _folder(tmp_path, "target", TINY)
     draft = _folder(tmp_path, "draft", dict(TINY, num_hidden_layers=1))
     code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:1x1", "--serve", "--slots", "4",
@@ -138,6 +137,12 @@ def test_plan_serve_counts_pages_beside_the_weights_and_compiled_programs(tmp_pa
     assert f"pages of 16: 64 ({page / 2 ** 20:.1f} MiB each, every cache) = 1024 tokens: 4 requests" in out, out
     assert "dense slots of 256: 4 at once in the same memory (at most 4; compiled: fits)" in out, out
     assert "draft chain K=4; 4 slots of max_len 256" in out
+
+
+def test_plan_serve_arithmetic_and_refusal(tmp_path):
+    """`plan --serve`'s arithmetic from its figures; a slice of several chips refused."""
+    from specjax.tools.serve_plan import ServePlan
+
     # The arithmetic: 1 GiB free for pages of 64 KiB, 64 slots of 8K, requests of 8K tokens.
     sizes = dict(request="", hbm=2 ** 34, weights=2 ** 33, rows=2 ** 20, page_bytes=2 ** 16, page_size=16, slots=64,
                  max_len=8192, mean_tokens=8192, dense_slots=7, dense_fits=True, compile_seconds=0.0)
@@ -145,5 +150,5 @@ def test_plan_serve_counts_pages_beside_the_weights_and_compiled_programs(tmp_pa
     assert p.free == 2 ** 30 and p.pages == 2 ** 14 - 1 and p.paged_requests == 31  # (2^14 - 1) 16 // 8192
     assert "pages / dense: 4.43x" in str(p)
     assert ServePlan(temporaries=0, **sizes).pages == 64 * 512  # at most every slot at max_len
-    code, out, err = _cli(target, "--topology", "v5e:2x2", "--serve")
+    code, out, err = _cli(_folder(tmp_path, "target", TINY), "--topology", "v5e:2x2", "--serve")
     assert code == 2 and "builds the engine on one chip; v5e:2x2 has 4" in err, (out, err)

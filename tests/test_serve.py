@@ -560,13 +560,13 @@ def test_usage_counts_each_prompt_once_and_its_cached_tokens():
 
 
 def test_serve_flags_reach_the_engine(monkeypatch):
-    """`specjax serve`'s pool flags: prefix caching on unless --no-prefix-caching."""
+    """`specjax serve`'s pool flags: prefix caching on unless --no-prefix-caching; the prefill chunk."""
     import specjax.serve.server as server_module
     from specjax.cli import entry
 
     seen = []
     monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
-    assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32"]) == 0
+    assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32", "--prefill-chunk", "256"]) == 0
     assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
-    assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"]) for s in seen] == [
-        (64, None, 32, True), (None, "4GiB", 16, False)]
+    assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"])
+            for s in seen] == [(64, None, 32, True, 256), (None, "4GiB", 16, False, None)]

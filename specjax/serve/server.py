@@ -59,10 +59,12 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           max_queue: int | None = None, deterministic: bool = False, mesh=None, steps_per_call: int = 4,
           drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
           tokenizer: str | None = None, kv_pages: int | None = None, kv_cache_bytes: int | str | None = None,
-          page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True) -> int:
+          page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True,
+          prefill_chunk: int | None = None) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
-    target's own folder's). kv_pages, kv_cache_bytes, page_size, prefix_caching: the engine's
-    page pool and whether it shares cached prefixes (Engine's; the last only where paged). compilation_cache: a folder for JAX's persistent compilation cache, where a
+    target's own folder's). kv_pages, kv_cache_bytes, page_size, prefix_caching, prefill_chunk:
+    the engine's page pool, whether it shares cached prefixes and the most prompt tokens a
+    call prefills (Engine's; the last two only where paged). compilation_cache: a folder for JAX's persistent compilation cache, where a
     second start finds every program compiled ("default": `default_compilation_cache()`;
     None: none)."""
     import uvicorn
@@ -87,7 +89,7 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
                             deterministic=deterministic, steps_per_call=steps_per_call, kv_pages=kv_pages,
                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
-                            prefix_caching=None if prefix_caching else False)
+                            prefix_caching=None if prefix_caching else False, prefill_chunk=prefill_chunk)
     name = served_model_name or Path(target_path).name
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())
