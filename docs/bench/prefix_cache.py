@@ -5,8 +5,8 @@ tokens) and end in their own question (16-64 held-out tokens), 32 new tokens eac
 
 One request goes first and alone (it writes the shared pages), then the rest at once. For
 each mode: the burst's time to first token (median and 90th percentile over its requests),
-its wall time, the tokens of prompts prefilled against those taken from cached pages, and
-whether every output equals the other mode's (and the first request's alone).
+its wall time, the burst's prompt tokens and those taken from cached pages, and whether
+every output (the first request's too) equals the other mode's.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python docs/bench/prefix_cache.py [--requests 24]
         [--shared 512] > docs/bench/prefix_cache.txt
