@@ -107,8 +107,8 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
     """Requests that wait together (of different lengths, budgets and stops) take the free
     slots in one prefill call; each still gives what it gives alone. A call runs one step
     after rows were inserted, `steps_per_call` while every slot is live, at most OPEN_STEPS
-    when one is free, and ends with the step in which a row finishes (a request arriving
-    then waits no longer for its slot)."""
+    when one is free. The device never waits on the host: each call but the last is read
+    after the next one was dispatched."""
     from specjax.serve.engine import OPEN_STEPS
 
     engine = engines(name)
@@ -117,15 +117,22 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
     monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
 
     def run(state, *a):
-        live, was_done = len(engine._live), np.asarray(state.done)
+        live = len(engine._live)
         out = real_run(state, *a)
-        taken, done, counts = int(out[3]), np.asarray(out[4]), np.asarray(out[2])
-        finished = np.flatnonzero(done & ~was_done[:done.size])
-        # every row that finished emitted tokens in the call's last step: the call ended there
-        runs.append((live, a[-1], taken, bool((counts[taken - 1, finished] > 0).all())))
+        runs.append((live, a[-1], int(out[3])))
         return out
 
+    order, real_dispatch, real_deliver = [], engine._dispatch, engine._deliver
+
+    def dispatch(**kwargs):
+        call = real_dispatch(**kwargs)
+        if call is not None:
+            order.append(("run", call))
+        return call
+
     monkeypatch.setattr(engine.programs, "run", run)
+    monkeypatch.setattr(engine, "_dispatch", dispatch)
+    monkeypatch.setattr(engine, "_deliver", lambda call: order.append(("read", call)) or real_deliver(call))
     # Budgets 20, 6, 15: after the fresh step and a full call (5 tokens), the 6-token request
     # finishes at the first step of the next full call, which must end there.
     burst = [(p, b, s) for (p, _, s), b in zip(REQUESTS[2:2 + SLOTS], (20, 6, 15))]
@@ -134,10 +141,13 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
             submitted = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in burst]
         outputs = [r.result(timeout=300) for r in submitted]
     assert calls == [SLOTS]
-    assert runs[0] == (SLOTS, 1, 1, True)  # the fresh rows' first tokens
-    assert any(taken == engine.programs.steps_per_call for _, _, taken, _ in runs), runs
-    assert all(taken <= OPEN_STEPS for live, _, taken, _ in runs if live < SLOTS), runs
-    assert any(live < SLOTS for live, _, _, _ in runs) and all(ended for *_, ended in runs), runs
+    assert runs[0] == (SLOTS, 1, 1)  # the fresh rows' first tokens
+    assert any(taken == engine.programs.steps_per_call for _, _, taken in runs), runs
+    assert all(taken <= OPEN_STEPS for live, _, taken in runs if live < SLOTS), runs
+    assert any(live < SLOTS for live, _, _ in runs), runs
+    calls = [c for what, c in order if what == "run"]
+    assert [what for what, _ in order] == ["run"] + ["run", "read"] * (len(calls) - 1) + ["read"], order
+    assert [c for what, c in order if what == "read"] == calls  # each read once, in order, after the next run
     for (prompt, budget, stops), got in zip(burst, outputs):
         assert got == _alone(pair[0], None, prompt, budget, stops)
 

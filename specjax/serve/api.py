@@ -144,6 +144,11 @@ class Server:
                 raise ApiError(400, f"prompt: {e}", param="prompt") from None
         return [list(row) for row in rows]
 
+    def completion_prompts_and_echoes(self, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """(`completion_prompts`, each prompt's text to echo: "" unless body.echo)."""
+        prompts = self.completion_prompts(body)
+        return prompts, [self.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template (its tokenizer_config.json or "
@@ -234,16 +239,16 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
     async def completions(request: Request):
         body = await server.read(request, CompletionRequest)
         server.check_model(body.model)
-        prompts = server.completion_prompts(body)
+        # Tokenizing (and decoding an echo) runs beside the event loop: a large body stalls no stream.
+        prompts, echoes = await asyncio.to_thread(server.completion_prompts_and_echoes, body)
         settings = server.settings(body, [len(p) for p in prompts], default_max=16)
-        echoes = [server.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
         return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes)
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
         body = await server.read(request, ChatRequest)
         server.check_model(body.model)
-        prompt = server.chat_prompt(body)
+        prompt = await asyncio.to_thread(server.chat_prompt, body)  # its template and tokenizer, beside the loop
         settings = server.settings(body, [len(prompt)], default_max=None)
         return await _respond(server, request, body, [prompt], settings, chat=True, echoes=[""])
 

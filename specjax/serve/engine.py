@@ -5,11 +5,13 @@ A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized 
 the waiting requests (prefilled together, a few per call, in the longest prompt's length
 bucket, then inserted into their rows; nothing else moves), and the live rows advance by
 loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
-steps, after a step in which a row finished (its slot is free at once), after OPEN_STEPS
-when a slot was free as it started (a request that arrives meanwhile waits that long for
-it, not a whole call), or after one step when rows were just inserted (their first tokens
-go out at once). The host reads a call's tokens while the next one runs, but at once when
-requests wait or rows were inserted. K follows the number of live rows (a table chosen at
+steps, after OPEN_STEPS when a slot was free as it started (a request that arrives
+meanwhile waits that long for it, not a whole call), or after one step when rows were just
+inserted (their first tokens go out at once). The device never waits on the host: call N+1
+is dispatched before call N's tokens are read (their copy to the host starts at dispatch),
+so the host delivers tokens, frees finished rows' slots and pages and admits waiting
+requests while the device runs the next call (a row that finished stays frozen on the
+device meanwhile: a late read is harmless); its slot is refilled a call later. K follows the number of live rows (a table chosen at
 construction from the backend's cost profile, then re-chosen among the Ks compiled at the
 steps' costs timed once compiled and at the acceptance the traffic shows; a slot refilled
 as its row finishes makes throughput one row's tokens per step, not a batch's slowest
@@ -63,7 +65,6 @@ class Call:
     counts: jax.Array  # int32 [steps, slots]: how many of them
     taken: jax.Array  # int32 []: steps the call ran
     done: jax.Array  # bool [slots]: rows finished (or empty) after it
-    read_now: bool  # requests wait or rows are new: read it at once, not while the next call runs
 
 
 def _supported(draft):
@@ -391,14 +392,9 @@ class Engine:
                         self._state = self.programs.set_table(self._state, table)
                 fresh = self._admit()
                 out = self._dispatch(fresh=self._prefill_chunk() or fresh)
-                if pending is not None:
+                if pending is not None:  # the call before this one: read while this one runs
                     self._deliver(pending)
-                    pending = None
-                if out is not None:
-                    if out.read_now:  # requests wait, or rows are new: read now, so that a finished row's
-                        self._deliver(out)  # slot is refilled next, and a first token goes out
-                    else:  # read while the next call runs
-                        pending = out
+                pending = out
             except Exception as e:  # noqa: BLE001 - a device call failed: its rows' requests learn why
                 pending = None
                 self._recover(e)
@@ -594,17 +590,16 @@ class Engine:
         except Exception as e:
             self._fail(group, e)
             raise
-        for request in group if self.pages else ():  # the pages they write are cached (calls run in order)
-            self.pages.count(len(request.context) if self.prefix_caching else 0, request.cached_tokens)
-            self.pages.register(request, self._keys(request))
         with self._lock:
+            for request in group if self.pages else ():  # the pages they write are cached (calls run in order)
+                self.pages.count(len(request.context) if self.prefix_caching else 0, request.cached_tokens)
+                self.pages.register(request, self._keys(request))
             self._live.update(zip(slots, group))
 
     def _dispatch(self, fresh: bool) -> Call | None:
         """Runs the live rows one call (one step when `fresh`: rows were just inserted)."""
         with self._lock:
             owners = dict(self._live)
-            waiting = bool(self._waiting)
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
@@ -616,18 +611,20 @@ class Engine:
         # New requests take the lowest free slot, so live rows gather at the front.
         self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind,
                                                                      1 if fresh else None)
-        self.calls[K] += 1
+        with self._lock:
+            self.calls[K] += 1
         jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done))  # read from here: `_deliver`
-        return Call(owners, K, tokens, counts, taken, done, read_now=waiting or fresh)
+        return Call(owners, K, tokens, counts, taken, done)
 
     def _deliver(self, call: Call):
         owners, K = call.owners, call.K
         tokens, counts, taken, done = jax.device_get((call.tokens, call.counts, call.taken, call.done))
-        self.steps[K] += int(taken)
-        self.k_in_use = K
-        if K:
-            emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
-            self.policy.record(K, emitted[emitted > 0] - 1)  # drafted tokens the target accepted, per drafted step
+        with self._lock:  # (`stats` reads the counters at once)
+            self.steps[K] += int(taken)
+            self.k_in_use = K
+            if K:
+                emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
+                self.policy.record(K, emitted[emitted > 0] - 1)  # drafted tokens the target accepted, per drafted step
         for slot, request in owners.items():
             if request.finished:
                 continue
@@ -667,10 +664,17 @@ class Engine:
         live rows now and the per-position acceptance it was chosen from (`acceptance`), and
         speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
         what a prefill call costs beyond its tokens, in tokens (`Programs.partition`), and
-        the steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
+        the steps' costs the table was priced at ({K: {width: ms}}; None: the profile's), and
+        the requests running and waiting: one snapshot (read under the engine's lock, which
+        the device thread takes to update them)."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         policy = self.policy
         acceptance = policy.acceptance()
-        return {"calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
+        running, waiting = self.load()
+        return {"running": running, "waiting": waiting, "calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
                 "k_table": list(policy.table), "k_in_use": self.k_in_use, "drafts": policy.drafts,
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,

@@ -89,7 +89,7 @@ class Generation:
                 continue  # chunks that came after a stop string
             if tokens is not None:
                 c.chunk_times.append((time.perf_counter(), len(tokens)))
-                text = c.detokenizer.push(tokens)
+                text = await asyncio.to_thread(c.detokenizer.push, tokens)  # beside the event loop
                 if c.detokenizer.stopped:
                     c.request.cancel()
                     c.finish_reason = "stop"
@@ -103,7 +103,7 @@ class Generation:
                     raise EngineFailure(str(c.request.error))
                 if c.request.finish_reason == "cancelled":  # not by us: the server is stopping
                     raise EngineFailure("the request was cancelled: the server is shutting down")
-                text = c.detokenizer.finish()
+                text = await asyncio.to_thread(c.detokenizer.finish)
                 c.finish_reason = "stop" if c.request.finish_reason == "stop" else "length"
                 if text:
                     c.text.append(text)

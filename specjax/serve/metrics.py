@@ -40,8 +40,8 @@ class _EngineCollector:
 
     def collect(self):
         e, labels = self.engine, self.labels
-        stats = e.stats()
-        running, waiting = e.load()
+        stats = e.stats()  # one snapshot
+        running, waiting = stats["running"], stats["waiting"]
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(f"specjax:{name}", doc, labels=list(labels))

@@ -150,9 +150,10 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
     pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
-    when those rows are all done, or after a step in which a row finished. So a request that
-    arrives during a call waits at most `open_steps` steps for a free slot (the host learns
-    of a finished row a call late: the call it queued meanwhile sees it here).
+    when those rows are all done. A row that finishes stays frozen to the call's end: the
+    host learns of it a call late (it dispatched the next call first), so ending there would
+    only add a round trip. A request that arrives during a call waits at most `open_steps`
+    steps for a free slot.
     kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
@@ -167,13 +168,11 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     state = _first_rows(full, width, in_place, axes)
     state = state.replace(sampling=_as_kind(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
-    was_done = state.done
     limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_steps), limit)
 
     def go_on(carry):
         state, i = carry[0], carry[1]
-        finished = jnp.any(state.done & ~was_done)
-        return (i < limit) & ~jnp.all(state.done) & ~finished
+        return (i < limit) & ~jnp.all(state.done)
 
     def body(carry):
         state, i, tokens, counts = carry
