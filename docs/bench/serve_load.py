@@ -61,11 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(draft: str, slots: int) -> tuple[subprocess.Popen, str]:
+def start(draft: str, slots: int, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+    """`specjax serve --draft draft --slots slots` (and `extra` flags) on a free port, once it
+    serves at full speed; -> (its process, its URL)."""
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--draft", draft, "--port", str(port),
-                             "--slots", str(slots), "--max-model-len", "1024"], cwd=ROOT, env=env,
+                             "--slots", str(slots), "--max-model-len", "1024", *extra], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
