@@ -30,14 +30,11 @@ MAX_LEN = 1024
 def one(requests: int, seed: int) -> dict:
     """The burst on the specjax importable here (PYTHONPATH; the checkpoints are this tree's);
     -> seconds, tokens, the outputs' hash."""
-    import jax.numpy as jnp
-
     import specjax
+    from shipped_pair import load_pair
     from specjax.train.data import held_out_prompts
 
-    target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
-    draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)
-    tokenizer = specjax.load_tokenizer(os.path.join(ROOT, "checkpoints/target"))
+    target, draft, tokenizer = load_pair()
     rng = np.random.default_rng(seed)
     pool = held_out_prompts(tokenizer, requests, 64, seed=seed)
     burst = [(list(p[:int(rng.integers(16, 65))]), int(rng.integers(8, 33))) for p in pool]

@@ -19,13 +19,12 @@ import os
 import threading
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from shipped_pair import load_pair
 from specjax.train.data import held_out_prompts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LEN = 1024
 PAGE = 16
 
@@ -59,9 +58,7 @@ def main():
     parser.add_argument("--paged-slots", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
-    draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)
-    tokenizer = specjax.load_tokenizer(os.path.join(ROOT, "checkpoints/target"))
+    target, draft, tokenizer = load_pair()
     rng = np.random.default_rng(args.seed)
     pool = held_out_prompts(tokenizer, args.requests, 256, seed=args.seed)
     requests = [(p[:int(rng.integers(16, 257))], int(rng.integers(16, 257))) for p in pool]

@@ -18,12 +18,11 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from shipped_pair import load_pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = 16
 
 
@@ -51,8 +50,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
-    draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)
+    target, draft, _ = load_pair()
     prompt = np.random.default_rng(0).integers(3, target.config.vocab_size, args.prompt).astype(np.int32)
     K = specjax.Engine(target, draft=draft, slots=1, max_len=args.max_len).k_table[0]
     table = (K,) * (args.slots - 1) + (0,)  # K = 0 compiled too

@@ -18,13 +18,12 @@ import argparse
 import os
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from shipped_pair import load_pair
 from specjax.train.data import held_out_prompts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LEN = 1024
 SLOTS = 8
 NEW_TOKENS = 32
@@ -50,9 +49,7 @@ def main():
     parser.add_argument("--shared", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    target = specjax.load_model(os.path.join(ROOT, "checkpoints/target"), dtype=jnp.float32)
-    draft = specjax.load_model(os.path.join(ROOT, "checkpoints/draft"), dtype=jnp.float32)
-    tokenizer = specjax.load_tokenizer(os.path.join(ROOT, "checkpoints/target"))
+    target, draft, tokenizer = load_pair()
     rng = np.random.default_rng(args.seed)
     pool = held_out_prompts(tokenizer, args.requests + 1, 512, seed=args.seed)
     shared = list(pool[0][:args.shared]) + list(pool[1][:max(0, args.shared - len(pool[0]))])

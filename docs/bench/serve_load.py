@@ -90,7 +90,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    chunks, tokens = [], 0  # (time, characters) of each non-empty text chunk
+    chunks, tokens, cached = [], 0, 0  # (time, characters) of each non-empty text chunk
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -99,10 +99,11 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
             data = json.loads(line[6:])
             if data.get("usage"):
                 tokens = data["usage"]["completion_tokens"]
+                cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             if data["choices"] and data["choices"][0]["text"]:
                 chunks.append(time.perf_counter())
     end = time.perf_counter()
-    return {"start": start, "end": end, "chunks": chunks, "tokens": tokens}
+    return {"start": start, "end": end, "chunks": chunks, "tokens": tokens, "cached": cached}
 
 
 async def load(url: str, model: str, texts: list[str], clients: int, rate: float, max_tokens: int, seed: int):

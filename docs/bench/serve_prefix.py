@@ -15,45 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
-import time
 
-import httpx
 import numpy as np
+from serve_load import ROOT, load, settle, start, summary
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_load import ROOT, settle, start  # noqa: E402
-
-
-async def one(client, url: str, prompt: list[int]) -> dict:
-    body = {"model": "target", "prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    begin, first, usage = time.perf_counter(), None, {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            usage = data.get("usage") or usage
-            if first is None and data["choices"] and data["choices"][0]["text"]:
-                first = time.perf_counter()
-    return {"ttft": first - begin, "tokens": usage["completion_tokens"],
-            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
-
-
-async def load(url: str, prompts: list[list[int]], clients: int = 8) -> tuple[list[dict], float]:
-    gate = asyncio.Semaphore(clients)
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def gated(prompt):
-            async with gate:
-                return await one(client, url, prompt)
-
-        begin = time.perf_counter()
-        results = await asyncio.gather(*(gated(p) for p in prompts))
-        return results, time.perf_counter() - begin
+INF = float("inf")
 
 
 def main():
@@ -79,11 +47,11 @@ def main():
         for _ in range(args.rounds):
             for name, (_, url) in servers.items():
                 settle()
-                asyncio.run(load(url, [shared], 1))  # the shared part's pages written (where cached)
-                results, seconds = asyncio.run(load(url, prompts))
-                ttft = sorted(1e3 * r["ttft"] for r in results)
-                runs[name].append({"ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": ttft[-1],
-                                   "tok_per_s": sum(r["tokens"] for r in results) / seconds,
+                asyncio.run(load(url, "target", [shared], 1, INF, 32, 0))  # the shared part's pages written
+                results, seconds = asyncio.run(load(url, "target", prompts, 8, INF, 32, 0))
+                figures = summary(results, seconds)
+                runs[name].append({"ttft_p50_ms": figures["ttft_p50_ms"], "ttft_p99_ms": figures["ttft_p99_ms"],
+                                   "tok_per_s": figures["output_tok_per_s"],
                                    "cached": sum(r["cached"] for r in results)})
                 print(f"{name}: {json.dumps({k: round(v, 1) for k, v in runs[name][-1].items()})}", flush=True)
     finally:
@@ -100,7 +68,8 @@ def main():
               f"{m['tok_per_s']:.0f} output tokens/s; {m['cached']:.0f} prompt tokens cached")
     on, off = medians["caching on"], medians["caching off"]
     print(f"off / on: time to first token p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x, p99 "
-          f"{off['ttft_p99_ms'] / on['ttft_p99_ms']:.2f}x; output tokens/s on / off {on['tok_per_s'] / off['tok_per_s']:.2f}x")
+          f"{off['ttft_p99_ms'] / on['ttft_p99_ms']:.2f}x; output tokens/s on / off "
+          f"{on['tok_per_s'] / off['tok_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
