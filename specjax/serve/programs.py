@@ -73,10 +73,26 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *
     uint32 [n], settings [n] each, stop ids [n, M]; row i's key is generate's row 0 of
     key(seed[i]), as if it were prefilled alone. backend: unsharded (its rows are placed by
     `_insert`)."""
-    keys = jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
     target, drafter = loop.bound(backend, target, drafter)
     return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
-                        stop_ids=stop_ids, key=keys)
+                        stop_ids=stop_ids, key=_seed_keys(seed))
+
+
+def _seed_keys(seed):
+    """Each row's PRNG key from its seed (uint32 [n]): generate's row 0 of key(seed[i]), as if
+    the row were prefilled alone."""
+    return jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
+
+
+def _prefill_into(target, drafter, state, slots, prompts, start, length, table, width: int, backend: Backend,
+                  **settings):
+    """(the bound drafter, `loop.prefill`'s rows) for the state's rows `slots`, positions
+    start .. start + width - 1 of their prompts computed straight into the state's own pools
+    (`loop.resumed_views`); settings: prefill's limit, sampling, stop_ids and key."""
+    target, drafter = loop.bound(backend, target, drafter)
+    cache, draft_cache = loop.resumed_views(state, slots, table, start)
+    return drafter, loop.prefill(target, drafter, prompts, length, cache_len=state.tokens.shape[1], cache=cache,
+                                 resume=Resume(draft_cache, start, width), **settings)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
@@ -107,12 +123,8 @@ def _admit(target, drafter, state, slots, prompts, start, length, limit, samplin
     each, stop ids [n, M], seeds uint32 [n] (row i's key as `_prefill`'s); table: the whole
     page table int32 [slots, M] as the host holds it, the rows' pages included. No row of
     its own is made: the pass writes the state's pools in place."""
-    keys = jax.vmap(lambda s: loop.row_keys(jax.random.key(s), 1)[0])(seed)
-    target, drafter = loop.bound(backend, target, drafter)
-    cache, draft_cache = loop.resumed_views(state, slots, table, start)
-    rows = loop.prefill(target, drafter, prompts, length, cache_len=state.tokens.shape[1], limit=limit,
-                        sampling=sampling, stop_ids=stop_ids, key=keys, cache=cache,
-                        resume=Resume(draft_cache, start, width))
+    drafter, rows = _prefill_into(target, drafter, state, slots, prompts, start, length, table, width, backend,
+                                  limit=limit, sampling=sampling, stop_ids=stop_ids, key=_seed_keys(seed))
     return loop.place(loop.admit(state, slots, rows, drafter, table), drafter, backend.mesh, rules)
 
 
@@ -122,12 +134,10 @@ def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table,
     (`_admit`'s arguments) written into their pages: a chunk of a long prompt, its rows not
     live yet (the state's own table keeps their pages away from every step until `_admit`
     places them). Only the caches' pools change."""
-    n = slots.shape[0]
-    target, drafter = loop.bound(backend, target, drafter)
-    cache, draft_cache = loop.resumed_views(state, slots, table, start)
-    rows = loop.prefill(target, drafter, prompts, length, cache_len=state.tokens.shape[1], limit=length,
-                        sampling=_as_kind(Sampling.make(batch=n)), stop_ids=jnp.full((n, 1), -1, jnp.int32),
-                        key=loop.row_keys(jax.random.key(0), n), cache=cache, resume=Resume(draft_cache, start, width))
+    n = slots.shape[0]  # (the rows' settings are placeholders: only the pools are kept)
+    _, rows = _prefill_into(target, drafter, state, slots, prompts, start, length, table, width, backend,
+                            limit=length, sampling=_as_kind(Sampling.make(batch=n)),
+                            stop_ids=jnp.full((n, 1), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), n))
     return loop.with_pools(state, rows)
 
 
