@@ -267,3 +267,45 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_row_streams(pair):
     between = [t for t, _ in streaming.chunk_times if long.submitted < t < first]
     assert len(between) >= 2, (len(between), streaming.chunk_times)  # a call of its own around each chunk
     assert long.prefilled == 32 and long.cached_tokens == 0 and engine.stats()["free_pages"] == 14
+
+
+@pytest.mark.parametrize("call, nth", [("run", 2), ("admit", 2), ("prefill_chunk", 2), ("set_table", 1)])
+def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, call, nth):
+    """Each kind of device call a paged engine makes, failing once mid-load (a step, an
+    admission into pages, a chunk of a long prompt, a table update): the requests in the
+    state then fail with the error, every other one is served as generate serves it alone,
+    none is left waiting, and every page comes back (the cache forgotten: the new state's
+    pages hold nothing). The nth call of its kind fails."""
+    target = pair[0]
+    engine = paged("draft")
+    real, calls = getattr(engine.programs, call), []
+
+    def failing(*args, **kwargs):
+        calls.append(call)
+        if len(calls) == nth:
+            raise RuntimeError(f"injected {call} failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.programs, call, failing)
+    long_prompt = [int(t) for t in np.random.default_rng(11).integers(3, 97, 40)]  # 3 chunks of 16
+    asked = [(REQUESTS[5][0], 44), (long_prompt, 6), (REQUESTS[2][0], 10), (REQUESTS[3][0], 9)]
+    failures = engine.failures
+    outputs = []
+    with engine:
+        submitted = []
+        for prompt, budget in asked:
+            submitted.append(engine.submit(prompt, max_new_tokens=budget))
+            time.sleep(0.02)
+        for request in submitted:
+            try:
+                outputs.append(request.result(timeout=300))
+            except RuntimeError as e:
+                assert f"injected {call} failure" in str(e), e
+                outputs.append(None)
+        after = engine.submit(REQUESTS[3][0], max_new_tokens=9).result(timeout=300)  # the engine serves on
+    assert len(calls) >= nth, calls  # the call failed
+    assert engine.failures == failures + 1 and None in outputs
+    for (prompt, budget), got in zip(asked, outputs):
+        assert got is None or got == _alone(target, None, prompt, budget, ()), (call, len(prompt))
+    assert after == _alone(target, None, REQUESTS[3][0], 9, ())
+    assert engine.stats()["free_pages"] == 7 and engine.pages._owned == {} and not engine._chunking
