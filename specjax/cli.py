@@ -315,7 +315,8 @@ def _serve(args):
                  warmup=not args.no_warmup, attention=args.attention, tokenizer=args.tokenizer,
                  kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size,
                  compilation_cache=None if args.no_compilation_cache else args.compilation_cache,
-                 prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk)
+                 prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk,
+                 dense_kv_cache=args.dense_kv_cache)
 
 
 def _plan(args):
@@ -504,11 +505,15 @@ def main(argv=None):
     pool.add_argument("--kv-pages", type=int, default=None, metavar="N",
                       help="keys and values (the target's and the drafter's) in a pool of N pages that the slots "
                            "share (PagedAttention): a request holds the pages its tokens reach, so --slots can exceed "
-                           "what max-model-len rows would fit (default: each slot holds max-model-len positions)")
+                           "what max-model-len rows would fit (default: --kv-cache-memory auto where the device "
+                           "reports its memory; on a CPU the pages that --slots rows of --max-model-len would hold)")
     pool.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                       help="the page pool sized from a budget instead of --kv-pages: e.g. 4GiB, 512MiB; or 'auto': "
                            "90%% of the device's free memory after the weights and the programs' temporaries (not "
                            "on a CPU)")
+    pool.add_argument("--dense-kv-cache", action="store_true",
+                      help="no pages: each slot holds --max-model-len positions of its own (no prefix caching, no "
+                           "chunked prefill)")
     p.add_argument("--page-size", type=int, default=16, help="positions per page, dividing 16 or a multiple of it (default 16)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="with pages, prefill every prompt whole (by default a prompt takes the cached pages of an "

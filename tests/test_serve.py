@@ -560,7 +560,8 @@ def test_usage_counts_each_prompt_once_and_its_cached_tokens():
 
 
 def test_serve_flags_reach_the_engine(monkeypatch):
-    """`specjax serve`'s pool flags: prefix caching on unless --no-prefix-caching; the prefill chunk."""
+    """`specjax serve`'s pool flags: prefix caching on unless --no-prefix-caching; the prefill
+    chunk; paged unless --dense-kv-cache."""
     import specjax.serve.server as server_module
     from specjax.cli import entry
 
@@ -568,5 +569,12 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
     assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32", "--prefill-chunk", "256"]) == 0
     assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
-    assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"])
-            for s in seen] == [(64, None, 32, True, 256), (None, "4GiB", 16, False, None)]
+    assert entry(["serve", "t", "--dense-kv-cache"]) == 0
+    assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"],
+             s["dense_kv_cache"]) for s in seen] == [(64, None, 32, True, 256, False),
+                                                     (None, "4GiB", 16, False, None, False),
+                                                     (None, None, 16, True, None, True)]
+    with pytest.raises(SystemExit):  # dense rows or a pool, not both
+        entry(["serve", "t", "--dense-kv-cache", "--kv-pages", "8"])
+    # Given neither, a server's caches are paged: on a CPU (no memory reported), the pages of its rows.
+    assert server_module.default_pool(8, 1000, 16) == (8 * 63, None)

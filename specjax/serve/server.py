@@ -60,11 +60,13 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           drain_timeout: float = 30.0, warmup: bool = True, attention: str = "auto",
           tokenizer: str | None = None, kv_pages: int | None = None, kv_cache_bytes: int | str | None = None,
           page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True,
-          prefill_chunk: int | None = None) -> int:
+          prefill_chunk: int | None = None, dense_kv_cache: bool = False) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
     target's own folder's). kv_pages, kv_cache_bytes, page_size, prefix_caching, prefill_chunk:
     the engine's page pool, whether it shares cached prefixes and the most prompt tokens a
-    call prefills (Engine's; the last two only where paged). compilation_cache: a folder for JAX's persistent compilation cache, where a
+    call prefills (Engine's; the last two only where paged). Without kv_pages or
+    kv_cache_bytes the caches are paged all the same (`default_pool`) unless dense_kv_cache:
+    then each slot holds max_model_len positions of its own. compilation_cache: a folder for JAX's persistent compilation cache, where a
     second start finds every program compiled ("default": `default_compilation_cache()`;
     None: none)."""
     import uvicorn
@@ -86,6 +88,8 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     if mesh is not None and drafter is not None:  # small: a copy on every device, rows over data
         drafter = drafter.replace(model=specjax.shard_model(drafter.model, mesh, rules=(("batch", "data"),)))
     length = int(max_model_len or min(target.config.max_position_embeddings, 2048))
+    if kv_pages is None and kv_cache_bytes is None and not dense_kv_cache:
+        kv_pages, kv_cache_bytes = default_pool(slots, length, page_size, mesh)
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,
                             deterministic=deterministic, steps_per_call=steps_per_call, kv_pages=kv_pages,
                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
@@ -106,6 +110,17 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
                             timeout_graceful_shutdown=drain_timeout)
     _server_class()(config).run()
     return 0
+
+
+def default_pool(slots: int, length: int, page_size: int, mesh=None) -> tuple[int | None, str | None]:
+    """(kv_pages, kv_cache_bytes) of a server given neither: "auto" (90% of the free device
+    memory) where the device reports its memory; elsewhere (a CPU) the pages that `slots`
+    rows of `length` positions would hold, the memory of dense rows."""
+    from specjax.memory import device_free_bytes
+
+    if device_free_bytes(mesh) is not None:
+        return None, "auto"
+    return slots * -(-length // page_size), None
 
 
 def default_compilation_cache() -> Path:
@@ -134,7 +149,7 @@ def _compile(engine, slots: int, length: int):
     until then)."""
     from tqdm import tqdm
 
-    programs, later = len(engine.stats()["programs"]), 2 * len(engine.programs.groups())
+    programs, later = len(engine.stats()["programs"]), len(engine.programs.admissions) * len(engine.programs.groups())
     print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
           f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
           f"compile in the background once serving", file=sys.stderr, flush=True)
