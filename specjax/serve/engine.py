@@ -47,7 +47,6 @@ from specjax.serve.warmup import Warmup
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
-PREFILL_CHUNK = 512  # a paged engine's default prefill_chunk (tokens a call)
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
 # Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
 # EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
@@ -130,10 +129,11 @@ class Engine:
         used first). None (the default): on where paged. Its output is what a fresh prefill
         gives (greedy: token for token; deterministic: bit for bit). `stats()` counts tokens
         looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
-    prefill_chunk: paged, the most prompt tokens one device call prefills (None: PREFILL_CHUNK;
-        rounded down to a prompt bucket): a longer prompt's row holds a slot and its pages
-        while its chunks are prefilled a call apiece between the live rows' calls, which go
-        on streaming, and is placed with its last (its first token then).
+    prefill_chunk: paged, the most prompt tokens one device call prefills (None: 64 on a CPU,
+        512 elsewhere: `sizing.default_chunk`; rounded down to a prompt bucket): a longer
+        prompt's row holds a slot and its pages while its chunks are prefilled a call apiece
+        between the live rows' calls, which go on streaming, and is placed with its last
+        (its first token then).
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
@@ -177,7 +177,8 @@ class Engine:
         self.programs = Programs(target, drafters, self.slots, self.max_len, int(max_stop_ids),
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
-                                 prefill_chunk=PREFILL_CHUNK if paged and prefill_chunk is None else prefill_chunk)
+                                 prefill_chunk=(sizing.default_chunk(mesh) if paged and prefill_chunk is None
+                                                else prefill_chunk))
         self.kv_budget: dict = {}
         self.pages = None
         if paged:

@@ -1,5 +1,6 @@
-"""How large an engine's state may be: the pages a byte budget holds (`pages_within`), and
-the state's bytes checked against what the devices have (`check_memory`).
+"""How large an engine's state and calls may be: the pages a byte budget holds
+(`pages_within`), the state's bytes checked against what the devices have
+(`check_memory`), and the prompt tokens a call prefills by default (`default_chunk`).
 
 This module reads a `Programs`' shapes and the devices' memory; it knows nothing of
 requests, queues or threads (engine.py).
@@ -12,6 +13,13 @@ import jax
 from specjax import memory
 
 KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
+# A paged engine's default prefill_chunk (tokens a call), by platform: a chunk stalls the live
+# rows for its whole cost, which on a compute-bound CPU grows with its tokens (a 900-token
+# prompt arriving while 8 clients stream, their inter-token latency p99: 7.5x at 512, 2.1-2.8x
+# at 128, 1.4x at 64; docs/bench/serve_arrival.txt); an accelerator reads the weights once
+# for a chunk of hundreds (vLLM chunks in thousands).
+PREFILL_CHUNK = {"cpu": 64}
+PREFILL_CHUNK_ELSEWHERE = 512
 
 
 def pages_within(programs, budget, per_page: int, rest: int, mesh) -> tuple[int, dict]:
@@ -59,3 +67,9 @@ def check_memory(programs, target) -> dict:
             f"caches and rows beside {weights / memory.GB:.2f} GB of weights; the device has "
             f"{free / memory.GB:.2f} GB free: use fewer slots or a shorter max_len")
     return {"state_bytes": state, "weight_bytes": weights, "free_bytes": free}
+
+
+def default_chunk(mesh=None) -> int:
+    """The prefill chunk of a paged engine given none: `PREFILL_CHUNK` of its devices' platform."""
+    platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+    return PREFILL_CHUNK.get(platform, PREFILL_CHUNK_ELSEWHERE)
