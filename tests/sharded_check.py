@@ -2,7 +2,8 @@
 equals single-device generate, weights and caches are really split, the compiled loop
 gathers no whole weight, kv heads fewer than the model axis are duplicated (no collective
 moves attention scores or keys/values), and a replicated draft keeps a replicated cache.
-Prints one JSON line of findings."""
+Prints one JSON line of findings. Its arguments: the meshes that generate runs on, e.g.
+2x4 (default 1x8,2x4,8x1); the engine, trees, kv heads and int8 run on 2x4 whatever."""
 
 import os
 
@@ -25,6 +26,9 @@ from specjax.budget import compile_loop  # noqa: E402
 from specjax.generate import _prepared, _run  # noqa: E402
 from specjax.loop import cache_length  # noqa: E402
 from tests.axes_drafter import Tabled  # noqa: E402
+
+ASKED = sys.argv[1] if len(sys.argv) > 1 else "1x8,2x4,8x1"
+MESHES = [tuple(int(n) for n in mesh.split("x")) for mesh in ASKED.split(",")]  # (data, model) each
 
 # 6 query heads, 2 kv heads and a vocabulary of 389 divide no model axis of 4 or 8.
 CONFIG = specjax.ModelConfig(
@@ -94,7 +98,7 @@ def main():
     total_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(target.params))
     total_elements = sum(leaf.size for leaf in jax.tree.leaves(target.params))
 
-    for data, model in ((1, 8), (2, 4), (8, 1)):
+    for data, model in MESHES:
         mesh = specjax.make_mesh(data=data, model=model)
         sharded_target = specjax.load_model(folder, dtype=jnp.float32, mesh=mesh)
         read_fraction = specjax.hf.stats["elements_read"] / total_elements

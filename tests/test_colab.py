@@ -2,9 +2,10 @@
 (SPECJAX_SMALL=1), from the repository root, so a broken API call fails here; and the
 stored notebooks carry no outputs.
 
-The three kernels run at the same time (nbclient's async API): most of their time is
-single-threaded XLA compilation, so on 2 cores this takes about half of running them one
-after another."""
+The quickstart runs in the default suite; the drafters and training notebooks, which
+compile and train for minutes, run with -m slow. The kernels asked for run at the same time
+(nbclient's async API): most of their time is single-threaded XLA compilation, so on 2
+cores this takes about half of running them one after another."""
 
 import asyncio
 import json
@@ -37,9 +38,14 @@ def test_stored_notebook_has_no_outputs(path):
                 f"{path.name}: strip outputs before committing (jupyter nbconvert --clear-output --inplace)"
 
 
+SLOW = ("drafters", "train_draft")  # minutes each on 2 cores: -m slow
+CASES = [pytest.param(p.stem, marks=pytest.mark.slow) if p.stem in SLOW else p.stem for p in NOTEBOOKS]
+
+
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """Every notebook executed in small mode: name -> (notebook or the exception, seconds)."""
+def executed(tmp_path_factory, request):
+    """The notebooks this session's tests ask for (all three with -m slow, else the
+    quickstart), executed in small mode: name -> (notebook or the exception, seconds)."""
     nbclient = pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
     pytest.importorskip("ipykernel")
@@ -58,8 +64,11 @@ def executed(tmp_path_factory):
             return path.stem, (e, time.perf_counter() - start)
         return path.stem, (notebook, time.perf_counter() - start)
 
+    asked = {item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_notebook_runs_in_small_mode" and hasattr(item, "callspec")}
+
     async def run_all():
-        return dict(await asyncio.gather(*(run(p) for p in NOTEBOOKS)))
+        return dict(await asyncio.gather(*(run(p) for p in NOTEBOOKS if p.stem in asked)))
 
     start = time.perf_counter()
     results = asyncio.run(run_all())
@@ -68,7 +77,7 @@ def executed(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", [p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("name", CASES)
 def test_notebook_runs_in_small_mode(executed, name):
     result, _ = executed[name]
     if isinstance(result, Exception):

@@ -1,5 +1,6 @@
 """Sharding on 8 emulated CPU devices (in a subprocess: the device count is fixed when jax
-starts), plus the rules on their own."""
+starts), plus the rules on their own. The default suite runs generate on the 2x4 mesh,
+which splits rows and heads; -m slow adds the 1x8 and 8x1 meshes."""
 
 import json
 import subprocess
@@ -19,19 +20,38 @@ from tests import children
 from tests.axes_drafter import Tabled
 
 
-@pytest.fixture(scope="module")
-def findings():
+def _check(meshes: str) -> dict:
     env = children.env(PYTHONPATH=str(Path(__file__).parent.parent))
-    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_check.py")],
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_check.py"), meshes],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mesh", ["1x8", "2x4", "8x1"])
-def test_sharded_generate_equals_single_device(findings, mesh):
+@pytest.fixture(scope="module")
+def findings():
+    """sharded_check.py's findings, generate on the 2x4 mesh (rows and heads both split)."""
+    return _check("2x4")
+
+
+@pytest.fixture(scope="module")
+def every_mesh():
+    """Its findings with generate on the 1x8, 2x4 and 8x1 meshes (minutes: -m slow)."""
+    return _check("1x8,2x4,8x1")
+
+
+def _on(request, mesh: str) -> dict:
+    """The findings of generate on `mesh`: the default suite's for 2x4, the slow run's else."""
+    return request.getfixturevalue("findings" if mesh == "2x4" else "every_mesh")["meshes"][mesh]
+
+
+MESHES = [pytest.param("1x8", marks=pytest.mark.slow), "2x4", pytest.param("8x1", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_generate_equals_single_device(findings, request, mesh):
     assert findings["single_accepted"] > 0  # both the accept and the reject paths ran
-    assert findings["meshes"][mesh]["equal"]
+    assert _on(request, mesh)["equal"]
 
 
 def test_a_sharded_tree_equals_single_device(findings):
@@ -70,16 +90,16 @@ def test_a_drafter_state_on_a_mesh_follows_its_declared_axes(findings):
     assert m["table"][0] == [4000, 4001, 4002], m
 
 
-@pytest.mark.parametrize("mesh, most", [("1x8", 0.2), ("2x4", 0.5)])
-def test_weights_are_split(findings, mesh, most):
+@pytest.mark.parametrize("mesh, most", [pytest.param("1x8", 0.2, marks=pytest.mark.slow), ("2x4", 0.5)])
+def test_weights_are_split(request, mesh, most):
     """Heads (6, 2) and vocab (389) divide no model axis: the fallbacks still split them."""
-    assert findings["meshes"][mesh]["max_device_fraction"] <= most
+    assert _on(request, mesh)["max_device_fraction"] <= most
 
 
-@pytest.mark.parametrize("mesh", ["1x8", "2x4", "8x1"])
-def test_no_whole_weight_is_gathered_and_the_cache_is_sharded(findings, mesh):
+@pytest.mark.parametrize("mesh", MESHES)
+def test_no_whole_weight_is_gathered_and_the_cache_is_sharded(findings, request, mesh):
     assert findings["detector_works"], "the all-gather detector misses a known whole-weight gather"
-    m = findings["meshes"][mesh]
+    m = _on(request, mesh)
     assert m["whole_weight_gathers"] == []
     assert not m["whole_cache_in_program"]
 
@@ -113,14 +133,15 @@ def test_int8_scales_shard_with_their_weights(findings):
     assert m["equal"] and m["whole_weight_gathers"] == []
 
 
-@pytest.mark.parametrize("mesh, low, high", [("1x8", 1.0, 1.0), ("2x4", 1.9, 2.0), ("8x1", 1.0, 1.0)])
-def test_load_reads_only_each_devices_slices(findings, mesh, low, high):
+@pytest.mark.parametrize("mesh, low, high", [pytest.param("1x8", 1.0, 1.0, marks=pytest.mark.slow), ("2x4", 1.9, 2.0),
+                                             pytest.param("8x1", 1.0, 1.0, marks=pytest.mark.slow)])
+def test_load_reads_only_each_devices_slices(request, mesh, low, high):
     """load_model(mesh=...) copies out of the files only the slices devices hold, each
     distinct slice once: every element once when the rules split everything over 8 devices
     (not 8 whole copies), twice over two data replicas of model-split weights (the
     replicated norms once). Read piece by piece, it loads the same parameters; every
     device's shard is exactly its own slice."""
-    m = findings["meshes"][mesh]
+    m = _on(request, mesh)
     assert low <= m["read_fraction"] <= high, m["read_fraction"]
     assert m["pieces_equal"] and m["shards_match"]
 
