@@ -46,7 +46,7 @@ FAST = {"test_config.py": set(), "test_house.py": set(), "test_text.py": set(), 
 # The longest modules first (seconds of their slowest tests on 2 cores, 2026-11-28): xdist's
 # --dist loadfile hands modules out in collection order as workers free up, so the longest
 # going first keeps one worker from running a long module alone at the end.
-LONGEST_FIRST = ("test_engine.py", "test_sharding.py", "test_colab.py", "test_serve.py", "test_engine_pages.py",
+LONGEST_FIRST = ("test_engine.py", "test_sharding.py", "test_serve.py", "test_engine_pages.py",
                  "test_generate.py", "test_aot.py", "test_tree.py", "test_heads.py", "test_cli.py",
                  "test_long_context.py", "test_exact.py")
 

@@ -37,11 +37,12 @@ def main():
         import jax.numpy as jnp
 
         import specjax
+        from specjax.text import encode_prompts
 
         target = specjax.load_model(str(ROOT / "checkpoints/target"), dtype=jnp.float32)
         draft = specjax.DraftModel.load(str(ROOT / "checkpoints/draft"), dtype=jnp.float32)
         tokenizer = specjax.load_tokenizer(str(ROOT / "checkpoints/target"))
-        encoded = [specjax.pad_prompts([tokenizer.encode(t)]) for t in texts]
+        encoded = [specjax.pad_prompts([ids]) for ids in encode_prompts(tokenizer, texts)]  # as the server does
 
         def through_generate(d):
             start_time = time.perf_counter()

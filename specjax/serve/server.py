@@ -66,9 +66,9 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     the engine's page pool, whether it shares cached prefixes and the most prompt tokens a
     call prefills (Engine's; the last two only where paged). Without kv_pages or
     kv_cache_bytes the caches are paged all the same (`default_pool`) unless dense_kv_cache:
-    then each slot holds max_model_len positions of its own. compilation_cache: a folder for JAX's persistent compilation cache, where a
-    second start finds every program compiled ("default": `default_compilation_cache()`;
-    None: none)."""
+    then each slot holds max_model_len positions of its own. compilation_cache: a folder for
+    JAX's persistent compilation cache, where a second start finds every program compiled
+    ("default": `default_compilation_cache()`; None: none)."""
     import uvicorn
 
     import specjax
@@ -149,7 +149,8 @@ def _compile(engine, slots: int, length: int):
     until then)."""
     from tqdm import tqdm
 
-    programs, later = len(engine.stats()["programs"]), len(engine.programs.admissions) * len(engine.programs.groups())
+    programs = len(engine.stats()["programs"])
+    later = len(engine.programs.admissions) * len(engine.programs.groups())
     print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
           f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
           f"compile in the background once serving", file=sys.stderr, flush=True)

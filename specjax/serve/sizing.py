@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from specjax import memory
+from specjax.backend import Backend
 
 KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
 # A paged engine's default prefill_chunk (tokens a call), by platform: a chunk stalls the live
@@ -71,5 +72,4 @@ def check_memory(programs, target) -> dict:
 
 def default_chunk(mesh=None) -> int:
     """The prefill chunk of a paged engine given none: `PREFILL_CHUNK` of its devices' platform."""
-    platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
-    return PREFILL_CHUNK.get(platform, PREFILL_CHUNK_ELSEWHERE)
+    return PREFILL_CHUNK.get(Backend.of(None, mesh).platform, PREFILL_CHUNK_ELSEWHERE)
