@@ -40,9 +40,13 @@ def check_regular(file: Path) -> Path:
     return file
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A local folder, or else a hub id ("gpt2", "org/name") resolved (downloaded) with
-    huggingface_hub: any name that is no local path and is a valid repo id is tried as one."""
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model")
+
+
+def resolve(path: str | os.PathLike, patterns: tuple[str, ...] = HUB_PATTERNS) -> Path:
+    """A local folder, or else a hub id ("gpt2", "org/name") resolved (downloaded: the files
+    matching patterns) with huggingface_hub: any name that is no local path and is a valid
+    repo id is tried as one."""
     folder = Path(path)
     if folder.is_dir():
         return folder
@@ -57,7 +61,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if not constants.HF_HUB_OFFLINE:  # offline, the refusal below says it all
         print(f"note: {name} is not a folder here; trying it as a Hugging Face hub id", file=sys.stderr)
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        return Path(snapshot_download(name, allow_patterns=list(patterns)))
     except Exception as e:  # offline and not cached, unknown repo, no access: say which and why
         offline = constants.HF_HUB_OFFLINE and isinstance(e, LocalEntryNotFoundError)
         why = "it is not in the local cache, and HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {e}"

@@ -70,19 +70,20 @@ def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, feature
 
 
 def run_layer(config: ModelConfig, layer_params: dict, target: Model, x, positions, cache: KVCache | None = None,
-              placement=None):
+              placement=None, attn_input=None, **block):
     """The drafter's one decoder layer over x [B, T, E] at positions [B, T], writing its
     one-layer cache (if given; a tree's nodes join its held tree) -> (x [B, T, E], cache).
     It attends as its target does: on the target's backend, taking kernels where the
-    target's Model.attention does. Shared by EAGLE and EAGLE-3."""
+    target's Model.attention does. Shared by EAGLE and EAGLE-3, and published heads (whose
+    attention reads `attn_input` or an un-normed x: `Block`'s options, `block`)."""
     backend = target.runs_on
     kernels = takes_kernels(target.attention, x.dtype, backend)
     view = pass_view(config, positions, cache, placement, backend, x.dtype if kernels else None)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])
     held = None if view.offset is None else (cache.held_tree().k[0], cache.held_tree().v[0])
-    x, kv, fresh = Block(config).apply({"params": layer_params}, x, rotary_tables(config, positions)[False], view,
-                                       False, kv, held)
+    x, kv, fresh = Block(config, **block).apply({"params": layer_params}, x, rotary_tables(config, positions)[False],
+                                                view, False, kv, held, attn_input)
     if cache is not None:
         cache = cache.replace(k=(kv[0],), v=(kv[1],))
     if held is not None:

@@ -14,16 +14,22 @@ from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
 from specjax.drafters.trained import READABLE_FORMATS, RECORD, WEIGHTS, read_params, read_signature
+from specjax.drafters.formats import published_format, read_published
+from specjax.folders import HUB_PATTERNS, _is_hub_id, resolve
 from specjax.hf import CheckpointError, _read_json, check_regular
 
 
 def load_drafter(path, tree=None, **model_kwargs):
-    """The drafter saved in a folder, drafting `tree` (None: a chain). Bad files raise
-    CheckpointError.
+    """The drafter saved in a folder (or a hub id's), drafting `tree` (None: a chain). Bad
+    files raise CheckpointError.
 
     - Trained heads saved with `drafter.save(path)` (drafter.json + drafter.safetensors): a
       `specjax.Medusa`, `specjax.Eagle` or `specjax.Eagle3`. Their weights are float32 on
       the default device; they take the target's dtype when used.
+    - A published EAGLE-3 head's folder (config.json and model.safetensors or
+      pytorch_model.bin, as SafeAILab/EAGLE, SpecForge or Red Hat's speculators write it,
+      e.g. the hub's yuhuili/EAGLE3-LLaMA3.1-Instruct-8B or RedHatAI/*.eagle3): a
+      `PublishedEagle3` computing as its authors' code does (drafters/formats.py).
     - A draft model's Hugging Face folder (config.json + *.safetensors, e.g. the shipped
       checkpoints/draft): `DraftModel.load(path, tree, **model_kwargs)`, which drafts from
       the vocabulary saved beside it (draft_vocab.json, written by `specjax distill
@@ -32,8 +38,15 @@ def load_drafter(path, tree=None, **model_kwargs):
       from the model's whole vocabulary instead (slower where the head is a large share of a
       draft step)."""
     folder = Path(path)
+    if not folder.exists() and _is_hub_id(str(path)):  # a published head may ship pytorch_model.bin (tensors alone)
+        folder = resolve(path, HUB_PATTERNS + ("pytorch_model.bin",))
     if folder.is_dir() and not _exists(folder / RECORD) and (folder / "config.json").exists():
-        return DraftModel.load(path, tree, **model_kwargs)
+        if published_format(folder) is not None:
+            if model_kwargs:
+                raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
+                                f"(load_model's arguments); {folder} holds a published EAGLE-3 head")
+            return read_published(folder, tree)
+        return DraftModel.load(folder, tree, **model_kwargs)
     if model_kwargs:
         raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
                         f"(load_model's arguments); {folder} is not one")

@@ -149,11 +149,12 @@ class Attention(nn.Module):
     residual stream."""
 
     config: ModelConfig
+    in_size: int | None = None  # the width q, k and v are projected from (None: E; a published EAGLE-3 layer's 2E)
 
     def setup(self):
         c = self.config
         E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_kernel = self.param("qkv_kernel", init, (G, H // G + 2, D, E))
+        self.qkv_kernel = self.param("qkv_kernel", init, (G, H // G + 2, D, self.in_size or E))
         self.o_kernel = self.param("o_kernel", init, (H, D, E))
         if c.qkv_bias:
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros, (G, H // G + 2, D))
@@ -166,7 +167,7 @@ class Attention(nn.Module):
             self.post_norm = Norm(c)
 
     def project_qkv(self, x, cos_sin=None, flat: bool = False):
-        """x [B, T, E] -> q [B, T, H, D], k [B, T, G, D], v [B, T, G, D] (rotary applied
+        """x [B, T, E] (or in_size) -> q [B, T, H, D], k [B, T, G, D], v [B, T, G, D] (rotary applied
         with cos_sin, this layer's `rotary_angles`; None for GPT-2). flat: `qkv_matmul`'s
         (a CPU program's form)."""
         c = self.config

@@ -43,21 +43,29 @@ from specjax.quant import Int8
 
 class Block(nn.Module):
     """One pre-norm decoder layer. (Gemma's attention and MLP also norm their own outputs:
-    see layers.py.)"""
+    see layers.py.) Published EAGLE heads' layers differ at the attention's input: EAGLE-1's
+    has no norm there (attn_norm=False), EAGLE-3's projects q, k and v from an input of its
+    own (`attn_input`, attn_in_size wide) beside the residual stream x."""
 
     config: ModelConfig
+    attn_norm: bool = True
+    attn_in_size: int | None = None
 
     @nn.compact
-    def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None, tree_kv=None):
+    def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None, tree_kv=None, attn_input=None):
         """x [B, T, E]; cos_sin: this layer's rotary angles (None for GPT-2); view: what the
         pass's queries see (`pass_view`); sliding: whether this is a sliding-window layer;
         cache_kv: None, or this layer's (k, v) buffers [B', G, S, D] (B' >= B: cache.py);
         tree_kv: None, or the layer's held tree (k, v) [B, R, G, D] (KVCache.tree), which the
         pass's keys join at view.offset. Returns (x, cache_kv with the T new entries written
-        unless view.writes is False, the new (k, v) [B, T, G, D], or the held tree with them)."""
-        attn = Attention(self.config, name="attn")
+        unless view.writes is False, the new (k, v) [B, T, G, D], or the held tree with them).
+        attn_input: None (the attention reads x, normed where attn_norm), or what it reads
+        [B, T, attn_in_size]."""
+        attn = Attention(self.config, self.attn_in_size, name="attn")
         backend = view.backend
-        q, k, v = attn.project_qkv(Norm(self.config, name="attn_norm")(x), cos_sin, flat=backend.platform == "cpu")
+        if attn_input is None:
+            attn_input = Norm(self.config, name="attn_norm")(x) if self.attn_norm else x
+        q, k, v = attn.project_qkv(attn_input, cos_sin, flat=backend.platform == "cpu")
         if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
             k, v = (join(held, new, view.offset) for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v

@@ -1,0 +1,388 @@
+"""Published EAGLE-3 heads' folders, read (`read_published`: `load_drafter` calls it for a
+folder that holds one) in the formats their writers use (export.py writes them):
+
+- "eagle": SafeAILab/EAGLE's (cb7e084 eagle/model/cnets.py, ea_model.py): config.json, a
+  LlamaConfig (architectures ["LlamaForCausalLMEagle3"], or the training template's
+  ["LlamaForCausalLM"] with draft_vocab_size), and tensors fc.weight [E, 3Et],
+  midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight,
+  midlayer.self_attn.{q,k,v}_proj.weight [., 2E], o_proj, midlayer.mlp.*, norm.weight,
+  lm_head.weight [Vd, E], d2t int64 [Vd] and t2d bool [V] (absent where Vd = V), maybe
+  embed_tokens.weight. It always taps the target's hidden_states 2, L/2 and L-3, runs rope
+  base 10000 where the config has no rope_theta, and D = E / heads.
+- "specforge": SGLang's SpecForge (a6b6b02 modeling/draft/llama3_eagle.py): the same
+  tensors and config, with its keys: `eagle_config.eagle_aux_hidden_state_layer_ids`
+  counted one lower than hidden_states' index (SGLang adds 1), `fc_norm` (fc_norm.{i}.weight
+  [Et] before fc), `norm_output` (false: lm_head reads the un-normed output), `head_dim`.
+- "speculators": Red Hat's (c05b95b models/eagle3): config.json with speculators_model_type
+  "eagle3", the layer's config under transformer_layer_config (a diff against its
+  model_type's transformers defaults; no model_type: qwen3), draft_vocab_size,
+  norm_before_residual, norm_before_fc, fc_norm, norm_output, target_hidden_size,
+  eagle_aux_hidden_state_layer_ids (hidden_states' index; none: 2, L/2, L-3), the verifier's
+  name; tensors layers.0.* for midlayer.*, input_norm.weight, fc_norm.{i}.weight, and
+  embed_tokens.weight.
+
+Weights are model.safetensors, or pytorch_model.bin read with torch.load(weights_only=True)
+(tensors only, no code) where torch is installed; every tensor's name, dtype and shape is
+checked against the config before one is read. It knows files; published.py computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters import trained
+from specjax.drafters.published import Layout, PublishedEagle3, draft_ids, published_shapes
+from specjax.drafters.vocab import check_vocab
+from specjax.folders import CheckpointError, UnsafeCheckpointError, _read_json, check_regular
+
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MAX_ELEMENTS = 2 ** 34  # no head holds more (a 70B target's: about 2^31)
+LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+              "hidden_act", "attention_bias", "mlp_bias", "vocab_size")
+
+
+def published_format(folder: Path) -> str | None:
+    """The published format of the head in folder (config.json's say), or None: not one."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return None
+    config = _read_json(config_file)
+    if config.get("speculators_model_type") is not None:
+        return "speculators"
+    architectures = config.get("architectures") or []
+    eagle3 = any(a in EAGLE_ARCHITECTURES for a in architectures if isinstance(a, str)) or (
+        "draft_vocab_size" in config and config.get("num_hidden_layers") == 1
+        and "midlayer.hidden_norm.weight" in _tensor_names(folder))
+    if not eagle3:
+        return None
+    return "specforge" if any(k in config for k in ("eagle_config", "fc_norm", "norm_output")) else "eagle"
+
+
+def read_published(folder: Path, tree=None) -> PublishedEagle3:
+    """The published EAGLE-3 head in folder (`published_format`), drafting tree (None: a
+    chain). Anything that does not fit raises CheckpointError naming it."""
+    source = published_format(folder)
+    config_file = folder / "config.json"
+    raw = _read_json(config_file)
+    if source == "speculators":
+        kind = raw.get("speculators_model_type")
+        if kind != "eagle3":
+            raise CheckpointError(f"{config_file}: a speculators {kind!r} model; specjax reads its \"eagle3\" heads")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise CheckpointError(f"{config_file}: a speculators head keeps its layer's config under "
+                                  f"\"transformer_layer_config\" (an object)")
+        layer = _with_defaults(layer, config_file)
+        options = {k: _flag(raw, k, False, config_file) for k in ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                                                   "norm_output")}
+        layout = Layout(norm_before_residual=options["norm_before_residual"], feed_normed=options["norm_output"],
+                        source=source)
+        taps = raw.get("eagle_aux_hidden_state_layer_ids")
+        names = {"midlayer.": "layers.0."}
+        verifier = _dig(raw, "speculators_config", "verifier", "name_or_path") or ""
+        target_hidden, draft_vocab = raw.get("target_hidden_size"), raw.get("draft_vocab_size", 32000)
+    else:
+        layer = raw
+        options = {"norm_before_fc": False, "fc_norm": source == "specforge" and _flag(raw, "fc_norm", False,
+                                                                                        config_file)}
+        layout = Layout(out_norm=_flag(raw, "norm_output", True, config_file), source=source)
+        eagle_config = raw.get("eagle_config") or {}
+        taps = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+        if taps is not None and source == "specforge":  # "output of layer k": hidden_states[k + 1]
+            taps = [i + 1 for i in taps] if _int_list(taps) else taps
+        names = {}
+        verifier, target_hidden, draft_vocab = "", raw.get("target_hidden_size"), raw.get("draft_vocab_size")
+    layer_config, sources = _layer_config(layer, folder, names, config_file, source)
+    E, V = layer_config.hidden_size, layer_config.vocab_size
+    if taps is not None and not (_int_list(taps) and 1 <= len(taps) <= 16 and len(set(taps)) == len(taps)
+                                 and min(taps) >= 1):
+        raise CheckpointError(f"{config_file}: eagle_aux_hidden_state_layer_ids must be distinct layer numbers "
+                              f"(hidden_states indices >= 1), got {taps!r}")
+    fc = sources.get("fc.weight")
+    if fc is None or len(fc.shape) != 2 or fc.shape[0] != E:
+        raise CheckpointError(f"{folder}: fc.weight must be [{E}, n x the target's hidden size], got "
+                              f"{None if fc is None else list(fc.shape)}")
+    n = 3 if taps is None else len(taps)
+    if target_hidden is None:
+        target_hidden, rest = divmod(fc.shape[1], n)
+        if rest:
+            raise CheckpointError(f"{folder}: fc.weight reads {fc.shape[1]} values, not {n} target states")
+    head = sources.get("lm_head.weight")
+    if draft_vocab is None:
+        draft_vocab = V if head is None else head.shape[0]
+    for name, value in (("draft_vocab_size", draft_vocab), ("target_hidden_size", target_hidden)):
+        if not trained.positive_int(value):
+            raise CheckpointError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+    shapes = published_shapes(layer_config, n, target_hidden, None if head is None else draft_vocab,
+                              options["norm_before_fc"], options["fc_norm"], "embed_tokens.weight" in sources)
+    params = _params(sources, shapes, layer_config, folder, n)
+    vocab = _vocab(sources, draft_vocab, V, folder)
+    signature = trained.TargetSignature("", target_hidden, V, str(verifier))
+    return PublishedEagle3(params, layer_config, signature, tree, None if taps is None else tuple(sorted(taps)),
+                           vocab, layout)
+
+
+def _flag(config: dict, key: str, default: bool, where: Path) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _dig(tree, *keys):
+    for key in keys:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def _int_list(values) -> bool:
+    return isinstance(values, list) and all(type(v) is int for v in values)
+
+
+def _with_defaults(diff: dict, where: Path) -> dict:
+    """speculators' transformer_layer_config (`to_diff_dict`: what differs from its
+    model_type's transformers defaults) with those defaults filled in."""
+    from transformers import AutoConfig
+
+    model_type = diff.get("model_type", "qwen3")
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in diff.items() if k != "model_type"}).to_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{where}: transformer_layer_config of model_type {model_type!r} is refused by "
+                              f"transformers: {e}") from None
+
+
+def _layer_config(layer: dict, folder: Path, names: dict, where: Path, source: str):
+    """The head's one layer as a ModelConfig (its own family, sizes, epsilon, rope; head_dim
+    from its q_proj where the format ignores the config's), and its tensors located under
+    specjax's names for them (midlayer.*)."""
+    sources = {_renamed(name, names): t for name, t in _tensors(folder).items()}
+    hf = {k: layer[k] for k in LAYER_KEYS if layer.get(k) is not None}
+    types = layer.get("layer_types")
+    if layer.get("use_sliding_window") or (isinstance(types, list) and types[:1] == ["sliding_attention"]) or (
+            layer.get("model_type") == "mistral" and layer.get("sliding_window") is not None):
+        raise CheckpointError(f"{where}: the head's layer attends through a sliding window "
+                              f"({layer.get('sliding_window')!r}); specjax's published heads attend to every position")
+    hf.setdefault("model_type", "llama")
+    if hf["model_type"] not in ("llama", "qwen3", "qwen2", "mistral"):
+        raise CheckpointError(f"{where}: a head's layer of model_type {hf['model_type']!r}; specjax runs llama, "
+                              f"qwen2, qwen3 and mistral layers")
+    q = sources.get("midlayer.self_attn.q_proj.weight")
+    heads = layer.get("num_attention_heads")
+    if q is None or len(q.shape) != 2 or not trained.positive_int(heads) or q.shape[0] % heads:
+        raise CheckpointError(f"{folder}: midlayer.self_attn.q_proj.weight ({None if q is None else list(q.shape)}) "
+                              f"must be [num_attention_heads ({heads!r}) x head_dim, 2 x hidden_size]")
+    head_dim = q.shape[0] // heads
+    if source != "eagle" and layer.get("head_dim") not in (None, head_dim):
+        raise CheckpointError(f"{where}: head_dim {layer.get('head_dim')!r}, but q_proj holds {heads} heads of "
+                              f"{head_dim}")
+    hf.update(num_hidden_layers=1, head_dim=head_dim, tie_word_embeddings=False)
+    extra = sorted(n for n in sources if n.startswith("layers.") or n.startswith("midlayer.layers."))
+    if extra:
+        raise CheckpointError(f"{folder}: a head of more than one layer ({extra[:3]}); specjax runs one")
+    try:
+        config = ModelConfig.from_hf_config(hf)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: the head's layer is refused: {e}") from None
+    return dataclasses.replace(config, layer_types=None, sliding_window=None), sources
+
+
+def _renamed(name: str, names: dict) -> str:
+    for theirs, ours in names.items():
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    return name
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    try:
+        return set(_tensors(folder))
+    except CheckpointError:
+        return set()
+
+
+def _tensors(folder: Path) -> dict:
+    """The folder's tensors by name, located (shape, dtype) but not read: its safetensors, or
+    its pytorch_model.bin through torch.load(weights_only=True, mmap=True)."""
+    from specjax.hf import read_sources
+
+    if list(folder.glob("*.safetensors")):
+        return read_sources(folder)
+    pickled = folder / "pytorch_model.bin"
+    if not pickled.is_file():
+        return read_sources(folder)  # names what is missing, or refuses other pickles
+    check_regular(pickled)
+    convert = (f"python -c \"import torch, safetensors.torch as s; s.save_file(torch.load('{pickled}', "
+               f"weights_only=True), '{folder / 'model.safetensors'}')\"")
+    try:
+        import torch
+    except ImportError:
+        raise UnsafeCheckpointError(f"{pickled} is a torch pickle; without torch installed specjax will not read "
+                                    f"it (unpickling can run code). Convert it once: {convert}") from None
+    try:
+        state = torch.load(pickled, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors: say so
+        why = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
+                   str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise UnsafeCheckpointError(f"{pickled} holds more than tensors, or is no torch file: torch.load(weights_only="
+                                    f"True) refused it ({why}); specjax reads heads' tensors alone") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{pickled} does not hold a dict of named tensors")
+    return {name: _Torch(t) for name, t in state.items()}
+
+
+class _Torch:
+    """A torch tensor behind hf._Stored's interface (shape, dtype, array())."""
+
+    def __init__(self, tensor):
+        self.tensor, self.shape = tensor, tuple(tensor.shape)
+        import torch
+        self.dtype = np.dtype("bool") if tensor.dtype == torch.bool else (
+            np.dtype(jnp.bfloat16) if tensor.dtype == torch.bfloat16 else
+            np.dtype(str(tensor.dtype).removeprefix("torch.")))
+
+    def array(self) -> np.ndarray:
+        import torch
+        t = self.tensor.contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(jnp.bfloat16)
+        return t.numpy()
+
+
+def _params(sources: dict, shapes: dict, config: ModelConfig, folder: Path, n: int) -> dict:
+    """The head's params in specjax's layout, once every tensor is there with its shape and a
+    floating dtype, and none is left unexplained."""
+    E, H, G, D, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    R = H // G
+    want = {"fc.weight": ("fuse", "kernel"), "midlayer.input_layernorm.weight": ("norms", "token", "scale"),
+            "midlayer.hidden_norm.weight": ("norms", "feature", "scale"), "norm.weight": ("norms", "out", "scale"),
+            "midlayer.post_attention_layernorm.weight": ("layer", "mlp_norm", "scale"),
+            "midlayer.self_attn.o_proj.weight": ("layer", "attn", "o_kernel"),
+            "midlayer.mlp.down_proj.weight": ("layer", "mlp", "down_kernel"),
+            "lm_head.weight": ("head", "kernel"), "embed_tokens.weight": ("embedding",),
+            "input_norm.weight": ("input_norm", "scale")}
+    want = {k: v for k, v in want.items() if _has(shapes, v)}
+    qkv = [f"midlayer.self_attn.{x}_proj.weight" for x in "qkv"]
+    gate_up = [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up")]
+    expected = {name: _hf_shape(name, _get(shapes, path)) for name, path in want.items()}
+    expected.update({qkv[0]: (H * D, 2 * E), qkv[1]: (G * D, 2 * E), qkv[2]: (G * D, 2 * E),
+                     gate_up[0]: (F, E), gate_up[1]: (F, E)})
+    layer = shapes["layer"]
+    if "qkv_bias" in layer["attn"]:
+        expected.update({n_.replace("weight", "bias"): (s[0],) for n_, s in list(expected.items()) if n_ in qkv})
+    if "o_bias" in layer["attn"]:
+        expected["midlayer.self_attn.o_proj.bias"] = (E,)
+    if "q_norm" in layer["attn"]:
+        expected.update({"midlayer.self_attn.q_norm.weight": (D,), "midlayer.self_attn.k_norm.weight": (D,)})
+    if "fc_norm" in shapes:
+        expected.update({f"fc_norm.{i}.weight": (shapes["fc_norm"]["scale"][1],) for i in range(n)})
+    maps = {"d2t", "t2d"}
+    unexplained = sorted(set(sources) - set(expected) - maps)
+    missing = sorted(set(expected) - set(sources))
+    if missing or unexplained:
+        raise CheckpointError(f"{folder}: the head's tensors do not match its config: "
+                              + "; ".join(f"{what} {names[:6]}" for what, names in
+                                          (("missing", missing), ("not explained by it", unexplained)) if names))
+    for name, shape in expected.items():
+        got = sources[name]
+        if tuple(got.shape) != shape:
+            raise CheckpointError(f"{folder}: tensor {name} has shape {list(got.shape)}, its config implies "
+                                  f"{list(shape)}")
+        if not jnp.issubdtype(got.dtype, jnp.floating):
+            raise CheckpointError(f"{folder}: tensor {name} is {got.dtype}, not a floating-point type")
+    if sum(int(np.prod(s)) for s in expected.values()) > MAX_ELEMENTS:
+        raise CheckpointError(f"{folder}: a head of more than {MAX_ELEMENTS} values; refused")
+
+    def read(name):
+        from specjax.hf import check_finite
+
+        a = np.asarray(sources[name].array(), np.float32)
+        check_finite(a, f"{folder}: tensor {name}")
+        return a
+
+    params: dict = {}
+    for name, path in want.items():
+        a = read(name)
+        _set(params, path, a.T.reshape(_get(shapes, path)) if name.endswith(("fc.weight", "proj.weight",
+                                                                             "lm_head.weight")) else a)
+    q, k, v = (read(x) for x in qkv)
+    _set(params, ("layer", "attn", "qkv_kernel"), np.concatenate(
+        [q.reshape(G, R, D, 2 * E), k.reshape(G, 1, D, 2 * E), v.reshape(G, 1, D, 2 * E)], axis=1))
+    if "qkv_bias" in layer["attn"]:
+        qb, kb, vb = (read(x.replace("weight", "bias")) for x in qkv)
+        _set(params, ("layer", "attn", "qkv_bias"), np.concatenate(
+            [qb.reshape(G, R, D), kb.reshape(G, 1, D), vb.reshape(G, 1, D)], axis=1))
+    if "o_bias" in layer["attn"]:
+        _set(params, ("layer", "attn", "o_bias"), read("midlayer.self_attn.o_proj.bias"))
+    if "q_norm" in layer["attn"]:
+        for x in "qk":
+            _set(params, ("layer", "attn", f"{x}_norm", "scale"), read(f"midlayer.self_attn.{x}_norm.weight"))
+    _set(params, ("layer", "mlp", "gate_up_kernel"), np.stack([read(x).T for x in gate_up]))
+    if "fc_norm" in shapes:
+        _set(params, ("fc_norm", "scale"), np.stack([read(f"fc_norm.{i}.weight") for i in range(n)]))
+    got = jax.tree.map(lambda w: tuple(w.shape), params)
+    if got != shapes:  # a layer option this reader does not convert (mlp biases, ...)
+        raise CheckpointError(f"{folder}: specjax cannot convert this head's layer: its params {got} against "
+                              f"{shapes}")
+    return jax.tree.map(jax.device_put, params)
+
+
+def _has(tree: dict, path: tuple) -> bool:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _hf_shape(name: str, ours: tuple) -> tuple:
+    """A tensor's shape in the published file from its param's in specjax's layout."""
+    if name.endswith("o_proj.weight"):
+        H, D, E = ours
+        return (E, H * D)
+    if name.endswith(("fc.weight", "proj.weight", "lm_head.weight")):
+        return tuple(reversed(ours))
+    return ours
+
+
+def _vocab(sources: dict, draft_vocab: int, V: int, folder: Path):
+    """The target id of each draft id (int32 [Vd]) from d2t, checked against t2d; None where
+    the head drafts the whole vocabulary."""
+    d2t, t2d = sources.get("d2t"), sources.get("t2d")
+    if d2t is None:
+        if draft_vocab != V:
+            raise CheckpointError(f"{folder}: a head of {draft_vocab} draft ids for a vocabulary of {V} needs its "
+                                  f"d2t map (draft id -> target id offsets), which it lacks")
+        return None
+    if tuple(d2t.shape) != (draft_vocab,) or not np.issubdtype(d2t.dtype, np.integer):
+        raise CheckpointError(f"{folder}: d2t must be integers [{draft_vocab}], got {d2t.dtype} {list(d2t.shape)}")
+    try:
+        ids = check_vocab(draft_ids(d2t.array()).tolist(), V, ordered=True)
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: d2t maps draft ids to no valid target vocabulary: {e}") from None
+    if t2d is not None:
+        if tuple(t2d.shape) != (V,) or t2d.dtype != np.bool_:
+            raise CheckpointError(f"{folder}: t2d must be bool [{V}], got {t2d.dtype} {list(t2d.shape)}")
+        if not np.array_equal(np.flatnonzero(t2d.array()), np.asarray(ids)):
+            raise CheckpointError(f"{folder}: t2d and d2t disagree on which target ids the head drafts")
+    return jnp.asarray(ids, jnp.int32)

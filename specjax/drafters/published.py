@@ -1,0 +1,208 @@
+"""Published EAGLE-3 heads (Li et al., 2025) as their authors' code runs them: the drafters
+on the Hugging Face hub trained with SafeAILab/EAGLE, SGLang's SpecForge or Red Hat's
+`speculators` (their folders are read and written by formats.py).
+
+specjax's own `Eagle3` (eagle3.py) is another architecture: it projects [normed embedding,
+normed feature] through a matrix of its own into a standard pre-norm layer. A published
+head has no such matrix. At position t, with g_t the fused feature (the target's three
+layer states through `fc`, or the head's own output one step up the chain):
+
+    a = [input_layernorm(embedding of token t+1), hidden_norm(g_t)]       # [2E]
+    x = r + o_proj(attention(q_proj(a), k_proj(a), v_proj(a)))            # r = g_t, or hidden_norm(g_t)
+    x = x + mlp(post_attention_layernorm(x))                             # fed back as g
+    logits = lm_head(norm(x))                                            # over its Vd draft ids
+
+(SafeAILab/EAGLE cb7e084 eagle/model/cnets.py `Model.forward`, `LlamaDecoderLayeremb`;
+speculators c05b95b models/eagle3/core.py; SpecForge a6b6b02 modeling/draft/llama3_eagle.py.)
+r is hidden_norm(g_t) where `norm_before_residual` (speculators' option); speculators'
+`norm_output` feeds the normed x back (`Layout.feed_normed`); SpecForge's `norm_output:
+false` reads x out without the norm (`Layout.out_norm`); speculators' `norm_before_fc` and
+SpecForge's and speculators' `fc_norm` norm the target's features before `fc` (params
+`input_norm`, `fc_norm`). Draft id i is target id i + d2t[i] (`vocab`).
+
+The layer's family, sizes, norm epsilon and rotary base are the head's own config's (EAGLE's
+templates carry no rope_theta: base 10000 whatever the target's), kept through `bind`,
+which checks only what the head reads of its target: its hidden size, its vocabulary and
+the layers it taps. Drafting is Eagle's (eagle.py): the cache, the re-fed pairs, chains and
+trees. This module knows the computation and its shapes, nothing of files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.backend import Backend
+from specjax.config import ModelConfig
+from specjax.drafters.eagle import _as, run_layer
+from specjax.drafters.eagle3 import Eagle3
+from specjax.models import Model, head_logits
+from specjax.models.layers import Norm
+from specjax.models.transformer import Block, embed_tokens, pass_view, rotary_tables
+from specjax.models.transformer import read_out as head_read_out
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the published heads' writers compute differently (see the module docstring).
+    source: the format it was read from ("eagle", "specforge", "speculators"), for messages
+    and as `save`'s default."""
+
+    norm_before_residual: bool = False
+    feed_normed: bool = False
+    out_norm: bool = True
+    source: str = "eagle"
+
+
+def _norm(config: ModelConfig, scale, x, dim: int | None = None):
+    return Norm(config, dim).apply({"params": {"scale": scale.astype(x.dtype)}}, x)
+
+
+@struct.dataclass
+class PublishedEagle3(Eagle3):
+    """A published EAGLE-3 head (see the module docstring). params: fuse {kernel [nEt, E]},
+    optional input_norm {scale [nEt]} and fc_norm {scale [n, Et]}, norms {token, feature,
+    out} ({scale [E]} each), layer (`Block(attn_norm=False, attn_in_size=2E)`'s: q, k and v
+    over 2E), optional head {kernel [E, Vd]} (None: the target's head), optional embedding
+    [V, E] (its own, where it differs from the target's)."""
+
+    layout: Layout = struct.field(pytree_node=False, default=Layout())
+    name = "EAGLE-3 (published)"  # in messages
+
+    def _block(self) -> dict:
+        return {"attn_norm": False, "attn_in_size": 2 * self.config.hidden_size}
+
+    def fused(self, features):
+        """The target's concatenated layer states [B, T, nEt] -> g [B, T, E] (`fc`, after the
+        feature norms the head has)."""
+        p, c = self.params, self.config
+        if "input_norm" in p:
+            features = _norm(c, p["input_norm"]["scale"], features, features.shape[-1])
+        if "fc_norm" in p:
+            scale = p["fc_norm"]["scale"]  # [n, Et]
+            n, Et = scale.shape
+            chunks = features.reshape(*features.shape[:-1], n, Et)
+            chunks = jax.vmap(lambda s, x: _norm(c, s, x, Et), in_axes=(0, -2), out_axes=-2)(scale, chunks)
+            features = chunks.reshape(*features.shape)
+        return features @ p["fuse"]["kernel"].astype(features.dtype)
+
+    def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (the target's, F =
+        nEt, or its own outputs, F = E), positions [B, T] -> (outputs [B, T, E]: fed back as
+        g, cache)."""
+        p, c = self.params, self.config
+        dtype = features.dtype
+        g = features if features.shape[-1] == c.hidden_size else self.fused(features)
+        emb = embed_tokens(target.config, p["embedding"] if "embedding" in p else target.params["embedding"], tokens)
+        e = _norm(c, p["norms"]["token"]["scale"], emb.astype(dtype))
+        h = _norm(c, p["norms"]["feature"]["scale"], g)
+        residual = h if self.layout.norm_before_residual else g
+        x, cache = run_layer(c, p["layer"], target, residual, positions, cache, placement,
+                             attn_input=jnp.concatenate([e, h], axis=-1), **self._block())
+        if self.layout.feed_normed:
+            x = _norm(c, p["norms"]["out"]["scale"], x)
+        return x, cache
+
+    def read(self, target: Model, x):
+        """float32 logits [B, T, Vd] over its draft vocabulary of its outputs x [B, T, E]."""
+        if self.layout.out_norm and not self.layout.feed_normed:
+            x = _norm(self.config, self.params["norms"]["out"]["scale"], x)
+        if "head" in self.params:
+            return head_read_out(target.config, self.params["head"]["kernel"].astype(x.dtype), x)
+        return head_logits(target, x)
+
+    def bind(self, target: Model) -> "PublishedEagle3":
+        """This head for target, refused (ValueError naming what differs) unless target has
+        the hidden size its `fc` reads, the vocabulary its ids index and the layers it taps;
+        its weights in the target's dtype, its own embedding dropped where it equals the
+        target's."""
+        t = target.config
+        layers = self.feature_layers or default_taps(t.num_layers)
+        n, Et = len(layers), self.params["fuse"]["kernel"].shape[0] // len(layers)
+        problems = []
+        if Et != t.hidden_size:
+            problems.append(f"its fc reads {n} target states of {Et}, the target's hidden size is {t.hidden_size}")
+        if self.config.vocab_size != t.vocab_size:
+            problems.append(f"its vocabulary has {self.config.vocab_size} ids, the target's {t.vocab_size}")
+        if max(layers) >= t.num_layers:  # hidden_states[i], the input of layer i; [L] would be the normed output
+            problems.append(f"it taps the target's hidden_states {list(layers)} (the inputs of those layers), the "
+                            f"target has {t.num_layers} layers (0..{t.num_layers - 1})")
+        if problems:
+            raise ValueError(f"this {self.name} head ({self.signature.name or 'no target named'}) does not fit the "
+                             f"target: {'; '.join(problems)}")
+        params = dict(self.params)
+        if "embedding" in params and _same_embedding(params["embedding"], target):
+            del params["embedding"]  # what EAGLE's loader does: the target's, shared
+        config = dataclasses.replace(self.config, max_position_embeddings=max(self.config.max_position_embeddings,
+                                                                              t.max_position_embeddings))
+        return self.replace(config=config, params=jax.tree.map(lambda w: _as(w, target.dtype), params),
+                            feature_layers=layers)
+
+    def param_shapes(self, config: ModelConfig) -> dict:
+        n = len(self.feature_layers or (0, 0, 0))
+        p = self.params
+        return published_shapes(config, n, p["fuse"]["kernel"].shape[0] // n,
+                                None if "head" not in p else p["head"]["kernel"].shape[1], "input_norm" in p,
+                                "fc_norm" in p, "embedding" in p)
+
+    def save(self, path, format: str | None = None):
+        """Writes the head into the folder path in a published format: "speculators" (what
+        vLLM reads), "eagle" (SafeAILab/EAGLE's, which SGLang reads) or "specforge"; None:
+        the format it was read from. See formats.py."""
+        from specjax.drafters.export import write_published
+
+        return write_published(self, path, format or self.layout.source)
+
+
+def default_taps(num_layers: int) -> tuple[int, ...]:
+    """The target's hidden_states a head that names none taps: 2, L/2 and L-3, as EAGLE's
+    code, vLLM and speculators take them (ValueError where those are not three layers)."""
+    taps = (2, num_layers // 2, num_layers - 3)
+    if len(set(taps)) < 3 or min(taps) < 1:
+        raise ValueError(f"a published EAGLE-3 head that names no layers taps the target's hidden_states 2, L/2 "
+                         f"and L-3, which for a target of {num_layers} layers are {list(taps)}: not three layers")
+    return taps
+
+
+def _same_embedding(embedding, target: Model) -> bool:
+    theirs = target.params["embedding"]
+    if not isinstance(theirs, jax.Array) or theirs.shape != embedding.shape:
+        return False
+    return bool(jnp.array_equal(jnp.asarray(embedding, theirs.dtype), theirs))
+
+
+@functools.lru_cache(maxsize=64)
+def published_shapes(config: ModelConfig, num_features: int, target_hidden: int, draft_vocab: int | None,
+                     input_norm: bool = False, fc_norm: bool = False, embedding: bool = False) -> dict:
+    """The shapes of a PublishedEagle3's params: its layer config, the number and width of
+    the target states it fuses, its own head's vocabulary (None: none) and its options."""
+    E = config.hidden_size
+    x = jnp.zeros((1, 1, E), jnp.float32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    view = pass_view(config, positions, None, None, Backend("cpu"))
+    layer = jax.eval_shape(lambda: Block(config, attn_norm=False, attn_in_size=2 * E).init(
+        jax.random.key(0), x, rotary_tables(config, positions)[False], view, False, None, None,
+        jnp.zeros((1, 1, 2 * E)))["params"])
+    out = {"fuse": {"kernel": (num_features * target_hidden, E)},
+           "norms": {k: {"scale": (E,)} for k in ("token", "feature", "out")},
+           "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
+    if input_norm:
+        out["input_norm"] = {"scale": (num_features * target_hidden,)}
+    if fc_norm:
+        out["fc_norm"] = {"scale": (num_features, target_hidden)}
+    if draft_vocab is not None:
+        out["head"] = {"kernel": (E, draft_vocab)}
+    if embedding:
+        out["embedding"] = (config.vocab_size, E)
+    return out
+
+
+def draft_ids(d2t) -> np.ndarray:
+    """EAGLE's d2t offsets int [Vd] -> the target id of each draft id, int32 [Vd]."""
+    d2t = np.asarray(d2t, np.int64)
+    return (np.arange(d2t.shape[0]) + d2t).astype(np.int32)
