@@ -492,7 +492,8 @@ def main(argv=None):
     p.add_argument("--deterministic", action="store_true",
                    help="a request's output does not depend on its neighbours, bit for bit (slower)")
     p.add_argument("--steps-per-call", type=int, default=4,
-                   help="the most steps a device call runs (two while a slot is free): a stream's chunk (default 4)")
+                   help="the most steps a device call runs (default 4): calls run the steps that last about 20 ms "
+                        "at their timed costs, two at most while a slot is free")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")

@@ -228,6 +228,33 @@ def test_chunks_come_as_the_device_emits_them(pair, engines):
     assert [t for c in chunks for t in c] == _alone(pair[0], None, prompt, 16, ())
 
 
+def test_a_call_runs_the_steps_that_last_about_call_ms(pair, engines):
+    """Where its steps were timed (`compile_all`), a call runs as many as last about CALL_MS
+    (`KPolicy.call_steps`), 1 to steps_per_call: steps dearer than CALL_MS give a step a call,
+    so a request's chunks come a step apart; untimed, steps_per_call (OPEN_STEPS with a
+    slot free, as above)."""
+    from specjax.serve.policy import CALL_MS
+
+    engine = engines("plain")
+    policy, widths = engine.policy, engine.programs.widths
+    assert policy.call_steps(1, 0, 4) == 4  # untimed
+    try:
+        policy.price({0: {w: CALL_MS / 3 for w in widths}}, widths)
+        assert [policy.call_steps(n, 0, 4) for n in (1, 2, 3)] == [3, 3, 3]
+        policy.price({0: {w: CALL_MS / 100 for w in widths}}, widths)
+        assert policy.call_steps(1, 0, 4) == 4
+        policy.price({0: {1: CALL_MS / 10, 2: CALL_MS / 10, 3: 2 * CALL_MS}}, widths)
+        assert [policy.call_steps(n, 0, 4) for n in (1, 2, 3)] == [4, 4, 1]
+        policy.price({0: {w: 2 * CALL_MS for w in widths}}, widths)
+        prompt = REQUESTS[0][0]
+        with engine:
+            chunks = list(engine.submit(prompt, max_new_tokens=8))
+        assert [len(c) for c in chunks] == [1] * 8
+        assert [t for c in chunks for t in c] == _alone(pair[0], None, prompt, 8, ())
+    finally:
+        policy.step_ms = None
+
+
 def test_every_k_shares_one_copy_of_the_drafters_weights(pair):
     """The drafter is bound once: its float32 weights are cast to a bfloat16 target's dtype
     once, and the programs of every K read that one copy (memory counts it once)."""

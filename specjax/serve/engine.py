@@ -4,10 +4,11 @@ A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized 
 `max_len` and the deepest draft the engine runs). One host thread owns it: free slots take
 the waiting requests (prefilled together, a few per call, in the longest prompt's length
 bucket, then inserted into their rows; nothing else moves), and the live rows advance by
-loop.py's `step`, several steps per device call. A call returns after `steps_per_call`
-steps, after OPEN_STEPS when a slot was free as it started (a request that arrives
-meanwhile waits that long for it, not a whole call), or after one step when rows were just
-inserted (their first tokens go out at once). The device never waits on the host: call N+1
+loop.py's `step`, several steps per device call. A call runs the steps that last about
+policy.CALL_MS where `compile_all` timed them, at most `steps_per_call`; at most OPEN_STEPS
+when a slot was free as it started (a request that arrives meanwhile waits that long for
+it, not a whole call); one step when rows were just inserted (their first tokens go out
+at once). The device never waits on the host: call N+1
 is dispatched before call N's tokens are read (their copy to the host starts at dispatch),
 so the host delivers tokens, frees finished rows' slots and pages and admits waiting
 requests while the device runs the next call (a row that finished stays frozen on the
@@ -102,7 +103,9 @@ class Engine:
     mesh: a `specjax.make_mesh` mesh, the models sharded on it (`shard_model`): slots lie over
         `data` (a multiple of it), the caches' heads over `model` by the target's rules.
     deterministic: as `generate`'s: a request's output does not depend on its neighbours.
-    steps_per_call: steps per device call (the most a call runs before the host looks).
+    steps_per_call: the most steps a device call runs before the host looks; where
+        `compile_all` timed the steps, a call runs those that last about policy.CALL_MS (a
+        request that arrives at a full batch waits one to two calls).
     max_stop_ids: how many stop ids a request may carry.
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache
         (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
@@ -225,7 +228,8 @@ class Engine:
 
     @property
     def step_ms(self) -> dict | None:
-        """The steps' costs the table was priced at ({K: {width: ms}}; None: the profile's)."""
+        """The steps' costs `compile_all` timed ({K: {width: ms}}; None: untimed), which size
+        the calls and price a profile's table."""
         return self.policy.step_ms
 
     # ---- requests -----------------------------------------------------------------------
@@ -302,16 +306,17 @@ class Engine:
         progress: None, or a function called with the number of programs just compiled,
         after each (from the background thread too).
 
-        A table the cost profile chose is then chosen again at this device's own costs: each
-        K's step at each width is timed over live rows (`Programs.measure_steps`, about a
-        second), for the profile measured generate's loop at other batch sizes, maybe on
-        another machine (`stats()["step_ms"]`)."""
+        Then each K's step at each width is timed over live rows (`Programs.measure_steps`,
+        about a second; `stats()["step_ms"]`): calls run the steps that last about
+        policy.CALL_MS at those costs, and a table the cost profile chose is chosen again at
+        them (the profile measured generate's loop at other batch sizes, maybe on another
+        machine)."""
         self.wait_warm()  # an earlier call's background compile ends first
         later = self.programs.groups() if groups_later else []
         self.warmup.pending = set(later)
         layout = self.programs.compile_all(skip=self.warmup.pending, progress=progress)
-        if self.policy.profile is not None:  # a table the profile chose is priced at this device's own steps
-            self.policy.price(self.programs.measure_steps(), self.programs.widths)
+        # The steps timed here size each call (`KPolicy.call_steps`); a table the profile chose is priced at them.
+        self.policy.price(self.programs.measure_steps(), self.programs.widths)
         if later:
             self.warmup.start(self.programs, later, layout, progress)
         return self
@@ -610,8 +615,8 @@ class Engine:
             self.syncs += 1
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind,
-                                                                     1 if fresh else None)
+        steps = 1 if fresh else self.policy.call_steps(max(owners) + 1, K, self.programs.steps_per_call)
+        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind, steps)
         with self._lock:
             self.calls[K] += 1
         jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done))  # read from here: `_deliver`
@@ -665,7 +670,7 @@ class Engine:
         live rows now and the per-position acceptance it was chosen from (`acceptance`), and
         speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
         what a prefill call costs beyond its tokens, in tokens (`Programs.partition`), and
-        the steps' costs the table was priced at ({K: {width: ms}}; None: the profile's), and
+        the steps' costs `compile_all` timed ({K: {width: ms}}; None: untimed), and
         the requests running and waiting: one snapshot (read under the engine's lock, which
         the device thread takes to update them)."""
         with self._lock:

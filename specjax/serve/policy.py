@@ -1,5 +1,5 @@
 """`KPolicy`: how many tokens the engine drafts per step (K) for each number of live rows,
-and the speculation counts it is re-chosen from.
+the speculation counts it is re-chosen from, and how many steps a device call runs.
 
 A table `K by live rows` is given, or chosen from a cost profile (`theory.choose_slot_k`
 over each K's step cost at the width that many rows run in), then chosen again at the steps'
@@ -23,6 +23,11 @@ DEFAULT_K = 4  # the chain's length where no cost profile chooses it
 # far (`KPolicy.acceptance`), in which a draft position counts once SEEN drafts reached it.
 ADAPT_DRAFTS = 256
 SEEN = 64
+# A device call aims to last about CALL_MS (its steps at their timed costs): the host frees
+# finished rows' slots and admits waiting requests only between calls, and the next call is
+# queued before the last is read, so a request that arrives at a full batch waits one to two
+# calls (docs/bench/serve_call_length.txt).
+CALL_MS = 20.0
 
 
 class KPolicy:
@@ -97,10 +102,18 @@ class KPolicy:
 
     def price(self, step_ms: dict, widths):
         """Takes the steps' costs the engine timed ({K: {width: ms}}; one (K, width) of
-        `widths` missing: none are taken, the profile prices them all) and chooses again."""
+        `widths` missing: none are taken, the profile prices them all) and, for a table the
+        profile chose, chooses again."""
         if all(w in step_ms.get(K, {}) for K in self._compiled for w in widths):
             self.step_ms = step_ms
-            self.table = self._chosen(self.acceptance(), self._compiled)
+            if self.profile is not None:
+                self.table = self._chosen(self.acceptance(), self._compiled)
+
+    def call_steps(self, n: int, K: int, most: int) -> int:
+        """Steps of a call of n live rows at K: as many as last about CALL_MS at their timed
+        costs, 1 to `most`; `most` where they were not timed."""
+        ms = self.step_ms[K][self._width(n)] if self.step_ms is not None else None
+        return most if not ms else max(1, min(most, round(CALL_MS / ms)))
 
     def acceptance(self) -> tuple[float, ...] | None:
         """P(draft position i accepted | the positions before it were), i = 1.., as the
