@@ -6,7 +6,8 @@ The public API, re-exports only (and transformers' advisory about torch silenced
 import specjax.quiet  # noqa: F401 -- first, before anything imports transformers
 from specjax.cache import KVCache
 from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
-                              PromptLookup, PublishedEagle3, Retrieval, load_drafter)
+                              PromptLookup, PublishedEagle, PublishedEagle3, Retrieval,
+                              load_drafter)
 from specjax.drafters.vocab import draft_vocabulary
 from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
 from specjax.config import GenerationConfig, ModelConfig
@@ -27,7 +28,8 @@ from specjax.version import __version__
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit", "Engine",
     "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
-    "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "PublishedEagle3", "Request", "Retrieval", "Stats",
+    "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "PublishedEagle", "PublishedEagle3",
+    "Request", "Retrieval", "Stats",
     "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
     "pad_prompts", "quantize", "save_model", "shard_model",

@@ -402,8 +402,9 @@ def main(argv=None):
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     drafters.add_argument("--drafter", metavar="PATH|medusa|eagle|eagle3",
-                          help="trained draft heads saved by train-medusa/train-eagle (medusa, eagle, eagle3: "
-                               "the shipped checkpoints/medusa, checkpoints/eagle, checkpoints/eagle3)")
+                          help="trained draft heads: a folder or hub id of specjax's (train-medusa/train-eagle; "
+                               "medusa, eagle, eagle3: the shipped checkpoints/medusa, checkpoints/eagle, "
+                               "checkpoints/eagle3) or a published EAGLE-3 head's (EAGLE, SpecForge, speculators)")
     drafters.add_argument("--early-exit", type=int, metavar="N",
                           help="draft with the target's own first N layers")
     drafters.add_argument("--prompt-lookup", action="store_true",
@@ -474,7 +475,8 @@ def main(argv=None):
     from specjax.serve.server import DRAFT_CHOICES
 
     p.add_argument("--draft", default=default_checkpoint("draft"), metavar=DRAFT_CHOICES,
-                   help="a draft model's folder (or trained heads', drafter.json; or a datastore's, for "
+                   help="a draft model's folder or hub id (or trained heads': specjax's drafter.json, or a "
+                        "published EAGLE-3 head's; or a datastore's, for "
                         "retrieval), none (plain decoding), prompt-lookup, lookahead, early-exit:N (the target's "
                         "first N layers), medusa, eagle or eagle3 (the shipped heads); default: the shipped draft")
     p.add_argument("--tokenizer", metavar="PATH",

@@ -124,3 +124,79 @@ class Head:
         if format != "speculators":
             return dict(self.w)
         return {k.replace("midlayer.", "layers.0."): v for k, v in self.w.items()}
+
+
+def attention(x, w, prefix, H, G, D, positions, base):
+    """EAGLE's LlamaAttention (cnets1.py / cnets.py L199-333) over x [T, in], causal."""
+    T = x.shape[0]
+    q = (x @ w[prefix + "q_proj.weight"].T).view(T, H, D)
+    k = (x @ w[prefix + "k_proj.weight"].T).view(T, G, D)
+    v = (x @ w[prefix + "v_proj.weight"].T).view(T, G, D)
+    q, k = rope(q, positions, base), rope(k, positions, base)
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.einsum("hts,shd->thd", probs, v).reshape(T, H * D) @ w[prefix + "o_proj.weight"].T
+
+
+class Eagle1Head:
+    """EAGLE-1/2's head (SafeAILab/EAGLE cnets1.py L575-665, `LlamaDecoderLayer` L399-429):
+    x = fc([embedding of token t+1, f_t]) + bias; layer 0 has no input norm; the output is
+    read out by the target's lm_head, without a norm. Tensors as its files name them."""
+
+    def __init__(self, E, H, G, D, F, V, seed=0, eps=1e-5, base=10000.0, bias=True, embedding=None):
+        g = torch.Generator().manual_seed(seed)
+
+        def r(*shape, std=0.2):
+            return torch.randn(*shape, generator=g) * std
+
+        self.E, self.H, self.G, self.D, self.eps, self.base = E, H, G, D, eps, base
+        w = {"fc.weight": r(E, 2 * E), "layers.0.post_attention_layernorm.weight": 1 + r(E, std=0.1),
+             "layers.0.self_attn.q_proj.weight": r(H * D, E), "layers.0.self_attn.k_proj.weight": r(G * D, E),
+             "layers.0.self_attn.v_proj.weight": r(G * D, E), "layers.0.self_attn.o_proj.weight": r(E, H * D),
+             "layers.0.mlp.gate_proj.weight": r(F, E), "layers.0.mlp.up_proj.weight": r(F, E),
+             "layers.0.mlp.down_proj.weight": r(E, F)}
+        if bias:
+            w["fc.bias"] = r(E)
+        if embedding is not None:  # its frozen copy of the target's (EAGLE-1 files carry one)
+            w["embed_tokens.weight"] = embedding.clone()
+        self.w = w
+
+    def forward(self, emb, features, positions):
+        """emb [T, E], features [T, E] (the target's final-normed states, or its own
+        outputs) -> its outputs [T, E] (read out by the target's head)."""
+        w = self.w
+        x = torch.cat([emb, features], -1) @ w["fc.weight"].T + w.get("fc.bias", 0)
+        x = x + attention(x, w, "layers.0.self_attn.", self.H, self.G, self.D, positions, self.base)
+        m = rms_norm(x, w["layers.0.post_attention_layernorm.weight"], self.eps)
+        return x + (torch.nn.functional.silu(m @ w["layers.0.mlp.gate_proj.weight"].T)
+                    * (m @ w["layers.0.mlp.up_proj.weight"].T)) @ w["layers.0.mlp.down_proj.weight"].T
+
+
+class MedusaHeads:
+    """FasterDecoding's Medusa heads (medusa_model.py e2a5d20 L58-72, L111-119): head k is R
+    ResBlocks x + SiLU(linear(x)) over the target's final-normed state, then (Medusa-1) its
+    own Linear(E, V, bias=False) `{k}.{R}`; tensors as medusa_lm_head names them."""
+
+    def __init__(self, E, V, heads=3, blocks=1, own_out=True, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.heads, self.blocks = heads, blocks
+        self.w = {}
+        for h in range(heads):
+            for b in range(blocks):
+                self.w[f"{h}.{b}.linear.weight"] = torch.randn(E, E, generator=g) * 0.2
+                self.w[f"{h}.{b}.linear.bias"] = torch.randn(E, generator=g) * 0.2
+            if own_out:
+                self.w[f"{h}.{blocks}.weight"] = torch.randn(V, E, generator=g) * 0.2
+
+    def logits(self, state, lm_head):
+        """state [..., E] -> [..., heads, V]: each head's logits (lm_head [V, E]: the
+        target's, read where a head has none of its own)."""
+        out = []
+        for h in range(self.heads):
+            x = state
+            for b in range(self.blocks):
+                x = x + torch.nn.functional.silu(x @ self.w[f"{h}.{b}.linear.weight"].T + self.w[f"{h}.{b}.linear.bias"])
+            out.append(x @ self.w.get(f"{h}.{self.blocks}.weight", lm_head).T)
+        return torch.stack(out, dim=-2)

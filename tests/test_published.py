@@ -276,3 +276,109 @@ def _tiny_llama(folder, hidden, vocab):
                             num_key_value_heads=2, intermediate_size=48, max_position_embeddings=256)
     tr.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def test_the_engine_and_the_server_take_a_published_head(target, tmp_path):
+    """`specjax serve --draft FOLDER` loads a published head (`load_draft`), and a paged
+    engine drafting with it (a tree) gives each request what plain decoding gives."""
+    from specjax.serve.server import load_draft
+
+    model = target[0]
+    _, folder, _ = make("speculators", tmp_path / "head")
+    assert isinstance(load_draft(str(folder), model, None, ""), specjax.PublishedEagle3)
+    drafter = specjax.load_drafter(folder, tree=Tree(depth=3, top_k=2, nodes=6))
+    prompts = [list(p) for p in np.random.RandomState(1).randint(2, tiny.VOCAB, (3, 11))]
+    with specjax.Engine(model, draft=drafter, slots=2, max_len=64, kv_pages=16, page_size=8) as engine:
+        outs = [engine.submit(p, max_new_tokens=12) for p in prompts]
+        got = [r.result(timeout=300) for r in outs]
+    for prompt, tokens in zip(prompts, got):
+        plain = specjax.generate(model, np.array([prompt], np.int32), np.array([len(prompt)], np.int32),
+                                 max_new_tokens=12)
+        assert tokens == tiny.rows(plain)[0]
+
+
+def write_eagle1(head, folder, bias=True):
+    """An EAGLE-1/2 head as SafeAILab/EAGLE's files hold it (cnets1.py's state dict; config.json
+    a one-layer LlamaConfig with "bias", as eagle/train/*_config.json)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**layer_config(head), "architectures": ["LlamaForCausalLM"],
+                                                    "bias": bias}))
+    save_file({k: v.contiguous() for k, v in head.w.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_eagle1_head_drafts_as_its_authors_code(target, tmp_path, bias):
+    """An EAGLE-1/2 head (fc with or without its bias, no norm before its layer's attention,
+    read out by the target's head without a norm, over the target's final-normed states)
+    gives the reference's logits two steps deep, carries its copy of the target's embedding
+    only until bound, round-trips bit for bit and speculates exactly."""
+    from tests.published_reference import Eagle1Head
+
+    model, torch_target = target
+    embedding = torch_target.model.embed_tokens.weight.detach()
+    head = Eagle1Head(**{k: SIZES[k] for k in ("E", "H", "G", "D", "F", "V")}, bias=bias, embedding=embedding)
+    drafter = specjax.load_drafter(write_eagle1(head, tmp_path / "head", bias))
+    assert isinstance(drafter, specjax.PublishedEagle) and "embedding" in drafter.params
+    bound = drafter.bind(model)
+    assert "embedding" not in bound.params  # the target's own, shared
+    tokens = torch.randint(2, tiny.VOCAB, (11,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        features = torch_target.model(tokens[None, :10]).last_hidden_state[0]  # final-normed
+    T, positions = 10, torch.arange(10)
+    emb, lm_head = embedding[tokens[1:]], torch_target.lm_head.weight.detach()
+    with torch.no_grad():
+        out0 = head.forward(emb, features, positions)
+        out1 = head.forward(emb, out0, positions)
+    ids = jnp.asarray(tokens.numpy())[None]
+    x, _ = bound.advance(model, ids[:, 1:], jnp.asarray(features.numpy())[None], jnp.arange(T)[None])
+    np.testing.assert_allclose(bound.read(model, x)[0], (out0 @ lm_head.T).numpy(), atol=1e-5)
+    x, _ = bound.advance(model, ids[:, 1:], x, jnp.arange(T)[None])
+    np.testing.assert_allclose(bound.read(model, x)[0], (out1 @ lm_head.T).numpy(), atol=1e-5)
+
+    back = specjax.load_drafter(drafter.save(tmp_path / "back"))
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(drafter.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = np.random.RandomState(2).randint(2, tiny.VOCAB, (2, 8)).astype(np.int32)
+    lengths = np.array([8, 5], np.int32)
+    plain = specjax.generate(model, prompts, lengths, max_new_tokens=16)
+    spec = specjax.generate(model, prompts, lengths, draft=drafter, max_new_tokens=16, num_draft_tokens=3)
+    assert tiny.rows(spec) == tiny.rows(plain)
+
+
+def write_medusa(heads, folder, num_heads, pickled=False):
+    """Medusa heads as FasterDecoding's files hold them: config.json (MedusaConfig) and
+    medusa_lm_head.safetensors, or Medusa-1's medusa_lm_head.pt."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": heads.blocks,
+                                                    "base_model_name_or_path": "tiny-llama"}))
+    if pickled:
+        torch.save(heads.w, folder / "medusa_lm_head.pt")
+    else:
+        save_file({k: v.contiguous() for k, v in heads.w.items()}, str(folder / "medusa_lm_head.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("own_out, blocks, pickled", [(True, 1, True), (False, 2, False)])
+def test_medusa_heads_draft_as_their_authors_code(target, tmp_path, own_out, blocks, pickled):
+    """FasterDecoding's Medusa heads (Medusa-1's with an output layer per head, in a pickle
+    read as tensors alone; or read out by the target's head) give the reference's logits;
+    the heads are the tensors' (a config that under-counts them, as published ones do, is
+    not believed); greedy speculation equals plain decoding."""
+    from specjax.drafters.medusa import heads_logits
+    from tests.published_reference import MedusaHeads
+
+    model, torch_target = target
+    heads = MedusaHeads(SIZES["E"], SIZES["V"], heads=3, blocks=blocks, own_out=own_out)
+    drafter = specjax.load_drafter(write_medusa(heads, tmp_path / "medusa", num_heads=2, pickled=pickled))
+    assert isinstance(drafter, specjax.Medusa) and drafter.num_heads == 3
+    drafter = drafter.bind(model)
+    state = torch.randn(5, SIZES["E"], generator=torch.Generator().manual_seed(5))
+    want = heads.logits(state, torch_target.lm_head.weight.detach())
+    np.testing.assert_allclose(heads_logits(drafter.params, model, jnp.asarray(state.numpy())),
+                               want.detach().numpy(), atol=1e-5)
+    prompts = np.random.RandomState(3).randint(2, tiny.VOCAB, (2, 8)).astype(np.int32)
+    lengths = np.array([8, 6], np.int32)
+    plain = specjax.generate(model, prompts, lengths, max_new_tokens=16)
+    spec = specjax.generate(model, prompts, lengths, draft=drafter, max_new_tokens=16)
+    assert tiny.rows(spec) == tiny.rows(plain)

@@ -14,6 +14,63 @@ import numpy as np
 FORMATS = ("eagle", "specforge", "speculators")
 
 
+def _f32(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32))
+
+
+def layer_tensors(layer: dict, c, prefix: str) -> dict:
+    """A head's decoder layer's params (`Block`'s, q, k and v over any width) as the
+    published tensors under prefix (midlayer. or layers.0.), float32."""
+    E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    R = H // G
+    attn = layer["attn"]
+    qkv = np.asarray(attn["qkv_kernel"])  # [G, R+2, D, in]
+    t = {prefix + "post_attention_layernorm.weight": _f32(layer["mlp_norm"]["scale"]),
+         prefix + "self_attn.q_proj.weight": _f32(qkv[:, :R].reshape(H * D, -1)),
+         prefix + "self_attn.k_proj.weight": _f32(qkv[:, R].reshape(G * D, -1)),
+         prefix + "self_attn.v_proj.weight": _f32(qkv[:, R + 1].reshape(G * D, -1)),
+         prefix + "self_attn.o_proj.weight": _f32(np.asarray(attn["o_kernel"]).reshape(H * D, E).T),
+         prefix + "mlp.gate_proj.weight": _f32(np.asarray(layer["mlp"]["gate_up_kernel"])[0].T),
+         prefix + "mlp.up_proj.weight": _f32(np.asarray(layer["mlp"]["gate_up_kernel"])[1].T),
+         prefix + "mlp.down_proj.weight": _f32(np.asarray(layer["mlp"]["down_kernel"]).T)}
+    if "qkv_bias" in attn:
+        b = np.asarray(attn["qkv_bias"])
+        t.update({prefix + "self_attn.q_proj.bias": _f32(b[:, :R].reshape(-1)),
+                  prefix + "self_attn.k_proj.bias": _f32(b[:, R].reshape(-1)),
+                  prefix + "self_attn.v_proj.bias": _f32(b[:, R + 1].reshape(-1))})
+    if "o_bias" in attn:
+        t[prefix + "self_attn.o_proj.bias"] = _f32(attn["o_bias"])
+    for x in ("q", "k") if "q_norm" in attn else ():
+        t[prefix + f"self_attn.{x}_norm.weight"] = _f32(attn[f"{x}_norm"]["scale"])
+    if "attn_norm" in layer:
+        t[prefix + "input_layernorm.weight"] = _f32(layer["attn_norm"]["scale"])
+    return t
+
+
+def write_published_eagle(head, path, format: str = "eagle") -> Path:
+    """Writes head (a PublishedEagle) into the folder path in EAGLE's format (cnets1.py's
+    tensors: fc, layers.0.*, embed_tokens where it has its own; config.json a LlamaConfig
+    with "bias"), which formats.py reads back bit for bit."""
+    if format != "eagle":
+        raise ValueError(f"an EAGLE-1/2 head is written in EAGLE's format (\"eagle\"), got {format!r}")
+    from safetensors.numpy import save_file
+
+    p, c = jax.device_get(head.params), head.config
+    bias = bool(np.any(np.asarray(p["fc"]["bias"])))
+    t = {"fc.weight": _f32(np.asarray(p["fc"]["kernel"]).T), **layer_tensors(p["layer"], c, "layers.0.")}
+    if bias:
+        t["fc.bias"] = _f32(p["fc"]["bias"])
+    if "embedding" in p:
+        t["embed_tokens.weight"] = _f32(p["embedding"])
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    config = {**c.to_hf_config(), "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+              "head_dim": c.head_dim, "bias": bias, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
 def write_published(head, path, format: str) -> Path:
     """Writes head (a PublishedEagle3) into the folder path in a published format (FORMATS):
     config.json and model.safetensors, as its writers' code lays them out; formats.py's
@@ -32,40 +89,19 @@ def write_published(head, path, format: str) -> Path:
     if format == "eagle" and (not layout.out_norm or "fc_norm" in p or head.feature_layers is not None):
         raise ValueError("this head taps chosen layers, or norms its features or not its output, which EAGLE's "
                          "format cannot say: write it as specforge or speculators")
-    E, H, G, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    R = H // G
     prefix = "layers.0." if format == "speculators" else "midlayer."
-    f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))  # noqa: E731
-    qkv = np.asarray(p["layer"]["attn"]["qkv_kernel"])  # [G, R+2, D, 2E]
-    t = {"fc.weight": f32(np.asarray(p["fuse"]["kernel"]).T), "norm.weight": f32(p["norms"]["out"]["scale"]),
-         prefix + "input_layernorm.weight": f32(p["norms"]["token"]["scale"]),
-         prefix + "hidden_norm.weight": f32(p["norms"]["feature"]["scale"]),
-         prefix + "post_attention_layernorm.weight": f32(p["layer"]["mlp_norm"]["scale"]),
-         prefix + "self_attn.q_proj.weight": f32(qkv[:, :R].reshape(H * D, 2 * E)),
-         prefix + "self_attn.k_proj.weight": f32(qkv[:, R].reshape(G * D, 2 * E)),
-         prefix + "self_attn.v_proj.weight": f32(qkv[:, R + 1].reshape(G * D, 2 * E)),
-         prefix + "self_attn.o_proj.weight": f32(np.asarray(p["layer"]["attn"]["o_kernel"]).reshape(H * D, E).T),
-         prefix + "mlp.gate_proj.weight": f32(np.asarray(p["layer"]["mlp"]["gate_up_kernel"])[0].T),
-         prefix + "mlp.up_proj.weight": f32(np.asarray(p["layer"]["mlp"]["gate_up_kernel"])[1].T),
-         prefix + "mlp.down_proj.weight": f32(np.asarray(p["layer"]["mlp"]["down_kernel"]).T)}
-    attn = p["layer"]["attn"]
-    if "qkv_bias" in attn:
-        b = np.asarray(attn["qkv_bias"])
-        t.update({prefix + "self_attn.q_proj.bias": f32(b[:, :R].reshape(-1)),
-                  prefix + "self_attn.k_proj.bias": f32(b[:, R].reshape(-1)),
-                  prefix + "self_attn.v_proj.bias": f32(b[:, R + 1].reshape(-1))})
-    if "o_bias" in attn:
-        t[prefix + "self_attn.o_proj.bias"] = f32(attn["o_bias"])
-    for x in ("q", "k") if "q_norm" in attn else ():
-        t[prefix + f"self_attn.{x}_norm.weight"] = f32(attn[f"{x}_norm"]["scale"])
+    t = {"fc.weight": _f32(np.asarray(p["fuse"]["kernel"]).T), "norm.weight": _f32(p["norms"]["out"]["scale"]),
+         prefix + "input_layernorm.weight": _f32(p["norms"]["token"]["scale"]),
+         prefix + "hidden_norm.weight": _f32(p["norms"]["feature"]["scale"]),
+         **layer_tensors(p["layer"], c, prefix)}
     if "head" in p:
-        t["lm_head.weight"] = f32(np.asarray(p["head"]["kernel"]).T)
+        t["lm_head.weight"] = _f32(np.asarray(p["head"]["kernel"]).T)
     if "embedding" in p:
-        t["embed_tokens.weight"] = f32(p["embedding"])
+        t["embed_tokens.weight"] = _f32(p["embedding"])
     if "input_norm" in p:
-        t["input_norm.weight"] = f32(p["input_norm"]["scale"])
+        t["input_norm.weight"] = _f32(p["input_norm"]["scale"])
     for i, scale in enumerate(np.asarray(p["fc_norm"]["scale"]) if "fc_norm" in p else ()):
-        t[f"fc_norm.{i}.weight"] = f32(scale)
+        t[f"fc_norm.{i}.weight"] = _f32(scale)
     V = c.vocab_size
     draft_vocab = V if head.vocab is None else int(head.vocab.shape[0])
     if head.vocab is not None:
@@ -75,7 +111,7 @@ def write_published(head, path, format: str) -> Path:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(t, str(folder / "model.safetensors"))
-    layer = {**c.to_hf_config(), "num_hidden_layers": 1, "head_dim": D}
+    layer = {**c.to_hf_config(), "num_hidden_layers": 1, "head_dim": c.head_dim}
     layer.pop("architectures", None)
     n = len(head.feature_layers) if head.feature_layers is not None else 3
     target_hidden = int(np.asarray(p["fuse"]["kernel"]).shape[0]) // n

@@ -37,7 +37,9 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.published import Layout, PublishedEagle3, draft_ids, published_shapes
+from specjax.drafters.medusa import Medusa
+from specjax.drafters.published import (Layout, PublishedEagle, PublishedEagle3, draft_ids, published_eagle_shapes,
+                                        published_shapes)
 from specjax.drafters.vocab import check_vocab
 from specjax.folders import CheckpointError, UnsafeCheckpointError, _read_json, check_regular
 
@@ -56,19 +58,32 @@ def published_format(folder: Path) -> str | None:
     config = _read_json(config_file)
     if config.get("speculators_model_type") is not None:
         return "speculators"
+    if "medusa_num_heads" in config:
+        return "medusa"
     architectures = config.get("architectures") or []
     eagle3 = any(a in EAGLE_ARCHITECTURES for a in architectures if isinstance(a, str)) or (
         "draft_vocab_size" in config and config.get("num_hidden_layers") == 1
         and "midlayer.hidden_norm.weight" in _tensor_names(folder))
     if not eagle3:
-        return None
+        names = _tensor_names(folder) if config.get("num_hidden_layers") == 1 else set()
+        eagle1 = {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= names and "lm_head.weight" not in names
+        return "eagle1" if eagle1 else None
     return "specforge" if any(k in config for k in ("eagle_config", "fc_norm", "norm_output")) else "eagle"
 
 
-def read_published(folder: Path, tree=None) -> PublishedEagle3:
-    """The published EAGLE-3 head in folder (`published_format`), drafting tree (None: a
-    chain). Anything that does not fit raises CheckpointError naming it."""
+def read_published(folder: Path, tree=None):
+    """The published head in folder (`published_format`: a PublishedEagle3, a PublishedEagle
+    or a Medusa), drafting tree (None: a chain). Anything that does not fit raises
+    CheckpointError naming it."""
     source = published_format(folder)
+    if source == "medusa":
+        return _read_medusa(folder, tree)
+    if source == "eagle1":
+        return _read_eagle1(folder, tree)
+    return _read_eagle3(folder, source, tree)
+
+
+def _read_eagle3(folder: Path, source: str, tree) -> PublishedEagle3:
     config_file = folder / "config.json"
     raw = _read_json(config_file)
     if source == "speculators":
@@ -180,7 +195,7 @@ def _layer_config(layer: dict, folder: Path, names: dict, where: Path, source: s
         raise CheckpointError(f"{folder}: midlayer.self_attn.q_proj.weight ({None if q is None else list(q.shape)}) "
                               f"must be [num_attention_heads ({heads!r}) x head_dim, 2 x hidden_size]")
     head_dim = q.shape[0] // heads
-    if source != "eagle" and layer.get("head_dim") not in (None, head_dim):
+    if source not in ("eagle", "eagle1") and layer.get("head_dim") not in (None, head_dim):
         raise CheckpointError(f"{where}: head_dim {layer.get('head_dim')!r}, but q_proj holds {heads} heads of "
                               f"{head_dim}")
     hf.update(num_hidden_layers=1, head_dim=head_dim, tie_word_embeddings=False)
@@ -208,15 +223,16 @@ def _tensor_names(folder: Path) -> set[str]:
         return set()
 
 
-def _tensors(folder: Path) -> dict:
+def _tensors(folder: Path, pickled: tuple[str, ...] = ("pytorch_model.bin",)) -> dict:
     """The folder's tensors by name, located (shape, dtype) but not read: its safetensors, or
-    its pytorch_model.bin through torch.load(weights_only=True, mmap=True)."""
+    its pickled weights (`pickled`' first file found) through torch.load(weights_only=True,
+    mmap=True)."""
     from specjax.hf import read_sources
 
     if list(folder.glob("*.safetensors")):
         return read_sources(folder)
-    pickled = folder / "pytorch_model.bin"
-    if not pickled.is_file():
+    pickled = next((folder / name for name in pickled if (folder / name).is_file()), None)
+    if pickled is None:
         return read_sources(folder)  # names what is missing, or refuses other pickles
     check_regular(pickled)
     convert = (f"python -c \"import torch, safetensors.torch as s; s.save_file(torch.load('{pickled}', "
@@ -257,35 +273,57 @@ class _Torch:
         return t.numpy()
 
 
-def _params(sources: dict, shapes: dict, config: ModelConfig, folder: Path, n: int) -> dict:
-    """The head's params in specjax's layout, once every tensor is there with its shape and a
-    floating dtype, and none is left unexplained."""
+def _layer_tensors(shapes: dict, config: ModelConfig, in_size: int) -> dict:
+    """The published names (midlayer.*) and shapes of a head's layer's tensors, for its
+    params' shapes (`Block`'s: biases and q/k norms where it has them; in_size: the width
+    q, k and v read)."""
     E, H, G, D, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
-    R = H // G
-    want = {"fc.weight": ("fuse", "kernel"), "midlayer.input_layernorm.weight": ("norms", "token", "scale"),
-            "midlayer.hidden_norm.weight": ("norms", "feature", "scale"), "norm.weight": ("norms", "out", "scale"),
-            "midlayer.post_attention_layernorm.weight": ("layer", "mlp_norm", "scale"),
-            "midlayer.self_attn.o_proj.weight": ("layer", "attn", "o_kernel"),
-            "midlayer.mlp.down_proj.weight": ("layer", "mlp", "down_kernel"),
-            "lm_head.weight": ("head", "kernel"), "embed_tokens.weight": ("embedding",),
-            "input_norm.weight": ("input_norm", "scale")}
-    want = {k: v for k, v in want.items() if _has(shapes, v)}
-    qkv = [f"midlayer.self_attn.{x}_proj.weight" for x in "qkv"]
-    gate_up = [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up")]
-    expected = {name: _hf_shape(name, _get(shapes, path)) for name, path in want.items()}
-    expected.update({qkv[0]: (H * D, 2 * E), qkv[1]: (G * D, 2 * E), qkv[2]: (G * D, 2 * E),
-                     gate_up[0]: (F, E), gate_up[1]: (F, E)})
-    layer = shapes["layer"]
-    if "qkv_bias" in layer["attn"]:
-        expected.update({n_.replace("weight", "bias"): (s[0],) for n_, s in list(expected.items()) if n_ in qkv})
-    if "o_bias" in layer["attn"]:
-        expected["midlayer.self_attn.o_proj.bias"] = (E,)
-    if "q_norm" in layer["attn"]:
-        expected.update({"midlayer.self_attn.q_norm.weight": (D,), "midlayer.self_attn.k_norm.weight": (D,)})
-    if "fc_norm" in shapes:
-        expected.update({f"fc_norm.{i}.weight": (shapes["fc_norm"]["scale"][1],) for i in range(n)})
-    maps = {"d2t", "t2d"}
-    unexplained = sorted(set(sources) - set(expected) - maps)
+    m = "midlayer."
+    out = {m + "self_attn.q_proj.weight": (H * D, in_size), m + "self_attn.k_proj.weight": (G * D, in_size),
+           m + "self_attn.v_proj.weight": (G * D, in_size), m + "self_attn.o_proj.weight": (E, H * D),
+           m + "mlp.gate_proj.weight": (F, E), m + "mlp.up_proj.weight": (F, E), m + "mlp.down_proj.weight": (E, F),
+           m + "post_attention_layernorm.weight": (E,)}
+    attn = shapes["attn"]
+    if "qkv_bias" in attn:
+        out.update({m + "self_attn.q_proj.bias": (H * D,), m + "self_attn.k_proj.bias": (G * D,),
+                    m + "self_attn.v_proj.bias": (G * D,)})
+    if "o_bias" in attn:
+        out[m + "self_attn.o_proj.bias"] = (E,)
+    if "q_norm" in attn:
+        out.update({m + "self_attn.q_norm.weight": (D,), m + "self_attn.k_norm.weight": (D,)})
+    if "attn_norm" in shapes:
+        out[m + "input_layernorm.weight"] = (E,)
+    return out
+
+
+def _layer_params(read, shapes: dict, config: ModelConfig, in_size: int) -> dict:
+    """A head's layer's params in specjax's layout from its published tensors (`read(name)`:
+    float32)."""
+    E, H, G, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    R, m = H // G, "midlayer."
+    q, k, v = (read(m + f"self_attn.{x}_proj.weight") for x in "qkv")
+    attn = {"qkv_kernel": np.concatenate([q.reshape(G, R, D, in_size), k.reshape(G, 1, D, in_size),
+                                          v.reshape(G, 1, D, in_size)], axis=1),
+            "o_kernel": read(m + "self_attn.o_proj.weight").T.reshape(H, D, E)}
+    if "qkv_bias" in shapes["attn"]:
+        qb, kb, vb = (read(m + f"self_attn.{x}_proj.bias") for x in "qkv")
+        attn["qkv_bias"] = np.concatenate([qb.reshape(G, R, D), kb.reshape(G, 1, D), vb.reshape(G, 1, D)], axis=1)
+    if "o_bias" in shapes["attn"]:
+        attn["o_bias"] = read(m + "self_attn.o_proj.bias")
+    for x in ("q", "k") if "q_norm" in shapes["attn"] else ():
+        attn[f"{x}_norm"] = {"scale": read(m + f"self_attn.{x}_norm.weight")}
+    out = {"attn": attn, "mlp_norm": {"scale": read(m + "post_attention_layernorm.weight")},
+           "mlp": {"gate_up_kernel": np.stack([read(m + f"mlp.{x}_proj.weight").T for x in ("gate", "up")]),
+                   "down_kernel": read(m + "mlp.down_proj.weight").T}}
+    if "attn_norm" in shapes:
+        out["attn_norm"] = {"scale": read(m + "input_layernorm.weight")}
+    return out
+
+
+def _checked(sources: dict, expected: dict, folder: Path, ignored=()):
+    """A reader of the tensors `expected` ({name: shape}) once each is there with its shape
+    and a floating dtype and no other is (but `ignored`): read(name) -> float32, finite."""
+    unexplained = sorted(set(sources) - set(expected) - set(ignored))
     missing = sorted(set(expected) - set(sources))
     if missing or unexplained:
         raise CheckpointError(f"{folder}: the head's tensors do not match its config: "
@@ -293,7 +331,7 @@ def _params(sources: dict, shapes: dict, config: ModelConfig, folder: Path, n: i
                                           (("missing", missing), ("not explained by it", unexplained)) if names))
     for name, shape in expected.items():
         got = sources[name]
-        if tuple(got.shape) != shape:
+        if tuple(got.shape) != tuple(shape):
             raise CheckpointError(f"{folder}: tensor {name} has shape {list(got.shape)}, its config implies "
                                   f"{list(shape)}")
         if not jnp.issubdtype(got.dtype, jnp.floating):
@@ -308,31 +346,103 @@ def _params(sources: dict, shapes: dict, config: ModelConfig, folder: Path, n: i
         check_finite(a, f"{folder}: tensor {name}")
         return a
 
-    params: dict = {}
+    return read
+
+
+def _params(sources: dict, shapes: dict, config: ModelConfig, folder: Path, n: int) -> dict:
+    """An EAGLE-3 head's params in specjax's layout, once every tensor is there with its
+    shape and a floating dtype, and none is left unexplained."""
+    E = config.hidden_size
+    want = {"fc.weight": ("fuse", "kernel"), "midlayer.input_layernorm.weight": ("norms", "token", "scale"),
+            "midlayer.hidden_norm.weight": ("norms", "feature", "scale"), "norm.weight": ("norms", "out", "scale"),
+            "lm_head.weight": ("head", "kernel"), "embed_tokens.weight": ("embedding",),
+            "input_norm.weight": ("input_norm", "scale")}
+    want = {k: v for k, v in want.items() if _has(shapes, v)}
+    expected = {name: _hf_shape(name, _get(shapes, path)) for name, path in want.items()}
+    expected.update(_layer_tensors(shapes["layer"], config, 2 * E))
+    if "fc_norm" in shapes:
+        expected.update({f"fc_norm.{i}.weight": (shapes["fc_norm"]["scale"][1],) for i in range(n)})
+    read = _checked(sources, expected, folder, ignored=("d2t", "t2d"))
+    params: dict = {"layer": _layer_params(read, shapes["layer"], config, 2 * E)}
     for name, path in want.items():
         a = read(name)
-        _set(params, path, a.T.reshape(_get(shapes, path)) if name.endswith(("fc.weight", "proj.weight",
-                                                                             "lm_head.weight")) else a)
-    q, k, v = (read(x) for x in qkv)
-    _set(params, ("layer", "attn", "qkv_kernel"), np.concatenate(
-        [q.reshape(G, R, D, 2 * E), k.reshape(G, 1, D, 2 * E), v.reshape(G, 1, D, 2 * E)], axis=1))
-    if "qkv_bias" in layer["attn"]:
-        qb, kb, vb = (read(x.replace("weight", "bias")) for x in qkv)
-        _set(params, ("layer", "attn", "qkv_bias"), np.concatenate(
-            [qb.reshape(G, R, D), kb.reshape(G, 1, D), vb.reshape(G, 1, D)], axis=1))
-    if "o_bias" in layer["attn"]:
-        _set(params, ("layer", "attn", "o_bias"), read("midlayer.self_attn.o_proj.bias"))
-    if "q_norm" in layer["attn"]:
-        for x in "qk":
-            _set(params, ("layer", "attn", f"{x}_norm", "scale"), read(f"midlayer.self_attn.{x}_norm.weight"))
-    _set(params, ("layer", "mlp", "gate_up_kernel"), np.stack([read(x).T for x in gate_up]))
+        _set(params, path, a.T.reshape(_get(shapes, path)) if name.endswith(("fc.weight", "lm_head.weight")) else a)
     if "fc_norm" in shapes:
         _set(params, ("fc_norm", "scale"), np.stack([read(f"fc_norm.{i}.weight") for i in range(n)]))
+    return _placed(params, shapes, folder)
+
+
+def _placed(params: dict, shapes: dict, folder: Path) -> dict:
     got = jax.tree.map(lambda w: tuple(w.shape), params)
     if got != shapes:  # a layer option this reader does not convert (mlp biases, ...)
         raise CheckpointError(f"{folder}: specjax cannot convert this head's layer: its params {got} against "
                               f"{shapes}")
     return jax.tree.map(jax.device_put, params)
+
+
+def _read_eagle1(folder: Path, tree) -> PublishedEagle:
+    """A published EAGLE-1/2 head (SafeAILab/EAGLE cnets1.py; its tensors under layers.0.*,
+    fc.weight [E, 2E] and fc.bias unless its config says "bias": false, maybe its copy of
+    the target's embed_tokens)."""
+    config_file = folder / "config.json"
+    raw = _read_json(config_file)
+    config, sources = _layer_config(raw, folder, {"midlayer.": "layers.0."}, config_file, "eagle1")
+    if "midlayer.self_attn.q_proj.bias" in sources:  # EAGLE reads qkv_bias (Qwen2 heads)
+        config = dataclasses.replace(config, qkv_bias=True)
+    E = config.hidden_size
+    bias = _flag(raw, "bias", True, config_file)
+    shapes = published_eagle_shapes(config, "embed_tokens.weight" in sources)
+    expected = {"fc.weight": (E, 2 * E), **_layer_tensors(shapes["layer"], config, E)}
+    if bias:
+        expected["fc.bias"] = (E,)
+    if "embedding" in shapes:
+        expected["embed_tokens.weight"] = shapes["embedding"]
+    read = _checked(sources, expected, folder)
+    params = {"fc": {"kernel": read("fc.weight").T, "bias": read("fc.bias") if bias else np.zeros(E, np.float32)},
+              "layer": _layer_params(read, shapes["layer"], config, E)}
+    if "embedding" in shapes:
+        params["embedding"] = read("embed_tokens.weight")
+    signature = trained.TargetSignature("", E, config.vocab_size, "")
+    return PublishedEagle(_placed(params, shapes, folder), config, signature, tree)
+
+
+def _read_medusa(folder: Path, tree) -> Medusa:
+    """FasterDecoding's Medusa heads (medusa_model.py e2a5d20): config.json's
+    medusa_num_heads / medusa_num_layers, medusa_lm_head.safetensors (or .pt, read as
+    tensors alone) with {h}.{r}.linear.weight [E, E] and .bias [E] per block and, in
+    Medusa-1's files, {h}.{R}.weight [V, E]: the head's own output layer (else the target's
+    reads it out). The heads are the tensors' (the config may under-count them: Medusa's
+    loader forces 5)."""
+    config_file = folder / "config.json"
+    raw = _read_json(config_file)
+    sources = _tensors(folder, pickled=("medusa_lm_head.pt",))
+    heads = sorted({int(n.split(".")[0]) for n in sources if n.split(".")[0].isdigit()})
+    R = raw.get("medusa_num_layers", 1)
+    if not heads or heads != list(range(len(heads))) or not trained.positive_int(R):
+        raise CheckpointError(f"{folder}: Medusa heads are tensors {{h}}.{{r}}.linear.weight for heads 0..H-1 and "
+                              f"medusa_num_layers >= 1 blocks; found heads {heads[:8]} and medusa_num_layers {R!r}")
+    first = sources.get("0.0.linear.weight")
+    if first is None or len(first.shape) != 2 or first.shape[0] != first.shape[1]:
+        raise CheckpointError(f"{folder}: tensor 0.0.linear.weight must be [E, E], got "
+                              f"{None if first is None else list(first.shape)}")
+    E, H = first.shape[0], len(heads)
+    out = sources.get(f"0.{R}.weight")
+    expected = {f"{h}.{r}.linear.{k}": (E, E) if k == "weight" else (E,)
+                for h in range(H) for r in range(R) for k in ("weight", "bias")}
+    if out is not None:
+        if len(out.shape) != 2 or out.shape[1] != E:
+            raise CheckpointError(f"{folder}: tensor 0.{R}.weight (a head's output layer) must be [V, {E}], got "
+                                  f"{list(out.shape)}")
+        expected.update({f"{h}.{R}.weight": tuple(out.shape) for h in range(H)})
+    read = _checked(sources, expected, folder)
+    params = {"kernel": np.stack([np.stack([read(f"{h}.{r}.linear.weight").T for r in range(R)]) for h in range(H)]),
+              "bias": np.stack([np.stack([read(f"{h}.{r}.linear.bias") for r in range(R)]) for h in range(H)])}
+    if out is not None:
+        params["out"] = {"kernel": np.stack([read(f"{h}.{R}.weight").T for h in range(H)])}
+    V = out.shape[0] if out is not None else raw.get("vocab_size", 0)
+    name = raw.get("base_model_name_or_path") or ""
+    signature = trained.TargetSignature("", E, V if trained.positive_int(V) else 0, str(name))
+    return Medusa(jax.tree.map(jax.device_put, params), signature, tree)
 
 
 def _has(tree: dict, path: tuple) -> bool:

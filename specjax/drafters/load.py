@@ -1,7 +1,8 @@
 """`load_drafter`: a trained drafter's folder (drafter.json + drafter.safetensors) read back
-as the drafter its record names, or a draft model's folder as a `DraftModel` (with its saved
-vocabulary). It dispatches on the record's kind; the file format and its checks live in
-trained.py, each drafter's own reading in medusa.py / eagle.py, a draft model's in model.py."""
+as the drafter its record names, a published EAGLE-3 head's as a `PublishedEagle3`, or a
+draft model's folder as a `DraftModel` (with its saved vocabulary); a hub id's the same. It
+dispatches on the record's kind; the file formats and their checks live in trained.py and
+formats.py, each drafter's own reading in medusa.py / eagle.py, a draft model's in model.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import jax
 from specjax.drafters.eagle import Eagle
 from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.medusa import Medusa
+from specjax.drafters.formats import published_format, read_published
 from specjax.drafters.model import DraftModel
 from specjax.drafters.trained import READABLE_FORMATS, RECORD, WEIGHTS, read_params, read_signature
-from specjax.drafters.formats import published_format, read_published
 from specjax.folders import HUB_PATTERNS, _is_hub_id, resolve
 from specjax.hf import CheckpointError, _read_json, check_regular
 
@@ -26,10 +27,12 @@ def load_drafter(path, tree=None, **model_kwargs):
     - Trained heads saved with `drafter.save(path)` (drafter.json + drafter.safetensors): a
       `specjax.Medusa`, `specjax.Eagle` or `specjax.Eagle3`. Their weights are float32 on
       the default device; they take the target's dtype when used.
-    - A published EAGLE-3 head's folder (config.json and model.safetensors or
-      pytorch_model.bin, as SafeAILab/EAGLE, SpecForge or Red Hat's speculators write it,
-      e.g. the hub's yuhuili/EAGLE3-LLaMA3.1-Instruct-8B or RedHatAI/*.eagle3): a
-      `PublishedEagle3` computing as its authors' code does (drafters/formats.py).
+    - A published head's folder, computing as its authors' code does (drafters/formats.py):
+      an EAGLE-3 head as SafeAILab/EAGLE, SpecForge or Red Hat's speculators write it
+      (config.json and model.safetensors or pytorch_model.bin; e.g. the hub's
+      yuhuili/EAGLE3-LLaMA3.1-Instruct-8B or RedHatAI/*.eagle3): a `PublishedEagle3`; an
+      EAGLE-1/2 head (SafeAILab/EAGLE's): a `PublishedEagle`; FasterDecoding's Medusa heads
+      (medusa_lm_head.safetensors or .pt): a `Medusa`.
     - A draft model's Hugging Face folder (config.json + *.safetensors, e.g. the shipped
       checkpoints/draft): `DraftModel.load(path, tree, **model_kwargs)`, which drafts from
       the vocabulary saved beside it (draft_vocab.json, written by `specjax distill
@@ -37,20 +40,33 @@ def load_drafter(path, tree=None, **model_kwargs):
       (dtype, quantize, attention, ...). `specjax.load_model(path)` given as a draft drafts
       from the model's whole vocabulary instead (slower where the head is a large share of a
       draft step)."""
-    folder = Path(path)
-    if not folder.exists() and _is_hub_id(str(path)):  # a published head may ship pytorch_model.bin (tensors alone)
-        folder = resolve(path, HUB_PATTERNS + ("pytorch_model.bin",))
+    folder = drafter_folder(path)
     if folder.is_dir() and not _exists(folder / RECORD) and (folder / "config.json").exists():
         if published_format(folder) is not None:
             if model_kwargs:
                 raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
-                                f"(load_model's arguments); {folder} holds a published EAGLE-3 head")
+                                f"(load_model's arguments); {folder} holds a published head")
             return read_published(folder, tree)
         return DraftModel.load(folder, tree, **model_kwargs)
     if model_kwargs:
         raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
                         f"(load_model's arguments); {folder} is not one")
     return _load_trained(folder, tree)
+
+
+def drafter_folder(path) -> Path:
+    """path as a folder: itself, or a hub id's files fetched (or found in the cache; a
+    published head's pytorch_model.bin or medusa_lm_head.pt too, read as tensors alone)."""
+    folder = Path(path)
+    if not folder.exists() and _is_hub_id(str(path)):
+        folder = resolve(path, HUB_PATTERNS + ("pytorch_model.bin", "medusa_lm_head.pt"))
+    return folder
+
+
+def holds_heads(folder: Path) -> bool:
+    """Whether a folder holds trained heads (specjax's drafter.json, or a published EAGLE-3
+    head's config.json) rather than a draft model."""
+    return _exists(folder / RECORD) or (folder.is_dir() and published_format(folder) is not None)
 
 
 def _exists(file: Path) -> bool:

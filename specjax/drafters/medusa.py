@@ -3,7 +3,8 @@ i guessing the token i+2 positions ahead, all at once, with no draft model and n
 
 Each head is a stack of residual blocks h + SiLU(W h + b) with its own weights per block,
 read out through the target's own head (shared, never copied: trained heads stay a few
-MB and follow the target's int8 or float weights). The chain is each head's top-1; a
+MB and follow the target's int8 or float weights), or through an output layer of its own
+(FasterDecoding's Medusa-1 heads, read by formats.py: `{h}.{R}.weight`). The chain is each head's top-1; a
 `specjax.Tree` takes the heads' top-k candidates per depth (deterministic siblings,
 walked by the exact top-k acceptance rule).
 
@@ -35,13 +36,19 @@ def heads_hidden(params: dict, h: jax.Array) -> jax.Array:
 
 
 def heads_logits(params: dict, target: Model, h: jax.Array) -> jax.Array:
-    """h [..., E] -> float32 logits [..., H, V]: head i's guess at the token i+2 ahead."""
-    return head_logits(target, heads_hidden(params, h))
+    """h [..., E] -> float32 logits [..., H, V]: head i's guess at the token i+2 ahead,
+    read out by each head's own output layer where it has one (params' out {kernel [H, E,
+    V]}: FasterDecoding's Medusa-1 heads), else by the target's head."""
+    x = heads_hidden(params, h)
+    if "out" in params:
+        return jnp.einsum("...he,hev->...hv", x, params["out"]["kernel"].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+    return head_logits(target, x)
 
 
 @struct.dataclass
 class Medusa(Drafter):
-    params: dict  # kernel float [H, R, E, E], bias [H, R, E]
+    params: dict  # kernel float [H, R, E, E], bias [H, R, E]; optionally out {kernel [H, E, V]}
     signature: trained.TargetSignature = struct.field(pytree_node=False)
     tree: Tree | None = struct.field(pytree_node=False, default=None)  # None: a chain
 
@@ -73,9 +80,10 @@ class Medusa(Drafter):
         return self.replace(tree=tree)
 
     def bind(self, target: Model) -> "Medusa":
-        """This drafter for target: refused unless it was made for its shape."""
+        """This drafter for target: refused unless it was made for its shape (a published
+        head's record then takes the target's model_type and vocabulary size it lacked)."""
         self.signature.check(target, "Medusa")
-        return self
+        return self.replace(signature=trained.TargetSignature.of(target, self.signature.name))
 
     def start(self, target: Model, prompts, lengths, max_len, hidden=None):
         return None
@@ -106,8 +114,10 @@ class Medusa(Drafter):
             raise CheckpointError(f"{folder / trained.RECORD}: num_heads {H!r} and num_layers {R!r} must be "
                                   f"positive integers")
         want = {"kernel": (H, R, E, E), "bias": (H, R, E)}
-        got = {k: getattr(params.get(k), "shape", None) for k in want}
-        if set(params) != set(want) or got != want:
+        if "out" in params:  # an output layer per head (Medusa-1's)
+            want["out"] = {"kernel": (H, E, signature.vocab_size)}
+        got = jax.tree.map(lambda w: tuple(w.shape), params)
+        if got != want:
             raise CheckpointError(f"{folder / trained.WEIGHTS}: Medusa weights {got} do not match the record's "
                                   f"shape {want}")
         return cls(params, signature, tree)

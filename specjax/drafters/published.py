@@ -1,6 +1,7 @@
 """Published EAGLE-3 heads (Li et al., 2025) as their authors' code runs them: the drafters
 on the Hugging Face hub trained with SafeAILab/EAGLE, SGLang's SpecForge or Red Hat's
-`speculators` (their folders are read and written by formats.py).
+`speculators` (their folders are read by formats.py and written by export.py); and
+published EAGLE-1/2 heads (`PublishedEagle`, at the end).
 
 specjax's own `Eagle3` (eagle3.py) is another architecture: it projects [normed embedding,
 normed feature] through a matrix of its own into a standard pre-norm layer. A published
@@ -39,7 +40,7 @@ from flax import struct
 
 from specjax.backend import Backend
 from specjax.config import ModelConfig
-from specjax.drafters.eagle import _as, run_layer
+from specjax.drafters.eagle import Eagle, _as, run_layer
 from specjax.drafters.eagle3 import Eagle3
 from specjax.models import Model, head_logits
 from specjax.models.layers import Norm
@@ -157,6 +158,69 @@ class PublishedEagle3(Eagle3):
         from specjax.drafters.export import write_published
 
         return write_published(self, path, format or self.layout.source)
+
+
+@struct.dataclass
+class PublishedEagle(Eagle):
+    """A published EAGLE-1/2 head (SafeAILab/EAGLE cnets1.py `Model`; EAGLE-2 changed only how
+    it drafts): x = fc([embedding of token t+1, f_t]) (f_t: the target's final-normed state;
+    fc with a bias unless its config says "bias": false), one decoder layer with no norm
+    before its attention (its layer 0 has no input_layernorm), read out by the target's head
+    without a norm. Its layer's family, sizes, epsilon and rotary base are its own config's
+    (base 10000 where none is named), kept through `bind`. params: fc {kernel [2E, E], bias
+    [E]}, layer (`Block(attn_norm=False)`'s), optional embedding [V, E] (its own copy, where
+    it differs from the target's)."""
+
+    name = "EAGLE (published)"
+
+    def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
+        p = self.params
+        dtype = features.dtype
+        emb = embed_tokens(target.config, p["embedding"] if "embedding" in p else target.params["embedding"], tokens)
+        x = jnp.concatenate([emb.astype(dtype), features], axis=-1)
+        x = x @ p["fc"]["kernel"].astype(dtype) + p["fc"]["bias"].astype(dtype)
+        return run_layer(self.config, p["layer"], target, x, positions, cache, placement, attn_norm=False)
+
+    def bind(self, target: Model) -> "PublishedEagle":
+        """This head for target, refused (ValueError) unless target has its hidden size and
+        vocabulary; its weights in the target's dtype, its own embedding dropped where it
+        equals the target's."""
+        t = target.config
+        if (self.config.hidden_size, self.config.vocab_size) != (t.hidden_size, t.vocab_size):
+            raise ValueError(f"this {self.name} head ({self.signature.name or 'no target named'}) was made for a "
+                             f"target of hidden size {self.config.hidden_size} and {self.config.vocab_size} ids; "
+                             f"this one has {t.hidden_size} and {t.vocab_size}")
+        params = dict(self.params)
+        if "embedding" in params and _same_embedding(params["embedding"], target):
+            del params["embedding"]
+        config = dataclasses.replace(self.config, max_position_embeddings=max(self.config.max_position_embeddings,
+                                                                              t.max_position_embeddings))
+        return self.replace(config=config, params=jax.tree.map(lambda w: _as(w, target.dtype), params))
+
+    def param_shapes(self, config: ModelConfig) -> dict:
+        return published_eagle_shapes(config, "embedding" in self.params)
+
+    def save(self, path, format: str = "eagle"):
+        """Writes the head into the folder path in EAGLE's format (config.json and
+        model.safetensors; see formats.py), which formats.py reads back bit for bit."""
+        from specjax.drafters.export import write_published_eagle
+
+        return write_published_eagle(self, path, format)
+
+
+@functools.lru_cache(maxsize=64)
+def published_eagle_shapes(config: ModelConfig, embedding: bool = False) -> dict:
+    """The shapes of a PublishedEagle's params for its layer config."""
+    E = config.hidden_size
+    x = jnp.zeros((1, 1, E), jnp.float32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    view = pass_view(config, positions, None, None, Backend("cpu"))
+    layer = jax.eval_shape(lambda: Block(config, attn_norm=False).init(
+        jax.random.key(0), x, rotary_tables(config, positions)[False], view, False)["params"])
+    out = {"fc": {"kernel": (2 * E, E), "bias": (E,)}, "layer": jax.tree.map(lambda w: tuple(w.shape), layer)}
+    if embedding:
+        out["embedding"] = (config.vocab_size, E)
+    return out
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:

@@ -45,9 +45,12 @@ class TargetSignature:
         return cls(c.model_type, c.hidden_size, c.vocab_size, name)
 
     def check(self, target: Model, drafter: str):
-        """Raises unless target has the shape this drafter was trained for."""
+        """Raises unless target has the shape this drafter was trained for (where the record
+        leaves model_type or vocab_size unknown, "" or 0 - a published head's files may not
+        say them - any)."""
+        c = target.config
         mine = dataclasses.replace(self, name="")
-        theirs = dataclasses.replace(TargetSignature.of(target), name="")
+        theirs = TargetSignature(self.model_type and c.model_type, c.hidden_size, self.vocab_size and c.vocab_size)
         if mine != theirs:
             diff = ", ".join(f"{f.name} {getattr(mine, f.name)!r} != {getattr(theirs, f.name)!r}"
                              for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name))

@@ -24,10 +24,12 @@ DRAFT_CHOICES = "PATH|none|prompt-lookup|lookahead|early-exit:N|medusa|eagle|eag
 
 
 def load_draft(spec: str, target, tokenizer, target_path: str):
-    """The drafter `--draft` names: a draft model's folder (or a trained drafter's: drafter.json;
-    or a datastore's, for retrieval), none, prompt-lookup, lookahead (its defaults),
+    """The drafter `--draft` names: a draft model's folder or hub id (or trained heads':
+    drafter.json or a published EAGLE-3 head's; or a datastore's, for retrieval), none,
+    prompt-lookup, lookahead (its defaults),
     early-exit:N, or medusa / eagle / eagle3 (the shipped heads)."""
     import specjax
+    from specjax.drafters.load import drafter_folder, holds_heads
     from specjax.shipped import default_checkpoint
     from specjax.text import check_draft_tokenizer
 
@@ -43,8 +45,8 @@ def load_draft(spec: str, target, tokenizer, target_path: str):
             raise ValueError(f"--draft early-exit:N wants 1 <= N < {target.config.num_layers} (the target's "
                              f"layers), got {spec!r}")
         return specjax.EarlyExit(int(layers))
-    path = default_checkpoint(spec) if spec in ("medusa", "eagle", "eagle3") else spec
-    if (Path(path) / "drafter.json").exists():
+    path = drafter_folder(default_checkpoint(spec) if spec in ("medusa", "eagle", "eagle3") else spec)
+    if holds_heads(path):  # specjax's trained heads, or a published EAGLE-3 head's folder
         return specjax.load_drafter(path)
     if (Path(path) / "datastore.json").exists():  # `specjax datastore build`'s folder
         return specjax.Retrieval(specjax.Datastore.load(path))
