@@ -197,6 +197,37 @@ class MedusaHeads:
         for h in range(self.heads):
             x = state
             for b in range(self.blocks):
-                x = x + torch.nn.functional.silu(x @ self.w[f"{h}.{b}.linear.weight"].T + self.w[f"{h}.{b}.linear.bias"])
+                w, bias = self.w[f"{h}.{b}.linear.weight"], self.w[f"{h}.{b}.linear.bias"]
+                x = x + torch.nn.functional.silu(x @ w.T + bias)
             out.append(x @ self.w.get(f"{h}.{self.blocks}.weight", lm_head).T)
         return torch.stack(out, dim=-2)
+
+
+def greedy_speculation(head: Head, target, embedding, prompt, K, max_new, taps):
+    """EAGLE-3's greedy chain drafting (cnets.py `topK_genrate` with top_k 1) verified
+    greedily by target (a transformers model), recomputed from scratch each step: the pairs
+    (g_t, token t+1) of every final token carry the target's fused states at taps, the
+    drafted ones the head's own output one position back. -> (the new tokens, the tokens
+    each verification step emitted)."""
+    seq, emitted = list(prompt), []
+    with torch.no_grad():
+        first = target(torch.tensor([seq])).logits[0, -1].argmax().item()  # the prefill's token
+        seq.append(first)
+        while len(seq) - len(prompt) < max_new:
+            n = len(seq)
+            states = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            g = head.fuse(torch.cat([states[i][0] for i in taps], -1))[: n - 1]  # pairs t = 0..n-2
+            tokens, drafts = list(seq[1:]), []
+            for _ in range(K):
+                T = g.shape[0]
+                logits, out = head.forward(embedding[torch.tensor(tokens)], g, torch.arange(T))
+                d = int(head.target_ids(logits[-1].argmax()))
+                drafts.append(d)
+                g = torch.cat([g, out[-1:]])  # the drafted pair: its own output at the position before
+                tokens.append(d)
+            verify = target(torch.tensor([seq + drafts])).logits[0, n - 1:].argmax(-1).tolist()  # [K+1]
+            accepted = next((i for i, (d, v) in enumerate(zip(drafts, verify)) if d != v), K)
+            new = (drafts[:accepted] + [verify[accepted]])[: max_new - (len(seq) - len(prompt))]
+            seq += new
+            emitted.append(len(new))
+    return seq[len(prompt):], emitted

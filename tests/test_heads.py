@@ -272,7 +272,7 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
         drafter = drafter.bind(target)
         _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
         assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
-        steps = unrolled(drafter.config, drafter.params, target, tokens[:, 1:], taps, 3)
+        steps = unrolled(drafter, drafter.params, target, tokens[:, 1:], taps, 3)
         root = 5
         cache = KVCache.init(drafter.config, 2, 32, jax.numpy.float32)
         _, cache = drafter.advance(target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)

@@ -3,6 +3,7 @@ heads written as each format's writer lays them out, read by `load_drafter`, dra
 logits of a reference forward written from the authors' code (tests/published_reference.py),
 speculate exactly, round-trip bit for bit, and every misfit is refused by name."""
 
+import dataclasses
 import json
 
 import jax
@@ -175,8 +176,6 @@ def test_written_heads_read_back_bit_for_bit(target, tmp_path, name):
 
 
 def dataclasses_equal(a, b, but=()):
-    import dataclasses
-
     return {k: v for k, v in dataclasses.asdict(a).items() if k not in but} == {
         k: v for k, v in dataclasses.asdict(b).items() if k not in but}
 
@@ -382,3 +381,89 @@ def test_medusa_heads_draft_as_their_authors_code(target, tmp_path, own_out, blo
     plain = specjax.generate(model, prompts, lengths, max_new_tokens=16)
     spec = specjax.generate(model, prompts, lengths, draft=drafter, max_new_tokens=16)
     assert tiny.rows(spec) == tiny.rows(plain)
+
+
+@pytest.mark.parametrize("name", ["eagle", "speculators"])
+def test_unrolled_training_drafts_as_the_loop_does(target, tmp_path, name):
+    """`unrolled` over a published head (what training fits) gives, at step j and position
+    t, the logits drafting j+1 deep from the root t-j gives through the head's own cache
+    (with speculators' options: the normed output fed back)."""
+    from specjax.cache import KVCache
+    from specjax.drafters.eagle3 import unrolled
+    from specjax.models import apply
+
+    model = target[0]
+    drafter = specjax.load_drafter(make(name, tmp_path / name)[1]).bind(model)
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, tiny.VOCAB)
+    positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    _, taps, _ = apply(model, tokens[:, :-1], positions, taps=drafter.feature_layers)
+    steps = unrolled(drafter, drafter.params, model, tokens[:, 1:], taps, 3)
+    root = 5
+    cache = KVCache.init(drafter.config, 2, 32, jnp.float32)
+    _, cache = drafter.advance(model, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
+    g, cache = drafter.advance(model, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
+                               positions[:, root:root + 1], cache)
+    np.testing.assert_allclose(steps[0][:, root], drafter.read(model, g)[:, 0], atol=1e-5)
+    for j in (1, 2):
+        t = root + j
+        g, cache = drafter.advance(model, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
+        np.testing.assert_allclose(steps[j][:, t], drafter.read(model, g)[:, 0], atol=1e-5, err_msg=f"step {j}")
+
+
+def test_a_head_specjax_trains_is_written_as_vllm_reads_it(target, tmp_path):
+    """`train_eagle3(published=True)` trains the published architecture (a reduced draft
+    vocabulary too): its loss falls and its drafts get accepted; `save` writes speculators'
+    format, which reads back bit for bit and speculates exactly; where the speculators
+    package is installed, its own loader takes the folder with no tensor missing or left
+    over."""
+    from specjax.train import TrainConfig, heads
+
+    model = target[0]
+    rows = 40
+    prompts = np.random.RandomState(0).randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
+    out = specjax.generate(model, prompts, np.full(rows, 2, np.int32), max_new_tokens=40)
+    text = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    stream, held = text[:32].reshape(-1), text[32:].reshape(-1)
+    cfg = TrainConfig(steps=60, batch=8, seq_len=32, lr=1e-2, warmup=5, eval_every=60, eval_batches=2,
+                      checkpoint_every=60)
+    quiet = dict(progress=False, log=lambda s: None, probe_prompts=held[:4 * 16].reshape(4, 16), draft_vocab=64,
+                 published=True)
+    untrained = heads.train_eagle3(model, stream, held, dataclasses.replace(cfg, steps=1), tmp_path / "a", **quiet)[1]
+    drafter, trained = heads.train_eagle3(model, stream, held, cfg, tmp_path / "b", **quiet)
+    assert isinstance(drafter, specjax.PublishedEagle3) and drafter.vocab.shape == (64,)
+    assert trained["loss"] < 0.9 * untrained["loss"] and trained["depth_1"] > untrained["depth_1"] + 0.2, (
+        untrained, trained)
+    folder = drafter.save(tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    back = specjax.load_drafter(folder)
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(drafter.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = np.random.RandomState(9).randint(2, tiny.VOCAB, (3, 9)).astype(np.int32)
+    lengths = np.array([9, 7, 4], np.int32)
+    spec = specjax.generate(model, prompts, lengths, draft=back, max_new_tokens=24, num_draft_tokens=3)
+    assert tiny.rows(spec) == tiny.rows(specjax.generate(model, prompts, lengths, max_new_tokens=24))
+    assert int(spec.stats.accepted.sum()) > 0
+    # EAGLE's own drafting (a reference from cnets.py, recomputed from scratch) accepts as many tokens at each step
+    from safetensors.torch import load_file
+
+    from tests.published_reference import greedy_speculation
+
+    reference = Head(**SIZES, Vd=64, eps=model.config.norm_eps, base=model.config.rope_theta)
+    written = load_file(str(folder / "model.safetensors"))
+    reference.w = {k.replace("layers.0.", "midlayer."): v for k, v in written.items()}
+    traced = specjax.generate(model, prompts, lengths, draft=back, max_new_tokens=24, num_draft_tokens=3,
+                              return_trace=True)
+    embedding = target[1].model.embed_tokens.weight.detach()
+    for b in range(len(prompts)):
+        tokens, emitted = greedy_speculation(reference, target[1], embedding, prompts[b, :lengths[b]].tolist(), 3, 24,
+                                             list(back.feature_layers))
+        assert tokens == tiny.rows(traced)[b]
+        steps = np.asarray(traced.trace[b]).copy()
+        steps[0] -= 1  # the prefill's token comes in the loop's first step, alone or with that step's tokens
+        assert steps[steps > 0].tolist() == emitted, f"row {b}: {steps.tolist()} against {emitted}"
+    speculators = pytest.importorskip("speculators.models.eagle3")  # (its own from_pretrained then asks the hub
+    # for the verifier's config, and breaks on output_loading_info: transformers' loader beneath it)
+    loader = super(speculators.Eagle3DraftModel, speculators.Eagle3DraftModel).from_pretrained
+    _, info = loader(str(folder), output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info

@@ -97,19 +97,20 @@ def eagle3_layer(config: ModelConfig, params: dict, target: Model, tokens, featu
     return run_layer(config, params["layer"], target, x, positions, cache, placement)
 
 
-def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features, steps: int):
+def unrolled(drafter: "Eagle3", params: dict, target: Model, tokens, features, steps: int):
     """Training-time test: `steps` drafting steps over a whole sequence at once, as drafting
-    would take them. tokens int32 [B, T] (token t+1 at t), features [B, T, nE] (the target's,
-    at t). Step 0 reads the target's features; step j reads at t the drafter's step j-1
-    output at t-1, and its query at t sees what it would see drafting j deep from the root
-    t-j: the keys step 0 computed at positions <= t-j (the target's features) and the keys
-    step i computed at t-j+i, i = 1..j (its own chain). -> logits float32 [steps, B, T, Vd]
-    over the draft vocabulary (`draft_logits`); at step j positions t < j have no root and
-    are junk."""
+    would take them, for an Eagle3 (or a PublishedEagle3: the layer's inputs and read-out
+    are the drafter's, `layer_input` and `layer_output`) with params. tokens int32 [B, T]
+    (token t+1 at t), features [B, T, nE] (the target's, at t). Step 0 reads the target's
+    features; step j reads at t the drafter's step j-1 output at t-1, and its query at t
+    sees what it would see drafting j deep from the root t-j: the keys step 0 computed at
+    positions <= t-j (the target's features) and the keys step i computed at t-j+i, i =
+    1..j (its own chain). -> logits float32 [steps, B, T, Vd] over the draft vocabulary;
+    at step j positions t < j have no root and are junk."""
     B, T = tokens.shape
-    c = config
+    c = drafter.config
     p = params["layer"]
-    attn = Attention(c)
+    attn = Attention(c, drafter.attn_in_size)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos_sin = rotary_tables(c, positions)[False]
     t = jnp.arange(T)
@@ -117,10 +118,9 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
     R = H // G
     keys, values, outputs = [], [], []
     g = features
-    token_states = token_input(c, params, target, tokens, features.dtype)  # the same at every step
+    token_states = drafter.token_states(params, target, tokens, features.dtype)  # the same at every step
     for j in range(steps):
-        x = fused_input(c, params, token_states, g)  # [B, T, E]
-        h = _norm(c, p["attn_norm"], x)
+        x, h = drafter.layer_input(params, token_states, g)  # the residual [B, T, E], what attention reads
         q, k, v = attn.apply({"params": p["attn"]}, h, cos_sin, target.runs_on.platform == "cpu",
                              method=Attention.project_qkv)
         keys.append(k)
@@ -142,8 +142,9 @@ def unrolled(config: ModelConfig, params: dict, target: Model, tokens, features,
             out = out + jnp.einsum("bgrt,btgd->btgrd", probs[..., T + n].astype(v.dtype), values[i][:, idx])
         x = x + attn.apply({"params": p["attn"]}, out.reshape(B, T, H, D), method=Attention.project_out)
         x = x + MLP(c).apply({"params": p["mlp"]}, _norm(c, p["mlp_norm"], x))
-        outputs.append(draft_logits(c, params, target, x))
-        g = jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next step reads at t the output at t-1
+        logits, g = drafter.layer_output(params, target, x)
+        outputs.append(logits)
+        g = jnp.pad(g[:, :-1], ((0, 0), (1, 0), (0, 0)))  # the next step reads at t the output at t-1
     return jnp.stack(outputs)
 
 
@@ -186,6 +187,22 @@ class Eagle3(Eagle):
 
     def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
         return eagle3_layer(self.config, self.params, target, tokens, features, positions, cache, placement)
+
+    # What `unrolled` (training) asks of the layer, for params being trained.
+    attn_in_size = None  # the width its attention's q, k and v read (None: E)
+
+    def token_states(self, params: dict, target: Model, tokens, dtype):
+        """tokens [B, T] -> what the layer takes of them, the same at every unrolled step."""
+        return token_input(self.config, params, target, tokens, dtype)
+
+    def layer_input(self, params: dict, token_states, g):
+        """-> (the residual stream [B, T, E], what the attention reads) at g [B, T, F]."""
+        x = fused_input(self.config, params, token_states, g)
+        return x, _norm(self.config, params["layer"]["attn_norm"], x)
+
+    def layer_output(self, params: dict, target: Model, x):
+        """The layer's outputs x [B, T, E] -> (float32 logits [B, T, Vd], the g fed back)."""
+        return draft_logits(self.config, params, target, x), x
 
     def read(self, target: Model, x):
         """float32 logits [B, T, Vd] over its draft vocabulary (`draft_logits`)."""

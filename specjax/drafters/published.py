@@ -40,12 +40,16 @@ from flax import struct
 
 from specjax.backend import Backend
 from specjax.config import ModelConfig
-from specjax.drafters.eagle import Eagle, _as, run_layer
+from specjax.drafters import trained
+from specjax.drafters.eagle import Eagle, _as, layer_config, run_layer
 from specjax.drafters.eagle3 import Eagle3
+from specjax.drafters.vocab import check_vocab, head_columns
 from specjax.models import Model, head_logits
 from specjax.models.layers import Norm
+from specjax.models.layers import init as normal_init
 from specjax.models.transformer import Block, embed_tokens, pass_view, rotary_tables
 from specjax.models.transformer import read_out as head_read_out
+from specjax.tree import Tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +79,52 @@ class PublishedEagle3(Eagle3):
     layout: Layout = struct.field(pytree_node=False, default=Layout())
     name = "EAGLE-3 (published)"  # in messages
 
-    def _block(self) -> dict:
-        return {"attn_norm": False, "attn_in_size": 2 * self.config.hidden_size}
+    @classmethod
+    def init(cls, target: Model, key: jax.Array, tree: Tree | None = None, feature_layers: tuple | None = None,
+             vocab=None, layout: Layout = Layout(source="speculators")) -> "PublishedEagle3":
+        """Random weights (normal(0.02), unit norms), float32, for specjax to train
+        (`specjax train-eagle --eagle3 --published`): a layer of the target's family and
+        sizes; taps feature_layers (hidden_states indices, 1..L-1; None: 2, L/2, L-3); with
+        vocab (target ids, sorted), a head of its own over them, else over the whole
+        vocabulary, both started from the target's rows. Saved in speculators' format by
+        default, which vLLM serves."""
+        t = target.config
+        if t.family != "llama":
+            raise ValueError(f"a published EAGLE-3 head's layer is of the Llama family (llama, mistral, qwen2, "
+                             f"qwen3); the target's is {t.model_type}")
+        layers = tuple(sorted(feature_layers or default_taps(t.num_layers)))
+        if min(layers) < 1 or max(layers) >= t.num_layers or len(set(layers)) < len(layers):
+            raise ValueError(f"a published EAGLE-3 head taps distinct hidden_states 1..{t.num_layers - 1} (the "
+                             f"inputs of those layers), got {list(layers)}")
+        config = layer_config(t)
+        E = config.hidden_size
+        shapes = published_shapes(config, len(layers), E, None)
+        fuse_key, layer_key = jax.random.split(key)
+        leaves, treedef = jax.tree.flatten(shapes["layer"], is_leaf=lambda x: isinstance(x, tuple))
+        keys = jax.random.split(layer_key, len(leaves))
+        def start(k, shape, path):  # unit norms, zero biases, normal(0.02) kernels
+            if "norm" in path:
+                return jnp.ones(shape, jnp.float32)
+            return jnp.zeros(shape, jnp.float32) if "bias" in path else normal_init(k, shape, jnp.float32)
 
-    def fused(self, features):
+        layer = jax.tree.unflatten(treedef, [start(k, shape, path)
+                                             for k, shape, path in zip(keys, leaves, _paths(shapes["layer"]))])
+        ids = None if vocab is None else np.sort(check_vocab(vocab, t.vocab_size))
+        params = {"fuse": {"kernel": normal_init(fuse_key, (len(layers) * E, E), jnp.float32)},
+                  "norms": {k: {"scale": jnp.ones((E,), jnp.float32)} for k in ("token", "feature", "out")},
+                  "layer": layer,
+                  "head": {"kernel": head_columns(target, np.arange(t.vocab_size) if ids is None else ids)}}
+        return cls(params, config, trained.TargetSignature.of(target), tree, layers,
+                   None if ids is None else jnp.asarray(ids, jnp.int32), layout)
+
+    @property
+    def attn_in_size(self) -> int:
+        return 2 * self.config.hidden_size
+
+    def fused(self, features, params=None):
         """The target's concatenated layer states [B, T, nEt] -> g [B, T, E] (`fc`, after the
         feature norms the head has)."""
-        p, c = self.params, self.config
+        p, c = params or self.params, self.config
         if "input_norm" in p:
             features = _norm(c, p["input_norm"]["scale"], features, features.shape[-1])
         if "fc_norm" in p:
@@ -92,30 +135,54 @@ class PublishedEagle3(Eagle3):
             features = chunks.reshape(*features.shape)
         return features @ p["fuse"]["kernel"].astype(features.dtype)
 
+    def token_states(self, params: dict, target: Model, tokens, dtype):
+        """tokens [B, T] -> input_layernorm(their embeddings) [B, T, E]."""
+        emb = embed_tokens(target.config, params["embedding"] if "embedding" in params
+                           else target.params["embedding"], tokens)
+        return _norm(self.config, params["norms"]["token"]["scale"], emb.astype(dtype))
+
+    def layer_input(self, params: dict, token_states, g):
+        """-> (the residual: g, or hidden_norm(g) where norm_before_residual; what attention
+        reads: [input_layernorm(embedding), hidden_norm(g)] [B, T, 2E]) at g [B, T, F] (the
+        target's states, F = nEt, fused first; or its own outputs)."""
+        g = g if g.shape[-1] == self.config.hidden_size else self.fused(g, params)
+        h = _norm(self.config, params["norms"]["feature"]["scale"], g)
+        return (h if self.layout.norm_before_residual else g), jnp.concatenate([token_states, h], axis=-1)
+
+    def layer_output(self, params: dict, target: Model, x):
+        """The layer's outputs x [B, T, E] -> (float32 logits [B, T, Vd], the g fed back: x,
+        or norm(x) where speculators' norm_output)."""
+        if self.layout.feed_normed:
+            x = _norm(self.config, params["norms"]["out"]["scale"], x)
+            return self._head(params, target, x), x
+        if self.layout.out_norm:
+            return self._head(params, target, _norm(self.config, params["norms"]["out"]["scale"], x)), x
+        return self._head(params, target, x), x
+
+    @staticmethod
+    def _head(params: dict, target: Model, x):
+        if "head" in params:
+            return head_read_out(target.config, params["head"]["kernel"].astype(x.dtype), x)
+        return head_logits(target, x)
+
     def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
         """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (the target's, F =
         nEt, or its own outputs, F = E), positions [B, T] -> (outputs [B, T, E]: fed back as
         g, cache)."""
-        p, c = self.params, self.config
-        dtype = features.dtype
-        g = features if features.shape[-1] == c.hidden_size else self.fused(features)
-        emb = embed_tokens(target.config, p["embedding"] if "embedding" in p else target.params["embedding"], tokens)
-        e = _norm(c, p["norms"]["token"]["scale"], emb.astype(dtype))
-        h = _norm(c, p["norms"]["feature"]["scale"], g)
-        residual = h if self.layout.norm_before_residual else g
-        x, cache = run_layer(c, p["layer"], target, residual, positions, cache, placement,
-                             attn_input=jnp.concatenate([e, h], axis=-1), **self._block())
+        p = self.params
+        residual, a = self.layer_input(p, self.token_states(p, target, tokens, features.dtype), features)
+        x, cache = run_layer(self.config, p["layer"], target, residual, positions, cache, placement,
+                             attn_input=a, attn_norm=False, attn_in_size=self.attn_in_size)
         if self.layout.feed_normed:
-            x = _norm(c, p["norms"]["out"]["scale"], x)
+            x = _norm(self.config, p["norms"]["out"]["scale"], x)
         return x, cache
 
     def read(self, target: Model, x):
-        """float32 logits [B, T, Vd] over its draft vocabulary of its outputs x [B, T, E]."""
+        """float32 logits [B, T, Vd] over its draft vocabulary of its outputs x [B, T, E]
+        (`advance`'s: already normed where speculators' norm_output)."""
         if self.layout.out_norm and not self.layout.feed_normed:
             x = _norm(self.config, self.params["norms"]["out"]["scale"], x)
-        if "head" in self.params:
-            return head_read_out(target.config, self.params["head"]["kernel"].astype(x.dtype), x)
-        return head_logits(target, x)
+        return self._head(self.params, target, x)
 
     def bind(self, target: Model) -> "PublishedEagle3":
         """This head for target, refused (ValueError naming what differs) unless target has
@@ -221,6 +288,12 @@ def published_eagle_shapes(config: ModelConfig, embedding: bool = False) -> dict
     if embedding:
         out["embedding"] = (config.vocab_size, E)
     return out
+
+
+def _paths(tree: dict) -> list[str]:
+    """The dotted paths of a shapes tree's leaves, in jax.tree order."""
+    return [jax.tree_util.keystr(path) for path, _ in
+            jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]]
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:

@@ -70,6 +70,10 @@ def add_commands(sub):
             p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                            help="EAGLE-3: draft only the corpus' N most frequent tokens, through a head of its "
                                 "own (default: the target's whole vocabulary)")
+            p.add_argument("--published", action="store_true",
+                           help="EAGLE-3: the published architecture (EAGLE's, SpecForge's, speculators'), saved "
+                                "in speculators' format, which vLLM serves; --feature-layers then 1..L-1 "
+                                "(hidden_states indices, the inputs of those layers)")
         p.set_defaults(run=_train_heads, kind=kind)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
@@ -173,8 +177,9 @@ def _train_heads(args):
     from specjax.train import data, heads
 
     if args.kind == "eagle":
-        if args.draft_vocab is not None and not args.eagle3:
-            raise ValueError("--draft-vocab is EAGLE-3's: pass --eagle3 with it")
+        for flag, value in (("--draft-vocab", args.draft_vocab is not None), ("--published", args.published)):
+            if value and not args.eagle3:
+                raise ValueError(f"{flag} is EAGLE-3's: pass --eagle3 with it")
         if args.steps is None:
             args.steps = 500 if args.eagle3 else 1000
         if args.lr is None:
@@ -193,7 +198,7 @@ def _train_heads(args):
     elif args.eagle3:
         drafter, metrics = heads.train_eagle3(target, stream, held, _train_config(args), args.out,
                                               steps=args.ttt_steps, feature_layers=args.feature_layers,
-                                              draft_vocab=args.draft_vocab, **common)
+                                              draft_vocab=args.draft_vocab, published=args.published, **common)
     else:
         drafter, metrics = heads.train_eagle(target, stream, held, _train_config(args), args.out, **common)
     drafter = drafter.replace(params=specjax.gather(drafter.params))  # whole in every process

@@ -24,6 +24,7 @@ import optax
 
 from specjax.drafters.eagle import Eagle, eagle_step
 from specjax.drafters.eagle3 import Eagle3, unrolled
+from specjax.drafters.published import PublishedEagle3
 from specjax.drafters.medusa import Medusa, heads_logits
 from specjax.drafters.vocab import draft_vocabulary
 from specjax.models import Model, apply
@@ -114,7 +115,7 @@ def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: in
         positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
         p, taps, _ = apply(target, batch, positions, taps=drafter.feature_layers)
         p, taps = jax.lax.stop_gradient(p), jax.lax.stop_gradient(taps)
-        q = unrolled(drafter.config, params, target, batch[:, 1:], taps[:, :-1], steps)  # [steps, B, T, Vd]
+        q = unrolled(drafter, params, target, batch[:, 1:], taps[:, :-1], steps)  # [steps, B, T, Vd]
         return q, p[:, 1:]
 
     def restricted(p):  # the target's logits [B, T, V] at the draft vocabulary's ids [B, T, Vd]
@@ -213,18 +214,19 @@ def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: T
                  log: Callable[[str], None] = print, progress: bool = True,
                  probe_prompts: np.ndarray | None = None, steps: int = TTT_STEPS,
                  feature_layers: tuple | None = None, draft_vocab: int | None = None,
-                 mesh=None) -> tuple[Eagle3, dict]:
+                 mesh=None, published: bool = False) -> tuple[Eagle3, dict]:
     """Trains an EAGLE-3 drafter on the frozen target with `steps` unrolled drafting steps;
     resumes from run_dir's latest checkpoint. probe_prompts [B, P]: held-out prompts on
     which each evaluation runs the real loop (a chain of 6). draft_vocab: the size of a
     reduced draft vocabulary, the stream's most frequent tokens (None: the target's whole
-    vocabulary)."""
+    vocabulary). published: the published architecture (a `PublishedEagle3`, whose `save`
+    writes speculators' format), else specjax's own `Eagle3`."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"EAGLE-3 trains over >= 1 unrolled steps, got {steps!r}")
     vocab = None if draft_vocab is None else draft_vocabulary(stream, draft_vocab, target.config.vocab_size)
-    drafter = Eagle3.init(target, jax.random.key(0) if key is None else key, feature_layers=feature_layers,
-                          vocab=vocab)
+    drafter = (PublishedEagle3 if published else Eagle3).init(target, jax.random.key(0) if key is None else key,
+                                                              feature_layers=feature_layers, vocab=vocab)
     return _fit_drafter(drafter, target, eagle3_objective(target, drafter, cfg, steps), "eagle3",
                         {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
-                         "ttt_steps": steps, "draft_vocab": draft_vocab}, stream, held_out, cfg, run_dir, record,
-                        log, progress, probe_prompts, Tree.chain(6, "sampled"), mesh)
+                         "ttt_steps": steps, "draft_vocab": draft_vocab, "published": published}, stream, held_out,
+                        cfg, run_dir, record, log, progress, probe_prompts, Tree.chain(6, "sampled"), mesh)
