@@ -261,31 +261,36 @@ def test_eagle3_training_time_test_drafts_as_the_loop_does(pair):
     j+1 deep from the root t-j gives (the drafter's own `advance` and `read`): the root's
     pair with the target's features over a cache of the earlier pairs, then the drafter's
     own outputs; with a reduced draft vocabulary too (both over its ids)."""
+    target = pair[0]
+    for drafter in (specjax.Eagle3.init(target, KEY), DRAFTERS["eagle3_reduced"](target)):
+        check_unrolled_drafts_as_the_loop_does(drafter.bind(target), target)
+    with pytest.raises(ValueError, match="feature layers must be layer numbers in 1..2"):
+        specjax.Eagle3.init(target, KEY, feature_layers=(1, 3))
+
+
+def check_unrolled_drafts_as_the_loop_does(drafter, target):
+    """`unrolled` step j at position t equals drafting j+1 deep from the root t-j through the
+    drafter's own `advance` (a cache of the earlier pairs with the target's features, then
+    its own outputs) and `read`, to 1e-5 (tests/test_published.py's heads too)."""
     from specjax.cache import KVCache
     from specjax.drafters.eagle3 import unrolled
     from specjax.models import apply
 
-    target = pair[0]
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, tiny.VOCAB)
     positions = jax.numpy.broadcast_to(jax.numpy.arange(11), (2, 11))
-    for drafter in (specjax.Eagle3.init(target, KEY), DRAFTERS["eagle3_reduced"](target)):
-        drafter = drafter.bind(target)
-        _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
-        assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
-        steps = unrolled(drafter, drafter.params, target, tokens[:, 1:], taps, 3)
-        root = 5
-        cache = KVCache.init(drafter.config, 2, 32, jax.numpy.float32)
-        _, cache = drafter.advance(target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
-        g, cache = drafter.advance(target, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
-                                   positions[:, root:root + 1], cache)
-        np.testing.assert_allclose(steps[0][:, root], drafter.read(target, g)[:, 0], atol=1e-5)
-        for j in (1, 2):
-            t = root + j
-            g, cache = drafter.advance(target, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
-            np.testing.assert_allclose(steps[j][:, t], drafter.read(target, g)[:, 0], atol=1e-5,
-                                       err_msg=f"step {j}")
-    with pytest.raises(ValueError, match="feature layers must be layer numbers in 1..2"):
-        specjax.Eagle3.init(target, KEY, feature_layers=(1, 3))
+    _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
+    assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
+    steps = unrolled(drafter, drafter.params, target, tokens[:, 1:], taps, 3)
+    root = 5
+    cache = KVCache.init(drafter.config, 2, 32, jax.numpy.float32)
+    _, cache = drafter.advance(target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
+    g, cache = drafter.advance(target, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
+                               positions[:, root:root + 1], cache)
+    np.testing.assert_allclose(steps[0][:, root], drafter.read(target, g)[:, 0], atol=1e-5)
+    for j in (1, 2):
+        t = root + j
+        g, cache = drafter.advance(target, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
+        np.testing.assert_allclose(steps[j][:, t], drafter.read(target, g)[:, 0], atol=1e-5, err_msg=f"step {j}")
 
 
 def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):

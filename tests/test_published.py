@@ -30,12 +30,7 @@ def target(tmp_path_factory):
     config = tr.LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=32, num_hidden_layers=L, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=48, max_position_embeddings=256,
                             rope_theta=500000.0, bos_token_id=0, eos_token_id=1)
-    model = tr.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.15)
-            if "norm" in name:
-                p.add_(1.0)
+    model = tiny.randomized(tr.LlamaForCausalLM(config).eval())
     folder = tmp_path_factory.mktemp("target")
     model.save_pretrained(folder)
     return specjax.load_model(folder), model
@@ -388,26 +383,10 @@ def test_unrolled_training_drafts_as_the_loop_does(target, tmp_path, name):
     """`unrolled` over a published head (what training fits) gives, at step j and position
     t, the logits drafting j+1 deep from the root t-j gives through the head's own cache
     (with speculators' options: the normed output fed back)."""
-    from specjax.cache import KVCache
-    from specjax.drafters.eagle3 import unrolled
-    from specjax.models import apply
+    from tests.test_heads import check_unrolled_drafts_as_the_loop_does
 
     model = target[0]
-    drafter = specjax.load_drafter(make(name, tmp_path / name)[1]).bind(model)
-    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, tiny.VOCAB)
-    positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
-    _, taps, _ = apply(model, tokens[:, :-1], positions, taps=drafter.feature_layers)
-    steps = unrolled(drafter, drafter.params, model, tokens[:, 1:], taps, 3)
-    root = 5
-    cache = KVCache.init(drafter.config, 2, 32, jnp.float32)
-    _, cache = drafter.advance(model, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
-    g, cache = drafter.advance(model, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
-                               positions[:, root:root + 1], cache)
-    np.testing.assert_allclose(steps[0][:, root], drafter.read(model, g)[:, 0], atol=1e-5)
-    for j in (1, 2):
-        t = root + j
-        g, cache = drafter.advance(model, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
-        np.testing.assert_allclose(steps[j][:, t], drafter.read(model, g)[:, 0], atol=1e-5, err_msg=f"step {j}")
+    check_unrolled_drafts_as_the_loop_does(specjax.load_drafter(make(name, tmp_path / name)[1]).bind(model), model)
 
 
 def test_a_head_specjax_trains_is_written_as_vllm_reads_it(target, tmp_path):

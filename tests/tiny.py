@@ -93,7 +93,11 @@ def build(name: str, seed: int = 0, std: float = 0.15):
     """A random float32 transformers model with weights ~ N(0, std) and norms that scale by
     1 + N(0, std) (Gemma's norms scale by 1 + w, so there w ~ N(0, std))."""
     torch.manual_seed(seed)
-    model = CLASSES[name](CONFIGS[name]()).eval()
+    return randomized(CLASSES[name](CONFIGS[name]()).eval(), std)
+
+
+def randomized(model, std: float = 0.15):
+    """model with its weights drawn as `build` draws them (from torch's current seed)."""
     offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -17,37 +17,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_load import free_port, load, prompts, settle, summary  # noqa: E402
+from serve_load import load, prompts, settle, start, summary  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def start(tree: str) -> tuple[subprocess.Popen, str]:
-    """The server of source tree `tree` on a free port, once done compiling (as serve_load's)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--draft", "checkpoints/draft", "--port",
-                             str(port), "--slots", "8", "--max-model-len", "1024"], cwd=tree,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=tree),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server of {tree} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200 and next(
-                    line for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
-                    if line.startswith("specjax:num_prefill_groups_compiling")).endswith(" 0.0"):
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"the server of {tree} did not start in 900 s")
 
 
 def main():
@@ -66,7 +40,7 @@ def main():
         servers = {}
         try:
             for name, tree in ((args.against, old), ("working tree", ROOT)):  # one at a time: compiles don't fight
-                servers[name] = start(tree)
+                servers[name] = start("checkpoints/draft", 8, tree=tree)
             for _, url in servers.values():
                 asyncio.run(load(url, "target", texts[:4], 1, float("inf"), 8, 0))  # warm: first requests' paths
             runs = {}

@@ -61,13 +61,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(draft: str, slots: int, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+def start(draft: str, slots: int, extra: tuple = (), tree: str | None = None) -> tuple[subprocess.Popen, str]:
     """`specjax serve --draft draft --slots slots` (and `extra` flags) on a free port, once it
-    serves at full speed; -> (its process, its URL)."""
+    serves at full speed; -> (its process, its URL). tree: a source tree to run it from
+    (PYTHONPATH; default: the installed specjax, from this checkout)."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **({"PYTHONPATH": str(tree)} if tree else {})}
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--draft", draft, "--port", str(port),
-                             "--slots", str(slots), "--max-model-len", "1024", *extra], cwd=ROOT, env=env,
+                             "--slots", str(slots), "--max-model-len", "1024", *extra], cwd=tree or ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
