@@ -378,7 +378,7 @@ def test_medusa_heads_draft_as_their_authors_code(target, tmp_path, own_out, blo
     assert tiny.rows(spec) == tiny.rows(plain)
 
 
-@pytest.mark.parametrize("name", ["eagle", "speculators"])
+@pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow), "speculators"])
 def test_unrolled_training_drafts_as_the_loop_does(target, tmp_path, name):
     """`unrolled` over a published head (what training fits) gives, at step j and position
     t, the logits drafting j+1 deep from the root t-j gives through the head's own cache
@@ -389,6 +389,7 @@ def test_unrolled_training_drafts_as_the_loop_does(target, tmp_path, name):
     check_unrolled_drafts_as_the_loop_does(specjax.load_drafter(make(name, tmp_path / name)[1]).bind(model), model)
 
 
+@pytest.mark.slow  # a minute on 2 cores: the default run keeps the round trips and `unrolled` against drafting
 def test_a_head_specjax_trains_is_written_as_vllm_reads_it(target, tmp_path):
     """`train_eagle3(published=True)` trains the published architecture (a reduced draft
     vocabulary too): its loss falls and its drafts get accepted; `save` writes speculators'
