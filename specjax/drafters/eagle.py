@@ -51,14 +51,15 @@ def layer_config(target: ModelConfig) -> ModelConfig:
 
 
 def eagle_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
-                cache: KVCache | None = None, placement=None):
+                cache: KVCache | None = None, placement=None, **block):
     """tokens int32 [B, T] (token t+1 of each pair), features [B, T, E] (f_t), positions [B, T]
-    -> (predicted features [B, T, E] (f_{t+1}), cache)."""
+    -> (predicted features [B, T, E] (f_{t+1}), cache). The embedding is the target's, or
+    params' own where they hold one (a published head's); block: `Block`'s options."""
     dtype = features.dtype
-    x = jnp.concatenate([embed_tokens(target.config, target.params["embedding"], tokens).astype(dtype),
-                         features], axis=-1)
+    embedding = params["embedding"] if "embedding" in params else target.params["embedding"]
+    x = jnp.concatenate([embed_tokens(target.config, embedding, tokens).astype(dtype), features], axis=-1)
     x = x @ params["fc"]["kernel"].astype(dtype) + params["fc"]["bias"].astype(dtype)
-    return run_layer(config, params["layer"], target, x, positions, cache, placement)
+    return run_layer(config, params["layer"], target, x, positions, cache, placement, **block)
 
 
 def eagle_step(config: ModelConfig, params: dict, target: Model, tokens, features, positions,

@@ -41,7 +41,7 @@ from flax import struct
 from specjax.backend import Backend
 from specjax.config import ModelConfig
 from specjax.drafters import trained
-from specjax.drafters.eagle import Eagle, _as, layer_config, run_layer
+from specjax.drafters.eagle import Eagle, _as, eagle_layer, layer_config, run_layer
 from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.vocab import check_vocab, head_columns
 from specjax.models import Model, head_logits
@@ -152,18 +152,21 @@ class PublishedEagle3(Eagle3):
     def layer_output(self, params: dict, target: Model, x):
         """The layer's outputs x [B, T, E] -> (float32 logits [B, T, Vd], the g fed back: x,
         or norm(x) where speculators' norm_output)."""
-        if self.layout.feed_normed:
-            x = _norm(self.config, params["norms"]["out"]["scale"], x)
-            return self._head(params, target, x), x
-        if self.layout.out_norm:
-            return self._head(params, target, _norm(self.config, params["norms"]["out"]["scale"], x)), x
-        return self._head(params, target, x), x
+        fed = self._fed(params, x)
+        return self._readout(params, target, fed), fed
 
-    @staticmethod
-    def _head(params: dict, target: Model, x):
+    def _fed(self, params: dict, x):
+        """What the layer's outputs x pass on (`advance`'s): norm(x) where norm_output, else x."""
+        return _norm(self.config, params["norms"]["out"]["scale"], x) if self.layout.feed_normed else x
+
+    def _readout(self, params: dict, target: Model, fed):
+        """float32 logits of `_fed`'s states: normed first unless they are, or SpecForge's
+        norm_output is false; read by its own head, else the target's."""
+        if self.layout.out_norm and not self.layout.feed_normed:
+            fed = _norm(self.config, params["norms"]["out"]["scale"], fed)
         if "head" in params:
-            return head_read_out(target.config, params["head"]["kernel"].astype(x.dtype), x)
-        return head_logits(target, x)
+            return head_read_out(target.config, params["head"]["kernel"].astype(fed.dtype), fed)
+        return head_logits(target, fed)
 
     def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
         """tokens int32 [B, T] (token t+1 of each pair), features [B, T, F] (the target's, F =
@@ -173,16 +176,12 @@ class PublishedEagle3(Eagle3):
         residual, a = self.layer_input(p, self.token_states(p, target, tokens, features.dtype), features)
         x, cache = run_layer(self.config, p["layer"], target, residual, positions, cache, placement,
                              attn_input=a, attn_norm=False, attn_in_size=self.attn_in_size)
-        if self.layout.feed_normed:
-            x = _norm(self.config, p["norms"]["out"]["scale"], x)
-        return x, cache
+        return self._fed(p, x), cache
 
     def read(self, target: Model, x):
         """float32 logits [B, T, Vd] over its draft vocabulary of its outputs x [B, T, E]
-        (`advance`'s: already normed where speculators' norm_output)."""
-        if self.layout.out_norm and not self.layout.feed_normed:
-            x = _norm(self.config, self.params["norms"]["out"]["scale"], x)
-        return self._head(self.params, target, x)
+        (`advance`'s)."""
+        return self._readout(self.params, target, x)
 
     def bind(self, target: Model) -> "PublishedEagle3":
         """This head for target, refused (ValueError naming what differs) unless target has
@@ -241,12 +240,8 @@ class PublishedEagle(Eagle):
     name = "EAGLE (published)"
 
     def advance(self, target: Model, tokens, features, positions, cache=None, placement=None):
-        p = self.params
-        dtype = features.dtype
-        emb = embed_tokens(target.config, p["embedding"] if "embedding" in p else target.params["embedding"], tokens)
-        x = jnp.concatenate([emb.astype(dtype), features], axis=-1)
-        x = x @ p["fc"]["kernel"].astype(dtype) + p["fc"]["bias"].astype(dtype)
-        return run_layer(self.config, p["layer"], target, x, positions, cache, placement, attn_norm=False)
+        return eagle_layer(self.config, self.params, target, tokens, features, positions, cache, placement,
+                           attn_norm=False)
 
     def bind(self, target: Model) -> "PublishedEagle":
         """This head for target, refused (ValueError) unless target has its hidden size and
