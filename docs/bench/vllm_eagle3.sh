@@ -6,18 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=/tmp/vllm-venv; PORT=8310; HEAD=${1:-/tmp/pubhead/drafter}
-IOMP="$VENV/lib/libiomp5.so"
-LD_PRELOAD=$([ -f "$IOMP" ] && echo "$IOMP" || true) VLLM_CPU_KVCACHE_SPACE=2 \
-  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model checkpoints/target --port $PORT \
-  --dtype float32 --max-model-len 1024 \
-  --speculative-config "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": 3}" \
-  > /tmp/vllm-eagle3.log 2>&1 &
-VLLM=$!
-trap 'kill $VLLM 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-  kill -0 $VLLM 2>/dev/null || { echo "vLLM exited"; tail -30 /tmp/vllm-eagle3.log; exit 1; }
-  sleep 1
-done
+. docs/bench/vllm_start.sh
+start_vllm "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": 3}" /tmp/vllm-eagle3.log
 ${PYTHON:-python} docs/bench/vllm_eagle3.py http://127.0.0.1:$PORT "$HEAD"
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^vllm:spec_decode_num_(accepted|draft)_tokens_total' || true
