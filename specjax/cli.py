@@ -40,7 +40,7 @@ def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
     sampling = {"temperature": args.temperature if args.temperature is not None
                 else gen.temperature if gen.do_sample else 0.0,
                 "top_k": gen.top_k if args.top_k is None else args.top_k,
-                "top_p": gen.top_p if args.top_p is None else args.top_p}
+                "top_p": gen.top_p if args.top_p is None else args.top_p, "min_p": args.min_p}
     return stop, sampling
 
 
@@ -430,6 +430,8 @@ def main(argv=None):
                    help="0 is off (default: generation_config.json's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None,
                    help="1 is off (default: generation_config.json's, else 1)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens of at least this times the top token's probability (0, the default, is off)")
     p.add_argument("--seed", type=_seed, default=0, help="the sampling seed, an int in [0, 2**32) (default 0)")
     p.add_argument("--batch-file", metavar="FILE",
                    help="one prompt per line (\\n for newlines; blank lines skipped), run as one batch; a PROMPT "

@@ -28,7 +28,7 @@ __all__ = ["GenerateOutput", "MemoryEstimate", "Stats", "auto_shape", "compile_g
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
-             eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
+             min_p=0.0, logit_bias=None, eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
              stream: Callable | None = None, cost_profile=None, deterministic: bool = False) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
@@ -46,11 +46,19 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         shipped for this JAX backend); K = 0 turns speculation off (plain decoding). A
         drafter with a dynamic Tree(depth, top_k, nodes): its node budget, at most `nodes`,
         by `theory.choose_tree_nodes` (see `auto_shape`).
-    Shapes, the tree, K and max_new_tokens are static; the key, temperature, top_k, top_p
-    and eos_token_id are traced. The program is built for the least sampling its settings
-    need (`specjax.sampling.kind_of`: greedy, sampled, or filtered by top-k/top-p), so a
-    greedy call holds no distribution or draw; changing the values within a kind never
-    recompiles (traced settings, under your own jit, get the filtered program).
+    temperature, top_k, top_p, min_p: transformers' (0, 0, 1, 0: off), applied in its order
+        (`specjax.sampling`); temperature 0 is greedy.
+    logit_bias: None, {token id: bias} added to the target's logits before they are warped
+        (OpenAI's: up to 300 entries, biases in [-100, 100]; a greedy row takes the argmax
+        of the biased logits), or a list of B such mappings, one per row. Speculation stays
+        exact: the target's distribution is warped so at every draft position, and a
+        drafter that samples drafts under the same settings.
+    Shapes, the tree, K and max_new_tokens are static (and the logit bias's length, rounded
+    up to a multiple of 8); the key, the sampling values and eos_token_id are traced. The
+    program is built for the least sampling its settings need (`specjax.sampling.kind_of`:
+    greedy, sampled, or filtered by top-k/top-p/min-p or a logit bias), so a greedy call
+    holds no distribution or draw; changing the values within a kind never recompiles
+    (traced settings, under your own jit, get the filtered program).
     key: a PRNG key; row b samples from fold_in(key, b), and its step at length n from
         fold_in of that and n, so a row's samples depend on neither its neighbours nor the
         steps' K. None: a fresh key from the OS's entropy, returned as `out.key` (its data:

@@ -100,7 +100,7 @@ class SlotState:
     limit: jax.Array  # int32 [B]: the row stops at this length (its prompt + its token budget)
     target_cache: KVCache  # L x [B, G, S, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
-    sampling: Sampling  # [B] each: the row's temperature, top-k, top-p
+    sampling: Sampling  # [B] each: the row's temperature, top-k, top-p, min-p; its logit bias [B, Lb]
     stop_ids: jax.Array  # int32 [B, M]: the row stops after any of these (-1: none)
     key: jax.Array  # uint32 [B, 2]: the row's PRNG key's data; its step at length n uses fold_in(key, n)
     k_limit: jax.Array  # int32 [B]: how deep each row may draft next step (the depth unless adaptive)
@@ -420,7 +420,7 @@ def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens:
     sampling = Sampling.make(batch=B) if sampling is None else sampling
     eos = jnp.full((4,), -1, jnp.int32) if eos is None else jnp.reshape(eos, (-1,))
     return prefill(target, drafter, prompts, lengths, cache_len=cache_length(P, max_new_tokens, verify_room(drafter)),
-                   limit=lengths + max_new_tokens, sampling=jax.tree.map(lambda x: jnp.broadcast_to(x, (B,)), sampling),
+                   limit=lengths + max_new_tokens, sampling=sampling.rows(B),
                    stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B))
 
 

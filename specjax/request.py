@@ -19,7 +19,7 @@ from specjax.backend import Backend
 from specjax.drafters import DraftModel
 from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
-from specjax.sampling import Sampling, validate
+from specjax.sampling import Sampling, check_logit_bias, validate
 from specjax.tree import Tree
 
 MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
@@ -83,7 +83,7 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 
 def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
-            top_k, top_p, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
+            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
             stream, cost_profile, deterministic):
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
     arguments, its static ones, the stream function or None)."""
@@ -99,8 +99,9 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     abstract = is_abstract(prompts) or is_abstract(lengths)
     values = None if abstract else _host_values(prompts, lengths)
     drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
-                             temperature, top_k, top_p, eos_token_id, draft_threshold)
-    sampling = Sampling.make(temperature, top_k, top_p)
+                             temperature, top_k, top_p, min_p, eos_token_id, draft_threshold)
+    sampling = Sampling.make(temperature, top_k, top_p, min_p=min_p, **_bias(logit_bias, np.shape(prompts)[0],
+                                                                               target.config.vocab_size))
     if not abstract:  # (a program built for devices that are not here is measured against theirs: plan.py)
         budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh,
                             sampled=not sampling.greedy)  # nothing traced yet
@@ -189,8 +190,20 @@ def _host_values(prompts, lengths):
     return tuple(np.asarray(x) for x in jax.device_get(arrays))
 
 
+def _bias(logit_bias, batch: int, vocab_size: int) -> dict:
+    """`Sampling.make`'s logit-bias arguments from generate's logit_bias (None, one mapping
+    for every row, or a list of B: one per row), checked (`check_logit_bias`)."""
+    if logit_bias is None or hasattr(logit_bias, "items"):
+        return {"logit_bias": check_logit_bias(logit_bias, vocab_size)}
+    if not isinstance(logit_bias, (list, tuple)) or len(logit_bias) != batch:
+        raise ValueError(f"logit_bias must be None, a {{token id: bias}} mapping or a list of {batch} of them "
+                         f"(one per row), got {type(logit_bias).__name__}"
+                         f"{f' of {len(logit_bias)}' if isinstance(logit_bias, (list, tuple)) else ''}")
+    return {"logit_bias": [check_logit_bias(b, vocab_size) for b in logit_bias], "batch": batch}
+
+
 def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
-                   temperature, top_k, top_p, eos_token_id, draft_threshold):
+                   temperature, top_k, top_p, min_p, eos_token_id, draft_threshold):
     """Clear errors for bad requests; returns the drafter, its shape resolved (None without a
     draft). values: (prompts, lengths) as numpy, or None where they cannot be read (then
     only shapes and dtypes are checked)."""
@@ -214,7 +227,7 @@ def _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_
             raise ValueError(f"lengths go up to {int(lengths.max())} but prompts hold {shape[1]} tokens")
         longest = int(lengths.max())
         check_token_ids(tokens, c.vocab_size)
-    validate(temperature, top_k, top_p)
+    validate(temperature, top_k, top_p, min_p)
     if not isinstance(draft_threshold, jax.core.Tracer) and not 0.0 <= float(draft_threshold) <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
     _check_stop_ids(eos_token_id, c.vocab_size)

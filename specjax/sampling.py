@@ -1,11 +1,14 @@
 """Logits -> the distribution that is sampled from, with transformers' semantics.
 
-`Sampling` holds temperature, top-k and top-p as traced values, one per row ([B]; rows of
-one batch may differ), and one static `kind`, the most any row asks for: "greedy" (every row
-at temperature 0), "sampled" (no row filters) or "filtered". A program is built for its
-kind (part of its jit key): a greedy one holds no distribution, draw or sort at all, a
-sampled one no sort, and changing the values within a kind never recompiles. `warp`
-applies them in transformers' order: temperature, then top-k, then top-p. Temperature 0
+`Sampling` holds temperature, top-k, top-p, min-p and a sparse logit bias as traced values,
+one per row ([B]; rows of one batch may differ), and one static `kind`, the most any row
+asks for: "greedy" (every row at temperature 0, none biased), "sampled" (no row filters or
+is biased) or "filtered". A program is built for its kind (part of its jit key): a greedy
+one holds no distribution, draw or sort at all, a sampled one no sort, and changing the
+values within a kind never recompiles. `warp` applies them in transformers' order: the
+logit bias (OpenAI's `logit_bias`, added to the raw logits: a greedy row takes the argmax of
+the biased logits), temperature, top-k, top-p, then min-p (vLLM applies min-p before
+top-k/top-p; the two orders differ only where top-p and min-p are both set). Temperature 0
 is greedy, expressed as a one-hot distribution on the argmax, so that a greedy row in a
 sampled batch is the same arithmetic as sampling; a row's setting is applied by `where`,
 never by control flow. Random draws take one key per row (`uniform`, `sample`), so a
@@ -14,6 +17,8 @@ This module knows nothing about models, drafts or loops.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +30,103 @@ GREEDY, SAMPLED, FILTERED = "greedy", "sampled", "filtered"  # a `Sampling`'s ki
 KINDS = (GREEDY, SAMPLED, FILTERED)
 
 
-def kind_of(temperature, top_k, top_p) -> str:
-    """The least kind that serves these settings (host values, one per row or one for all)."""
-    temperature, top_k, top_p = np.broadcast_arrays(np.asarray(temperature, np.float32), np.asarray(top_k),
-                                                    np.asarray(top_p, np.float32))
+MAX_LOGIT_BIAS = 300  # entries a row's logit_bias may hold (OpenAI's limit)
+BIAS_RANGE = 100.0  # a bias lies in [-BIAS_RANGE, BIAS_RANGE] (OpenAI's range)
+
+
+def kind_of(temperature, top_k, top_p, min_p=0.0, biased=False) -> str:
+    """The least kind that serves these settings (host values, one per row or one for all;
+    biased: whether the row's logit bias holds any entry)."""
+    temperature, top_k, top_p, min_p, biased = np.broadcast_arrays(
+        np.asarray(temperature, np.float32), np.asarray(top_k), np.asarray(top_p, np.float32),
+        np.asarray(min_p, np.float32), np.asarray(biased, bool))
+    if biased.any():  # a greedy row's argmax is of its biased logits: only `warp`'s filtered form adds them
+        return FILTERED
     sampled = temperature > 0
     if not sampled.any():
         return GREEDY
-    return FILTERED if (sampled & ((top_k > 0) | (top_p < 1.0))).any() else SAMPLED
+    return FILTERED if (sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))).any() else SAMPLED
+
+
+class Settings(NamedTuple):
+    """One row's settings as the host holds them (an engine's request): `stack` turns rows of
+    them into a `Sampling`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple = ()  # ((token id, bias), ...)
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.temperature, self.top_k, self.top_p, self.min_p, bool(self.logit_bias))
+
+
+def kind_of_rows(rows: Sequence[Settings]) -> str:
+    """The least kind that serves every row of `rows`."""
+    return kind_of(*(np.array(x) for x in zip(*(r[:4] for r in rows))), biased=[bool(r.logit_bias) for r in rows])
+
+
+def bias_arrays(logit_bias, rows: int | None = None, width: int | None = None):
+    """A logit bias as arrays: (ids int32, biases float32), [width] for one ({token id: bias}
+    or (id, bias) pairs: every row's) or [rows, width] for one per row (a sequence of
+    those); padded with id -1 (never a token). width: None, the longest rounded up to a
+    multiple of 8 (lists of 1-8 entries share a program) and 0 for none."""
+    per_row = rows is not None
+    biases = [_pairs(b) for b in logit_bias] if per_row else [_pairs(logit_bias)]
+    longest = max((len(b) for b in biases), default=0)
+    width = -(-longest // 8) * 8 if width is None else width
+    if longest > width:
+        raise ValueError(f"a logit_bias of {longest} entries; this program takes up to {width}")
+    ids, values = np.full((len(biases), width), -1, np.int32), np.zeros((len(biases), width), np.float32)
+    for i, pairs in enumerate(biases):
+        for j, (token, bias) in enumerate(pairs):
+            ids[i, j], values[i, j] = token, bias
+    return (ids, values) if per_row else (ids[0], values[0])
+
+
+def stack(rows: Sequence[Settings], width: int) -> "Sampling":
+    """Rows' settings as one `Sampling` of host arrays ([n] each; the bias [n, width]), of
+    kind FILTERED (which serves every row: a program reads it as its own kind)."""
+    temperature, top_k, top_p, min_p, biases = zip(*rows)
+    ids, bias = bias_arrays(biases, len(rows), width)
+    return Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32), np.array(top_p, np.float32),
+                    np.array(min_p, np.float32), ids, bias, FILTERED)
+
+
+def _pairs(logit_bias) -> tuple:
+    """((id, bias), ...) from None, a {token id: bias} mapping or (id, bias) pairs."""
+    if logit_bias is None:
+        return ()
+    return tuple(logit_bias.items()) if hasattr(logit_bias, "items") else tuple(logit_bias)
+
+
+def check_logit_bias(logit_bias, vocab_size: int, most: int = MAX_LOGIT_BIAS) -> tuple:
+    """A logit bias ({token id: bias} or (id, bias) pairs; None: none) checked: at most `most`
+    entries, ids ints in [0, vocab_size) given once, biases finite numbers in [-100, 100];
+    returned as a {id: bias} dict of Python ints and floats, in id order."""
+    if logit_bias is not None and not hasattr(logit_bias, "items") and isinstance(logit_bias, (str, bytes)):
+        raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, got {logit_bias!r}")
+    try:
+        pairs = _pairs(logit_bias)
+        pairs = [(token, bias) for token, bias in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, got {logit_bias!r}") from None
+    if len(pairs) > most:
+        raise ValueError(f"logit_bias holds {len(pairs)} entries; at most {most} are taken")
+    seen = set()
+    for token, bias in pairs:
+        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias: token id {token!r} is not an int in [0, {vocab_size})")
+        if token in seen:
+            raise ValueError(f"logit_bias: token id {token} is given twice")
+        seen.add(token)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating)) \
+                or not -BIAS_RANGE <= float(bias) <= BIAS_RANGE:
+            raise ValueError(f"logit_bias[{token}] must be a number in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], "
+                             f"got {bias!r}")
+    return dict(sorted((int(t), float(b)) for t, b in pairs))
 
 
 @struct.dataclass
@@ -40,21 +134,46 @@ class Sampling:
     temperature: jax.Array  # float32 [B] (or [] for every row); 0 means greedy
     top_k: jax.Array  # int32 [B] (or []); 0 means off
     top_p: jax.Array  # float32 [B] (or []); 1 means off
+    min_p: jax.Array  # float32 [B] (or []); 0 means off
+    bias_ids: jax.Array  # int32 [B, Lb] (or [Lb]): the tokens each row's logit bias moves; -1 pads
+    bias: jax.Array  # float32 [B, Lb] (or [Lb]): what it adds to their logits
     # Static, the most any row asks for (KINDS); a program holds no more than it needs. Values
     # that ask for more than their kind are served as the kind (greedy: argmax; sampled: no filter).
     kind: str = struct.field(pytree_node=False, default=FILTERED)
 
     @classmethod
-    def make(cls, temperature=0.0, top_k=0, top_p=1.0, batch: int | None = None) -> "Sampling":
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0, batch: int | None = None, *, min_p=0.0,
+             logit_bias=None) -> "Sampling":
         """The settings as arrays: [batch] each (one value for every row), or as given; their
-        kind from their values where those are known (traced ones: FILTERED, which serves all)."""
-        traced = any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p))
-        kind = FILTERED if traced else kind_of(temperature, top_k, top_p)
+        kind from their values where those are known (traced ones: FILTERED, which serves all).
+        logit_bias: None, {token id: bias} (every row's), or with batch a list of one per row
+        (mappings or (id, bias) pairs: `bias_arrays`)."""
+        traced = any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p, min_p))
+        per_row = batch is not None and isinstance(logit_bias, (list, tuple))
+        ids, bias = bias_arrays(logit_bias, batch if per_row else None)
+        kind = FILTERED if traced else kind_of(temperature, top_k, top_p, min_p, biased=(ids >= 0).any(-1))
         values = (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                  jnp.asarray(top_p, jnp.float32))
+                  jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32))
+        ids, bias = jnp.asarray(ids), jnp.asarray(bias)
         if batch is not None:
-            values = (jnp.broadcast_to(x, (batch,)) for x in values)
-        return cls(*values, kind=kind)
+            values = tuple(jnp.broadcast_to(x, (batch,)) for x in values)
+            ids, bias = (jnp.broadcast_to(x, (batch, x.shape[-1])) for x in (ids, bias))
+        return cls(*values, ids, bias, kind=kind)
+
+    def rows(self, batch: int) -> "Sampling":
+        """Every setting one per row of `batch` (those given for all rows repeated)."""
+        one = lambda x: jnp.broadcast_to(x, (batch,))  # noqa: E731
+        two = lambda x: jnp.broadcast_to(x, (batch, x.shape[-1]))  # noqa: E731
+        return self.replace(temperature=one(self.temperature), top_k=one(self.top_k), top_p=one(self.top_p),
+                            min_p=one(self.min_p), bias_ids=two(self.bias_ids), bias=two(self.bias))
+
+    def over(self, vocab: jax.Array) -> "Sampling":
+        """The settings for logits over a reduced vocabulary, vocab int32 [Vd] (the increasing
+        target ids its indices stand for): each bias moves its id's index there, or nothing
+        where the id is not in it."""
+        at = jnp.minimum(jnp.searchsorted(vocab, self.bias_ids), vocab.shape[0] - 1)
+        found = (self.bias_ids >= 0) & (vocab[at] == self.bias_ids)
+        return self.replace(bias_ids=jnp.where(found, at, -1).astype(jnp.int32))
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +202,7 @@ def uniform(key: jax.Array, shape: tuple) -> jax.Array:
     return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(key)
 
 
-def validate(temperature, top_k, top_p):
+def validate(temperature, top_k, top_p, min_p=0.0):
     """Clear errors for nonsense values (traced values are not checked)."""
     def concrete(x):
         return not isinstance(x, jax.core.Tracer)
@@ -94,6 +213,8 @@ def validate(temperature, top_k, top_p):
         raise ValueError(f"top_k must be an int in [0, 2**31) (0 is off), got {top_k}")
     if concrete(top_p) and not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
+    if concrete(min_p) and not 0.0 <= float(min_p) <= 1.0:
+        raise ValueError(f"min_p must lie in [0, 1] (0 is off), got {min_p}")
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -118,15 +239,18 @@ def _lowest(keys: jax.Array, holds) -> jax.Array:
     return jax.lax.fori_loop(0, 32, halve, bounds)[1]
 
 
-def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Top-k then top-p (transformers' TopK/TopPLogitsWarper) without sorting the vocabulary.
+def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Top-k, top-p, then min-p (transformers' TopK/TopP/MinPLogitsWarper) without sorting the
+    vocabulary.
 
     scores [..., V] -> scores with filtered entries set to -inf. Top-k keeps every score >=
     the k-th largest (ties included, as transformers does): the lowest key t with fewer than
     k scores above it. Top-p then removes the lowest scores whose probabilities sum to at
     most 1 - top_p, always keeping the largest: it keeps the scores >= the lowest key t whose
     scores <= t weigh more than 1 - top_p (a tie at that score is kept whole). Each cut is
-    found by `_lowest` (2 x 32 masked reductions over V against a sort's V log V)."""
+    found by `_lowest` (2 x 32 masked reductions over V against a sort's V log V). Min-p keeps
+    the scores whose probability is at least min_p times the largest: with scores shifted so
+    that the largest is 0 (`warp`), those >= log(min_p)."""
     keys = _order_keys(scores)
     k = jnp.clip(top_k, 1, scores.shape[-1])
     kth = _lowest(keys, lambda t: jnp.sum(keys > t, axis=-1, keepdims=True) < k)
@@ -134,7 +258,18 @@ def _filter(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     keys = _order_keys(scores)
     probs = jax.nn.softmax(scores, axis=-1)
     cutoff = _lowest(keys, lambda t: jnp.sum(jnp.where(keys <= t, probs, 0.0), axis=-1, keepdims=True) > 1.0 - top_p)
-    return jnp.where((top_p < 1.0) & (keys < cutoff), -jnp.inf, scores)
+    scores = jnp.where((top_p < 1.0) & (keys < cutoff), -jnp.inf, scores)
+    return jnp.where(scores < jnp.log(min_p), -jnp.inf, scores)  # log(0) = -inf: off
+
+
+def add_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """logits [B, ..., V] (or [..., V] with one bias for all) plus each row's sparse bias: ids
+    int32 [B, Lb] (or [Lb]; -1 pads, adding nothing), bias float32 alike."""
+    if ids.shape[-1] == 0:
+        return logits
+    ids = jnp.where(ids < 0, logits.shape[-1], ids)  # out of range: dropped
+    add = lambda x, i, b: x.at[..., i].add(b, mode="drop")  # noqa: E731
+    return add(logits, ids, bias) if ids.ndim == 1 else jax.vmap(add)(logits, ids, bias)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -150,6 +285,8 @@ def argmax(x: jax.Array) -> jax.Array:
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
     logits = logits.astype(jnp.float32)
+    if sampling.kind == FILTERED:  # only a filtered program's rows may be biased (`kind_of`)
+        logits = add_bias(logits, sampling.bias_ids, sampling.bias)
     one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     if sampling.greedy:
         return one_hot
@@ -164,7 +301,7 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     top = jnp.max(logits, axis=-1, keepdims=True)
     scores = (logits - top) / jnp.clip(temperature, jnp.finfo(jnp.float32).tiny, 1e37)
     if sampling.kind == FILTERED:  # a row without filters passes through unchanged
-        scores = _filter(scores, row(sampling.top_k), row(sampling.top_p))
+        scores = _filter(scores, row(sampling.top_k), row(sampling.top_p), row(sampling.min_p))
     return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
 
 

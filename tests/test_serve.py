@@ -121,9 +121,10 @@ def servers(engine, folder):
         live.stop()
 
 
-def _alone(engine, prompt, max_tokens, eos=(EOS,)):
+def _alone(engine, prompt, max_tokens, eos=(EOS,), **settings):
     prompts, lengths = specjax.pad_prompts([prompt])
-    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=max_tokens, eos_token_id=list(eos) or None)
+    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=max_tokens, eos_token_id=list(eos) or None,
+                           **settings)
     return [int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])]
 
 
@@ -251,8 +252,13 @@ BAD = [  # (body, status, param)
     (json.dumps({"prompt": [5] * MAX_LEN}).encode(), 400, "prompt"),
     (b'{"prompt": "x", "logprobs": 1}', 400, "logprobs"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
-    (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p"),  # vLLM's extensions: refused until built
-    (b'{"prompt": "x", "min_p": 0.1}', 400, "min_p"),
+    (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p"),
+    (b'{"prompt": "x", "min_p": -0.1}', 400, "min_p"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"-5": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"4096": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": [5, 1]}', 400, "logit_bias"),
     (b'{"prompt": "x", "repetition_penalty": 1.2}', 400, "repetition_penalty"),
     (b'{"prompt": "x", "guided_choice": ["yes", "no"]}', 400, "guided_choice"),
     (b'{"prompt": "x", "max_completion_tokens": 5}', 400, "max_completion_tokens"),  # chat's, not completions'
@@ -291,6 +297,33 @@ def test_fields_at_their_off_values_and_harmless_fields_are_served(servers):
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "guided_json": {"k": "v" * 200}}, timeout=10)
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and "guided_json" in message and "characters)" in message and len(message) < 200
+
+
+def test_min_p_and_logit_bias_through_the_openai_client(engine, servers):
+    """OpenAI's logit_bias (string keys) and vLLM's min_p reach the engine: a greedy
+    completion that bans its own first token equals generate with that bias (streamed
+    and chat alike), and sampled choices at min_p = 1 are the greedy ones."""
+    live = servers("main")
+    client = live.client()
+    prompt = PROMPTS[0]
+    first = _alone(engine, prompt, 1)[0]
+    bias = {first: -100.0, 7: 2.5}
+    want = _alone(engine, prompt, 8, logit_bias=bias)
+    assert want[0] != first
+    tokenizer = live.server.tokenizer
+    logit_bias = {str(t): b for t, b in bias.items()}
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logit_bias=logit_bias)
+    assert got.choices[0].text == _text(tokenizer, want)
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                       logit_bias=logit_bias, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(tokenizer, want)
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    top = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=1,
+                                    extra_body={"min_p": 1.0})
+    assert {c.text for c in top.choices} == {greedy.choices[0].text}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"5": 100})
+    assert chat.choices[0].message.content == _text(tokenizer, [5] * 4)
 
 
 def test_bad_chat_requests_and_routes(servers):

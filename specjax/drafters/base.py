@@ -206,6 +206,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     sampled = tree.siblings == "sampled" and not request.sampling.greedy
     argmax_siblings = tree.siblings == "sampled" and request.sampling.greedy
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
+    # Drafted under the rows' own settings (their logit bias on the draft vocabulary's indices).
+    sampling = request.sampling if vocab is None else request.sampling.over(vocab)
     region_offsets = np.arange(R) // W  # held node r has depth r // W + 1, at position start + r // W
     if tree.is_static:
         expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
@@ -216,7 +218,7 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
         distribution they were drawn from [B, W, V]."""
         q = None
         if sampled:
-            q = warp(logits, request.sampling)
+            q = warp(logits, sampling)
             tokens = sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V)))
         elif argmax_siblings:
             tokens = jnp.broadcast_to(argmax(logits)[..., None], (B, W, C))

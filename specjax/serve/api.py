@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specjax.models import check_token_ids
 from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
-from specjax.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from specjax.serve.protocol import ApiError, ChatRequest, CompletionRequest, logit_bias, parse
 from specjax.text import encode_prompts
 
 MAX_BODY = 1 << 20  # bytes of a request body (a 1,024-token prompt of ids is ~6 KB)
@@ -114,9 +114,18 @@ class Server:
             raise ApiError(400, f"{len(stop_ids)} stop ids (the model's EOS included); this server takes {width}",
                            param="stop_token_ids")
         top_k = body.top_k or 0
+        bias = logit_bias(body)
+        most = self.engine.programs.bias_width
+        if len(bias) > most:
+            raise ApiError(400, f"logit_bias holds {len(bias)} entries; this server takes up to {most}",
+                           param="logit_bias", code="invalid_value")
+        for token in bias:
+            if token >= self.vocab_size:
+                raise ApiError(400, f"logit_bias: {token} is outside the vocabulary [0, {self.vocab_size})",
+                               param="logit_bias", code="invalid_value")
         return Settings(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
                         top_k=0 if top_k < 0 else top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
-                        stop_ids=stop_ids, stop=stop, seed=body.seed)
+                        min_p=float(body.min_p or 0.0), logit_bias=bias, stop_ids=stop_ids, stop=stop, seed=body.seed)
 
     def admit(self, choices: int):
         """Refuses at once what neither a slot nor the queue has room for (a request waits in

@@ -8,11 +8,11 @@ loop.py's `step`, several steps per device call. A call runs the steps that last
 policy.CALL_MS where `compile_all` timed them, at most `steps_per_call`; at most OPEN_STEPS
 when a slot was free as it started (a request that arrives meanwhile waits that long for
 it, not a whole call); one step when rows were just inserted (their first tokens go out
-at once). The device never waits on the host: call N+1
-is dispatched before call N's tokens are read (their copy to the host starts at dispatch),
-so the host delivers tokens, frees finished rows' slots and pages and admits waiting
-requests while the device runs the next call (a row that finished stays frozen on the
-device meanwhile: a late read is harmless); its slot is refilled a call later. K follows the number of live rows (a table chosen at
+at once). The device never waits on the host: call N+1 is dispatched before call N's
+tokens are read (their copy to the host starts at dispatch), so the host delivers tokens,
+frees finished rows' slots and pages and admits waiting requests while the device runs the
+next call (a row that finished stays frozen on the device meanwhile: a late read is
+harmless); its slot is refilled a call later. K follows the number of live rows (a table chosen at
 construction from the backend's cost profile, then re-chosen among the Ks compiled at the
 steps' costs timed once compiled and at the acceptance the traffic shows; a slot refilled
 as its row finishes makes throughput one row's tokens per step, not a batch's slowest
@@ -37,7 +37,7 @@ from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, Pr
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
-from specjax.sampling import kind_of, validate
+from specjax.sampling import MAX_LOGIT_BIAS, Settings, check_logit_bias, kind_of_rows, validate
 from specjax.serve import sizing
 from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
@@ -107,6 +107,8 @@ class Engine:
         `compile_all` timed the steps, a call runs those that last about policy.CALL_MS (a
         request that arrives at a full batch waits one to two calls).
     max_stop_ids: how many stop ids a request may carry.
+    max_logit_bias: the most entries a request's logit_bias may hold (OpenAI's 300): the
+        state holds them per row; only a filtered program (where a live row is biased) adds them.
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache
         (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
         in pools of this many pages of `page_size` positions that the rows share
@@ -143,7 +145,8 @@ class Engine:
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
-                 prefix_caching: bool | None = None, prefill_chunk: int | None = None):
+                 prefix_caching: bool | None = None, prefill_chunk: int | None = None,
+                 max_logit_bias: int = MAX_LOGIT_BIAS):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -151,6 +154,8 @@ class Engine:
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
                              f"({target.config.max_position_embeddings})")
@@ -181,9 +186,8 @@ class Engine:
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
                                  prefill_chunk=(sizing.default_chunk(mesh) if paged and prefill_chunk is None
-                                                else prefill_chunk))
-        self.kv_budget: dict = {}
-        self.pages = None
+                                                else prefill_chunk), bias_width=int(max_logit_bias))
+        self.kv_budget, self.pages = {}, None
         if paged:
             per_page, rest = self.programs.page_bytes()
             if kv_cache_bytes is not None:
@@ -236,8 +240,9 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
-               seed: int | None = None, listener=None) -> Request:
-        """Queues a request; refuses at once (ValueError) what cannot run. seed: its samples'
+               seed: int | None = None, listener=None, *, min_p: float = 0.0, logit_bias=None) -> Request:
+        """Queues a request; refuses at once (ValueError) what cannot run. Sampling as
+        `generate`'s (min_p; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
         seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
         depend on its slot or neighbours, and equals `generate` on it alone with
         key=jax.random.key(seed). listener: None, or a function the engine's thread calls
@@ -259,7 +264,8 @@ class Engine:
                              f"{f' + {room} in flight' if room else ''} needs more than the engine's whole page pool "
                              f"({self.pages.capacity_tokens} tokens in {self.pages.num_pages - 1} pages of "
                              f"{self.pages.page_size})")
-        validate(temperature, top_k, top_p)
+        validate(temperature, top_k, top_p, min_p)
+        bias = check_logit_bias(logit_bias, V, self.programs.bias_width)
         stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
         if len(stops) > self.programs.stop_width:
             raise ValueError(f"{len(stops)} stop ids; this engine takes up to {self.programs.stop_width} "
@@ -270,8 +276,8 @@ class Engine:
             seed = fresh_seed()
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
-        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens),
-                          (float(temperature), int(top_k), float(top_p)), stops, int(seed), listener)
+        settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()))
+        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens), settings, stops, int(seed), listener)
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
@@ -609,7 +615,7 @@ class Engine:
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
-        kind = kind_of(*zip(*(r.sampling for r in owners.values())))  # greedy rows alone: a greedy program
+        kind = kind_of_rows([r.sampling for r in owners.values()])  # greedy rows alone: a greedy program
         if K and self._draft_behind:  # the steps at K hold one window of catch-up: feed what K = 0 left
             self._state = self.programs.sync(self._state, K)
             self.syncs += 1

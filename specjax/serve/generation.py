@@ -48,6 +48,8 @@ class Settings:
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
+    logit_bias: dict  # token id -> bias
     stop_ids: tuple[int, ...]
     stop: tuple[str, ...]
     seed: int | None
@@ -73,7 +75,7 @@ class Generation:
                 seed = None if s.seed is None else (s.seed + c.index % self._n) % 2 ** 32
                 c.request = self.engine.submit(
                     c.prompt, max_new_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                    stop_token_ids=s.stop_ids, seed=seed,
+                    min_p=s.min_p, logit_bias=s.logit_bias, stop_token_ids=s.stop_ids, seed=seed,
                     listener=lambda tokens, c=c: loop.call_soon_threadsafe(self._queue.put_nowait, (c, tokens)))
         except BaseException:
             self.close()

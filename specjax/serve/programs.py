@@ -24,7 +24,7 @@ from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.memory import nbytes
-from specjax.sampling import FILTERED, KINDS, Sampling
+from specjax.sampling import FILTERED, KINDS, Sampling, Settings, stack
 
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
 # The most prompt tokens one prefill of several requests holds (n requests x their bucket):
@@ -50,8 +50,9 @@ def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
     return sampling.replace(kind=kind)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "backend", "rules", "paging"))
-def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, backend: Backend, rules,
+@functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "bias_width", "backend", "rules",
+                                             "paging"))
+def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, bias_width: int, backend: Backend, rules,
            paging: tuple | None = None):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row.
@@ -60,7 +61,7 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, back
     target, drafter = loop.bound(backend, target, drafter)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
-        cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=_as_kind(Sampling.make(batch=slots)),
+        cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=stack([Settings()] * slots, bias_width),
         stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
     if paging is not None:  # (the row buffers above are then never made: nothing reads them)
         state = loop.paged(state, *paging)
@@ -256,8 +257,10 @@ class Programs:
 
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
-                 open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None):
+                 open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None,
+                 bias_width: int = 0):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
+        self.bias_width = bias_width  # entries of a row's logit bias the state holds
         # None, or (pages, page size): the target's cache in a pool of pages (serve/pages.py).
         self.paging = None if paging is None else tuple(int(x) for x in paging)
         if self.paging is not None:
@@ -318,7 +321,8 @@ class Programs:
     def state_shapes(self):
         return jax.eval_shape(functools.partial(
             _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            backend=self.backend, rules=self.rules, paging=self._paging), self.target, self.deepest)
+            bias_width=self.bias_width, backend=self.backend, rules=self.rules, paging=self._paging),
+            self.target, self.deepest)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
@@ -370,14 +374,15 @@ class Programs:
 
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, backend=self.backend, rules=self.rules, paging=self._paging)
+                      stop_width=self.stop_width, bias_width=self.bias_width, backend=self.backend, rules=self.rules,
+                      paging=self._paging)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
 
     def prefill(self, prompts: list, limits: list, samplings: list, stop_ids: np.ndarray, seeds: list):
         """n requests' rows (n in `prefill_sizes`), in the bucket of the longest prompt:
-        prompts int32 [P_i] each; samplings (temperature, top_k, top_p) each; stop_ids int32
+        prompts int32 [P_i] each; samplings `Settings` each; stop_ids int32
         [n, M]. Its arguments go as host arrays: nothing runs eagerly."""
         args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds)
         return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
@@ -395,9 +400,7 @@ class Programs:
         tokens = np.zeros((n, b if self.paging is None else self.cache_len), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
-        temperature, top_k, top_p = zip(*samplings)
-        settings = Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32),
-                            np.array(top_p, np.float32), FILTERED)
+        settings = stack(samplings, self.bias_width)
         head = (tokens,) if self.paging is None else (tokens, np.array(starts, np.int32))
         return head + (np.array([len(p) for p in prompts], np.int32), np.array(limits, np.int32), settings,
                        np.asarray(stop_ids, np.int32).reshape(n, -1), np.array(seeds, np.uint32)), b
@@ -496,7 +499,7 @@ class Programs:
     def _dummy_prompts(self, n: int, b: int) -> tuple:
         """`prefill`'s arguments for n prompts filling bucket b."""
         stops = np.full((n, self.stop_width), -1, np.int32)
-        return [np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [(0.0, 0, 1.0)] * n, stops, [0] * n
+        return [np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [Settings()] * n, stops, [0] * n
 
     def compile_all(self, skip=(), progress=None):
         """Runs every program once on a throwaway state, so that none compiles while serving,
@@ -580,7 +583,7 @@ class Programs:
         limited only by max_len), the rest free, as the engine runs them. A step's cost does
         not depend on what it accepts (its shapes are fixed). A (K, width) whose rows all
         finish before any call is timed is left out. Run after `compile_all` (no compiles)."""
-        request = ([np.ones((self.buckets[0],), np.int32)], [self.max_len], [(0.0, 0, 1.0)],
+        request = ([np.ones((self.buckets[0],), np.int32)], [self.max_len], [Settings()],
                    np.full((1, self.stop_width), -1, np.int32), [0])
         row = self.prefill(*request) if self.paging is None else None
         state, costs = self.empty(), {}

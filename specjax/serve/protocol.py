@@ -4,7 +4,7 @@ Every body is read here: its size bounded, parsed as JSON (nesting bounded), typ
 field (strictly: "5" is not an int, true is not a number) and ranged; whatever fails is an
 `ApiError` with OpenAI's body `{"error": {"message", "type", "param", "code"}}` naming the
 field. Fields OpenAI or vLLM define that specjax does not implement (logprobs, penalties,
-logit bias, min_p, guided decoding, tools, ...) are refused by name unless they hold their
+guided decoding, tools, ...) are refused by name unless they hold their
 "off" value; fields that change nothing served (user, metadata, store, ...) are accepted;
 any other field is refused by name, as OpenAI's server refuses an unrecognized argument:
 nothing a client sends is dropped without a word.
@@ -57,6 +57,9 @@ class Sampling(BaseModel):
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's extension; -1 and 0: off
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # vLLM's extension; 0: off
+    # OpenAI's: token id (as a string, JSON's keys) -> bias in [-100, 100]; read by `logit_bias`
+    logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=16)] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
@@ -94,13 +97,13 @@ UNIONS = {"prompt": "a string, a list of token ids, a list of strings or a list 
 OFF = (None,)
 UNSUPPORTED = {
     # OpenAI
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": OFF,
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
     "audio": OFF, "prediction": OFF, "reasoning_effort": OFF, "web_search_options": OFF,
     # vLLM's extensions
-    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+    "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
     "bad_words": (None, []), "allowed_token_ids": OFF, "prompt_logprobs": OFF, "truncate_prompt_tokens": OFF,
     "guided_json": OFF, "guided_regex": OFF, "guided_choice": OFF, "guided_grammar": OFF,
@@ -112,6 +115,18 @@ UNSUPPORTED = {
 }
 # Fields that change nothing this server computes or returns: accepted, whatever they hold.
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+
+
+def logit_bias(body: Sampling) -> dict[int, float]:
+    """The body's logit_bias with its keys read as token ids (JSON's keys are strings: OpenAI's
+    "50256"); a key that is no decimal integer is an ApiError naming it."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise ApiError(400, f"logit_bias: {shown(key)} is not a token id (a decimal integer)", param="logit_bias",
+                           code="invalid_value")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def shown(value, most: int = 80) -> str:

@@ -1,0 +1,114 @@
+"""The engine's step at a git revision against the working tree's, per sampling kind, side
+by side in one run: two processes (one per source tree) each build an engine over the
+shipped pair (float32, 8 slots of 256, the draft at K=4 and plain K=0), fill its 8 rows
+with greedy requests, then take turns: each round every process times each (K, kind) run
+program over a call of `steps_per_call` steps (rows re-inserted first, so none finishes),
+median of 5 calls. Printed: ms a step per round, then medians and working tree / revision.
+What a change to the step costs rows that do not use it (a greedy, sampled or filtered
+program's rows are the same here whatever their settings: the shapes are fixed).
+
+    python docs/bench/step_against.py --against REV [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KS = (0, 4)
+
+
+def child():
+    """Builds the engine, then answers each line on stdin with a JSON line {"K kind": ms}."""
+    import jax
+    import numpy as np
+
+    import specjax
+    from specjax.sampling import KINDS
+
+    target = specjax.load_model(os.path.join(ROOT, "checkpoints", "target"))
+    draft = specjax.DraftModel.load(os.path.join(ROOT, "checkpoints", "draft"))
+    engine = specjax.Engine(target, draft=draft, slots=8, max_len=256, num_draft_tokens=4)
+    programs = engine.programs
+    prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
+    free = programs.empty()
+
+    stops = np.full((1, programs.stop_width), -1, np.int32)
+    settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
+    row = programs.prefill([prompt], [programs.max_len], settings, stops, [0])
+
+    def filled():
+        state = programs.release(free, range(programs.slots))
+        for slot in range(programs.slots):
+            state = programs.insert(state, [slot], row)
+        return state
+
+    def time_all():
+        out = {}
+        for K in KS:
+            for kind in KINDS:
+                times = []
+                for call in range(6):
+                    state = filled()
+                    jax.block_until_ready(state)
+                    start = time.perf_counter()
+                    state, *_, taken, _ = programs.run(state, K, programs.slots, kind)
+                    taken = int(taken)
+                    if call:
+                        times.append(1e3 * (time.perf_counter() - start) / taken)
+                out[f"K={K} {kind}"] = statistics.median(times)
+        return out
+
+    time_all()  # compiles
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(time_all()), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--against", required=True, help="a git revision to compare the working tree with")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with tempfile.TemporaryDirectory() as tmp:
+        old = os.path.join(tmp, "old")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, args.against], check=True,
+                       capture_output=True)
+        procs = {}
+        try:
+            for name, tree in ((args.against, old), ("working tree", ROOT)):  # one at a time: compiles don't fight
+                procs[name] = subprocess.Popen(
+                    [sys.executable, os.path.join(ROOT, "docs", "bench", "step_against.py"), "--child"],
+                    cwd=tree, env={**env, "PYTHONPATH": tree}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert procs[name].stdout.readline().strip() == "ready", name
+            runs = {name: [] for name in procs}
+            for r in range(args.rounds):
+                for name, proc in procs.items():
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    runs[name].append(json.loads(proc.stdout.readline()))
+                    print(f"round {r}, {name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in runs[name][-1].items()),
+                          flush=True)
+        finally:
+            for proc in procs.values():
+                proc.stdin.close()
+                proc.wait(60)
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
+    print(f"# medians of {args.rounds} rounds, ms a step (8 live rows); working tree / {args.against}")
+    old_runs, new_runs = runs[args.against], runs["working tree"]
+    for key in old_runs[0]:
+        a = statistics.median(r[key] for r in old_runs)
+        b = statistics.median(r[key] for r in new_runs)
+        print(f"{key}: {a:.2f} -> {b:.2f} ms ({b / a:.3f}x)")
+
+
+if __name__ == "__main__":
+    child() if "--child" in sys.argv else main()
