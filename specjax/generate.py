@@ -28,7 +28,8 @@ __all__ = ["GenerateOutput", "MemoryEstimate", "Stats", "auto_shape", "compile_g
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
-             min_p=0.0, logit_bias=None, eos_token_id: int | Sequence[int] | None = None, return_trace: bool = False,
+             min_p=0.0, logit_bias=None, eos_token_id: int | Sequence[int] | None = None,
+             return_trace: bool = False, logprobs: int | None = None, logprobs_mode: str = "raw",
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
              stream: Callable | None = None, cost_profile=None, deterministic: bool = False) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
@@ -68,6 +69,14 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         1-4 ids share one compilation, 5-8 another, and so on.
     return_trace: also return the tokens each step emitted per row (GenerateOutput.trace);
     off, it costs nothing.
+    logprobs: None, or n in [0, 20]: also return each new token's log-probability under the
+        target and the n likeliest ids with theirs (out.logprobs: chosen [B, max_new_tokens],
+        top_ids and top [B, max_new_tokens, n]; 0 past num_tokens), taken from the
+        verification pass at the position that scored the token: what plain decoding's pass
+        there gives, for every drafter. logprobs_mode: "raw" (the model's distribution,
+        log_softmax of its logits: vLLM's raw_logprobs) or "processed" (the one sampled
+        from: bias, temperature, top-k, top-p and min-p applied; -inf where a filter removed
+        a token; greedy rows: 0 for the argmax). Static; None costs nothing.
     adaptive_k: move each row's draft depth between 1 and K (the tree's depth) by its last
         step (+2 when the deepest proposed node was accepted, -1 otherwise: transformers'
         heuristic schedule), on the device.

@@ -61,7 +61,7 @@ from specjax.drafters.base import DraftRequest, Features, Proposal, Resume, veri
 from specjax.backend import Backend
 from specjax.models import Model, apply, commit
 from specjax.models import prefill as models_prefill
-from specjax.sampling import Sampling, fold_in
+from specjax.sampling import Logprobs, Sampling, fold_in, logprobs as token_logprobs
 from specjax.tree import ancestors, depths, with_branch
 
 
@@ -85,6 +85,9 @@ class GenerateOutput:
     # uint32: the data of the PRNG key the call sampled with (generate's `key`, or the fresh
     # one it drew when none was given); key=jax.random.wrap_key_data(out.key) reproduces the call.
     key: jax.Array | None = None
+    # Each new token's log-probability [B, max_new_tokens] and top alternatives [B,
+    # max_new_tokens, n] (0 past num_tokens[b]); None unless generate(..., logprobs=n).
+    logprobs: Logprobs | None = None
 
 
 @struct.dataclass
@@ -120,6 +123,7 @@ class StepOut:
 
     tokens: jax.Array  # int32 [B, D+1]: 0 past count
     count: jax.Array  # int32 [B]: 0 for rows that were done
+    logprobs: Logprobs | None = None  # [B, D+1] (top [B, D+1, n]), where the step was asked for them
 
 
 CACHE_MULTIPLE = 128  # caches of at least this many slots are rounded up to a multiple of it
@@ -308,12 +312,15 @@ def with_pages(state: SlotState, pages) -> SlotState:
     return jax.tree.map(lambda x: x.replace(pages=pages) if is_cache(x) else x, state, is_leaf=is_cache)
 
 
-def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False
-         ) -> tuple[SlotState, StepOut]:
+def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: bool = False,
+         logprobs: tuple[int, str] | None = None) -> tuple[SlotState, StepOut]:
     """Every live row of `state` advances by one verification pass (a drafter's tree, or its
     own next token when drafter is None: then the state's drafter state, if any, is carried
     untouched and catches up when drafting resumes). drafter: resolved and bound, at most
-    as deep as the state was sized for. threshold: float32 [] (see `generate`)."""
+    as deep as the state was sized for. threshold: float32 [] (see `generate`).
+    logprobs: None, or (top, mode): each new token's log-probability (and the top
+    alternatives) from the pass's logits at the position that scored it (`sampling.logprobs`):
+    what plain decoding's pass at that position gives."""
     B, S = state.tokens.shape  # S: the cache's length (`cache_length`)
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
     rows = jnp.arange(B)[:, None]  # [B, 1]
@@ -388,7 +395,11 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
                             start)
     new_state = state.replace(tokens=tokens, length=new_length, target_cache=cache.replace(lengths=new_length - 1),
                               draft_state=draft_state, k_limit=k_limit, done=done, stats=stats, features=features)
-    return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count)
+    scored = None
+    if logprobs is not None:  # new token j was scored at the root (j = 0), else at the path's node at depth j
+        at = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]
+        scored = token_logprobs(jnp.take_along_axis(logits, at[..., None], axis=1), new, state.sampling, *logprobs)
+    return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count, logprobs=scored)
 
 
 def state_shardings(state: SlotState, drafter, mesh, rules) -> SlotState:
@@ -430,33 +441,43 @@ def bound(backend: Backend, target: Model, drafter=None):
     return target.on(backend), None if drafter is None else drafter.on(backend)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k", "backend", "rules"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k", "backend", "rules",
+                                             "logprobs"))
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
                   *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
-                  backend: Backend, rules, stream=None) -> GenerateOutput:
+                  backend: Backend, rules, stream=None, logprobs: tuple[int, str] | None = None) -> GenerateOutput:
     """The whole generation, compiled: `prefill`, then `step` until every row is done.
     drafter: None or a resolved, bound `Drafter`; eos: int32 [N] stop ids padded with -1;
     stream: None, or int32 [] (a handle of `streams`; being None or not is part of the jit
     key, so None costs nothing). backend: where the program runs (its platform's attention
     kernels and matmul forms; on a mesh, rows over data and the rules' layout), which the
-    models are bound to (`bound`)."""
+    models are bound to (`bound`). logprobs: None, or `step`'s (top, mode)."""
     target, drafter = bound(backend, target, drafter)
     mesh = backend.mesh
     state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
     B = state.tokens.shape[0]
     trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None
+    scored = None if logprobs is None else Logprobs(
+        jnp.zeros((B, max_new_tokens)), jnp.zeros((B, max_new_tokens, logprobs[0]), jnp.int32),
+        jnp.zeros((B, max_new_tokens, logprobs[0])))
 
     def body(carry):
-        state, i, trace = carry
-        state, out = step(target, drafter, state, threshold, adaptive_k=adaptive_k)
+        state, i, trace, scored = carry
+        before = state.length
+        state, out = step(target, drafter, state, threshold, adaptive_k=adaptive_k, logprobs=logprobs)
         if trace is not None:
             trace = trace.at[:, i].set(out.count)
+        if scored is not None:  # each kept token's at its offset among the row's new tokens
+            j = jnp.arange(out.tokens.shape[1])[None, :]
+            at = jnp.where(j < out.count[:, None], before[:, None] - lengths[:, None] + j, max_new_tokens)
+            scored = jax.tree.map(lambda buf, x: buf.at[jnp.arange(B)[:, None], at].set(x, mode="drop"),
+                                  scored, out.logprobs)
         if stream is not None:  # the host receives the step's kept tokens, steps in order
             io_callback(streams.to_host, None, stream, out.tokens, out.count, ordered=True)
-        return place(state, drafter, mesh, rules), i + 1, trace
+        return place(state, drafter, mesh, rules), i + 1, trace, scored
 
-    carry = (place(state, drafter, mesh, rules), jnp.zeros((), jnp.int32), trace)
-    state, _, trace = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, carry)
+    carry = (place(state, drafter, mesh, rules), jnp.zeros((), jnp.int32), trace, scored)
+    state, _, trace, scored = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, carry)
 
     rows = jnp.arange(B)[:, None]
     num_tokens = state.length - lengths
@@ -464,4 +485,4 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     out = state.tokens[rows, lengths[:, None] + cols]
     out = jnp.where(cols < num_tokens[:, None], out, 0)
     return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=trace,
-                          key=jax.random.key_data(key))
+                          key=jax.random.key_data(key), logprobs=scored)

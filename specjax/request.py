@@ -19,7 +19,7 @@ from specjax.backend import Backend
 from specjax.drafters import DraftModel
 from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
-from specjax.sampling import Sampling, check_logit_bias, validate
+from specjax.sampling import LOGPROBS_MODES, MAX_LOGPROBS, Sampling, check_logit_bias, validate
 from specjax.tree import Tree
 
 MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
@@ -83,7 +83,7 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 
 def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
-            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, adaptive_k, draft_threshold, mesh, rules,
+            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, logprobs, logprobs_mode, adaptive_k, draft_threshold, mesh, rules,
             stream, cost_profile, deterministic):
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
     arguments, its static ones, the stream function or None)."""
@@ -122,6 +122,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     args = (target, drafter, prompts, lengths, key,
             sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
+                  logprobs=_logprobs(logprobs, logprobs_mode),
                   adaptive_k=bool(adaptive_k), backend=Backend.of(target.params, mesh), rules=rules)
     return args, static, stream
 
@@ -188,6 +189,18 @@ def _host_values(prompts, lengths):
            for x in arrays):
         return None
     return tuple(np.asarray(x) for x in jax.device_get(arrays))
+
+
+def _logprobs(logprobs, mode) -> tuple[int, str] | None:
+    """generate's logprobs and logprobs_mode as `step`'s static (top, mode), checked."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (the top alternatives listed), "
+                         f"got {logprobs!r}")
+    return int(logprobs), mode
 
 
 def _bias(logit_bias, batch: int, vocab_size: int) -> dict:

@@ -284,7 +284,7 @@ def argmax(x: jax.Array) -> jax.Array:
 
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
-    logits = logits.astype(jnp.float32)
+    logits = jnp.asarray(logits, jnp.float32)
     if sampling.kind == FILTERED:  # only a filtered program's rows may be biased (`kind_of`)
         logits = add_bias(logits, sampling.bias_ids, sampling.bias)
     one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
@@ -303,6 +303,33 @@ def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
     if sampling.kind == FILTERED:  # a row without filters passes through unchanged
         scores = _filter(scores, row(sampling.top_k), row(sampling.top_p), row(sampling.min_p))
     return jnp.where(greedy, one_hot, jax.nn.softmax(scores, axis=-1))
+
+
+MAX_LOGPROBS = 20  # top alternatives a token's logprobs may list (OpenAI's top_logprobs)
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@struct.dataclass
+class Logprobs:
+    """What the target gave the emitted tokens: each token's log-probability and the top-n
+    alternatives at its position (n static; 0: none)."""
+
+    chosen: jax.Array  # float32 [..., J]
+    top_ids: jax.Array  # int32 [..., J, n]: the n likeliest ids, likeliest first
+    top: jax.Array  # float32 [..., J, n]: their log-probabilities
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling, top: int, mode: str) -> Logprobs:
+    """The log-probabilities of tokens int32 [B, J] under logits [B, J, V] (each token's row
+    of the distribution it was drawn from), and the top `top` alternatives: "raw", of the
+    model's own distribution (log_softmax of the logits, vLLM's raw_logprobs); "processed",
+    of the one sampled from (`warp`: bias, temperature and filters applied; -inf where a
+    filter removed a token; a greedy row's is 0 at the argmax)."""
+    logits = logits.astype(jnp.float32)
+    lp = jax.nn.log_softmax(logits, axis=-1) if mode == "raw" else jnp.log(warp(logits, sampling))
+    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(lp, top)
+    return Logprobs(chosen, top_ids.astype(jnp.int32), top_lp)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

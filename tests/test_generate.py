@@ -385,16 +385,13 @@ def test_programs_traced_for_a_tpu_or_a_gpu_give_the_same_tokens(pair):
     the two writes agree."""
     from specjax import cache
     from specjax.backend import Backend
-    from specjax.request import prepare
+    from specjax.generate import _prepared
 
     target, drafts, _ = pair
     padded, lengths = specjax.pad_prompts(_prompts(3, seed=21), bucket=16)
     for draft in (drafts["near"], specjax.DraftModel(drafts["near"], specjax.Tree(3, 2, 6))):
-        kwargs = dict(draft=draft, key=jax.random.key(0), max_new_tokens=MAX_NEW, num_draft_tokens=None,
-                      temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None, return_trace=False,
-                      adaptive_k=False, draft_threshold=0.0, mesh=None, rules=None, stream=None,
-                      cost_profile=None, deterministic=False)
-        args, static, _ = prepare(target, padded, lengths, **kwargs)
+        args, static, _ = _prepared(target, padded, lengths, dict(draft=draft, key=jax.random.key(0),
+                                                                  max_new_tokens=MAX_NEW))
         cpu = generate_loop(*args, **dict(static, backend=Backend("cpu")))
         for platform in ("tpu", "gpu"):
             other = generate_loop(*args, **dict(static, backend=Backend(platform)))

@@ -1,6 +1,6 @@
 """The engine's step at a git revision against the working tree's, per sampling kind, side
 by side in one run: two processes (one per source tree) each build an engine over the
-shipped pair (float32, 8 slots of 256, the draft at K=4 and plain K=0), fill its 8 rows
+shipped pair (float32, 8 slots of 256; plain, and the draft at K=4), fill its 8 rows
 with greedy requests, then take turns: each round every process times each (K, kind) run
 program over a call of `steps_per_call` steps (rows re-inserted first, so none finishes),
 median of 5 calls. Printed: ms a step per round, then medians and working tree / revision.
@@ -22,7 +22,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KS = (0, 4)
 
 
 def child():
@@ -35,29 +34,27 @@ def child():
 
     target = specjax.load_model(os.path.join(ROOT, "checkpoints", "target"))
     draft = specjax.DraftModel.load(os.path.join(ROOT, "checkpoints", "draft"))
-    engine = specjax.Engine(target, draft=draft, slots=8, max_len=256, num_draft_tokens=4)
-    programs = engine.programs
-    prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
-    free = programs.empty()
+    engines = {K: specjax.Engine(target, draft=d, slots=8, max_len=256, num_draft_tokens=K)
+                for K, d in ((0, None), (4, draft))}
 
-    stops = np.full((1, programs.stop_width), -1, np.int32)
-    settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
-    row = programs.prefill([prompt], [programs.max_len], settings, stops, [0])
-
-    def filled():
-        state = programs.release(free, range(programs.slots))
+    def filled(programs):
+        prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
+        stops = np.full((1, programs.stop_width), -1, np.int32)
+        settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
+        row = programs.prefill([prompt], [programs.max_len], settings, stops, [0])
+        state = programs.empty()
         for slot in range(programs.slots):
             state = programs.insert(state, [slot], row)
         return state
 
     def time_all():
         out = {}
-        for K in KS:
+        for K, engine in engines.items():
+            programs = engine.programs
             for kind in KINDS:
                 times = []
                 for call in range(6):
-                    state = filled()
-                    jax.block_until_ready(state)
+                    state = jax.block_until_ready(filled(programs))
                     start = time.perf_counter()
                     state, *_, taken, _ = programs.run(state, K, programs.slots, kind)
                     taken = int(taken)

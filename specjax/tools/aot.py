@@ -320,8 +320,8 @@ def _loop_args(target: Model, draft, where: Placement, batch: int, prompt_len: i
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=where.rows((batch,)))
     kwargs = dict(draft=draft, key=None, max_new_tokens=max_new_tokens, num_draft_tokens=None, temperature=0.0,
                   top_k=0, top_p=1.0, min_p=0.0, logit_bias=None, eos_token_id=None, return_trace=False,
-                  adaptive_k=False, draft_threshold=0.0, mesh=where.mesh, rules=where.rules, stream=None, cost_profile=None,
-                  deterministic=False)
+                  logprobs=None, logprobs_mode="raw", adaptive_k=False, draft_threshold=0.0, mesh=where.mesh,
+                  rules=where.rules, stream=None, cost_profile=None, deterministic=False)
     kwargs.update(generate_kwargs)
     # The exact program for another platform is built, not promised (prepare would refuse it
     # off the CPU, where its bits are verified).

@@ -1,0 +1,112 @@
+"""generate's logprobs: each new token's log-probability and top alternatives come from the
+verification pass at the position that scored it, so they equal what a plain pass over
+the whole output gives there, for every drafter, greedy or sampled ("raw": within 1e-4 in
+float32; bit for bit against plain decoding in deterministic mode), and "processed" gives
+the distribution the token was sampled from."""
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.sampling import Sampling, warp
+from tests.test_sampling import PROMPT, _tiny
+
+MAX_NEW = 12
+DRAFTERS = {
+    "plain": lambda d: None,
+    "chain": lambda d: specjax.DraftModel(d),
+    "tree": lambda d: specjax.DraftModel(d, specjax.Tree(depth=3, top_k=2, nodes=6)),
+    "prompt_lookup": lambda d: specjax.PromptLookup(2, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target = _tiny(0, 0.6)
+    return target, _tiny(1, 0.15, base=target)
+
+
+def _prompts():
+    return [PROMPT * 2, PROMPT[::-1] + [7, 7], [3]]
+
+
+def _reference(target, prompt, tokens):
+    """log_softmax of a plain pass over prompt + tokens at the positions that scored tokens."""
+    seq = np.array([list(prompt) + list(tokens)], np.int32)
+    logits = np.asarray(specjax.forward(target, seq))[0, len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1)), logits
+
+
+def _check_against_plain_passes(target, prompts, out, top):
+    for row, prompt in enumerate(prompts):
+        n = int(out.num_tokens[row])
+        tokens = np.asarray(out.tokens[row, :n])
+        want, _ = _reference(target, prompt, tokens)
+        lp = out.logprobs
+        np.testing.assert_allclose(np.asarray(lp.chosen[row, :n]), want[np.arange(n), tokens], atol=1e-4)
+        top_ids = np.asarray(lp.top_ids[row, :n])
+        np.testing.assert_allclose(np.asarray(lp.top[row, :n]), np.take_along_axis(want, top_ids, 1), atol=1e-4)
+        np.testing.assert_array_equal(np.sort(want, 1)[:, ::-1][:, :top] - np.asarray(lp.top[row, :n]) < 1e-4, True)
+        assert (np.asarray(lp.chosen[row, n:]) == 0).all()
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_and_sampled_logprobs_are_a_plain_pass_s(tiny_pair, drafter):
+    """Greedy rows beside sampled ones (two calls): every emitted token's logprob and top-3
+    are the plain pass's at its position, whatever the drafter accepted."""
+    target, draft = tiny_pair
+    prompts = _prompts()
+    padded, lengths = specjax.pad_prompts(prompts)
+    for temperature in (0.0, 1.0):
+        out = specjax.generate(target, padded, lengths, draft=DRAFTERS[drafter](draft), key=jax.random.key(1),
+                               max_new_tokens=MAX_NEW, temperature=temperature, logprobs=3)
+        assert out.logprobs.top_ids.shape == (3, MAX_NEW, 3)
+        _check_against_plain_passes(target, prompts, out, 3)
+    assert specjax.generate(target, padded, lengths, max_new_tokens=2).logprobs is None
+
+
+def test_deterministic_logprobs_equal_plain_decoding_s_bit_for_bit(tiny_pair):
+    target, draft = tiny_pair
+    padded, lengths = specjax.pad_prompts(_prompts())
+    run = lambda d: specjax.generate(target, padded, lengths, draft=d, max_new_tokens=MAX_NEW, logprobs=2,  # noqa: E731
+                                     deterministic=True)
+    plain, spec = run(None), run(specjax.DraftModel(draft, specjax.Tree(depth=3, top_k=2, nodes=6)))
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    for a, b in zip(jax.tree.leaves(spec.logprobs), jax.tree.leaves(plain.logprobs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert spec.stats.accepted.sum() > 0
+
+
+def test_processed_logprobs_are_the_sampled_distribution_s(tiny_pair):
+    """"processed": the log of what the token was drawn from (bias, temperature, top-k):
+    finite for every emitted token, -inf for what the filter removed."""
+    target, draft = tiny_pair
+    prompts = _prompts()
+    padded, lengths = specjax.pad_prompts(prompts)
+    settings = dict(temperature=0.7, top_k=3, logit_bias={2: 1.0})
+    out = specjax.generate(target, padded, lengths, draft=draft, num_draft_tokens=3, key=jax.random.key(2),
+                           max_new_tokens=MAX_NEW, logprobs=5, logprobs_mode="processed", **settings)
+    sampling = Sampling.make(0.7, 3, 1.0, logit_bias={2: 1.0})
+    for row, prompt in enumerate(prompts):
+        n = int(out.num_tokens[row])
+        tokens = np.asarray(out.tokens[row, :n])
+        _, logits = _reference(target, prompt, tokens)
+        want = np.log(np.asarray(warp(logits, sampling)))
+        chosen = np.asarray(out.logprobs.chosen[row, :n])
+        assert np.isfinite(chosen).all()
+        np.testing.assert_allclose(chosen, want[np.arange(n), tokens], atol=1e-4)
+        top = np.asarray(out.logprobs.top[row, :n])
+        assert np.isfinite(top[:, :3]).all() and np.isneginf(top[:, 3:]).all()  # top-3 kept, the rest removed
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\]"),
+    (dict(logprobs=-1), r"logprobs must be None or an int in \[0, 20\]"),
+    (dict(logprobs=True), r"logprobs must be None or an int in \[0, 20\]"),
+    (dict(logprobs=2, logprobs_mode="logits"), "logprobs_mode must be one of"),
+])
+def test_bad_logprobs_are_refused_by_name(tiny_pair, kwargs, message):
+    padded, lengths = specjax.pad_prompts(_prompts())
+    with pytest.raises(ValueError, match=message):
+        specjax.generate(tiny_pair[0], padded, lengths, max_new_tokens=2, **kwargs)
