@@ -83,8 +83,8 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 
 def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
-            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, logprobs, logprobs_mode, adaptive_k, draft_threshold, mesh, rules,
-            stream, cost_profile, deterministic):
+            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, logprobs, logprobs_mode, adaptive_k,
+            draft_threshold, mesh, rules, stream, cost_profile, deterministic):
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
     arguments, its static ones, the stream function or None)."""
     if deterministic:
