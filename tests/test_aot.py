@@ -71,7 +71,8 @@ def test_every_program_compiles_for_a_v5e_2x2_slice():
         assert aot.compile_spec(spec).total < slice_.hbm / 100, spec.name
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+@pytest.fixture(scope="module", params=[t if t != "v6e:2x2" else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in TOPOLOGIES])  # (the suite's time on 2 cores: v6e with -m slow)
 def compiled(request):
     slice_ = aot.tpu_slice(request.param)
     where = _where(slice_)

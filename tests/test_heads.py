@@ -58,7 +58,8 @@ def test_greedy_equals_transformers(pair, name):
 
 
 # Each drafter family's sampling is checked once by default (its dynamic tree; Medusa's chain too).
-@pytest.mark.parametrize("name", ["medusa_chain", "medusa_dynamic", "eagle_dynamic", "eagle3_dynamic",
+@pytest.mark.parametrize("name", ["medusa_chain", pytest.param("medusa_dynamic", marks=pytest.mark.slow),
+                                  pytest.param("eagle_dynamic", marks=pytest.mark.slow), "eagle3_dynamic",
                                   pytest.param("eagle_chain", marks=pytest.mark.slow),
                                   pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
 def test_sampling_is_exact(tiny_pair, exact_joint, name):  # noqa: F811

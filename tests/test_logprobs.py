@@ -51,7 +51,8 @@ def _check_against_plain_passes(target, prompts, out, top):
         assert (np.asarray(lp.chosen[row, n:]) == 0).all()
 
 
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("drafter", [d if d in ("plain", "tree") else pytest.param(d, marks=pytest.mark.slow)
+                                     for d in DRAFTERS])  # (the chain and prompt lookup with -m slow)
 def test_greedy_and_sampled_logprobs_are_a_plain_pass_s(tiny_pair, drafter):
     """Greedy rows beside sampled ones (two calls): every emitted token's logprob and top-3
     are the plain pass's at its position, whatever the drafter accepted."""

@@ -306,6 +306,7 @@ def test_chunked_generate_equals_transformers(pair, small_blocks):
         assert tiny.rows(out) == expected, type(drafter).__name__
 
 
+@pytest.mark.slow  # (the suite's time on 2 cores; chunked attention's equality and tree sampling run by default)
 def test_chunked_tree_sampling_is_exact(tiny_pair, exact_joint, small_blocks):
     target, draft = tiny_pair
     observed = _sampled_joint(target, SAMPLING_DRAFTERS["model_static_sampled"](draft))

@@ -1,6 +1,7 @@
 """min_p and logit_bias: warped as transformers warps (the bias added to the raw logits
 first), exact under speculation (chi-square against the enumerated joint, for a chain, a
-sampled tree and a reduced draft vocabulary, through generate and the engine), greedy
+sampled tree and a reduced draft vocabulary, through generate; the engine's in
+test_engine.py), greedy
 output equal to plain decoding with the same bias for every drafter, and bad values
 refused by name."""
 
@@ -105,9 +106,9 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("drafter, setting", [("chain", "min_p"), ("chain", "logit_bias"),
-                                              ("sampled_tree", "both_and_top_p"),
-                                              ("reduced_vocab_chain", "logit_bias")])
+@pytest.mark.parametrize("drafter, setting", [  # (the suite's time on 2 cores: three with -m slow)
+    pytest.param("chain", "min_p", marks=pytest.mark.slow), pytest.param("chain", "logit_bias", marks=pytest.mark.slow),
+    ("sampled_tree", "both_and_top_p"), pytest.param("reduced_vocab_chain", "logit_bias", marks=pytest.mark.slow)])
 def test_speculation_is_exact_under_min_p_and_logit_bias(tiny_pair, drafter, setting):
     target, draft = tiny_pair
     settings = dict(SETTINGS[setting])
@@ -153,7 +154,8 @@ GREEDY_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("drafter", list(GREEDY_DRAFTERS))
+@pytest.mark.parametrize("drafter", [d if d in ("tree", "prompt_lookup") else pytest.param(d, marks=pytest.mark.slow)
+                                     for d in GREEDY_DRAFTERS])  # (the others with -m slow)
 def test_greedy_with_a_logit_bias_equals_plain_decoding(tiny_pair, drafter):
     target, draft = tiny_pair
     prompts = [PROMPT, PROMPT[::-1] + [7]]
@@ -163,26 +165,6 @@ def test_greedy_with_a_logit_bias_equals_plain_decoding(tiny_pair, drafter):
                            logit_bias=bias, min_p=0.5)
     for row, prompt in enumerate(prompts):
         assert list(np.asarray(out.tokens[row])) == _greedy_reference(target, prompt, 8, bias), drafter
-
-
-def test_the_engine_is_exact_under_min_p_and_logit_bias_beside_greedy_rows(tiny_pair):
-    """Sampled requests with min_p and a logit bias share calls with greedy ones that carry
-    another bias (each exactly plain decoding's output with it) and with plain rows."""
-    target, draft = tiny_pair
-    settings = dict(temperature=1.0, min_p=0.1, logit_bias=BIAS)
-    engine = specjax.Engine(target, draft=draft, slots=16, max_len=16, num_draft_tokens=2, steps_per_call=2)
-    greedy_bias = {3: 5.0}
-    want = _greedy_reference(target, PROMPT, 2, greedy_bias)
-    plain = _greedy_reference(target, PROMPT, 2, {})
-    rows = 1200
-    with engine:
-        sampled = [engine.submit(PROMPT, max_new_tokens=2, seed=i, **settings) for i in range(rows)]
-        greedy = [engine.submit(PROMPT, max_new_tokens=2, logit_bias=greedy_bias) for _ in range(20)]
-        unbiased = [engine.submit(PROMPT, max_new_tokens=2) for _ in range(20)]
-        tokens = np.array([r.result(timeout=600) for r in sampled])
-        assert all(r.result() == want for r in greedy) and want != plain
-        assert all(r.result() == plain for r in unbiased)
-    _check(_joint(tokens), _exact_joint(target, 1.0, min_p=0.1, bias=BIAS))
 
 
 @pytest.mark.parametrize("kwargs, message", [
