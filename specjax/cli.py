@@ -316,7 +316,8 @@ def _serve(args):
                  kv_pages=args.kv_pages, kv_cache_bytes=args.kv_cache_memory, page_size=args.page_size,
                  compilation_cache=None if args.no_compilation_cache else args.compilation_cache,
                  prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk,
-                 dense_kv_cache=args.dense_kv_cache)
+                 dense_kv_cache=args.dense_kv_cache, max_logprobs=None if args.no_logprobs else args.max_logprobs,
+                 logprobs_mode=args.logprobs_mode)
 
 
 def _plan(args):
@@ -523,6 +524,13 @@ def main(argv=None):
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="with pages, prefill every prompt whole (by default a prompt takes the cached pages of an "
                         "earlier one that began with the same tokens)")
+    p.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most alternatives a request's logprobs / top_logprobs may list, 0-20 (default 20, "
+                        "vLLM's): a call with such a request runs a program that scores its tokens")
+    p.add_argument("--no-logprobs", action="store_true", help="refuse logprobs: compile no program that scores tokens")
+    p.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="raw: the model's own distribution (vLLM's raw_logprobs, the default); processed: the one "
+                        "sampled from (logit bias, temperature, top-k, top-p, min-p applied)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
                         "chunk a call while the running requests stream (default 64 on a CPU, 512 elsewhere)")

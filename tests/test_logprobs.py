@@ -111,3 +111,31 @@ def test_bad_logprobs_are_refused_by_name(tiny_pair, kwargs, message):
     padded, lengths = specjax.pad_prompts(_prompts())
     with pytest.raises(ValueError, match=message):
         specjax.generate(tiny_pair[0], padded, lengths, max_new_tokens=2, **kwargs)
+
+
+def test_the_engine_scores_the_tokens_of_the_rows_that_ask(tiny_pair):
+    """Rows that ask for logprobs (greedy and sampled) share calls with rows that do not:
+    theirs equal a plain pass's at each position; the others' calls are the engine's usual."""
+    target, draft = tiny_pair
+    engine = specjax.Engine(target, draft=draft, slots=4, max_len=32, num_draft_tokens=2, steps_per_call=2,
+                            max_logprobs=3)
+    prompts = _prompts()
+    with engine:
+        asked = [engine.submit(p, max_new_tokens=MAX_NEW, temperature=t, seed=i, logprobs=2)
+                 for i, (p, t) in enumerate(zip(prompts, (0.0, 1.0, 0.7)))]
+        others = [engine.submit(p, max_new_tokens=MAX_NEW) for p in prompts]
+        for prompt, request in zip(prompts, asked):
+            tokens = request.result(timeout=300)
+            want, _ = _reference(target, prompt, tokens)
+            assert len(request.scores) == len(tokens)
+            for j, (chosen, top) in enumerate(request.scores):
+                assert abs(chosen - want[j, tokens[j]]) < 1e-4
+                assert [i for i, _ in top] == list(np.argsort(-want[j], kind="stable")[:2])
+                np.testing.assert_allclose([lp for _, lp in top], np.sort(want[j])[::-1][:2], atol=1e-4)
+        assert all(r.result() and r.scores == [] for r in others)
+        with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 3\]"):
+            engine.submit(prompts[0], max_new_tokens=2, logprobs=4)
+    assert any("with top-3 raw logprobs" in p for p in engine.stats()["programs"])
+    plain = specjax.Engine(target, slots=2, max_len=32)
+    with plain, pytest.raises(ValueError, match="this engine scores no tokens: Engine.max_logprobs"):
+        plain.submit(prompts[0], max_new_tokens=2, logprobs=0)

@@ -71,7 +71,7 @@ def engine(folder):
     target = specjax.load_model(folder)
     draft = tiny.noisy(target, 0.002, 1)
     engine = specjax.Engine(target, draft=draft, slots=SLOTS, max_len=MAX_LEN, num_draft_tokens=(3, 2, 1, 0),
-                            steps_per_call=2)
+                            steps_per_call=2, max_logprobs=5)
     with engine:
         yield engine
 
@@ -250,7 +250,11 @@ BAD = [  # (body, status, param)
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
     (b'{"prompt": [1, 2], "max_tokens": 95}', 400, "max_tokens"),
     (json.dumps({"prompt": [5] * MAX_LEN}).encode(), 400, "prompt"),
-    (b'{"prompt": "x", "logprobs": 1}', 400, "logprobs"),
+    (b'{"prompt": "x", "logprobs": 6}', 400, "logprobs"),  # the engine's max_logprobs is 5
+    (b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    (b'{"prompt": "x", "logprobs": true}', 400, "logprobs"),
+    (b'{"prompt": "x", "logprobs": 1, "echo": true}', 400, "echo"),  # prompt logprobs: not yet
+    (b'{"prompt": "x", "top_logprobs": 2}', 400, "top_logprobs"),  # chat's field
     (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
     (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p"),
     (b'{"prompt": "x", "min_p": -0.1}', 400, "min_p"),
@@ -324,6 +328,44 @@ def test_min_p_and_logit_bias_through_the_openai_client(engine, servers):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logit_bias={"5": 100})
     assert chat.choices[0].message.content == _text(tokenizer, [5] * 4)
+
+
+def test_logprobs_through_the_openai_client(engine, servers):
+    """Completions' logprobs and chat's logprobs/top_logprobs, streamed and not: each token's
+    equals generate's (the verification pass's at its position: a plain pass's), its top
+    alternatives likewise, the streamed chunks' join to the whole."""
+    live = servers("main")
+    client, tokenizer = live.client(), live.server.tokenizer
+    prompt = PROMPTS[2]
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=10, eos_token_id=[EOS], logprobs=3)
+    n = int(out.num_tokens[0])
+    ids, chosen = np.asarray(out.tokens[0, :n]).tolist(), np.asarray(out.logprobs.chosen[0, :n])
+    top_ids, top = np.asarray(out.logprobs.top_ids[0, :n]), np.asarray(out.logprobs.top[0, :n])
+    piece = lambda i: tokenizer.decode([int(i)])  # noqa: E731
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [piece(i) for i in ids]
+    np.testing.assert_allclose(lp.token_logprobs, chosen, atol=1e-4)
+    for k in range(n):
+        assert list(lp.top_logprobs[k]) == [piece(i) for i in top_ids[k]] or len(set(map(piece, top_ids[k]))) < 3
+        np.testing.assert_allclose(sorted(lp.top_logprobs[k].values(), reverse=True), top[k], atol=1e-4)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == got.choices[0].text
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=3, stream=True) if c.choices]
+    assert sum((s.token_logprobs for s in streamed if s is not None), []) == lp.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 and
+               bytes(t.bytes).decode() == t.token for t in content)
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                            temperature=0, logprobs=True, stream=True)
+    streamed = sum((c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert [t.logprob for t in streamed] == [t.logprob for t in content] and all(t.top_logprobs == [] for t in streamed)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 def test_bad_chat_requests_and_routes(servers):
@@ -597,11 +639,12 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
     assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32", "--prefill-chunk", "256"]) == 0
     assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
-    assert entry(["serve", "t", "--dense-kv-cache"]) == 0
+    assert entry(["serve", "t", "--dense-kv-cache", "--no-logprobs"]) == 0
     assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"],
              s["dense_kv_cache"]) for s in seen] == [(64, None, 32, True, 256, False),
                                                      (None, "4GiB", 16, False, None, False),
                                                      (None, None, 16, True, None, True)]
+    assert [(s["max_logprobs"], s["logprobs_mode"]) for s in seen] == [(20, "raw"), (20, "raw"), (None, "raw")]
     with pytest.raises(SystemExit):  # dense rows or a pool, not both
         entry(["serve", "t", "--dense-kv-cache", "--kv-pages", "8"])
     # Given neither, a server's caches are paged: on a CPU (no memory reported), the pages of its rows.

@@ -124,8 +124,28 @@ class Server:
                 raise ApiError(400, f"logit_bias: {token} is outside the vocabulary [0, {self.vocab_size})",
                                param="logit_bias", code="invalid_value")
         return Settings(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
+                        logprobs=self._logprobs(body),
                         top_k=0 if top_k < 0 else top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
                         min_p=float(body.min_p or 0.0), logit_bias=bias, stop_ids=stop_ids, stop=stop, seed=body.seed)
+
+    def _logprobs(self, body) -> int | None:
+        """The top alternatives each token's logprobs list (None: no logprobs), checked against
+        what the engine scores (`Engine(max_logprobs=...)`)."""
+        if isinstance(body, ChatRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+            n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+        else:
+            n, param = body.logprobs, "logprobs"
+            if n is not None and body.echo:
+                raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported yet",
+                               param="echo", code="unsupported_parameter")
+        scored = self.engine.programs.logprobs
+        if n is not None and (scored is None or n > scored[0]):
+            raise ApiError(400, f"{param}={n}: this server lists up to {scored[0]} alternatives (--max-logprobs)"
+                           if scored else "this server scores no tokens (started with --no-logprobs)",
+                           param=param, code="invalid_value")
+        return n
 
     def admit(self, choices: int):
         """Refuses at once what neither a slot nor the queue has room for (a request waits in
@@ -296,13 +316,34 @@ async def _respond(server: Server, request: Request, body, prompts, settings: Se
     choices = []
     for c in generation.choices:
         text = echoes[c.index // body.n] + "".join(c.text)
+        logprobs = _logprobs(server.tokenizer, c, chat)
         if chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": c.finish_reason})
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
         else:
-            choices.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+            choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": _usage(generation, body.n)}
+
+
+def _logprobs(tokenizer, c, chat: bool) -> dict | None:
+    """OpenAI's logprobs of a choice's tokens not yet reported (`Choice.take_scores`): chat's
+    {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
+    token_logprobs, top_logprobs, text_offset}; None where the request asked for none.
+    A token is its own text (`decode` of it alone)."""
+    taken = c.take_scores()
+    if taken is None:
+        return None
+    piece = lambda i: tokenizer.decode([i])  # noqa: E731
+    if chat:
+        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+        return {"content": [{**entry(piece(t), lp), "top_logprobs": [entry(piece(i), x) for i, x in top]}
+                            for t, (lp, top) in taken]}
+    tokens = [piece(t) for t, _ in taken]
+    offsets = [c.offset + sum(len(p) for p in tokens[:k]) for k in range(len(tokens))]
+    c.offset += sum(len(p) for p in tokens)
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in taken],
+            "top_logprobs": [{piece(i): x for i, x in top} for _, (_, top) in taken], "text_offset": offsets}
 
 
 async def _collect(generation: Generation):
@@ -338,12 +379,12 @@ async def _stream(server: Server, generation: Generation, body, meta: dict, chat
     extra = {"usage": None} if usage else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index, text=None, finish=None, role=False):
+    def chunk(index, text=None, finish=None, role=False, logprobs=None):
         if chat:
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return _sse({**meta, "object": obj, "choices": [choice], **extra})
 
     try:
@@ -353,8 +394,10 @@ async def _stream(server: Server, generation: Generation, body, meta: dict, chat
             elif echoes[c.index // body.n]:
                 yield chunk(c.index, echoes[c.index // body.n])
         try:
-            async for c, text in generation.events():
-                yield chunk(c.index, text) if text is not None else chunk(c.index, finish=c.finish_reason)
+            async for c, text in generation.events():  # each chunk with its new tokens' logprobs
+                logprobs = _logprobs(server.tokenizer, c, chat)
+                yield (chunk(c.index, text, logprobs=logprobs) if text is not None
+                       else chunk(c.index, finish=c.finish_reason, logprobs=logprobs))
         except EngineFailure as e:
             yield _sse(ApiError(500, f"the engine failed this request: {e}", type="server_error").body())
         else:

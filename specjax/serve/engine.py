@@ -37,7 +37,8 @@ from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, Pr
 from specjax.drafters.base import Drafter
 from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, fresh_seed
-from specjax.sampling import MAX_LOGIT_BIAS, Settings, check_logit_bias, kind_of_rows, validate
+from specjax.sampling import (FILTERED, LOGPROBS_MODES, MAX_LOGIT_BIAS, MAX_LOGPROBS, Logprobs, Settings,
+                              check_logit_bias, kind_of_rows, validate)
 from specjax.serve import sizing
 from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
@@ -65,6 +66,7 @@ class Call:
     counts: jax.Array  # int32 [steps, slots]: how many of them
     taken: jax.Array  # int32 []: steps the call ran
     done: jax.Array  # bool [slots]: rows finished (or empty) after it
+    logprobs: Logprobs | None = None  # [steps, slots, K+1] (top: [.., n]), where a live row asked for them
 
 
 def _supported(draft):
@@ -109,6 +111,10 @@ class Engine:
     max_stop_ids: how many stop ids a request may carry.
     max_logit_bias: the most entries a request's logit_bias may hold (OpenAI's 300): the
         state holds them per row; only a filtered program (where a live row is biased) adds them.
+    max_logprobs: None, or the most top alternatives a request's logprobs may list (0-20):
+        then a call with a row that asks for logprobs runs a filtered program that also
+        scores its tokens (`generate`'s logprobs, of `logprobs_mode`: "raw" or "processed"),
+        one more run program per K and width; `Request.logprobs` holds them.
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache
         (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
         in pools of this many pages of `page_size` positions that the rows share
@@ -146,7 +152,7 @@ class Engine:
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
                  prefix_caching: bool | None = None, prefill_chunk: int | None = None,
-                 max_logit_bias: int = MAX_LOGIT_BIAS):
+                 max_logit_bias: int = MAX_LOGIT_BIAS, max_logprobs: int | None = None, logprobs_mode: str = "raw"):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -156,6 +162,10 @@ class Engine:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
+        if max_logprobs is not None and (not isinstance(max_logprobs, (int, np.integer)) or isinstance(
+                max_logprobs, bool) or not 0 <= max_logprobs <= MAX_LOGPROBS) or logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"max_logprobs must be None or an int in [0, {MAX_LOGPROBS}] and logprobs_mode one of "
+                             f"{LOGPROBS_MODES}, got {max_logprobs!r} and {logprobs_mode!r}")
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
                              f"({target.config.max_position_embeddings})")
@@ -186,7 +196,8 @@ class Engine:
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
                                  prefill_chunk=(sizing.default_chunk(mesh) if paged and prefill_chunk is None
-                                                else prefill_chunk), bias_width=int(max_logit_bias))
+                                                else prefill_chunk), bias_width=int(max_logit_bias),
+                                 logprobs=None if max_logprobs is None else (int(max_logprobs), logprobs_mode))
         self.kv_budget, self.pages = {}, None
         if paged:
             per_page, rest = self.programs.page_bytes()
@@ -240,7 +251,8 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
-               seed: int | None = None, listener=None, *, min_p: float = 0.0, logit_bias=None) -> Request:
+               seed: int | None = None, listener=None, *, min_p: float = 0.0, logit_bias=None,
+               logprobs: int | None = None) -> Request:
         """Queues a request; refuses at once (ValueError) what cannot run. Sampling as
         `generate`'s (min_p; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
         seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
@@ -265,6 +277,11 @@ class Engine:
                              f"({self.pages.capacity_tokens} tokens in {self.pages.num_pages - 1} pages of "
                              f"{self.pages.page_size})")
         validate(temperature, top_k, top_p, min_p)
+        most = None if self.programs.logprobs is None else self.programs.logprobs[0]
+        if logprobs is not None and (most is None or not isinstance(logprobs, (int, np.integer))
+                                     or isinstance(logprobs, bool) or not 0 <= logprobs <= most):
+            raise ValueError(f"logprobs must be None or an int in [0, {most}]" if most is not None else
+                             "this engine scores no tokens: Engine(max_logprobs=...) (specjax serve --max-logprobs)")
         bias = check_logit_bias(logit_bias, V, self.programs.bias_width)
         stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
         if len(stops) > self.programs.stop_width:
@@ -277,7 +294,8 @@ class Engine:
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
         settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()))
-        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens), settings, stops, int(seed), listener)
+        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens), settings, stops, int(seed), listener,
+                          logprobs)
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
@@ -616,21 +634,25 @@ class Engine:
             return None
         K = self.k_table[len(owners) - 1]
         kind = kind_of_rows([r.sampling for r in owners.values()])  # greedy rows alone: a greedy program
+        scoring = any(r.logprobs is not None for r in owners.values())  # then the filtered run that scores
+        kind = FILTERED if scoring else kind
         if K and self._draft_behind:  # the steps at K hold one window of catch-up: feed what K = 0 left
             self._state = self.programs.sync(self._state, K)
             self.syncs += 1
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
         steps = 1 if fresh else self.policy.call_steps(max(owners) + 1, K, self.programs.steps_per_call)
-        self._state, tokens, counts, taken, done = self.programs.run(self._state, K, max(owners) + 1, kind, steps)
+        self._state, tokens, counts, taken, done, *scored = self.programs.run(self._state, K, max(owners) + 1, kind,
+                                                                             steps, logprobs=scoring)
         with self._lock:
             self.calls[K] += 1
-        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done))  # read from here: `_deliver`
-        return Call(owners, K, tokens, counts, taken, done)
+        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done, scored))  # read in `_deliver`
+        return Call(owners, K, tokens, counts, taken, done, *scored)
 
     def _deliver(self, call: Call):
         owners, K = call.owners, call.K
-        tokens, counts, taken, done = jax.device_get((call.tokens, call.counts, call.taken, call.done))
+        tokens, counts, taken, done, scored = jax.device_get((call.tokens, call.counts, call.taken, call.done,
+                                                              call.logprobs))
         with self._lock:  # (`stats` reads the counters at once)
             self.steps[K] += int(taken)
             self.k_in_use = K
@@ -641,6 +663,11 @@ class Engine:
             if request.finished:
                 continue
             new = [int(t) for s in range(int(taken)) for t in tokens[s, slot, :counts[s, slot]]]
+            if new and request.logprobs is not None:  # (before the listener hears of the tokens)
+                n = request.logprobs
+                request.scores.extend((float(scored.chosen[s, slot, j]), list(zip(
+                    scored.top_ids[s, slot, j, :n].tolist(), scored.top[s, slot, j, :n].tolist())))
+                    for s in range(int(taken)) for j in range(counts[s, slot]))
             if new:
                 request._emit(new)
             if done[slot]:

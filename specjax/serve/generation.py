@@ -33,6 +33,18 @@ class Choice:
     finish_reason: str | None = None  # "stop", "length", or None while it runs
     text: list[str] = field(default_factory=list)
     chunk_times: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens) per chunk
+    scored: int = 0  # of its tokens, those whose logprobs were reported (`take_scores`)
+    offset: int = 0  # characters of the tokens reported (completions' text_offset)
+
+    def take_scores(self) -> list | None:
+        """(token id, its `Request.scores` entry) of the tokens up to the end of its text not
+        reported yet; None where the request asked for no logprobs."""
+        if self.request is None or self.request.logprobs is None:
+            return None
+        end = self.tokens
+        taken = list(zip(self.request.tokens[self.scored:end], self.request.scores[self.scored:end]))
+        self.scored = end
+        return taken
 
     @property
     def tokens(self) -> int:
@@ -50,6 +62,7 @@ class Settings:
     top_p: float
     min_p: float
     logit_bias: dict  # token id -> bias
+    logprobs: int | None  # the top alternatives each token's logprobs list; None: no logprobs
     stop_ids: tuple[int, ...]
     stop: tuple[str, ...]
     seed: int | None
@@ -75,7 +88,7 @@ class Generation:
                 seed = None if s.seed is None else (s.seed + c.index % self._n) % 2 ** 32
                 c.request = self.engine.submit(
                     c.prompt, max_new_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                    min_p=s.min_p, logit_bias=s.logit_bias, stop_token_ids=s.stop_ids, seed=seed,
+                    min_p=s.min_p, logit_bias=s.logit_bias, logprobs=s.logprobs, stop_token_ids=s.stop_ids, seed=seed,
                     listener=lambda tokens, c=c: loop.call_soon_threadsafe(self._queue.put_nowait, (c, tokens)))
         except BaseException:
             self.close()

@@ -24,7 +24,7 @@ from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.memory import nbytes
-from specjax.sampling import FILTERED, KINDS, Sampling, Settings, stack
+from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
 
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
 # The most prompt tokens one prefill of several requests holds (n requests x their bucket):
@@ -154,10 +154,10 @@ def _release(state, free):
     return state.replace(done=state.done | free)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "backend", "rules"),
+@functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "backend", "rules", "logprobs"),
                    donate_argnums=3)
 def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
-         kind: str, backend: Backend, rules):
+         kind: str, backend: Backend, rules, logprobs: tuple[int, str] | None = None):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
     pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
@@ -171,7 +171,8 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
     to the next call). drafter: this K's (None: no drafting); state_drafter: the drafter
     whose state the rows carry (the deepest), whose rules lay it out on a mesh whatever K
-    runs."""
+    runs. logprobs: None, or `loop.step`'s (top, mode): then also each step's `Logprobs`
+    ([steps, width, D+1], top [steps, width, D+1, n]), a sixth output."""
     target, drafter = loop.bound(backend, target, drafter)
     mesh = backend.mesh
     in_place = backend.platform != "gpu"  # see _first_rows
@@ -186,16 +187,23 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
         return (i < limit) & ~jnp.all(state.done)
 
     def body(carry):
-        state, i, tokens, counts = carry
-        state, out = loop.step(target, drafter, state, threshold)
+        state, i, tokens, counts, scored = carry
+        state, out = loop.step(target, drafter, state, threshold, logprobs=logprobs)
         state = loop.place(state, state_drafter, mesh, rules)
-        return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count)
+        if scored is not None:
+            scored = jax.tree.map(lambda buf, x: buf.at[i].set(x), scored, out.logprobs)
+        return state, i + 1, tokens.at[i].set(out.tokens), counts.at[i].set(out.count), scored
 
+    scored = None
+    if logprobs is not None:
+        top = (steps, B, D + 1, logprobs[0])
+        scored = Logprobs(jnp.zeros(top[:3]), jnp.zeros(top, jnp.int32), jnp.zeros(top))
     carry = (state, jnp.zeros((), jnp.int32), jnp.zeros((steps, B, D + 1), jnp.int32),
-             jnp.zeros((steps, B), jnp.int32))
-    state, taken, tokens, counts = jax.lax.while_loop(go_on, body, carry)
+             jnp.zeros((steps, B), jnp.int32), scored)
+    state, taken, tokens, counts, scored = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_as_kind(state.sampling))
-    return _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
+    out = _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
+    return out if scored is None else out + (scored,)
 
 
 def _whole(x, in_place: bool) -> bool:
@@ -258,9 +266,12 @@ class Programs:
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
                  open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None,
-                 bias_width: int = 0):
+                 bias_width: int = 0, logprobs: tuple[int, str] | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
         self.bias_width = bias_width  # entries of a row's logit bias the state holds
+        # None, or (top, mode): the run programs that also score the tokens they emit
+        # (`loop.step`'s logprobs), one per K and width, of the filtered kind (which serves every row).
+        self.logprobs = logprobs
         # None, or (pages, page size): the target's cache in a pool of pages (serve/pages.py).
         self.paging = None if paging is None else tuple(int(x) for x in paging)
         if self.paging is not None:
@@ -310,6 +321,9 @@ class Programs:
                 + ([] if self.chunk is None else [f"prefill a chunk [1, {self.chunk}]"])
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
+                + ([] if self.logprobs is None else [
+                    f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {FILTERED}, with top-{self.logprobs[0]} "
+                    f"{self.logprobs[1]} logprobs" for K in sorted(self.drafters) for w in self.widths])
                 + [f"sync the draft for K={K}" for K in self._synced()])
 
     @property
@@ -532,6 +546,9 @@ class Programs:
                 for kind in KINDS:
                     state = self.run(state, K, w, kind)[0]
                     done(1)
+                if self.logprobs is not None:
+                    state = self.run(state, K, w, FILTERED, logprobs=True)[0]
+                    done(1)
         jax.block_until_ready(state)
         return layout
 
@@ -610,15 +627,18 @@ class Programs:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)
 
-    def run(self, state, K: int, rows: int, kind: str, steps: int | None = None):
+    def run(self, state, K: int, rows: int, kind: str, steps: int | None = None, logprobs: bool = False):
         """Up to `steps` (at most, and by default, `steps_per_call`; `open_steps` while a
         slot is free) steps at K over the narrowest width covering the first `rows` rows, for
         rows that need sampling of `kind` (`sampling.kind_of` their settings); one program
-        whatever `steps`."""
+        whatever `steps`. logprobs: the program that also scores the emitted tokens (the
+        engine's `logprobs`; kind must be FILTERED): a sixth output."""
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
+        if logprobs and (self.logprobs is None or kind != FILTERED):
+            raise ValueError("this engine scores tokens only in its filtered runs, and only with max_logprobs set")
         return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
                     steps=self.steps_per_call, open_steps=self.open_steps, width=self.width(rows), kind=kind,
-                    backend=self.backend, rules=self.rules)
+                    backend=self.backend, rules=self.rules, logprobs=self.logprobs if logprobs else None)
 
     def _synced(self) -> list[int]:
         """The Ks whose calls may follow calls at K = 0 (a draft that skipped steps)."""

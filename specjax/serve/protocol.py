@@ -3,8 +3,8 @@
 Every body is read here: its size bounded, parsed as JSON (nesting bounded), typed field by
 field (strictly: "5" is not an int, true is not a number) and ranged; whatever fails is an
 `ApiError` with OpenAI's body `{"error": {"message", "type", "param", "code"}}` naming the
-field. Fields OpenAI or vLLM define that specjax does not implement (logprobs, penalties,
-guided decoding, tools, ...) are refused by name unless they hold their
+field. Fields OpenAI or vLLM define that specjax does not implement (penalties, guided
+decoding, tools, ...) are refused by name unless they hold their
 "off" value; fields that change nothing served (user, metadata, store, ...) are accepted;
 any other field is refused by name, as OpenAI's server refuses an unrecognized argument:
 nothing a client sends is dropped without a word.
@@ -70,10 +70,14 @@ class Sampling(BaseModel):
     user: StrictStr | None = None
 
 
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
+
+
 class CompletionRequest(Sampling):
     prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1)] | \
         Annotated[list[TokenIds], Field(min_length=1)]
     echo: StrictBool = False
+    logprobs: TopLogprobs | None = None  # each token's, and this many likeliest (vLLM's bound: 20)
 
 
 class Message(BaseModel):
@@ -86,6 +90,8 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None  # with logprobs: this many likeliest per token
 
 
 # fields of several types -> what they may be, said when none fits
@@ -97,7 +103,6 @@ UNIONS = {"prompt": "a string, a list of token ids, a list of strings or a list 
 OFF = (None,)
 UNSUPPORTED = {
     # OpenAI
-    "logprobs": (None, False), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": OFF,
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),

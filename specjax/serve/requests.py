@@ -18,11 +18,15 @@ class Request:
     "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
 
     def __init__(self, engine, prompt: tuple, max_new_tokens: int, sampling: tuple,
-                 stop_ids: tuple, seed: int, listener=None):
+                 stop_ids: tuple, seed: int, listener=None, logprobs: int | None = None):
         self._engine, self._listener = engine, listener  # its Engine (for cancel)
         self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
         self.stop_token_ids, self.seed = stop_ids, seed
         self.tokens: list[int] = []
+        self.logprobs = logprobs  # None, or the top alternatives each token's scores list
+        # Per token of `tokens` where logprobs is asked for: (its log-probability, [(id, log-probability)
+        # of the `logprobs` likeliest]), filled before the token's chunk is emitted.
+        self.scores: list[tuple[float, list[tuple[int, float]]]] = []
         self.cached_tokens = 0  # of its context, those its row took from cached pages (prefix caching)
         self.prefilled = 0  # of its context, those its row's pages hold before its admission (cached, chunks)
         self.finish_reason: str | None = None
