@@ -35,15 +35,14 @@ import numpy as np
 from specjax import sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
-from specjax.models import Model, check_token_ids
-from specjax.request import deterministic_target, fresh_seed
-from specjax.sampling import (FILTERED, LOGPROBS_MODES, MAX_LOGIT_BIAS, MAX_LOGPROBS, Logprobs, Settings,
-                              check_logit_bias, kind_of_rows, validate)
+from specjax.models import Model
+from specjax.request import deterministic_target
+from specjax.sampling import FILTERED, LOGPROBS_MODES, MAX_LOGIT_BIAS, MAX_LOGPROBS, Logprobs, kind_of_rows
 from specjax.serve import sizing
 from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
-from specjax.serve.requests import Request
+from specjax.serve.requests import Limits, Request
 from specjax.serve.warmup import Warmup
 
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
@@ -260,42 +259,17 @@ class Engine:
         key=jax.random.key(seed). listener: None, or a function the engine's thread calls
         with each chunk (a list of token ids) and with None once the request has finished
         (a server's bridge to its event loop; it must not block)."""
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError("prompt_ids must be a non-empty list of token ids")
-        V = self.target.config.vocab_size
-        check_token_ids(prompt, V)
-        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if prompt.size + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"engine's max_len ({self.max_len})")
+        limits = Limits(self.target.config.vocab_size, self.max_len, self.programs.stop_width,
+                        self.programs.bias_width, None if self.programs.logprobs is None else self.programs.logprobs[0])
+        prompt, settings, stops, seed = limits.check(prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p,
+                                                     logit_bias, stop_token_ids, seed, logprobs)
         room = self.programs.room  # a last step's in-flight tokens (`_reach`)
-        if self.pages is not None and not self.pages.fits(prompt.size + max_new_tokens + room):
-            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens})"
+        if self.pages is not None and not self.pages.fits(len(prompt) + max_new_tokens + room):
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens})"
                              f"{f' + {room} in flight' if room else ''} needs more than the engine's whole page pool "
                              f"({self.pages.capacity_tokens} tokens in {self.pages.num_pages - 1} pages of "
                              f"{self.pages.page_size})")
-        validate(temperature, top_k, top_p, min_p)
-        most = None if self.programs.logprobs is None else self.programs.logprobs[0]
-        if logprobs is not None and (most is None or not isinstance(logprobs, (int, np.integer))
-                                     or isinstance(logprobs, bool) or not 0 <= logprobs <= most):
-            raise ValueError(f"logprobs must be None or an int in [0, {most}]" if most is not None else
-                             "this engine scores no tokens: Engine(max_logprobs=...) (specjax serve --max-logprobs)")
-        bias = check_logit_bias(logit_bias, V, self.programs.bias_width)
-        stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
-        if len(stops) > self.programs.stop_width:
-            raise ValueError(f"{len(stops)} stop ids; this engine takes up to {self.programs.stop_width} "
-                             f"(Engine(max_stop_ids=...))")
-        if any(not 0 <= i < V for i in stops):
-            raise ValueError(f"stop ids must lie in [0, {V}), got {list(stops)}")
-        if seed is None:
-            seed = fresh_seed()
-        elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
-            raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
-        settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()))
-        request = Request(self, tuple(int(t) for t in prompt), int(max_new_tokens), settings, stops, int(seed), listener,
-                          logprobs)
+        request = Request(self, prompt, int(max_new_tokens), settings, stops, seed, listener, logprobs)
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "

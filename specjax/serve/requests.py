@@ -1,14 +1,66 @@
 """`Request`: one generation submitted to an `Engine`, as its caller and the engine's thread
 share it: the chunks it emits, its tokens, how it finished, and the context a preempted
-request resumes from. It knows nothing of devices, slots or pages."""
+request resumes from; `Limits`: what an engine takes. It knows nothing of devices, slots or
+pages."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from typing import NamedTuple
+
+import numpy as np
+
+from specjax.models import check_token_ids
+from specjax.request import fresh_seed
+from specjax.sampling import Settings, check_logit_bias, validate
 
 _END = object()  # the chunk queue's last item
+
+
+class Limits(NamedTuple):
+    """What one engine's requests may hold."""
+
+    vocab_size: int
+    max_len: int
+    stop_width: int  # stop ids
+    bias_width: int  # logit bias entries
+    logprobs: int | None  # top alternatives a token's logprobs may list (None: no logprobs)
+
+    def check(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, stop_token_ids, seed,
+              logprobs) -> tuple[tuple, Settings, tuple, int]:
+        """`Engine.submit`'s arguments checked (ValueError names what is wrong): (prompt,
+        its `Settings`, stop ids, seed: a fresh one where None)."""
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        V = self.vocab_size
+        check_token_ids(prompt, V)
+        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if prompt.size + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"engine's max_len ({self.max_len})")
+        validate(temperature, top_k, top_p, min_p)
+        most = self.logprobs
+        if logprobs is not None and (most is None or not isinstance(logprobs, (int, np.integer))
+                                     or isinstance(logprobs, bool) or not 0 <= logprobs <= most):
+            raise ValueError(f"logprobs must be None or an int in [0, {most}]" if most is not None else
+                             "this engine scores no tokens: Engine(max_logprobs=...) (specjax serve --max-logprobs)")
+        bias = check_logit_bias(logit_bias, V, self.bias_width)
+        stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
+        if len(stops) > self.stop_width:
+            raise ValueError(f"{len(stops)} stop ids; this engine takes up to {self.stop_width} "
+                             f"(Engine(max_stop_ids=...))")
+        if any(not 0 <= i < V for i in stops):
+            raise ValueError(f"stop ids must lie in [0, {V}), got {list(stops)}")
+        if seed is None:
+            seed = fresh_seed()
+        elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
+        settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()))
+        return tuple(int(t) for t in prompt), settings, stops, int(seed)
 
 
 class Request:
