@@ -5,7 +5,9 @@ with greedy requests, then take turns: each round every process times each (K, k
 program over a call of `steps_per_call` steps (rows re-inserted first, so none finishes),
 median of 5 calls. Printed: ms a step per round, then medians and working tree / revision.
 What a change to the step costs rows that do not use it (a greedy, sampled or filtered
-program's rows are the same here whatever their settings: the shapes are fixed).
+program's rows are the same here whatever their settings: the shapes are fixed). Where the
+working tree's engine scores tokens (`Engine(max_logprobs=20)`), its filtered program that
+also does ("filtered+logprobs") is timed too, against its own filtered one.
 
     python docs/bench/step_against.py --against REV [--rounds 3]
 """
@@ -26,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def child():
     """Builds the engine, then answers each line on stdin with a JSON line {"K kind": ms}."""
+    import inspect
+
     import jax
     import numpy as np
 
@@ -34,7 +38,8 @@ def child():
 
     target = specjax.load_model(os.path.join(ROOT, "checkpoints", "target"))
     draft = specjax.DraftModel.load(os.path.join(ROOT, "checkpoints", "draft"))
-    engines = {K: specjax.Engine(target, draft=d, slots=8, max_len=256, num_draft_tokens=K)
+    scoring = {"max_logprobs": 20} if "max_logprobs" in inspect.signature(specjax.Engine).parameters else {}
+    engines = {K: specjax.Engine(target, draft=d, slots=8, max_len=256, num_draft_tokens=K, **scoring)
                 for K, d in ((0, None), (4, draft))}
 
     def filled(programs):
@@ -51,13 +56,14 @@ def child():
         out = {}
         for K, engine in engines.items():
             programs = engine.programs
-            for kind in KINDS:
+            for kind in KINDS + (("filtered+logprobs",) if scoring else ()):
                 times = []
                 for call in range(6):
                     state = jax.block_until_ready(filled(programs))
                     start = time.perf_counter()
-                    state, *_, taken, _ = programs.run(state, K, programs.slots, kind)
-                    taken = int(taken)
+                    result = (programs.run(state, K, programs.slots, "filtered", logprobs=True)
+                              if kind == "filtered+logprobs" else programs.run(state, K, programs.slots, kind))
+                    taken = int(result[3])
                     if call:
                         times.append(1e3 * (time.perf_counter() - start) / taken)
                 out[f"K={K} {kind}"] = statistics.median(times)
@@ -101,10 +107,14 @@ def main():
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
     print(f"# medians of {args.rounds} rounds, ms a step (8 live rows); working tree / {args.against}")
     old_runs, new_runs = runs[args.against], runs["working tree"]
-    for key in old_runs[0]:
-        a = statistics.median(r[key] for r in old_runs)
-        b = statistics.median(r[key] for r in new_runs)
-        print(f"{key}: {a:.2f} -> {b:.2f} ms ({b / a:.3f}x)")
+    median = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    for key in new_runs[0]:
+        if key in old_runs[0]:
+            a, b = median(old_runs, key), median(new_runs, key)
+            print(f"{key}: {a:.2f} -> {b:.2f} ms ({b / a:.3f}x)")
+        else:  # the working tree's own: against its filtered program
+            a, b = median(new_runs, key.replace("+logprobs", "")), median(new_runs, key)
+            print(f"{key} (working tree only): {b:.2f} ms, {b / a:.3f}x its filtered program's {a:.2f} ms")
 
 
 if __name__ == "__main__":
