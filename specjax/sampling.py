@@ -58,10 +58,6 @@ class Settings(NamedTuple):
     min_p: float = 0.0
     logit_bias: tuple = ()  # ((token id, bias), ...)
 
-    @property
-    def kind(self) -> str:
-        return kind_of(self.temperature, self.top_k, self.top_p, self.min_p, bool(self.logit_bias))
-
 
 def kind_of_rows(rows: Sequence[Settings]) -> str:
     """The least kind that serves every row of `rows`."""
@@ -102,11 +98,11 @@ def _pairs(logit_bias) -> tuple:
     return tuple(logit_bias.items()) if hasattr(logit_bias, "items") else tuple(logit_bias)
 
 
-def check_logit_bias(logit_bias, vocab_size: int, most: int = MAX_LOGIT_BIAS) -> tuple:
+def check_logit_bias(logit_bias, vocab_size: int, most: int = MAX_LOGIT_BIAS) -> dict[int, float]:
     """A logit bias ({token id: bias} or (id, bias) pairs; None: none) checked: at most `most`
     entries, ids ints in [0, vocab_size) given once, biases finite numbers in [-100, 100];
     returned as a {id: bias} dict of Python ints and floats, in id order."""
-    if logit_bias is not None and not hasattr(logit_bias, "items") and isinstance(logit_bias, (str, bytes)):
+    if isinstance(logit_bias, (str, bytes)):
         raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, got {logit_bias!r}")
     try:
         pairs = _pairs(logit_bias)
