@@ -15,8 +15,7 @@ import pytest
 
 import specjax
 from specjax.drafters import Eagle3, Medusa
-from tests.test_sampling import PROMPT, V, _chi_square_p, _tiny
-from tests.test_sampling_params import _exact_joint
+from tests.test_sampling import PROMPT, V, _chi_square_p, _exact_joint, _tiny
 
 SLOTS = 3
 MAX_LEN = 64

@@ -22,7 +22,12 @@ SETTINGS = [  # (temperature, top_k, top_p)
 ]
 
 
-def _transformers_probs(logits, temperature, top_k, top_p):
+def _transformers_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, bias=None):
+    """transformers' warpers in its order (min-p after top-p) over logits [..., V] plus the
+    bias ({token id: bias}, added first)."""
+    logits = np.array(logits, np.float32)
+    for token, b in (bias or {}).items():
+        logits[..., token] += b
     procs = tr.LogitsProcessorList()
     if temperature != 1.0:
         procs.append(tr.TemperatureLogitsWarper(temperature))
@@ -30,8 +35,10 @@ def _transformers_probs(logits, temperature, top_k, top_p):
         procs.append(tr.TopKLogitsWarper(top_k))
     if top_p < 1.0:
         procs.append(tr.TopPLogitsWarper(top_p))
-    scores = procs(None, torch.as_tensor(np.asarray(logits)))
-    return torch.softmax(scores, dim=-1).numpy()
+    if min_p > 0:
+        procs.append(tr.MinPLogitsWarper(min_p))
+    scores = procs(None, torch.as_tensor(logits.reshape(-1, logits.shape[-1])))
+    return torch.softmax(scores, dim=-1).numpy().reshape(logits.shape)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS + [(0.5, 1, 1.0), (1.0, 0, 0.3)])
@@ -153,12 +160,13 @@ def tiny_pair():
     return target, _tiny(1, 0.15, base=target)
 
 
-def _exact_joint(target, temperature, top_k, top_p):
-    """P(t1, t2 | prompt) [V, V], enumerated with transformers' processors."""
+def _exact_joint(target, temperature, top_k=0, top_p=1.0, **more):
+    """P(t1, t2 | prompt) [V, V], enumerated with transformers' processors (more: min_p,
+    bias: `_transformers_probs`')."""
     seqs = np.array([PROMPT + [t1] for t1 in range(V)])
     logits = np.asarray(specjax.forward(target, seqs))  # [V, T, V]
-    p1 = _transformers_probs(logits[:1, len(PROMPT) - 1], temperature, top_k, top_p)[0]
-    p2 = _transformers_probs(logits[:, len(PROMPT)], temperature, top_k, top_p)
+    p1 = _transformers_probs(logits[:1, len(PROMPT) - 1], temperature, top_k, top_p, **more)[0]
+    p2 = _transformers_probs(logits[:, len(PROMPT)], temperature, top_k, top_p, **more)
     return p1[:, None] * p2
 
 

@@ -9,12 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers as tr
 
 import specjax
 from specjax.sampling import Sampling, check_logit_bias, warp
-from tests.test_sampling import PROMPT, ROWS, V, _chi_square_p, _tiny
+from tests.test_sampling import PROMPT, ROWS, V, _chi_square_p, _exact_joint, _tiny, _transformers_probs
 
 BIAS = {2: 1.5, 4: -100.0, 6: -2.0}  # token 4 all but banned, 2 favoured
 
@@ -23,24 +21,6 @@ BIAS = {2: 1.5, 4: -100.0, 6: -2.0}  # token 4 all but banned, 2 favoured
 def tiny_pair():
     target = _tiny(0, 0.6)
     return target, _tiny(1, 0.15, base=target)
-
-
-def _reference_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, bias=None):
-    """transformers' warpers in its order (min-p after top-p) over logits plus the bias."""
-    logits = np.array(logits, np.float32)
-    for token, b in (bias or {}).items():
-        logits[..., token] += b
-    procs = tr.LogitsProcessorList()
-    if temperature != 1.0:
-        procs.append(tr.TemperatureLogitsWarper(temperature))
-    if top_k > 0:
-        procs.append(tr.TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        procs.append(tr.TopPLogitsWarper(top_p))
-    if min_p > 0:
-        procs.append(tr.MinPLogitsWarper(min_p))
-    scores = procs(None, torch.as_tensor(logits.reshape(-1, logits.shape[-1])))
-    return torch.softmax(scores, dim=-1).numpy().reshape(logits.shape)
 
 
 def test_min_p_and_logit_bias_match_transformers_per_row():
@@ -62,7 +42,7 @@ def test_min_p_and_logit_bias_match_transformers_per_row():
         if t == 0:  # greedy: the argmax of the biased logits
             np.testing.assert_array_equal(ours[row], np.eye(300)[int(logits[row].argmin())])
             continue
-        np.testing.assert_allclose(ours[row], _reference_probs(logits[row], t, k, p, m, b), atol=1e-6,
+        np.testing.assert_allclose(ours[row], _transformers_probs(logits[row], t, k, p, m, b), atol=1e-6,
                                    err_msg=str(rows[row]))
     assert (ours[5] > 0).sum() == 1  # min_p = 1 keeps the top token alone
     assert Sampling.make(0.0, min_p=0.5).kind == "greedy"  # min_p keeps the argmax: nothing to filter
@@ -74,15 +54,6 @@ def test_a_reduced_vocabulary_moves_each_bias_to_its_index():
     sampling = Sampling.make(1.0, logit_bias={0: 1.0, 3: 2.0, 5: -1.0, 9: 4.0})
     over = sampling.over(jnp.array([0, 2, 5, 9], jnp.int32))
     np.testing.assert_array_equal(np.asarray(over.bias_ids)[:4], [0, -1, 2, 3])
-
-
-def _exact_joint(target, temperature, **settings):
-    """P(t1, t2 | PROMPT) [V, V] under the settings, enumerated."""
-    seqs = np.array([PROMPT + [t1] for t1 in range(V)])
-    logits = np.asarray(specjax.forward(target, seqs))  # [V, T, V]
-    p1 = _reference_probs(logits[:1, len(PROMPT) - 1], temperature, **settings)[0]
-    p2 = _reference_probs(logits[:, len(PROMPT)], temperature, **settings)
-    return p1[:, None] * p2
 
 
 def _joint(tokens):
@@ -97,7 +68,8 @@ def _check(observed, expected):
 DRAFTERS = {
     "chain": lambda d: specjax.DraftModel(d),
     "sampled_tree": lambda d: specjax.DraftModel(d, specjax.Tree.from_paths([(0,), (1,), (0, 0), (1, 0)], "sampled")),
-    "reduced_vocab_chain": lambda d: specjax.DraftModel(d, specjax.Tree.chain(2, "sampled")).with_vocab([0, 2, 3, 4, 6]),
+    "reduced_vocab_chain": lambda d: specjax.DraftModel(d, specjax.Tree.chain(2, "sampled")).with_vocab(
+        [0, 2, 3, 4, 6]),
 }
 SETTINGS = {
     "min_p": dict(temperature=1.2, min_p=0.15),

@@ -14,14 +14,11 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from revision import ROOT, checked_out  # noqa: E402
 from serve_load import load, prompts, settle, start, summary  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
@@ -33,10 +30,7 @@ def main():
     args = p.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     texts = prompts(args.requests)
-    with tempfile.TemporaryDirectory() as tmp:
-        old = os.path.join(tmp, "old")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, args.against], check=True,
-                       capture_output=True)
+    with checked_out(args.against) as old:
         servers = {}
         try:
             for name, tree in ((args.against, old), ("working tree", ROOT)):  # one at a time: compiles don't fight
@@ -56,7 +50,6 @@ def main():
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(120)
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
     print(f"# medians of {args.rounds} rounds, {args.requests} requests of 128 new tokens each")
     med = {key: {k: statistics.median(s[k] for s in ss) for k in ("ttft_p50_ms", "output_tok_per_s", "itl_p99_ms")}
            for key, ss in runs.items()}

@@ -20,10 +20,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from revision import ROOT, checked_out  # noqa: E402
 
 
 def child():
@@ -81,10 +81,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    with tempfile.TemporaryDirectory() as tmp:
-        old = os.path.join(tmp, "old")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, args.against], check=True,
-                       capture_output=True)
+    with checked_out(args.against) as old:
         procs = {}
         try:
             for name, tree in ((args.against, old), ("working tree", ROOT)):  # one at a time: compiles don't fight
@@ -104,7 +101,6 @@ def main():
             for proc in procs.values():
                 proc.stdin.close()
                 proc.wait(60)
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
     print(f"# medians of {args.rounds} rounds, ms a step (8 live rows); working tree / {args.against}")
     old_runs, new_runs = runs[args.against], runs["working tree"]
     median = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
