@@ -116,9 +116,9 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
     real, real_run = engine.programs.prefill, engine.programs.run
     monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
 
-    def run(state, *a):
+    def run(state, *a, **kw):
         live = len(engine._live)
-        out = real_run(state, *a)
+        out = real_run(state, *a, **kw)
         runs.append((live, a[-1], int(out[3])))
         return out
 
