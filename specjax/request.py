@@ -122,7 +122,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     args = (target, drafter, prompts, lengths, key,
             sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
-                  logprobs=_logprobs(logprobs, logprobs_mode),
+                  logprobs=logprobs_setting(logprobs, logprobs_mode),
                   adaptive_k=bool(adaptive_k), backend=Backend.of(target.params, mesh), rules=rules)
     return args, static, stream
 
@@ -191,14 +191,15 @@ def _host_values(prompts, lengths):
     return tuple(np.asarray(x) for x in jax.device_get(arrays))
 
 
-def _logprobs(logprobs, mode) -> tuple[int, str] | None:
-    """generate's logprobs and logprobs_mode as `step`'s static (top, mode), checked."""
+def logprobs_setting(logprobs, mode, name: str = "logprobs") -> tuple[int, str] | None:
+    """generate's logprobs and logprobs_mode (or the Engine's max_logprobs: `name`) as
+    `step`'s static (top, mode), checked."""
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
     if logprobs is None:
         return None
     if not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (the top alternatives listed), "
+        raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] (the top alternatives listed), "
                          f"got {logprobs!r}")
     return int(logprobs), mode
 

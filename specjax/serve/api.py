@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import time
 import uuid
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjax.models import check_token_ids
+from specjax.sampling import check_logit_bias
 from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
 from specjax.serve.protocol import ApiError, ChatRequest, CompletionRequest, logit_bias, parse
@@ -114,15 +116,10 @@ class Server:
             raise ApiError(400, f"{len(stop_ids)} stop ids (the model's EOS included); this server takes {width}",
                            param="stop_token_ids")
         top_k = body.top_k or 0
-        bias = logit_bias(body)
-        most = self.engine.programs.bias_width
-        if len(bias) > most:
-            raise ApiError(400, f"logit_bias holds {len(bias)} entries; this server takes up to {most}",
-                           param="logit_bias", code="invalid_value")
-        for token in bias:
-            if token >= self.vocab_size:
-                raise ApiError(400, f"logit_bias: {token} is outside the vocabulary [0, {self.vocab_size})",
-                               param="logit_bias", code="invalid_value")
+        try:  # (the engine's own check, named as the field)
+            bias = check_logit_bias(logit_bias(body), self.vocab_size, self.engine.limits.bias_width)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="logit_bias", code="invalid_value") from None
         return Settings(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
                         logprobs=self._logprobs(body),
                         top_k=0 if top_k < 0 else top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -140,10 +137,10 @@ class Server:
             if n is not None and body.echo:
                 raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported yet",
                                param="echo", code="unsupported_parameter")
-        scored = self.engine.programs.logprobs
-        if n is not None and (scored is None or n > scored[0]):
-            raise ApiError(400, f"{param}={n}: this server lists up to {scored[0]} alternatives (--max-logprobs)"
-                           if scored else "this server scores no tokens (started with --no-logprobs)",
+        most = self.engine.limits.logprobs
+        if n is not None and (most is None or n > most):
+            raise ApiError(400, f"{param}={n}: this server lists up to {most} alternatives (--max-logprobs)"
+                           if most is not None else "this server scores no tokens (started with --no-logprobs)",
                            param=param, code="invalid_value")
         return n
 
@@ -340,8 +337,8 @@ def _logprobs(tokenizer, c, chat: bool) -> dict | None:
         return {"content": [{**entry(piece(t), lp), "top_logprobs": [entry(piece(i), x) for i, x in top]}
                             for t, (lp, top) in taken]}
     tokens = [piece(t) for t, _ in taken]
-    offsets = [c.offset + sum(len(p) for p in tokens[:k]) for k in range(len(tokens))]
-    c.offset += sum(len(p) for p in tokens)
+    offsets = list(itertools.accumulate((len(p) for p in tokens), initial=c.offset))
+    c.offset = offsets.pop()
     return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in taken],
             "top_logprobs": [{piece(i): x for i, x in top} for _, (_, top) in taken], "text_offset": offsets}
 

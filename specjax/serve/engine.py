@@ -36,8 +36,8 @@ from specjax import sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
 from specjax.models import Model
-from specjax.request import deterministic_target
-from specjax.sampling import FILTERED, LOGPROBS_MODES, MAX_LOGIT_BIAS, MAX_LOGPROBS, Logprobs, kind_of_rows
+from specjax.request import deterministic_target, logprobs_setting
+from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, Logprobs, kind_of_rows
 from specjax.serve import sizing
 from specjax.serve.pages import OutOfPages, PagePool, page_keys
 from specjax.serve.policy import KPolicy
@@ -161,10 +161,7 @@ class Engine:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
-        if max_logprobs is not None and (not isinstance(max_logprobs, (int, np.integer)) or isinstance(
-                max_logprobs, bool) or not 0 <= max_logprobs <= MAX_LOGPROBS) or logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"max_logprobs must be None or an int in [0, {MAX_LOGPROBS}] and logprobs_mode one of "
-                             f"{LOGPROBS_MODES}, got {max_logprobs!r} and {logprobs_mode!r}")
+        scoring = logprobs_setting(max_logprobs, logprobs_mode, "max_logprobs")  # (top, mode) or None
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
                              f"({target.config.max_position_embeddings})")
@@ -195,8 +192,10 @@ class Engine:
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
                                  prefill_chunk=(sizing.default_chunk(mesh) if paged and prefill_chunk is None
-                                                else prefill_chunk), bias_width=int(max_logit_bias),
-                                 logprobs=None if max_logprobs is None else (int(max_logprobs), logprobs_mode))
+                                                else prefill_chunk), bias_width=int(max_logit_bias), logprobs=scoring)
+        # What a request may hold (`submit`'s checks).
+        self.limits = Limits(target.config.vocab_size, self.max_len, self.programs.stop_width, int(max_logit_bias),
+                             None if scoring is None else scoring[0])
         self.kv_budget, self.pages = {}, None
         if paged:
             per_page, rest = self.programs.page_bytes()
@@ -259,10 +258,8 @@ class Engine:
         key=jax.random.key(seed). listener: None, or a function the engine's thread calls
         with each chunk (a list of token ids) and with None once the request has finished
         (a server's bridge to its event loop; it must not block)."""
-        limits = Limits(self.target.config.vocab_size, self.max_len, self.programs.stop_width,
-                        self.programs.bias_width, None if self.programs.logprobs is None else self.programs.logprobs[0])
-        prompt, settings, stops, seed = limits.check(prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p,
-                                                     logit_bias, stop_token_ids, seed, logprobs)
+        prompt, settings, stops, seed = self.limits.check(prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                                                          min_p, logit_bias, stop_token_ids, seed, logprobs)
         room = self.programs.room  # a last step's in-flight tokens (`_reach`)
         if self.pages is not None and not self.pages.fits(len(prompt) + max_new_tokens + room):
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens})"
