@@ -40,7 +40,11 @@ def _decoding(args, model, tokenizer) -> tuple[list[int] | None, dict]:
     sampling = {"temperature": args.temperature if args.temperature is not None
                 else gen.temperature if gen.do_sample else 0.0,
                 "top_k": gen.top_k if args.top_k is None else args.top_k,
-                "top_p": gen.top_p if args.top_p is None else args.top_p, "min_p": args.min_p}
+                "top_p": gen.top_p if args.top_p is None else args.top_p,
+                "min_p": (gen.min_p if gen.do_sample else 0.0) if args.min_p is None else args.min_p,
+                "repetition_penalty": gen.repetition_penalty if args.repetition_penalty is None
+                else args.repetition_penalty,
+                "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty}
     return stop, sampling
 
 
@@ -431,8 +435,16 @@ def main(argv=None):
                    help="0 is off (default: generation_config.json's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None,
                    help="1 is off (default: generation_config.json's, else 1)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens of at least this times the top token's probability (0, the default, is off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="keep tokens of at least this times the top token's probability (0 is off; default: "
+                        "generation_config.json's, else 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide (multiply, where negative) the logits of tokens the prompt or output holds by this "
+                        "(1 is off; default: generation_config.json's, else 1)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logits of tokens the output holds (OpenAI's; 0, the default, is off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this per occurrence in the output (OpenAI's; 0, the default, is off)")
     p.add_argument("--seed", type=_seed, default=0, help="the sampling seed, an int in [0, 2**32) (default 0)")
     p.add_argument("--batch-file", metavar="FILE",
                    help="one prompt per line (\\n for newlines; blank lines skipped), run as one batch; a PROMPT "

@@ -393,8 +393,9 @@ class GenerationConfig:
     """How a model asks to be decoded: generation_config.json (or, without one, the token
     ids of config.json), read as transformers reads it. Frozen and hashable.
 
-    Only what specjax can honour is kept: stop ids and the sampling parameters. Others
-    (repetition penalties, beams, ...) are not applied; `ignored` names them."""
+    Only what specjax can honour is kept: stop ids and the sampling parameters (the
+    repetition penalty too, which transformers applies greedy or not). Others (beams,
+    n-gram bans, ...) are not applied; `ignored` names them."""
 
     eos_token_id: tuple[int, ...] = ()  # stop ids: a row stops after the first of any
     bos_token_id: int | None = None
@@ -403,13 +404,18 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 50  # transformers' default when sampling; 0 is off
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 is off
+    repetition_penalty: float = 1.0  # 1 is off
     ignored: tuple[str, ...] = ()  # keys present that specjax does not apply
 
     def sampling(self) -> dict[str, float]:
-        """temperature, top_k, top_p as `specjax.generate` takes them (temperature 0: greedy)."""
+        """temperature, top_k, top_p, min_p and repetition_penalty as `specjax.generate` takes
+        them (temperature 0: greedy)."""
         if not self.do_sample:
-            return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+            return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                    "repetition_penalty": self.repetition_penalty}
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty}
 
     @classmethod
     def from_hf(cls, generation: dict[str, Any] | None, config: dict[str, Any],
@@ -430,4 +436,8 @@ class GenerationConfig:
                 out[key] = getattr(self, key)
         if self.do_sample:
             out.update(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+            if self.min_p:
+                out["min_p"] = self.min_p
+        if self.repetition_penalty != 1.0:
+            out["repetition_penalty"] = self.repetition_penalty
         return out

@@ -28,8 +28,10 @@ __all__ = ["GenerateOutput", "MemoryEstimate", "Stats", "auto_shape", "compile_g
 
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
-             min_p=0.0, logit_bias=None, eos_token_id: int | Sequence[int] | None = None,
+             min_p=0.0, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+             eos_token_id: int | Sequence[int] | None = None,
              return_trace: bool = False, logprobs: int | None = None, logprobs_mode: str = "raw",
+             prompt_logprobs: int | None = None,
              adaptive_k: bool = False, draft_threshold=0.0, mesh=None, rules=None,
              stream: Callable | None = None, cost_profile=None, deterministic: bool = False) -> GenerateOutput:
     """Generates up to max_new_tokens per row; exactly the target's own output distribution.
@@ -54,10 +56,17 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         of the biased logits), or a list of B such mappings, one per row. Speculation stays
         exact: the target's distribution is warped so at every draft position, and a
         drafter that samples drafts under the same settings.
+    presence_penalty, frequency_penalty: OpenAI's, as vLLM applies them (0: off; in [-2,
+        2]): subtracted from the logit of every id the row's output holds, once and per
+        occurrence. repetition_penalty: transformers' and vLLM's (1: off; > 0): an id in the
+        prompt or the output has its logit divided by it where positive, multiplied where
+        not. Applied after the bias, before temperature. Under speculation each draft
+        position is penalized as plain decoding would be had the draft tokens before it
+        been emitted, and a sampling drafter drafts under the same penalties.
     Shapes, the tree, K and max_new_tokens are static (and the logit bias's length, rounded
     up to a multiple of 8); the key, the sampling values and eos_token_id are traced. The
     program is built for the least sampling its settings need (`specjax.sampling.kind_of`:
-    greedy, sampled, or filtered by top-k/top-p/min-p or a logit bias), so a greedy call
+    greedy, sampled, or filtered by top-k/top-p/min-p, a logit bias or a penalty), so a greedy call
     holds no distribution or draw; changing the values within a kind never recompiles
     (traced settings, under your own jit, get the filtered program).
     key: a PRNG key; row b samples from fold_in(key, b), and its step at length n from
@@ -77,6 +86,10 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         log_softmax of its logits: vLLM's raw_logprobs) or "processed" (the one sampled
         from: bias, temperature, top-k, top-p and min-p applied; -inf where a filter removed
         a token; greedy rows: 0 for the argmax). Static; None costs nothing.
+    prompt_logprobs: None, or n in [0, 20]: also return each prompt token's log-probability
+        given the tokens before it, and the n likeliest ids there (out.prompt_logprobs:
+        chosen [B, P], top_ids and top [B, P, n]; raw; 0 at position 0, which nothing
+        predicts, and past lengths[b]), from the prefill's own pass, reduced chunk by chunk.
     adaptive_k: move each row's draft depth between 1 and K (the tree's depth) by its last
         step (+2 when the deepest proposed node was accepted, -1 otherwise: transformers'
         heuristic schedule), on the device.

@@ -250,7 +250,7 @@ def check_hf_config(hf: dict[str, Any]) -> None:
 _SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Keys specjax does not apply, at values that change nothing (transformers' defaults), and
 # bookkeeping keys: neither is reported as ignored.
-_NO_EFFECT = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+_NO_EFFECT = {"num_beams": 1, "num_return_sequences": 1,
               "length_penalty": 1.0, "no_repeat_ngram_size": 0, "typical_p": 1.0, "min_length": 0,
               "use_cache": True, "early_stopping": False, "output_scores": False,
               "return_dict_in_generate": False, "output_attentions": False,
@@ -290,10 +290,19 @@ def generation_fields(generation: dict[str, Any] | None, config: dict[str, Any],
         raise InvalidConfigError(f"{source}: top_k={k!r} must be an integer in [0, 2**31)")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
         raise InvalidConfigError(f"{source}: top_p={p!r} must lie in (0, 1]")
-    known = set(_SAMPLING_DEFAULTS) | {"eos_token_id", "bos_token_id", "pad_token_id"}
+    repetition = generation.get("repetition_penalty")
+    repetition = 1.0 if repetition is None else repetition
+    if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < math.inf:
+        raise InvalidConfigError(f"{source}: repetition_penalty={repetition!r} must be a finite number > 0")
+    min_p = generation.get("min_p") if sampling["do_sample"] else None  # greedy: unused, as transformers
+    min_p = 0.0 if min_p is None else min_p
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise InvalidConfigError(f"{source}: min_p={min_p!r} must lie in [0, 1]")
+    known = set(_SAMPLING_DEFAULTS) | {"eos_token_id", "bos_token_id", "pad_token_id", "repetition_penalty", "min_p"}
     ignored = tuple(sorted(key for key, v in generation.items() if key not in known
                            and v is not None and not (key in _NO_EFFECT and v == _NO_EFFECT[key])
                            and not (key in _NO_EFFECT and _NO_EFFECT[key] is None)))
     return {"eos_token_id": tuple(ids["eos_token_id"]), "bos_token_id": (ids["bos_token_id"] or [None])[0],
             "pad_token_id": (ids["pad_token_id"] or [None])[0], "do_sample": sampling["do_sample"],
-            "temperature": float(t), "top_k": k, "top_p": float(p), "ignored": ignored}
+            "temperature": float(t), "top_k": k, "top_p": float(p), "min_p": float(min_p),
+            "repetition_penalty": float(repetition), "ignored": ignored}

@@ -61,7 +61,7 @@ from specjax.drafters.base import DraftRequest, Features, Proposal, Resume, veri
 from specjax.backend import Backend
 from specjax.models import Model, apply, commit
 from specjax.models import prefill as models_prefill
-from specjax.sampling import Logprobs, Sampling, fold_in, logprobs as token_logprobs
+from specjax.sampling import FILTERED, History, Logprobs, Sampling, fold_in, logprobs as token_logprobs
 from specjax.tree import ancestors, depths, with_branch
 
 
@@ -88,6 +88,10 @@ class GenerateOutput:
     # Each new token's log-probability [B, max_new_tokens] and top alternatives [B,
     # max_new_tokens, n] (0 past num_tokens[b]); None unless generate(..., logprobs=n).
     logprobs: Logprobs | None = None
+    # Each prompt token's log-probability given those before it [B, P] and the top
+    # alternatives there [B, P, n] (raw; 0 at position 0 and past lengths[b]); None unless
+    # generate(..., prompt_logprobs=n).
+    prompt_logprobs: Logprobs | None = None
 
 
 @struct.dataclass
@@ -101,6 +105,7 @@ class SlotState:
     tokens: jax.Array  # int32 [B, S]: prompt then generated tokens; slots >= length are junk
     length: jax.Array  # int32 [B]: final tokens per row (prompt + generated)
     limit: jax.Array  # int32 [B]: the row stops at this length (its prompt + its token budget)
+    prompt_length: jax.Array  # int32 [B]: where its output begins (penalties count the output from here)
     target_cache: KVCache  # L x [B, G, S, D]; valid below length - 1
     draft_state: Any  # the drafter's own carry (e.g. its KV cache); None without a drafter
     sampling: Sampling  # [B] each: the row's temperature, top-k, top-p, min-p; its logit bias [B, Lb]
@@ -112,7 +117,8 @@ class SlotState:
     features: Features | None = None  # the target's hidden states, for drafters that want them
 
     # Each field's logical axes (sharding.declared_axes); draft_state's are its drafter's.
-    AXES = {"tokens": ("batch", None), "length": ("batch",), "limit": ("batch",), "target_cache": KVCache,
+    AXES = {"tokens": ("batch", None), "length": ("batch",), "limit": ("batch",), "prompt_length": ("batch",),
+            "target_cache": KVCache,
             "draft_state": None, "sampling": sharding.ROWS, "stop_ids": ("batch", None), "key": ("batch", None),
             "k_limit": ("batch",), "done": ("batch",), "stats": Stats, "features": Features}
 
@@ -150,7 +156,8 @@ def row_keys(key: jax.Array, batch: int) -> jax.Array:
 
 
 def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, sampling: Sampling,
-            stop_ids, key, cache: KVCache | None = None, resume: Resume | None = None) -> SlotState:
+            stop_ids, key, cache: KVCache | None = None, resume: Resume | None = None,
+            prompt_lengths=None, score: int | None = None):
     """Rows for these prompts (int32 [B, P] right-padded, lengths [B]): the target's cache (and
     the drafter's state) holding them, at cache length `cache_len` (>= P); limit int32 [B]:
     each row's length limit; sampling [B]; stop_ids int32 [B, M]; key [B]: each row's PRNG key.
@@ -161,7 +168,10 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     rows whose caches hold a cached prefix; resume.cache the drafter's cache of the rows):
     only positions resume.start .. + width - 1 are computed, into `cache` and the drafter's,
     which hold the positions before them already; start <= length - 2 (a drafter's
-    features begin there)."""
+    features begin there). prompt_lengths: int32 [B], where each row's output begins
+    (default its length; an engine's resumed row has output among its tokens already).
+    score: None, or n (static): also return the prompt's `Logprobs` from the same pass
+    (`GenerateOutput.prompt_logprobs`), as (state, logprobs)."""
     B, P = prompts.shape
     S = cache_len
     D = 0 if drafter is None else drafter.tree.depth
@@ -176,8 +186,8 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     else:  # the window of positions computed: [B, width]
         window = jnp.take_along_axis(prompts, jnp.minimum(resume.positions, P - 1), axis=1)
         start, W = resume.start, resume.width
-    hidden, cache = models_prefill(target, window, cache, return_hidden=wants_features, taps=taps,
-                                   start=None if resume is None else start)
+    hidden, cache, *scored = models_prefill(target, window, cache, return_hidden=wants_features, taps=taps,
+                                            start=None if resume is None else start, score=score)
     features, draft_state = None, None
     if wants_features:
         # The prompt's states up to position length-2, the last one a drafter may read now.
@@ -191,11 +201,21 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     state = SlotState(
         tokens=jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts), length=lengths,
         limit=jnp.asarray(limit, jnp.int32), target_cache=cache.replace(lengths=lengths - 1),
+        prompt_length=jnp.asarray(lengths if prompt_lengths is None else prompt_lengths, jnp.int32),
         draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=jax.random.key_data(key),
         k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
         features=features)
     state_axes(state, drafter)  # a drafter's state whose declared axes do not fit it fails here, mesh or none
-    return state
+    if score is None:
+        return state
+    at = start[:, None] + jnp.arange(W)[None, :]  # [B, W]: position i's is token i's given those before it
+
+    def own(x):  # next-token form -> own-token form
+        x = jnp.pad(x[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))
+        keep = (at >= 1) & (at < lengths[:, None])
+        return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, 0)
+
+    return state, jax.tree.map(own, scored[0])
 
 
 def state_axes(state: SlotState, drafter) -> SlotState:
@@ -328,6 +348,9 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     length, active = state.length, ~state.done
     key = fold_in(jax.random.wrap_key_data(state.key), length)  # [B]: the row's key at its position, whatever its slot or K
     draft_key, accept_key = fold_in(key, 0), fold_in(key, 1)
+    # What penalties read: only a filtered program's rows may have any (`sampling.kind_of`).
+    history = None if state.sampling.kind != FILTERED else History.of(
+        state.tokens, state.prompt_length, length, target.config.vocab_size)
     if drafter is None:
         draft_state, cache = state.draft_state, state.target_cache
         proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32), jnp.zeros((B, 0), bool), None)
@@ -335,7 +358,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
             target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
             done=state.done, key=draft_key, sampling=state.sampling, k_limit=state.k_limit,
-            threshold=threshold, features=state.features))
+            threshold=threshold, features=state.features, history=history))
     valid = proposal.valid & active[:, None]  # [B, N]
 
     # Verify: one target pass over [last token, the N nodes], node i at slot
@@ -359,8 +382,11 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     if branch is not None:  # the drafter reads the target's logits for its branch
         draft_state = drafter.observe(draft_state, logits[:, N + 1:], active)
         logits = logits[:, : N + 1]
+    # Node i is penalized as if the nodes on its path (itself included) had been emitted.
+    node_paths = None if history is None else jnp.where(ancestor[..., 1:], proposal.tokens[:, None, :], -1)  # B,N+1,N
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
-                                       state.sampling, D, target.runs_on.platform)
+                                       state.sampling, D, target.runs_on.platform,
+                                       None if history is None else history.at(node_paths))
     if pending:  # the root and the path's nodes to the slots of their positions
         kept = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]: the root, then the node at depth j (past n: stale)
         cache = commit(target, cache, pending[0], kept, start)
@@ -398,7 +424,9 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     scored = None
     if logprobs is not None:  # new token j was scored at the root (j = 0), else at the path's node at depth j
         at = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]
-        scored = token_logprobs(jnp.take_along_axis(logits, at[..., None], axis=1), new, state.sampling, *logprobs)
+        seen = None if history is None else history.at(jnp.take_along_axis(node_paths, at[..., None], axis=1))
+        scored = token_logprobs(jnp.take_along_axis(logits, at[..., None], axis=1), new, state.sampling, *logprobs,
+                                history=seen)
     return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count, logprobs=scored)
 
 
@@ -422,17 +450,17 @@ def place(state: SlotState, drafter, mesh, rules) -> SlotState:
 
 
 def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,
-                  sampling: Sampling | None = None, eos=None) -> SlotState:
+                  sampling: Sampling | None = None, eos=None, score: int | None = None):
     """`generate`'s state before its first step: its prompts prefilled, each row with the
     call's settings (greedy and no stop ids where none are given) and its own key from
     `key` (`row_keys`); traced inside `generate_loop` (and by `jax.eval_shape` where only
-    its shapes are wanted: budget.py)."""
+    its shapes are wanted: budget.py). score: `prefill`'s (then (state, prompt logprobs))."""
     B, P = prompts.shape
     sampling = Sampling.make(batch=B) if sampling is None else sampling
     eos = jnp.full((4,), -1, jnp.int32) if eos is None else jnp.reshape(eos, (-1,))
     return prefill(target, drafter, prompts, lengths, cache_len=cache_length(P, max_new_tokens, verify_room(drafter)),
                    limit=lengths + max_new_tokens, sampling=sampling.rows(B),
-                   stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B))
+                   stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B), score=score)
 
 
 def bound(backend: Backend, target: Model, drafter=None):
@@ -442,19 +470,22 @@ def bound(backend: Backend, target: Model, drafter=None):
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k", "backend", "rules",
-                                             "logprobs"))
+                                             "logprobs", "prompt_logprobs"))
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
                   *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
-                  backend: Backend, rules, stream=None, logprobs: tuple[int, str] | None = None) -> GenerateOutput:
+                  backend: Backend, rules, stream=None, logprobs: tuple[int, str] | None = None,
+                  prompt_logprobs: int | None = None) -> GenerateOutput:
     """The whole generation, compiled: `prefill`, then `step` until every row is done.
     drafter: None or a resolved, bound `Drafter`; eos: int32 [N] stop ids padded with -1;
     stream: None, or int32 [] (a handle of `streams`; being None or not is part of the jit
     key, so None costs nothing). backend: where the program runs (its platform's attention
     kernels and matmul forms; on a mesh, rows over data and the rules' layout), which the
-    models are bound to (`bound`). logprobs: None, or `step`'s (top, mode)."""
+    models are bound to (`bound`). logprobs: None, or `step`'s (top, mode); prompt_logprobs:
+    None, or `prefill`'s score."""
     target, drafter = bound(backend, target, drafter)
     mesh = backend.mesh
-    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos)
+    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos, prompt_logprobs)
+    state, prompt_scored = state if prompt_logprobs is not None else (state, None)
     B = state.tokens.shape[0]
     trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None
     scored = None if logprobs is None else Logprobs(
@@ -485,4 +516,4 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     out = state.tokens[rows, lengths[:, None] + cols]
     out = jnp.where(cols < num_tokens[:, None], out, 0)
     return GenerateOutput(tokens=out, num_tokens=num_tokens, stats=state.stats, trace=trace,
-                          key=jax.random.key_data(key), logprobs=scored)
+                          key=jax.random.key_data(key), logprobs=scored, prompt_logprobs=prompt_scored)

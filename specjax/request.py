@@ -19,7 +19,7 @@ from specjax.backend import Backend
 from specjax.drafters import DraftModel
 from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
-from specjax.sampling import LOGPROBS_MODES, MAX_LOGPROBS, Sampling, check_logit_bias, validate
+from specjax.sampling import LOGPROBS_MODES, MAX_LOGPROBS, Sampling, check_logit_bias, check_penalties, validate
 from specjax.tree import Tree
 
 MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
@@ -83,7 +83,8 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 
 def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
-            top_k, top_p, min_p, logit_bias, eos_token_id, return_trace, logprobs, logprobs_mode, adaptive_k,
+            top_k, top_p, min_p, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, eos_token_id,
+            return_trace, logprobs, logprobs_mode, prompt_logprobs, adaptive_k,
             draft_threshold, mesh, rules, stream, cost_profile, deterministic):
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
     arguments, its static ones, the stream function or None)."""
@@ -100,8 +101,12 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     values = None if abstract else _host_values(prompts, lengths)
     drafter = _check_request(target, prompts, lengths, values, draft, max_new_tokens, num_draft_tokens,
                              temperature, top_k, top_p, min_p, eos_token_id, draft_threshold)
+    penalties = (presence_penalty, frequency_penalty, repetition_penalty)
+    if not any(isinstance(x, jax.core.Tracer) for x in penalties):
+        penalties = check_penalties(*penalties)
     sampling = Sampling.make(temperature, top_k, top_p, min_p=min_p, **_bias(logit_bias, np.shape(prompts)[0],
-                                                                               target.config.vocab_size))
+                                                                               target.config.vocab_size),
+                             **dict(zip(("presence_penalty", "frequency_penalty", "repetition_penalty"), penalties)))
     if not abstract:  # (a program built for devices that are not here is measured against theirs: plan.py)
         budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh,
                             sampled=not sampling.greedy)  # nothing traced yet
@@ -123,6 +128,8 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
             sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
                   logprobs=logprobs_setting(logprobs, logprobs_mode),
+                  prompt_logprobs=(None if prompt_logprobs is None
+                                   else logprobs_setting(prompt_logprobs, "raw", "prompt_logprobs")[0]),
                   adaptive_k=bool(adaptive_k), backend=Backend.of(target.params, mesh), rules=rules)
     return args, static, stream
 

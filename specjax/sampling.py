@@ -1,14 +1,17 @@
 """Logits -> the distribution that is sampled from, with transformers' semantics.
 
-`Sampling` holds temperature, top-k, top-p, min-p and a sparse logit bias as traced values,
-one per row ([B]; rows of one batch may differ), and one static `kind`, the most any row
-asks for: "greedy" (every row at temperature 0, none biased), "sampled" (no row filters or
-is biased) or "filtered". A program is built for its kind (part of its jit key): a greedy
-one holds no distribution, draw or sort at all, a sampled one no sort, and changing the
-values within a kind never recompiles. `warp` applies them in transformers' order: the
-logit bias (OpenAI's `logit_bias`, added to the raw logits: a greedy row takes the argmax of
-the biased logits), temperature, top-k, top-p, then min-p (vLLM applies min-p before
-top-k/top-p; the two orders differ only where top-p and min-p are both set). Temperature 0
+`Sampling` holds temperature, top-k, top-p, min-p, a sparse logit bias and three penalties as
+traced values, one per row ([B]; rows of one batch may differ), and one static `kind`, the
+most any row asks for: "greedy" (every row at temperature 0, none biased or penalized),
+"sampled" (no row filters, is biased or penalized) or "filtered". A program is built for
+its kind (part of its jit key): a greedy one holds no distribution, draw or sort at all, a
+sampled one no sort, and changing the values within a kind never recompiles. `warp` applies
+them in transformers' (and vLLM's) order: the logit bias (OpenAI's `logit_bias`, added to
+the raw logits: a greedy row takes the argmax of the biased logits), the penalties
+(`penalize`: repetition over the prompt and output, then frequency and presence over the
+output, as vLLM defines them; they read the row's `History`), temperature, top-k, top-p,
+then min-p (vLLM applies min-p before top-k/top-p; the two orders differ only where top-p
+and min-p are both set). Temperature 0
 is greedy, expressed as a one-hot distribution on the argmax, so that a greedy row in a
 sampled batch is the same arithmetic as sampling; a row's setting is applied by `where`,
 never by control flow. Random draws take one key per row (`uniform`, `sample`), so a
@@ -32,15 +35,17 @@ KINDS = (GREEDY, SAMPLED, FILTERED)
 
 MAX_LOGIT_BIAS = 300  # entries a row's logit_bias may hold (OpenAI's limit)
 BIAS_RANGE = 100.0  # a bias lies in [-BIAS_RANGE, BIAS_RANGE] (OpenAI's range)
+PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 
 
-def kind_of(temperature, top_k, top_p, min_p=0.0, biased=False) -> str:
+def kind_of(temperature, top_k, top_p, min_p=0.0, biased=False, penalized=False) -> str:
     """The least kind that serves these settings (host values, one per row or one for all;
-    biased: whether the row's logit bias holds any entry)."""
-    temperature, top_k, top_p, min_p, biased = np.broadcast_arrays(
+    biased: whether the row's logit bias holds any entry; penalized: whether any of its
+    penalties is on)."""
+    temperature, top_k, top_p, min_p, biased, penalized = np.broadcast_arrays(
         np.asarray(temperature, np.float32), np.asarray(top_k), np.asarray(top_p, np.float32),
-        np.asarray(min_p, np.float32), np.asarray(biased, bool))
-    if biased.any():  # a greedy row's argmax is of its biased logits: only `warp`'s filtered form adds them
+        np.asarray(min_p, np.float32), np.asarray(biased, bool), np.asarray(penalized, bool))
+    if biased.any() or penalized.any():  # a greedy row's argmax is of its adjusted logits: `warp`'s filtered form
         return FILTERED
     sampled = temperature > 0
     if not sampled.any():
@@ -57,11 +62,24 @@ class Settings(NamedTuple):
     top_p: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple = ()  # ((token id, bias), ...)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return is_penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+
+def is_penalized(presence, frequency, repetition):
+    """Whether penalties (host values or arrays alike) change anything."""
+    return (np.asarray(presence) != 0) | (np.asarray(frequency) != 0) | (np.asarray(repetition) != 1)
 
 
 def kind_of_rows(rows: Sequence[Settings]) -> str:
     """The least kind that serves every row of `rows`."""
-    return kind_of(*(np.array(x) for x in zip(*(r[:4] for r in rows))), biased=[bool(r.logit_bias) for r in rows])
+    return kind_of(*(np.array(x) for x in zip(*(r[:4] for r in rows))), biased=[bool(r.logit_bias) for r in rows],
+                   penalized=[r.penalized for r in rows])
 
 
 def bias_arrays(logit_bias, rows: int | None = None, width: int | None = None):
@@ -85,10 +103,11 @@ def bias_arrays(logit_bias, rows: int | None = None, width: int | None = None):
 def stack(rows: Sequence[Settings], width: int) -> "Sampling":
     """Rows' settings as one `Sampling` of host arrays ([n] each; the bias [n, width]), of
     kind FILTERED (which serves every row: a program reads it as its own kind)."""
-    temperature, top_k, top_p, min_p, biases = zip(*rows)
+    temperature, top_k, top_p, min_p, biases, presence, frequency, repetition = zip(*rows)
     ids, bias = bias_arrays(biases, len(rows), width)
-    return Sampling(np.array(temperature, np.float32), np.array(top_k, np.int32), np.array(top_p, np.float32),
-                    np.array(min_p, np.float32), ids, bias, FILTERED)
+    floats = lambda x: np.array(x, np.float32)  # noqa: E731
+    return Sampling(floats(temperature), np.array(top_k, np.int32), floats(top_p), floats(min_p), ids, bias,
+                    floats(presence), floats(frequency), floats(repetition), FILTERED)
 
 
 def _pairs(logit_bias) -> tuple:
@@ -133,43 +152,48 @@ class Sampling:
     min_p: jax.Array  # float32 [B] (or []); 0 means off
     bias_ids: jax.Array  # int32 [B, Lb] (or [Lb]): the tokens each row's logit bias moves; -1 pads
     bias: jax.Array  # float32 [B, Lb] (or [Lb]): what it adds to their logits
+    presence: jax.Array  # float32 [B] (or []): subtracted once from every id the output holds; 0 means off
+    frequency: jax.Array  # float32 [B] (or []): subtracted per occurrence in the output; 0 means off
+    repetition: jax.Array  # float32 [B] (or []): divides positive (multiplies negative) logits of ids in the
+    # prompt or output (transformers' / vLLM's repetition_penalty); 1 means off
     # Static, the most any row asks for (KINDS); a program holds no more than it needs. Values
     # that ask for more than their kind are served as the kind (greedy: argmax; sampled: no filter).
     kind: str = struct.field(pytree_node=False, default=FILTERED)
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, batch: int | None = None, *, min_p=0.0,
-             logit_bias=None) -> "Sampling":
+             logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) -> "Sampling":
         """The settings as arrays: [batch] each (one value for every row), or as given; their
         kind from their values where those are known (traced ones: FILTERED, which serves all).
         logit_bias: None, {token id: bias} (every row's), or with batch a list of one per row
         (mappings or (id, bias) pairs: `bias_arrays`)."""
-        traced = any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p, min_p))
+        scalars = (temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        traced = any(isinstance(x, jax.core.Tracer) for x in scalars)
         per_row = batch is not None and isinstance(logit_bias, (list, tuple))
         ids, bias = bias_arrays(logit_bias, batch if per_row else None)
-        kind = FILTERED if traced else kind_of(temperature, top_k, top_p, min_p, biased=(ids >= 0).any(-1))
-        values = (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                  jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32))
+        kind = FILTERED if traced else kind_of(temperature, top_k, top_p, min_p, biased=(ids >= 0).any(-1),
+                                               penalized=is_penalized(*scalars[4:]))
+        values = tuple(jnp.asarray(x, jnp.int32 if i == 1 else jnp.float32) for i, x in enumerate(scalars))
         ids, bias = jnp.asarray(ids), jnp.asarray(bias)
         if batch is not None:
             values = tuple(jnp.broadcast_to(x, (batch,)) for x in values)
             ids, bias = (jnp.broadcast_to(x, (batch, x.shape[-1])) for x in (ids, bias))
-        return cls(*values, ids, bias, kind=kind)
+        return cls(*values[:4], ids, bias, *values[4:], kind=kind)
 
     def rows(self, batch: int) -> "Sampling":
         """Every setting one per row of `batch` (those given for all rows repeated)."""
         one = lambda x: jnp.broadcast_to(x, (batch,))  # noqa: E731
         two = lambda x: jnp.broadcast_to(x, (batch, x.shape[-1]))  # noqa: E731
         return self.replace(temperature=one(self.temperature), top_k=one(self.top_k), top_p=one(self.top_p),
-                            min_p=one(self.min_p), bias_ids=two(self.bias_ids), bias=two(self.bias))
+                            min_p=one(self.min_p), bias_ids=two(self.bias_ids), bias=two(self.bias),
+                            presence=one(self.presence), frequency=one(self.frequency),
+                            repetition=one(self.repetition))
 
     def over(self, vocab: jax.Array) -> "Sampling":
         """The settings for logits over a reduced vocabulary, vocab int32 [Vd] (the increasing
         target ids its indices stand for): each bias moves its id's index there, or nothing
         where the id is not in it."""
-        at = jnp.minimum(jnp.searchsorted(vocab, self.bias_ids), vocab.shape[0] - 1)
-        found = (self.bias_ids >= 0) & (vocab[at] == self.bias_ids)
-        return self.replace(bias_ids=jnp.where(found, at, -1).astype(jnp.int32))
+        return self.replace(bias_ids=_index_in(vocab, self.bias_ids))
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +235,24 @@ def validate(temperature, top_k, top_p, min_p=0.0):
         raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {top_p}")
     if concrete(min_p) and not 0.0 <= float(min_p) <= 1.0:
         raise ValueError(f"min_p must lie in [0, 1] (0 is off), got {min_p}")
+
+
+def check_penalties(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) -> tuple:
+    """Penalties checked (presence and frequency in [-2, 2], OpenAI's range; repetition a
+    finite number > 0, vLLM's and transformers'): Python floats, or float32 arrays where
+    given one per row."""
+    def checked(name, value, ok, what):
+        x = np.asarray(value)
+        if x.dtype == bool or not np.issubdtype(x.dtype, np.number) or not np.all(ok(x.astype(np.float64))):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        return float(x) if x.ndim == 0 else x.astype(np.float32)
+
+    span = lambda x: (-PENALTY_RANGE <= x) & (x <= PENALTY_RANGE)  # noqa: E731 (NaN fails)
+    in_span = f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 is off)"
+    return (checked("presence_penalty", presence_penalty, span, in_span),
+            checked("frequency_penalty", frequency_penalty, span, in_span),
+            checked("repetition_penalty", repetition_penalty, lambda x: (0 < x) & (x < np.inf),
+                    "a finite number > 0 (1 is off)"))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -278,11 +320,79 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
 
 
-def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from."""
+@struct.dataclass
+class History:
+    """What the penalties read at scored positions: the row's tokens so far, as counts over
+    the vocabulary, and each position's own path of tokens not yet emitted (a draft's nodes
+    before it): plain decoding, had that path been emitted, would count them too. Over the
+    target's vocabulary, or a reduced draft vocabulary's indices (`over`)."""
+
+    counts: jax.Array  # int32 [B, V]: occurrences of each id in the row's output so far
+    prompt: jax.Array  # bool [B, V]: the ids its prompt holds
+    path: jax.Array | None = None  # int32 [B, T, A]: the path tokens before each of T positions (-1 pads)
+    vocab: jax.Array | None = None  # int32 [Vd]: over a reduced vocabulary (counts and prompt over its indices)
+
+    @classmethod
+    def of(cls, tokens: jax.Array, prompt_length: jax.Array, length: jax.Array, vocab_size: int) -> "History":
+        """Rows' history from their tokens int32 [B, S]: the prompt's are those before
+        prompt_length [B], the output's those from there to length [B]."""
+        B, S = tokens.shape
+        at, rows = jnp.arange(S)[None, :], jnp.arange(B)[:, None]
+        output = (at >= prompt_length[:, None]) & (at < length[:, None])
+        counts = jnp.zeros((B, vocab_size), jnp.int32).at[rows, tokens].add(output.astype(jnp.int32), mode="drop")
+        prompt = jnp.zeros((B, vocab_size), jnp.int32).at[rows, tokens].max(
+            (at < prompt_length[:, None]).astype(jnp.int32), mode="drop")
+        return cls(counts, prompt > 0)
+
+    def at(self, path: jax.Array) -> "History":
+        """The history at T positions whose paths hold tokens int32 [B, T, A] (target ids; -1
+        pads)."""
+        if self.vocab is not None:
+            path = _index_in(self.vocab, path)
+        return self.replace(path=path)
+
+    def over(self, vocab: jax.Array) -> "History":
+        """The history over a reduced vocabulary, vocab int32 [Vd] (increasing target ids)."""
+        return self.replace(counts=self.counts[:, vocab], prompt=self.prompt[:, vocab], vocab=vocab,
+                            path=None if self.path is None else _index_in(vocab, self.path))
+
+
+def _index_in(vocab: jax.Array, ids: jax.Array) -> jax.Array:
+    """Each of target ids int32 [...] as its index in vocab int32 [Vd] (increasing), or -1
+    where it is not there (or is -1)."""
+    at = jnp.minimum(jnp.searchsorted(vocab, ids), vocab.shape[0] - 1)
+    return jnp.where((ids >= 0) & (vocab[at] == ids), at, -1).astype(jnp.int32)
+
+
+def penalize(logits: jax.Array, sampling: Sampling, history: History) -> jax.Array:
+    """logits [B, T, V] penalized as vLLM's `apply_penalties` (and transformers'
+    RepetitionPenaltyLogitsProcessor) would after the tokens each position has seen: its
+    row's `history` and its own path. Repetition: an id in the prompt or output has its
+    logit divided by the penalty where positive, multiplied where not; then frequency times
+    its count in the output and presence once if it occurs there are subtracted."""
+    B, T, V = logits.shape
+    counts = jnp.broadcast_to(history.counts[:, None, :], logits.shape)
+    if history.path is not None and history.path.shape[-1]:
+        path = jnp.where(history.path < 0, V, history.path)  # -1 pads: dropped
+        counts = counts.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], path].add(1, mode="drop")
+    row = lambda x: _rows(x, 3)  # noqa: E731
+    seen = counts > 0
+    repetition = row(sampling.repetition)
+    logits = jnp.where(seen | history.prompt[:, None, :],
+                       jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - row(sampling.frequency) * counts - row(sampling.presence) * seen
+
+
+def warp(logits: jax.Array, sampling: Sampling, history: History | None = None) -> jax.Array:
+    """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from.
+    history: where logits are [B, T, V], what a filtered program's penalties read (None:
+    none are applied). A row without penalties passes through them unchanged, bit for bit
+    (x / 1, x * 1, x - 0); no branch skips them (a conditional waits on the host on a GPU)."""
     logits = jnp.asarray(logits, jnp.float32)
-    if sampling.kind == FILTERED:  # only a filtered program's rows may be biased (`kind_of`)
+    if sampling.kind == FILTERED:  # only a filtered program's rows may be biased or penalized (`kind_of`)
         logits = add_bias(logits, sampling.bias_ids, sampling.bias)
+        if history is not None:
+            logits = penalize(logits, sampling, history)
     one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     if sampling.greedy:
         return one_hot
@@ -315,14 +425,16 @@ class Logprobs:
     top: jax.Array  # float32 [..., J, n]: their log-probabilities
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling, top: int, mode: str) -> Logprobs:
+def logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling, top: int, mode: str,
+             history: History | None = None) -> Logprobs:
     """The log-probabilities of tokens int32 [B, J] under logits [B, J, V] (each token's row
     of the distribution it was drawn from), and the top `top` alternatives: "raw", of the
     model's own distribution (log_softmax of the logits, vLLM's raw_logprobs); "processed",
-    of the one sampled from (`warp`: bias, temperature and filters applied; -inf where a
-    filter removed a token; a greedy row's is 0 at the argmax)."""
+    of the one sampled from (`warp`: bias, penalties (history: at those J positions),
+    temperature and filters applied; -inf where a filter removed a token; a greedy row's is
+    0 at the argmax)."""
     logits = logits.astype(jnp.float32)
-    lp = jax.nn.log_softmax(logits, axis=-1) if mode == "raw" else jnp.log(warp(logits, sampling))
+    lp = jax.nn.log_softmax(logits, axis=-1) if mode == "raw" else jnp.log(warp(logits, sampling, history))
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     top_lp, top_ids = jax.lax.top_k(lp, top)
     return Logprobs(chosen, top_ids.astype(jnp.int32), top_lp)

@@ -15,7 +15,8 @@ import pytest
 
 import specjax
 from specjax.drafters import Eagle3, Medusa
-from tests.test_sampling import PROMPT, V, _chi_square_p, _exact_joint, _tiny
+from tests.test_penalties import _exact_joint
+from tests.test_sampling import PROMPT, V, _chi_square_p, _tiny
 
 SLOTS = 3
 MAX_LEN = 64
@@ -271,22 +272,22 @@ def test_every_k_shares_one_copy_of_the_drafters_weights(pair):
 
 
 def test_sampling_through_the_engine_is_exact_beside_greedy_rows():
-    """Per-row settings: sampled requests with top-k, top-p, min-p and a logit bias
-    (chi-square against the enumerated joint) share the batch with greedy ones, some with
-    a bias of their own (each exactly the argmax continuation of its logits)."""
+    """Per-row settings: sampled requests with top-k, top-p, min-p, a logit bias and the three
+    penalties (chi-square against the enumerated joint) share the batch with greedy ones,
+    some with a bias or penalties of their own (each exactly its plain continuation)."""
     target, draft = _tiny(0, 0.6), _tiny(1, 0.15, base=_tiny(0, 0.6))
-    settings = dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1, logit_bias={2: 1.5, 4: -100.0, 6: -2.0})
+    settings = dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1, logit_bias={2: 1.5, 4: -100.0, 6: -2.0},
+                    presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
     engine = specjax.Engine(target, draft=draft, slots=16, max_len=16, num_draft_tokens=2, steps_per_call=2)
-    greedy_alone, biased_alone = _alone(target, None, PROMPT, 2, ()), _alone(target, None, PROMPT, 2, (),
-                                                                             logit_bias={3: 5.0})
-    assert biased_alone != greedy_alone
+    others = [{}, dict(logit_bias={3: 5.0}), dict(repetition_penalty=3.0, presence_penalty=2.0)]
+    alone = [_alone(target, None, PROMPT, 2, (), **s) for s in others]
+    assert len({tuple(a) for a in alone}) == 3
     rows = 1500
     with engine:
         sampled = [engine.submit(PROMPT, max_new_tokens=2, seed=i, **settings) for i in range(rows)]
-        greedy = [engine.submit(PROMPT, max_new_tokens=2) for _ in range(25)]
-        biased = [engine.submit(PROMPT, max_new_tokens=2, logit_bias={3: 5.0}) for _ in range(25)]
+        greedy = [[engine.submit(PROMPT, max_new_tokens=2, **s) for _ in range(16)] for s in others]
         tokens = np.array([r.result(timeout=600) for r in sampled])
-        assert all(r.result() == greedy_alone for r in greedy) and all(r.result() == biased_alone for r in biased)
+        assert [[r.result() for r in group] for group in greedy] == [[a] * 16 for a in alone]
     expected = _exact_joint(target, settings.pop("temperature"), bias=settings.pop("logit_bias"), **settings)
     observed = np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).reshape(V, V)
     assert observed[expected == 0].sum() == 0

@@ -96,17 +96,19 @@ def test_paged_admission_cancellation_and_refusal(pair, paged):
 def test_rows_that_outgrow_the_pool_are_preempted_and_resume_exactly(pair, paged):
     """Three requests of 10 + 30 tokens submitted together on 7 pages of 8: two start (3
     pages each), and as they grow together past the pool the newer is preempted, waits with
-    its tokens, and resumes by prefilling them: every output is generate's alone."""
+    its tokens, and resumes by prefilling them: every output is generate's alone. Two have
+    penalties: a resumed one still counts only its output as output (not its whole context)."""
     target = pair[0]
     engine = paged("plain")
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 97, 10)] for _ in range(3)]
+    penalties = [{}, dict(presence_penalty=1.5, repetition_penalty=1.3), dict(frequency_penalty=0.7)]
     before = engine.preemptions
     with engine:
         with engine._lock:
-            requests = [engine.submit(p, max_new_tokens=30) for p in prompts]
+            requests = [engine.submit(p, max_new_tokens=30, **s) for p, s in zip(prompts, penalties)]
         outputs = [r.result(timeout=300) for r in requests]
-    assert outputs == [_alone(target, None, p, 30, ()) for p in prompts]
+    assert outputs == [_alone(target, None, p, 30, (), **s) for p, s in zip(prompts, penalties)]
     assert engine.preemptions > before
     assert engine.stats()["free_pages"] == 7
 

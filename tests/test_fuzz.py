@@ -115,7 +115,8 @@ def test_any_config_value_is_refused_clearly_or_computes(llama, scratch, key, va
 
 @FUZZ
 @given(key=st.sampled_from(("eos_token_id", "bos_token_id", "pad_token_id", "do_sample", "temperature",
-                            "top_k", "top_p")), value=JSON_VALUES, do_sample=st.booleans())
+                            "top_k", "top_p", "min_p", "repetition_penalty")), value=JSON_VALUES,
+       do_sample=st.booleans())
 def test_any_generation_config_value_is_refused_clearly_or_honoured(scratch, key, value, do_sample):
     folder = scratch()
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": do_sample, key: value}))
@@ -126,6 +127,7 @@ def test_any_generation_config_value_is_refused_clearly_or_honoured(scratch, key
         return
     sampling = g.sampling()
     assert 0 <= sampling["temperature"] < float("inf") and sampling["top_k"] >= 0 and 0 < sampling["top_p"] <= 1
+    assert 0 <= sampling["min_p"] <= 1 and 0 < sampling["repetition_penalty"] < float("inf")
     assert all(isinstance(i, int) and 0 <= i < tiny.VOCAB for i in g.eos_token_id)
 
 

@@ -252,8 +252,8 @@ def test_generation_config_is_read_and_written(llama_copy, tmp_path):
     g = model.generation_config
     assert g.eos_token_id == (1, 7, 9) and g.bos_token_id == 0
     # transformers' default top_k=50 applies when the file is silent about it
-    assert g.sampling() == {"temperature": 0.6, "top_k": 50, "top_p": 0.9}
-    assert g.ignored == ("repetition_penalty",)
+    assert g.sampling() == {"temperature": 0.6, "top_k": 50, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.1}
+    assert g.ignored == ()
     reference = tr.GenerationConfig.from_pretrained(llama_copy)
     assert list(g.eos_token_id) == reference.eos_token_id
     specjax.save_model(model, tmp_path)

@@ -140,3 +140,42 @@ def test_the_engine_scores_the_tokens_of_the_rows_that_ask(tiny_pair):
     plain = specjax.Engine(target, slots=2, max_len=32)
     with plain, pytest.raises(ValueError, match="this engine scores no tokens: Engine.max_logprobs"):
         plain.submit(prompts[0], max_new_tokens=2, logprobs=0)
+
+
+@pytest.mark.parametrize("drafter", ["plain", "eagle3"])
+def test_prompt_logprobs_are_a_plain_pass_s(tiny_pair, drafter):
+    """generate(prompt_logprobs=n): each prompt token's log-probability given the tokens
+    before it, and the top n there, from the prefill's own pass (a drafter reading the
+    target's layers included): a plain pass's; 0 at position 0 and past a row's length."""
+    target, _ = tiny_pair
+    draft = None if drafter == "plain" else specjax.Eagle3.init(target, jax.random.key(0))
+    prompts = _prompts()
+    padded, lengths = specjax.pad_prompts(prompts)
+    out = specjax.generate(target, padded, lengths, draft=draft, max_new_tokens=2, prompt_logprobs=3)
+    scored = out.prompt_logprobs
+    assert scored.chosen.shape == padded.shape and scored.top.shape == padded.shape + (3,)
+    for row, prompt in enumerate(prompts):
+        want = np.asarray(jax.nn.log_softmax(specjax.forward(target, np.array([prompt], np.int32))[0], axis=-1))
+        n = len(prompt)
+        chosen = np.asarray(scored.chosen[row])
+        np.testing.assert_allclose(chosen[1:n], want[np.arange(n - 1), prompt[1:]], atol=1e-4)
+        assert chosen[0] == 0 and (chosen[n:] == 0).all()
+        top_ids = np.asarray(scored.top_ids[row, 1:n])
+        np.testing.assert_allclose(np.asarray(scored.top[row, 1:n]), np.take_along_axis(want[:n - 1], top_ids, 1),
+                                   atol=1e-4)
+        assert (np.sort(want[:n - 1], 1)[:, ::-1][:, :3] - np.asarray(scored.top[row, 1:n]) < 1e-4).all()
+
+
+def test_prompt_logprobs_of_a_chunked_prefill_equal_one_pass_s(tiny_pair):
+    """models.prefill in chunks (a prompt longer than its chunk) scores every position as
+    one pass does."""
+    from specjax.cache import KVCache
+    from specjax.models import prefill
+
+    target, _ = tiny_pair
+    tokens = np.array([PROMPT * 3], np.int32)
+    cache = KVCache.init(target.config, 1, 32, target.dtype)
+    _, _, whole = prefill(target, tokens, cache, return_hidden=False, score=2)
+    _, _, chunked = prefill(target, tokens, cache, return_hidden=False, chunk=4, score=2)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

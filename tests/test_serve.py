@@ -253,9 +253,11 @@ BAD = [  # (body, status, param)
     (b'{"prompt": "x", "logprobs": 6}', 400, "logprobs"),  # the engine's max_logprobs is 5
     (b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
     (b'{"prompt": "x", "logprobs": true}', 400, "logprobs"),
-    (b'{"prompt": "x", "logprobs": 1, "echo": true}', 400, "echo"),  # prompt logprobs: not yet
+    (b'{"prompt": "x", "logprobs": 6, "echo": true}', 400, "logprobs"),
     (b'{"prompt": "x", "top_logprobs": 2}', 400, "top_logprobs"),  # chat's field
-    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "frequency_penalty": "1"}', 400, "frequency_penalty"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty"),
     (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p"),
     (b'{"prompt": "x", "min_p": -0.1}', 400, "min_p"),
     (b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
@@ -263,7 +265,6 @@ BAD = [  # (body, status, param)
     (b'{"prompt": "x", "logit_bias": {"-5": 1}}', 400, "logit_bias"),
     (b'{"prompt": "x", "logit_bias": {"4096": 1}}', 400, "logit_bias"),
     (b'{"prompt": "x", "logit_bias": [5, 1]}', 400, "logit_bias"),
-    (b'{"prompt": "x", "repetition_penalty": 1.2}', 400, "repetition_penalty"),
     (b'{"prompt": "x", "guided_choice": ["yes", "no"]}', 400, "guided_choice"),
     (b'{"prompt": "x", "max_completion_tokens": 5}', 400, "max_completion_tokens"),  # chat's, not completions'
     (b'{"prompt": "x", "temprature": 0.5}', 400, "temprature"),  # a typo is named, not ignored
@@ -303,10 +304,11 @@ def test_fields_at_their_off_values_and_harmless_fields_are_served(servers):
     assert r.status_code == 400 and "guided_json" in message and "characters)" in message and len(message) < 200
 
 
-def test_min_p_and_logit_bias_through_the_openai_client(engine, servers):
-    """OpenAI's logit_bias (string keys) and vLLM's min_p reach the engine: a greedy
-    completion that bans its own first token equals generate with that bias (streamed
-    and chat alike), and sampled choices at min_p = 1 are the greedy ones."""
+def test_min_p_logit_bias_and_penalties_through_the_openai_client(engine, servers):
+    """OpenAI's logit_bias (string keys) and penalties, and vLLM's min_p and
+    repetition_penalty, reach the engine: a greedy completion that bans its own first token
+    equals generate with that bias (streamed and chat alike), one with penalties equals
+    generate with them, and sampled choices at min_p = 1 are the greedy ones."""
     live = servers("main")
     client = live.client()
     prompt = PROMPTS[0]
@@ -328,6 +330,12 @@ def test_min_p_and_logit_bias_through_the_openai_client(engine, servers):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logit_bias={"5": 100})
     assert chat.choices[0].message.content == _text(tokenizer, [5] * 4)
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.4)
+    want = _alone(engine, prompt, 12, **penalties)
+    assert want != _alone(engine, prompt, 12)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    presence_penalty=1.5, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.4})
+    assert got.choices[0].text == _text(tokenizer, want)
 
 
 def test_logprobs_through_the_openai_client(engine, servers):
@@ -366,6 +374,34 @@ def test_logprobs_through_the_openai_client(engine, servers):
     assert [t.logprob for t in streamed] == [t.logprob for t in content] and all(t.top_logprobs == [] for t in streamed)
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(engine, servers):
+    """Completions' echo with logprobs (what lm-evaluation-harness's loglikelihood requests
+    send): the prompt's tokens first, the first with null logprobs, each other one's what
+    generate(prompt_logprobs=) gives (a plain pass's), then the completion's as without echo;
+    streamed, the echo's chunk carries the prompt's."""
+    live = servers("main")
+    client, tokenizer = live.client(), live.server.tokenizer
+    prompt = PROMPTS[1]
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=3, eos_token_id=[EOS], logprobs=2,
+                           prompt_logprobs=2)
+    n, P = int(out.num_tokens[0]), len(prompt)
+    piece = lambda i: tokenizer.decode([int(i)])  # noqa: E731
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = got.choices[0].logprobs
+    ids = prompt + np.asarray(out.tokens[0, :n]).tolist()
+    assert lp.tokens == [piece(i) for i in ids] and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = np.concatenate([np.asarray(out.prompt_logprobs.chosen[0, 1:P]), np.asarray(out.logprobs.chosen[0, :n])])
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-4)
+    for k in range(1, P):
+        np.testing.assert_allclose(sorted(lp.top_logprobs[k].values(), reverse=True),
+                                   np.asarray(out.prompt_logprobs.top[0, k]), atol=1e-4)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True) if c.choices]
+    assert sum((s.token_logprobs for s in streamed if s is not None), []) == lp.token_logprobs
 
 
 def test_bad_chat_requests_and_routes(servers):

@@ -7,7 +7,9 @@ median of 5 calls. Printed: ms a step per round, then medians and working tree /
 What a change to the step costs rows that do not use it (a greedy, sampled or filtered
 program's rows are the same here whatever their settings: the shapes are fixed). Where the
 working tree's engine scores tokens (`Engine(max_logprobs=20)`), its filtered program that
-also does ("filtered+logprobs") is timed too, against its own filtered one.
+also does ("filtered+logprobs") is timed too, against its own filtered one; where its rows
+may have penalties, its filtered program over rows that all do ("filtered+penalties":
+presence 0.5, frequency 0.5, repetition 1.2, temperature 1), likewise.
 
     python docs/bench/step_against.py --against REV [--rounds 3]
 """
@@ -34,18 +36,22 @@ def child():
     import numpy as np
 
     import specjax
-    from specjax.sampling import KINDS
+    from specjax.sampling import KINDS, Settings
 
     target = specjax.load_model(os.path.join(ROOT, "checkpoints", "target"))
     draft = specjax.DraftModel.load(os.path.join(ROOT, "checkpoints", "draft"))
     scoring = {"max_logprobs": 20} if "max_logprobs" in inspect.signature(specjax.Engine).parameters else {}
     engines = {K: specjax.Engine(target, draft=d, slots=8, max_len=256, num_draft_tokens=K, **scoring)
                 for K, d in ((0, None), (4, draft))}
+    penalties = "repetition_penalty" in Settings._fields
+    extra = (("filtered+logprobs",) if scoring else ()) + (("filtered+penalties",) if penalties else ())
 
-    def filled(programs):
+    def filled(programs, penalized=False):
         prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
         stops = np.full((1, programs.stop_width), -1, np.int32)
         settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
+        if penalized:
+            settings = [Settings(1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)]
         row = programs.prefill([prompt], [programs.max_len], settings, stops, [0])
         state = programs.empty()
         for slot in range(programs.slots):
@@ -56,13 +62,14 @@ def child():
         out = {}
         for K, engine in engines.items():
             programs = engine.programs
-            for kind in KINDS + (("filtered+logprobs",) if scoring else ()):
+            for kind in KINDS + extra:
                 times = []
                 for call in range(6):
-                    state = jax.block_until_ready(filled(programs))
+                    state = jax.block_until_ready(filled(programs, kind == "filtered+penalties"))
                     start = time.perf_counter()
                     result = (programs.run(state, K, programs.slots, "filtered", logprobs=True)
-                              if kind == "filtered+logprobs" else programs.run(state, K, programs.slots, kind))
+                              if kind == "filtered+logprobs" else programs.run(state, K, programs.slots,
+                                                                                kind.split("+")[0]))
                     taken = int(result[3])
                     if call:
                         times.append(1e3 * (time.perf_counter() - start) / taken)
@@ -109,7 +116,7 @@ def main():
             a, b = median(old_runs, key), median(new_runs, key)
             print(f"{key}: {a:.2f} -> {b:.2f} ms ({b / a:.3f}x)")
         else:  # the working tree's own: against its filtered program
-            a, b = median(new_runs, key.replace("+logprobs", "")), median(new_runs, key)
+            a, b = median(new_runs, key.split("+")[0]), median(new_runs, key)
             print(f"{key} (working tree only): {b:.2f} ms, {b / a:.3f}x its filtered program's {a:.2f} ms")
 
 

@@ -12,7 +12,7 @@ from flax import struct
 
 from specjax.cache import KVCache, tree_placement
 from specjax.drafters.vocab import to_target_vocab
-from specjax.sampling import Sampling, argmax, fold_in, sample, warp
+from specjax.sampling import History, Sampling, argmax, fold_in, sample, warp
 from specjax.sharding import declared_axes, replicated_rules
 from specjax.tree import Tree
 
@@ -42,6 +42,7 @@ class DraftRequest:
     k_limit: jax.Array  # int32 [B]: no node deeper than this per row (<= the tree's depth)
     threshold: jax.Array  # float32 []: stop a row's drafting when the draft's confidence is lower
     features: Features | None = None  # for drafters that want the target's hidden states
+    history: History | None = None  # what penalties read (`sampling.History`): a filtered program's
 
 
 @struct.dataclass
@@ -206,19 +207,22 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     sampled = tree.siblings == "sampled" and not request.sampling.greedy
     argmax_siblings = tree.siblings == "sampled" and request.sampling.greedy
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
-    # Drafted under the rows' own settings (their logit bias on the draft vocabulary's indices).
+    # Drafted under the rows' own settings (their logit bias on the draft vocabulary's indices),
+    # penalized as the target will be: a frontier node's path (f_path) counts as emitted.
     sampling = request.sampling if vocab is None else request.sampling.over(vocab)
+    history = request.history if vocab is None or request.history is None else request.history.over(vocab)
     region_offsets = np.arange(R) // W  # held node r has depth r // W + 1, at position start + r // W
     if tree.is_static:
         expand_table, node_table = (jnp.asarray(t) for t in tree.frontier_tables)
 
-    def grid(d, logits, logq, f_valid, f_score, going, key):
+    def grid(d, logits, logq, f_valid, f_score, f_path, going, key):
         """Candidates of depth d+1 from the frontier at depth d (logits and their log_softmax
-        logq [B, W, V]): tokens, log q, validity [B, W, C] and (sampled siblings) the
-        distribution they were drawn from [B, W, V]."""
+        logq [B, W, V]; f_path: its nodes' paths, int32 [B, W, D] target ids, or None):
+        tokens, log q, validity [B, W, C] and (sampled siblings) the distribution they were
+        drawn from [B, W, V]."""
         q = None
         if sampled:
-            q = warp(logits, sampling)
+            q = warp(logits, sampling, None if history is None else history.at(f_path))
             tokens = sample(key, jnp.broadcast_to(q[:, :, None], (B, W, C, V)))
         elif argmax_siblings:
             tokens = jnp.broadcast_to(argmax(logits)[..., None], (B, W, C))
@@ -242,30 +246,32 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
 
     def expand(d, carry):
         """Depth d's candidates into the pool; returns the carry and the grid."""
-        cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going = carry
+        cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path = carry
         logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
-        tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, going, fold_in(request.key, d))
+        tokens, score, valid, q = grid(d, logits, logq, f_valid, f_score, f_path, going, fold_in(request.key, d))
         if vocab is not None:  # indices into the draft vocabulary -> target ids
             tokens = vocab[tokens]
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool, (tokens, score, valid, parent, q))
-        return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going), (tokens, score, valid)
+        return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path), (tokens, score, valid)
 
     def step(d, carry):
         """Expands depth d and feeds its chosen W candidates: the frontier of depth d+1."""
         carry, (tokens, score, valid) = expand(d, carry)
-        cache, _, feats, _, _, _, f_sees, pool, going = carry
+        cache, _, feats, _, _, _, f_sees, pool, going, f_path = carry
         cells, n_valid = next_frontier(d, score, valid)
         take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
+        if f_path is not None:  # each new frontier node's path: its parent's, then itself
+            f_path = jnp.take_along_axis(f_path, (cells // C)[..., None], axis=1).at[:, :, d].set(take(tokens))
         own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
         sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
         positions = jnp.broadcast_to(start[:, None] + d, (B, W))
         placement = tree_placement(start, region_offsets, sees, offset=d * W) if placed else None
         parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
         cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
-        return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going
+        return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going, f_path
 
     pool = (jnp.zeros((B, D, W, C), jnp.int32), jnp.full((B, D, W, C), -jnp.inf),
             jnp.zeros((B, D, W, C), bool), jnp.full((B, D, W, C), -1, jnp.int32),
@@ -274,7 +280,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     feats = None if features0 is None else jnp.broadcast_to(features0[:, None], (B, W) + features0.shape[1:])
     carry = (cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
-             jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done)
+             jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done,
+             None if history is None else jnp.full((B, W, D), -1, jnp.int32))
     if D > 1:  # (a depth-1 tree feeds nothing)
         carry = (cache.hold_tree(B, R) if placed else cache,) + carry[1:]
         carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan

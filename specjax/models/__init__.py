@@ -21,6 +21,7 @@ from specjax.config import GenerationConfig, ModelConfig
 from specjax.models import exact
 from specjax.models.attention import takes_kernels
 from specjax.models.transformer import decode, init_params, read_out
+from specjax.sampling import logprobs
 
 # {"embedding", "layers": [one dict per layer], "final_norm", ...}: every weight its own
 # array (see transformer.py for why layers are not stacked).
@@ -122,13 +123,17 @@ PREFILL_CHUNK = 512
 
 
 def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool = True,
-            chunk: int | None = None, taps: tuple | None = None, start: jax.Array | None = None):
+            chunk: int | None = None, taps: tuple | None = None, start: jax.Array | None = None,
+            score: int | None = None):
     """Writes tokens int32 [B, P] at positions start..start+P-1 of every row into the cache
     (start int32 [B], default 0: a row whose cache holds positions < start already, a cached
     prefix or earlier chunks, attends to them): one pass when P <= chunk (default
     PREFILL_CHUNK), else ceil(P / chunk) passes of `chunk` tokens in a `lax.scan`, each
     attending over the cache written so far. Returns (hidden [B, P, E] (the final-normed
-    states, or the `taps`' states, as `apply` gives them) or None, cache).
+    states, or the `taps`' states, as `apply` gives them) or None, cache), and with score=n
+    (static) a third: each position's `Logprobs` of the next token (position i: tokens[:,
+    i+1]'s raw log-probability, [B, P]; the last one's is of a pad) and the top n [B, P, n],
+    reduced chunk by chunk (no [B, P, V] is held).
 
     The last chunk is right-padded with token 0 at positions P and on: their entries land
     at slots the caller treats as stale (or beyond the buffer, dropped), like the padding of
@@ -138,23 +143,30 @@ def prefill(model: Model, tokens: jax.Array, cache: KVCache, return_hidden: bool
     if C < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {C}")
     first = jnp.zeros((B, 1), jnp.int32) if start is None else jnp.asarray(start, jnp.int32).reshape(B, 1)
+    following = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [B, P]: each position's next token
+
+    def scored(logits, next_tokens):
+        return None if score is None else logprobs(logits, next_tokens, None, score, "raw")
+
     if P <= C:
         positions = first + jnp.arange(P, dtype=jnp.int32)
-        _, hidden, cache = apply(model, tokens, positions, cache, taps=taps)
-        return (hidden if return_hidden else None), cache
+        logits, hidden, cache = apply(model, tokens, positions, cache, taps=taps)
+        out = ((hidden if return_hidden else None), cache)
+        return out if score is None else out + (scored(logits, following),)
     n = -(-P // C)
-    chunks = jnp.pad(tokens, ((0, 0), (0, n * C - P))).reshape(B, n, C).transpose(1, 0, 2)  # [n, B, C]
+    split = lambda x: jnp.pad(x, ((0, 0), (0, n * C - P))).reshape(B, n, C).transpose(1, 0, 2)  # noqa: E731 [n, B, C]
 
     def one(cache, xs):
-        i, chunk_tokens = xs
+        i, chunk_tokens, next_tokens = xs
         positions = first + i * C + jnp.arange(C, dtype=jnp.int32)  # [B, C]
-        _, hidden, cache = apply(model, chunk_tokens, positions, cache, taps=taps)
-        return cache, (hidden if return_hidden else None)
+        logits, hidden, cache = apply(model, chunk_tokens, positions, cache, taps=taps)
+        return cache, ((hidden if return_hidden else None), scored(logits, next_tokens))
 
-    cache, hidden = jax.lax.scan(one, cache, (jnp.arange(n, dtype=jnp.int32), chunks))
-    if return_hidden:  # [n, B, C, E] -> [B, P, E]
-        hidden = hidden.transpose(1, 0, 2, 3).reshape(B, n * C, -1)[:, :P]
-    return hidden, cache
+    cache, (hidden, scores) = jax.lax.scan(one, cache, (jnp.arange(n, dtype=jnp.int32), split(tokens),
+                                                        split(following)))
+    whole = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, n * C) + x.shape[3:])[:, :P]  # noqa: E731 [n, B, C, ...]
+    out = (whole(hidden) if return_hidden else None), cache
+    return out if score is None else out + (jax.tree.map(whole, scores),)
 
 
 def head_logits(model: Model, hidden: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ from specjax.models import check_token_ids
 from specjax.sampling import check_logit_bias
 from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
-from specjax.serve.protocol import ApiError, ChatRequest, CompletionRequest, logit_bias, parse
+from specjax.serve.protocol import PENALTIES, ApiError, ChatRequest, CompletionRequest, logit_bias, parse
 from specjax.text import encode_prompts
 
 MAX_BODY = 1 << 20  # bytes of a request body (a 1,024-token prompt of ids is ~6 KB)
@@ -123,7 +123,9 @@ class Server:
         return Settings(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
                         logprobs=self._logprobs(body),
                         top_k=0 if top_k < 0 else top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
-                        min_p=float(body.min_p or 0.0), logit_bias=bias, stop_ids=stop_ids, stop=stop, seed=body.seed)
+                        min_p=float(body.min_p or 0.0), logit_bias=bias, stop_ids=stop_ids, stop=stop, seed=body.seed,
+                        penalties={name: float(getattr(body, name)) for name in PENALTIES
+                                   if getattr(body, name) is not None})
 
     def _logprobs(self, body) -> int | None:
         """The top alternatives each token's logprobs list (None: no logprobs), checked against
@@ -134,9 +136,6 @@ class Server:
             n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
         else:
             n, param = body.logprobs, "logprobs"
-            if n is not None and body.echo:
-                raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported yet",
-                               param="echo", code="unsupported_parameter")
         most = self.engine.limits.logprobs
         if n is not None and (most is None or n > most):
             raise ApiError(400, f"{param}={n}: this server lists up to {most} alternatives (--max-logprobs)"
@@ -268,6 +267,8 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         # Tokenizing (and decoding an echo) runs beside the event loop: a large body stalls no stream.
         prompts, echoes = await asyncio.to_thread(server.completion_prompts_and_echoes, body)
         settings = server.settings(body, [len(p) for p in prompts], default_max=16)
+        if body.echo and settings.logprobs is not None:  # the prompts' own, from a pass of their own beside the loop
+            echoes = await asyncio.to_thread(_echoed_logprobs, server, prompts, echoes, settings.logprobs)
         return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes)
 
     @v1.post("/chat/completions")
@@ -280,6 +281,40 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:
+    """Each echoed prompt's (text, completions' logprobs of its tokens): none for the first,
+    which nothing predicts (OpenAI's and vLLM's null), then each token's given those before
+    it and the `top` likeliest there (`Programs.score`)."""
+    piece = lambda i: server.tokenizer.decode([int(i)])  # noqa: E731
+    out = []
+    for prompt, text in zip(prompts, echoes):
+        chosen, top_ids, top_lp = server.engine.programs.score(prompt, top)
+        tokens = [piece(t) for t in prompt]
+        out.append((text, {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
+                           "top_logprobs": [None] + [{piece(i): float(x) for i, x in zip(ids, lps)}
+                                                     for ids, lps in zip(top_ids[1:], top_lp[1:])],
+                           "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}))
+    return out
+
+
+def _echo(echoes: list, c, n: int) -> tuple[str, dict | None]:
+    """A choice's echo: its prompt's text and, where the prompt was scored (`_echoed_logprobs`),
+    its logprobs, the choice's own text offsets moved past them."""
+    echo = echoes[c.index // n]
+    if isinstance(echo, str):
+        return echo, None
+    text, scored = echo
+    c.offset = sum(len(t) for t in scored["tokens"])
+    return text, scored
+
+
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Completions' logprobs of an echo, then of the tokens after it."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in first}
 
 
 async def _respond(server: Server, request: Request, body, prompts, settings: Settings, chat: bool, echoes):
@@ -312,8 +347,9 @@ async def _respond(server: Server, request: Request, body, prompts, settings: Se
         _record(server, generation)
     choices = []
     for c in generation.choices:
-        text = echoes[c.index // body.n] + "".join(c.text)
-        logprobs = _logprobs(server.tokenizer, c, chat)
+        echo, echoed = _echo(echoes, c, body.n)
+        text = echo + "".join(c.text)
+        logprobs = _joined(echoed, _logprobs(server.tokenizer, c, chat))
         if chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason})
@@ -386,10 +422,11 @@ async def _stream(server: Server, generation: Generation, body, meta: dict, chat
 
     try:
         for c in generation.choices:
+            echo, echoed = _echo(echoes, c, body.n)
             if chat:
                 yield chunk(c.index, role=True)
-            elif echoes[c.index // body.n]:
-                yield chunk(c.index, echoes[c.index // body.n])
+            elif echo or echoed:
+                yield chunk(c.index, echo, logprobs=echoed)
         try:
             async for c, text in generation.events():  # each chunk with its new tokens' logprobs
                 logprobs = _logprobs(server.tokenizer, c, chat)

@@ -250,16 +250,18 @@ class Engine:
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
                seed: int | None = None, listener=None, *, min_p: float = 0.0, logit_bias=None,
-               logprobs: int | None = None) -> Request:
-        """Queues a request; refuses at once (ValueError) what cannot run. Sampling as
-        `generate`'s (min_p; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
+               logprobs: int | None = None, presence_penalty=0.0, frequency_penalty=0.0,
+               repetition_penalty=1.0) -> Request:
+        """Queues a request; refuses at once (ValueError) what cannot run. Sampling as `generate`'s
+        (min_p, penalties; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
         seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
         depend on its slot or neighbours, and equals `generate` on it alone with
         key=jax.random.key(seed). listener: None, or a function the engine's thread calls
         with each chunk (a list of token ids) and with None once the request has finished
         (a server's bridge to its event loop; it must not block)."""
         prompt, settings, stops, seed = self.limits.check(prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                                          min_p, logit_bias, stop_token_ids, seed, logprobs)
+                                                          min_p, logit_bias, stop_token_ids, seed, logprobs,
+                                                          (presence_penalty, frequency_penalty, repetition_penalty))
         room = self.programs.room  # a last step's in-flight tokens (`_reach`)
         if self.pages is not None and not self.pages.fits(len(prompt) + max_new_tokens + room):
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens})"
@@ -570,9 +572,10 @@ class Engine:
             stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
         contexts = [np.asarray(r.context, np.int32) for r in group]
         limits, samplings = [len(r.prompt) + r.max_new_tokens for r in group], [r.sampling for r in group]
+        outputs = [len(r.prompt) for r in group]  # where each output begins (a resumed one's context holds some)
         try:
             rows = None if self.pages else self.programs.prefill(contexts, limits, samplings, stops,
-                                                                 [r.seed for r in group])
+                                                                 [r.seed for r in group], outputs)
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
             if n == 1:
                 del taken[0]
@@ -587,7 +590,7 @@ class Engine:
         try:
             self._state = (self.programs.insert(self._state, slots, rows) if rows is not None else self.programs.admit(
                 self._state, slots, contexts, [r.prefilled for r in group], limits, samplings, stops,
-                [r.seed for r in group], self._table(dict(zip(slots, group)))))
+                [r.seed for r in group], self._table(dict(zip(slots, group))), outputs))
         except Exception as e:
             self._fail(group, e)
             raise

@@ -69,14 +69,16 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, bias
 
 
 @functools.partial(jax.jit, static_argnames=("cache_len", "backend"))
-def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, *, cache_len: int, backend: Backend):
+def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, prompt_length, *, cache_len: int,
+             backend: Backend):
     """n requests' rows: prompts int32 [n, P], their lengths and limits int32 [n], seeds
-    uint32 [n], settings [n] each, stop ids [n, M]; row i's key is generate's row 0 of
+    uint32 [n], settings [n] each, stop ids [n, M], where their outputs begin int32 [n]
+    (a resumed request's prompt holds output already); row i's key is generate's row 0 of
     key(seed[i]), as if it were prefilled alone. backend: unsharded (its rows are placed by
     `_insert`)."""
     target, drafter = loop.bound(backend, target, drafter)
     return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
-                        stop_ids=stop_ids, key=_seed_keys(seed))
+                        stop_ids=stop_ids, key=_seed_keys(seed), prompt_lengths=prompt_length)
 
 
 def _seed_keys(seed):
@@ -115,17 +117,19 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
 
 
 @functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend", "rules"))
-def _admit(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, table, *,
-           width: int, backend: Backend, rules):
+def _admit(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, prompt_length,
+           table, *, width: int, backend: Backend, rules):
     """A paged state with n waiting requests prefilled straight into its pages and placed in
     its rows slots int32 [n]: prompts int32 [n, S] (each request's tokens, S the state's
     token buffer), of which positions start[i] .. start[i] + width - 1 are computed (its
     pages hold the ones before: a cached prefix), lengths and limits int32 [n], settings [n]
-    each, stop ids [n, M], seeds uint32 [n] (row i's key as `_prefill`'s); table: the whole
+    each, stop ids [n, M], seeds uint32 [n] (row i's key as `_prefill`'s), where outputs
+    begin int32 [n]; table: the whole
     page table int32 [slots, M] as the host holds it, the rows' pages included. No row of
     its own is made: the pass writes the state's pools in place."""
     drafter, rows = _prefill_into(target, drafter, state, slots, prompts, start, length, table, width, backend,
-                                  limit=limit, sampling=sampling, stop_ids=stop_ids, key=_seed_keys(seed))
+                                  limit=limit, sampling=sampling, stop_ids=stop_ids, key=_seed_keys(seed),
+                                  prompt_lengths=prompt_length)
     return loop.place(loop.admit(state, slots, rows, drafter, table), drafter, backend.mesh, rules)
 
 
@@ -140,6 +144,18 @@ def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table,
                             limit=length, sampling=_as_kind(Sampling.make(batch=n)),
                             stop_ids=jnp.full((n, 1), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), n))
     return loop.with_pools(state, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("top", "backend"))
+def _score(target, tokens, length, *, top: int, backend: Backend):
+    """A prompt's raw `Logprobs` (tokens int32 [1, b] right-padded, length int32 [1]): each
+    token's given those before it and the top `top` there, from a prefill's pass into a cache
+    of its own (`loop.prefill`'s score), [1, b] and [1, b, top]."""
+    target, _ = loop.bound(backend, target)
+    _, scored = loop.prefill(target, None, tokens, length, cache_len=tokens.shape[1], limit=length,
+                             sampling=Sampling.make(batch=1), stop_ids=jnp.full((1, 1), -1, jnp.int32),
+                             key=loop.row_keys(jax.random.key(0), 1), score=top)
+    return scored
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -323,7 +339,8 @@ class Programs:
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + ([] if self.logprobs is None else [
                     f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {FILTERED}, with top-{self.logprobs[0]} "
-                    f"{self.logprobs[1]} logprobs" for K in sorted(self.drafters) for w in self.widths])
+                    f"{self.logprobs[1]} logprobs" for K in sorted(self.drafters) for w in self.widths]
+                    + [f"score a prompt [1, {b}]" for b in self.buckets])
                 + [f"sync the draft for K={K}" for K in self._synced()])
 
     @property
@@ -394,14 +411,17 @@ class Programs:
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
 
-    def prefill(self, prompts: list, limits: list, samplings: list, stop_ids: np.ndarray, seeds: list):
+    def prefill(self, prompts: list, limits: list, samplings: list, stop_ids: np.ndarray, seeds: list,
+                prompt_lengths: list | None = None):
         """n requests' rows (n in `prefill_sizes`), in the bucket of the longest prompt:
-        prompts int32 [P_i] each; samplings `Settings` each; stop_ids int32
-        [n, M]. Its arguments go as host arrays: nothing runs eagerly."""
-        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds)
+        prompts int32 [P_i] each; samplings `Settings` each; stop_ids int32 [n, M];
+        prompt_lengths: where each output begins (None: past its prompt; a resumed request's
+        holds output already). Its arguments go as host arrays: nothing runs eagerly."""
+        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, prompt_lengths=prompt_lengths)
         return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
 
-    def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None):
+    def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None,
+                      prompt_lengths=None):
         """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket: the longest
         prompt's). starts: None, or (`_admit`'s) where each prompt's prefill starts: then the
         tokens are [n, cache_len], the starts follow them, and the bucket is the longest rest's."""
@@ -416,8 +436,10 @@ class Programs:
             tokens[i, :len(p)] = p
         settings = stack(samplings, self.bias_width)
         head = (tokens,) if self.paging is None else (tokens, np.array(starts, np.int32))
-        return head + (np.array([len(p) for p in prompts], np.int32), np.array(limits, np.int32), settings,
-                       np.asarray(stop_ids, np.int32).reshape(n, -1), np.array(seeds, np.uint32)), b
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        return head + (lengths, np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
+                       np.array(seeds, np.uint32), lengths if prompt_lengths is None
+                       else np.array(prompt_lengths, np.int32)), b
 
     @property
     def table_width(self) -> int:
@@ -440,14 +462,15 @@ class Programs:
         return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
-              seeds: list, table=None):
+              seeds: list, table=None, prompt_lengths: list | None = None):
         """Paged: n requests (n in `prefill_sizes`) prefilled straight into their pages and
         placed in the state's rows `slots`, in the bucket of the longest rest of a prompt past
         its start (starts: positions its pages hold already, a cached prefix: a whole number
         of pages, at most its length - 2); table: the whole page table as the host holds it,
         the rows' pages included (None: every row's null pages, for throwaway rows).
         `prefill`'s other arguments; nothing runs eagerly."""
-        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, starts=starts)
+        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, starts=starts,
+                                     prompt_lengths=prompt_lengths)
         if table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
         return _admit(self.target, self.deepest, state, np.array(slots, np.int32), *args,
@@ -549,8 +572,28 @@ class Programs:
                 if self.logprobs is not None:
                     state = self.run(state, K, w, FILTERED, logprobs=True)[0]
                     done(1)
+        for b in self.buckets if self.logprobs is not None else ():
+            self.score(np.ones((b,), np.int32), 0)
+            done(1)
         jax.block_until_ready(state)
         return layout
+
+    def score(self, prompt, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A prompt's (token ids [P]) raw log-probabilities: each token's given those before it
+        [P] (0 at position 0, which nothing predicts) and the `top` likeliest ids there and
+        theirs [P, top] (top at most the engine's max_logprobs), from a pass of its own over
+        the prompt's bucket (compiled with the rest where the engine scores tokens). Safe to
+        call beside the engine's thread: it touches no state."""
+        most = 0 if self.logprobs is None else self.logprobs[0]
+        if self.logprobs is None or not 0 <= top <= most:
+            raise ValueError(f"this engine scores prompts with up to {most} alternatives (Engine(max_logprobs=...)), "
+                             f"not {top}")
+        P = len(prompt)
+        tokens = np.zeros((1, self.bucket(P)), np.int32)
+        tokens[0, :P] = prompt
+        scored = jax.device_get(_score(self.target, tokens, np.array([P], np.int32), top=self.logprobs[0],
+                                       backend=self._prefill_backend))
+        return scored.chosen[0, :P], scored.top_ids[0, :P, :top], scored.top[0, :P, :top]
 
     def _measure_call_tokens(self, state, skip=()):
         """(state, `call_tokens` on this device): admissions (prefill and insert into `state`)

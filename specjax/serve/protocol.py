@@ -3,8 +3,8 @@
 Every body is read here: its size bounded, parsed as JSON (nesting bounded), typed field by
 field (strictly: "5" is not an int, true is not a number) and ranged; whatever fails is an
 `ApiError` with OpenAI's body `{"error": {"message", "type", "param", "code"}}` naming the
-field. Fields OpenAI or vLLM define that specjax does not implement (penalties, guided
-decoding, tools, ...) are refused by name unless they hold their
+field. Fields OpenAI or vLLM define that specjax does not implement (guided decoding, tools,
+beam search, ...) are refused by name unless they hold their
 "off" value; fields that change nothing served (user, metadata, store, ...) are accepted;
 any other field is refused by name, as OpenAI's server refuses an unrecognized argument:
 nothing a client sends is dropped without a word.
@@ -60,6 +60,9 @@ class Sampling(BaseModel):
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None  # vLLM's extension; 0: off
     # OpenAI's: token id (as a string, JSON's keys) -> bias in [-100, 100]; read by `logit_bias`
     logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None  # 0: off
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None  # 0: off
+    repetition_penalty: Annotated[Number, Field(gt=0, le=1e6)] | None = None  # vLLM's extension; 1: off
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=16)] | None = None  # vLLM's extension
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
@@ -70,6 +73,7 @@ class Sampling(BaseModel):
     user: StrictStr | None = None
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # `Sampling`'s, passed on by name
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 
 
@@ -103,12 +107,12 @@ UNIONS = {"prompt": "a string, a list of token ids, a list of strings or a list 
 OFF = (None,)
 UNSUPPORTED = {
     # OpenAI
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": OFF,
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
     "audio": OFF, "prediction": OFF, "reasoning_effort": OFF, "web_search_options": OFF,
     # vLLM's extensions
-    "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
     "bad_words": (None, []), "allowed_token_ids": OFF, "prompt_logprobs": OFF, "truncate_prompt_tokens": OFF,
     "guided_json": OFF, "guided_regex": OFF, "guided_choice": OFF, "guided_grammar": OFF,

@@ -14,7 +14,7 @@ import numpy as np
 
 from specjax.models import check_token_ids
 from specjax.request import fresh_seed
-from specjax.sampling import Settings, check_logit_bias, validate
+from specjax.sampling import Settings, check_logit_bias, check_penalties, validate
 
 _END = object()  # the chunk queue's last item
 
@@ -29,9 +29,10 @@ class Limits(NamedTuple):
     logprobs: int | None  # top alternatives a token's logprobs may list (None: no logprobs)
 
     def check(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, stop_token_ids, seed,
-              logprobs) -> tuple[tuple, Settings, tuple, int]:
+              logprobs, penalties=(0.0, 0.0, 1.0)) -> tuple[tuple, Settings, tuple, int]:
         """`Engine.submit`'s arguments checked (ValueError names what is wrong): (prompt,
-        its `Settings`, stop ids, seed: a fresh one where None)."""
+        its `Settings`, stop ids, seed: a fresh one where None). penalties: (presence,
+        frequency, repetition)."""
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
@@ -59,7 +60,8 @@ class Limits(NamedTuple):
             seed = fresh_seed()
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
-        settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()))
+        settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()),
+                            *check_penalties(*penalties))
         return tuple(int(t) for t in prompt), settings, stops, int(seed)
 
 

@@ -319,8 +319,9 @@ def _loop_args(target: Model, draft, where: Placement, batch: int, prompt_len: i
     prompts = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=where.rows((batch, prompt_len)))
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=where.rows((batch,)))
     kwargs = dict(draft=draft, key=None, max_new_tokens=max_new_tokens, num_draft_tokens=None, temperature=0.0,
-                  top_k=0, top_p=1.0, min_p=0.0, logit_bias=None, eos_token_id=None, return_trace=False,
-                  logprobs=None, logprobs_mode="raw", adaptive_k=False, draft_threshold=0.0, mesh=where.mesh,
+                  top_k=0, top_p=1.0, min_p=0.0, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0,
+                  repetition_penalty=1.0, eos_token_id=None, return_trace=False,
+                  logprobs=None, logprobs_mode="raw", prompt_logprobs=None, adaptive_k=False, draft_threshold=0.0, mesh=where.mesh,
                   rules=where.rules, stream=None, cost_profile=None, deterministic=False)
     kwargs.update(generate_kwargs)
     # The exact program for another platform is built, not promised (prepare would refuse it
