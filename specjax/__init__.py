@@ -10,6 +10,7 @@ from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, Ear
                               load_drafter)
 from specjax.drafters.vocab import draft_vocabulary
 from specjax.generate import GenerateOutput, Stats, compile_generate, estimate_memory, generate, pad_prompts
+from specjax.grammar import Grammar, GrammarError, Vocabulary
 from specjax.config import GenerationConfig, ModelConfig
 from specjax.hf_config import InvalidConfigError, UnsupportedConfigError
 from specjax.folders import CheckpointError, UnsafeCheckpointError
@@ -27,10 +28,10 @@ from specjax.version import __version__
 
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit", "Engine",
-    "GenerateOutput", "GenerationConfig", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
+    "GenerateOutput", "GenerationConfig", "Grammar", "GrammarError", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
     "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "PublishedEagle", "PublishedEagle3",
     "Request", "Retrieval", "Stats",
-    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "__version__", "compile_generate", "draft_vocabulary",
+    "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "Vocabulary", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
     "pad_prompts", "quantize", "save_model", "shard_model",
 ]

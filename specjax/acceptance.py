@@ -204,12 +204,13 @@ def _accept_chain(tokens, valid, q, p, u, extra_key, max_depth: int, platform: s
 
 def verify(key: jax.Array, tokens: jax.Array, parents, valid: jax.Array, q: jax.Array | None,
            logits: jax.Array, sampling: Sampling, max_depth: int, platform: str | None = None,
-           history: History | None = None):
+           history: History | None = None, allowed: jax.Array | None = None):
     """`accept` against the target's float32 logits [B, N+1, V] under `sampling`: through
     `accept_greedy` when every row is greedy (the sampling's static kind: p is never built),
     else through `accept` with p = warp(logits), where a greedy row's p is one-hot and `accept`
     gives it what `accept_greedy` would. history: what penalties read at the N+1 positions
-    (`sampling.History`), or None. Returns (n, path, extra) as `accept` does."""
+    (`sampling.History`), or None; allowed: bool [B, N+1, V], what a grammar allows there, or
+    None. Returns (n, path, extra) as `accept` does."""
     if sampling.greedy:
         return accept_greedy(tokens, parents, valid, argmax(logits), max_depth)
-    return accept(key, tokens, parents, valid, q, warp(logits, sampling, history), max_depth, platform)
+    return accept(key, tokens, parents, valid, q, warp(logits, sampling, history, allowed), max_depth, platform)

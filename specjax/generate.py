@@ -29,6 +29,7 @@ __all__ = ["GenerateOutput", "MemoryEstimate", "Stats", "auto_shape", "compile_g
 def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_tokens: int = 64,
              num_draft_tokens: int | str | None = None, temperature=0.0, top_k=0, top_p=1.0,
              min_p=0.0, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+             grammar=None,
              eos_token_id: int | Sequence[int] | None = None,
              return_trace: bool = False, logprobs: int | None = None, logprobs_mode: str = "raw",
              prompt_logprobs: int | None = None,
@@ -63,10 +64,18 @@ def generate(target: Model, prompts, lengths, draft=None, key=None, max_new_toke
         not. Applied after the bias, before temperature. Under speculation each draft
         position is penalized as plain decoding would be had the draft tokens before it
         been emitted, and a sampling drafter drafts under the same penalties.
+    grammar: None, a `specjax.Grammar` (a regex, JSON schema or choice compiled for the
+        tokenizer: `Grammar.regex(pattern, Vocabulary.of(tokenizer, V))`) every row's output
+        must match, or a list of B (None: a free row). The target's distribution at every
+        draft position is masked by the state the position's path reaches (greedy: the
+        argmax of the allowed tokens), and a drafter drafts under the same masks; the
+        automaton lives on the device (specjax.grammar), so no step waits on the host. A
+        row ends at EOS (the vocabulary's eos, allowed only where the match is complete)
+        when EOS is among its stop ids, or at max_new_tokens.
     Shapes, the tree, K and max_new_tokens are static (and the logit bias's length, rounded
     up to a multiple of 8); the key, the sampling values and eos_token_id are traced. The
     program is built for the least sampling its settings need (`specjax.sampling.kind_of`:
-    greedy, sampled, or filtered by top-k/top-p/min-p, a logit bias or a penalty), so a greedy call
+    greedy, sampled, or filtered by top-k/top-p/min-p, a logit bias, a penalty or a grammar), so a greedy call
     holds no distribution or draw; changing the values within a kind never recompiles
     (traced settings, under your own jit, get the filtered program).
     key: a PRNG key; row b samples from fold_in(key, b), and its step at length n from

@@ -59,6 +59,7 @@ from specjax import acceptance, sharding, streams
 from specjax.cache import KVCache, paste_row, tree_placement
 from specjax.drafters.base import DraftRequest, Features, Proposal, Resume, verify_room
 from specjax.backend import Backend
+from specjax.grammar import Automaton
 from specjax.models import Model, apply, commit
 from specjax.models import prefill as models_prefill
 from specjax.sampling import FILTERED, History, Logprobs, Sampling, fold_in, logprobs as token_logprobs
@@ -115,12 +116,15 @@ class SlotState:
     done: jax.Array  # bool [B]: finished (or an empty slot); frozen since
     stats: Stats
     features: Features | None = None  # the target's hidden states, for drafters that want them
+    grammar: Automaton | None = None  # the rows' constraints (structured output), or None: none
+    grammar_state: jax.Array | None = None  # int32 [B]: each row's state in it (grammar.FREE: none)
 
     # Each field's logical axes (sharding.declared_axes); draft_state's are its drafter's.
     AXES = {"tokens": ("batch", None), "length": ("batch",), "limit": ("batch",), "prompt_length": ("batch",),
             "target_cache": KVCache,
             "draft_state": None, "sampling": sharding.ROWS, "stop_ids": ("batch", None), "key": ("batch", None),
-            "k_limit": ("batch",), "done": ("batch",), "stats": Stats, "features": Features}
+            "k_limit": ("batch",), "done": ("batch",), "stats": Stats, "features": Features, "grammar": Automaton,
+            "grammar_state": ("batch",)}
 
 
 @struct.dataclass
@@ -157,7 +161,7 @@ def row_keys(key: jax.Array, batch: int) -> jax.Array:
 
 def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, sampling: Sampling,
             stop_ids, key, cache: KVCache | None = None, resume: Resume | None = None,
-            prompt_lengths=None, score: int | None = None):
+            prompt_lengths=None, score: int | None = None, grammar: Automaton | None = None, grammar_state=None):
     """Rows for these prompts (int32 [B, P] right-padded, lengths [B]): the target's cache (and
     the drafter's state) holding them, at cache length `cache_len` (>= P); limit int32 [B]:
     each row's length limit; sampling [B]; stop_ids int32 [B, M]; key [B]: each row's PRNG key.
@@ -171,7 +175,8 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
     features begin there). prompt_lengths: int32 [B], where each row's output begins
     (default its length; an engine's resumed row has output among its tokens already).
     score: None, or n (static): also return the prompt's `Logprobs` from the same pass
-    (`GenerateOutput.prompt_logprobs`), as (state, logprobs)."""
+    (`GenerateOutput.prompt_logprobs`), as (state, logprobs). grammar: None, or the rows'
+    constraints (an `Automaton`) and grammar_state int32 [B] each row's initial state in it."""
     B, P = prompts.shape
     S = cache_len
     D = 0 if drafter is None else drafter.tree.depth
@@ -204,7 +209,8 @@ def prefill(target: Model, drafter, prompts, lengths, *, cache_len: int, limit, 
         prompt_length=jnp.asarray(lengths if prompt_lengths is None else prompt_lengths, jnp.int32),
         draft_state=draft_state, sampling=sampling, stop_ids=jnp.asarray(stop_ids, jnp.int32), key=jax.random.key_data(key),
         k_limit=jnp.full((B,), D, jnp.int32), done=jnp.zeros((B,), bool), stats=Stats(zeros, zeros, zeros),
-        features=features)
+        features=features, grammar=grammar,
+        grammar_state=None if grammar is None else jnp.asarray(grammar_state, jnp.int32))
     state_axes(state, drafter)  # a drafter's state whose declared axes do not fit it fails here, mesh or none
     if score is None:
         return state
@@ -343,6 +349,7 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     what plain decoding's pass at that position gives."""
     B, S = state.tokens.shape  # S: the cache's length (`cache_length`)
     N, D = (0, 0) if drafter is None else (drafter.tree.nodes, drafter.tree.depth)
+    V = target.config.vocab_size
     rows = jnp.arange(B)[:, None]  # [B, 1]
     offsets = jnp.arange(D + 1)[None, :]  # [1, D+1]: a path of up to D nodes, then the target's token
     length, active = state.length, ~state.done
@@ -350,7 +357,8 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     draft_key, accept_key = fold_in(key, 0), fold_in(key, 1)
     # What penalties read: only a filtered program's rows may have any (`sampling.kind_of`).
     history = None if state.sampling.kind != FILTERED else History.of(
-        state.tokens, state.prompt_length, length, target.config.vocab_size)
+        state.tokens, state.prompt_length, length, V)
+    grammar = state.grammar  # (its rows are of the filtered kind: `warp` masks)
     if drafter is None:
         draft_state, cache = state.draft_state, state.target_cache
         proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32), jnp.zeros((B, 0), bool), None)
@@ -358,7 +366,8 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         draft_state, cache, proposal = drafter.propose(state.draft_state, DraftRequest(
             target=target, target_cache=state.target_cache, tokens=state.tokens, length=length,
             done=state.done, key=draft_key, sampling=state.sampling, k_limit=state.k_limit,
-            threshold=threshold, features=state.features, history=history))
+            threshold=threshold, features=state.features, history=history, grammar=grammar,
+            grammar_state=state.grammar_state))
     valid = proposal.valid & active[:, None]  # [B, N]
 
     # Verify: one target pass over [last token, the N nodes], node i at slot
@@ -384,9 +393,12 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         logits = logits[:, : N + 1]
     # Node i is penalized as if the nodes on its path (itself included) had been emitted.
     node_paths = None if history is None else jnp.where(ancestor[..., 1:], proposal.tokens[:, None, :], -1)  # B,N+1,N
+    # Node i's distribution allows what the state its path reaches does.
+    allowed = None if grammar is None else grammar.allows(grammar.walk(state.grammar_state, proposal.tokens,
+                                                                       parents, D), V)  # [B, N+1, V]
     n, path, extra = acceptance.verify(accept_key, proposal.tokens, parents, valid, proposal.q, logits,
                                        state.sampling, D, target.runs_on.platform,
-                                       None if history is None else history.at(node_paths))
+                                       None if history is None else history.at(node_paths), allowed)
     if pending:  # the root and the path's nodes to the slots of their positions
         kept = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]: the root, then the node at depth j (past n: stale)
         cache = commit(target, cache, pending[0], kept, start)
@@ -420,13 +432,15 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
         features = Features(jnp.pad(kept, ((0, 0), (0, width - (D + 1)), (0, 0))).astype(features.hidden.dtype),
                             start)
     new_state = state.replace(tokens=tokens, length=new_length, target_cache=cache.replace(lengths=new_length - 1),
-                              draft_state=draft_state, k_limit=k_limit, done=done, stats=stats, features=features)
+                              draft_state=draft_state, k_limit=k_limit, done=done, stats=stats, features=features,
+                              grammar_state=None if grammar is None else grammar.run(state.grammar_state, new, count))
     scored = None
     if logprobs is not None:  # new token j was scored at the root (j = 0), else at the path's node at depth j
         at = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]
         seen = None if history is None else history.at(jnp.take_along_axis(node_paths, at[..., None], axis=1))
         scored = token_logprobs(jnp.take_along_axis(logits, at[..., None], axis=1), new, state.sampling, *logprobs,
-                                history=seen)
+                                history=seen, allowed=None if allowed is None else jnp.take_along_axis(
+                                    allowed, at[..., None], axis=1))
     return new_state, StepOut(tokens=jnp.where(keep, new, 0), count=count, logprobs=scored)
 
 
@@ -450,17 +464,20 @@ def place(state: SlotState, drafter, mesh, rules) -> SlotState:
 
 
 def initial_state(target: Model, drafter, prompts, lengths, key, max_new_tokens: int,
-                  sampling: Sampling | None = None, eos=None, score: int | None = None):
+                  sampling: Sampling | None = None, eos=None, score: int | None = None, grammar=None,
+                  grammar_state=None):
     """`generate`'s state before its first step: its prompts prefilled, each row with the
     call's settings (greedy and no stop ids where none are given) and its own key from
     `key` (`row_keys`); traced inside `generate_loop` (and by `jax.eval_shape` where only
-    its shapes are wanted: budget.py). score: `prefill`'s (then (state, prompt logprobs))."""
+    its shapes are wanted: budget.py). score, grammar, grammar_state: `prefill`'s (with a
+    score: (state, prompt logprobs))."""
     B, P = prompts.shape
     sampling = Sampling.make(batch=B) if sampling is None else sampling
     eos = jnp.full((4,), -1, jnp.int32) if eos is None else jnp.reshape(eos, (-1,))
     return prefill(target, drafter, prompts, lengths, cache_len=cache_length(P, max_new_tokens, verify_room(drafter)),
                    limit=lengths + max_new_tokens, sampling=sampling.rows(B),
-                   stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B), score=score)
+                   stop_ids=jnp.broadcast_to(eos, (B,) + eos.shape), key=row_keys(key, B), score=score,
+                   grammar=grammar, grammar_state=grammar_state)
 
 
 def bound(backend: Backend, target: Model, drafter=None):
@@ -472,7 +489,8 @@ def bound(backend: Backend, target: Model, drafter=None):
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "return_trace", "adaptive_k", "backend", "rules",
                                              "logprobs", "prompt_logprobs"))
 def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampling, eos, threshold,
-                  *, max_new_tokens: int, return_trace: bool, adaptive_k: bool,
+                  grammar: Automaton | None = None, grammar_state=None, *, max_new_tokens: int, return_trace: bool,
+                  adaptive_k: bool,
                   backend: Backend, rules, stream=None, logprobs: tuple[int, str] | None = None,
                   prompt_logprobs: int | None = None) -> GenerateOutput:
     """The whole generation, compiled: `prefill`, then `step` until every row is done.
@@ -481,10 +499,11 @@ def generate_loop(target: Model, drafter, prompts, lengths, key, sampling: Sampl
     key, so None costs nothing). backend: where the program runs (its platform's attention
     kernels and matmul forms; on a mesh, rows over data and the rules' layout), which the
     models are bound to (`bound`). logprobs: None, or `step`'s (top, mode); prompt_logprobs:
-    None, or `prefill`'s score."""
+    None, or `prefill`'s score. grammar, grammar_state: `prefill`'s."""
     target, drafter = bound(backend, target, drafter)
     mesh = backend.mesh
-    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos, prompt_logprobs)
+    state = initial_state(target, drafter, prompts, lengths, key, max_new_tokens, sampling, eos, prompt_logprobs,
+                          grammar, grammar_state)
     state, prompt_scored = state if prompt_logprobs is not None else (state, None)
     B = state.tokens.shape[0]
     trace = jnp.zeros((B, max_new_tokens), jnp.int32) if return_trace else None

@@ -19,7 +19,9 @@ from specjax.backend import Backend
 from specjax.drafters import DraftModel
 from specjax.drafters.base import Drafter, verify_room
 from specjax.models import Model, check_token_ids
-from specjax.sampling import LOGPROBS_MODES, MAX_LOGPROBS, Sampling, check_logit_bias, check_penalties, validate
+from specjax.grammar import Automaton, Grammar
+from specjax.sampling import (FILTERED, LOGPROBS_MODES, MAX_LOGPROBS, Sampling, check_logit_bias, check_penalties,
+                              validate)
 from specjax.tree import Tree
 
 MIN_PROMPT_BUCKET = 64  # pad_prompts' default: powers of two from this up
@@ -83,7 +85,8 @@ def auto_shape(batch: int, draft, cost_profile=None, max_new_tokens: int = 64, b
 
 
 def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_tokens, temperature,
-            top_k, top_p, min_p, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, eos_token_id,
+            top_k, top_p, min_p, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, grammar,
+            eos_token_id,
             return_trace, logprobs, logprobs_mode, prompt_logprobs, adaptive_k,
             draft_threshold, mesh, rules, stream, cost_profile, deterministic):
     """generate's checks and conversions (its arguments, by name): (loop.generate_loop's
@@ -107,6 +110,9 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     sampling = Sampling.make(temperature, top_k, top_p, min_p=min_p, **_bias(logit_bias, np.shape(prompts)[0],
                                                                                target.config.vocab_size),
                              **dict(zip(("presence_penalty", "frequency_penalty", "repetition_penalty"), penalties)))
+    automaton, grammar_state = _grammar(grammar, np.shape(prompts)[0], target.config.vocab_size)
+    if automaton is not None:  # (a constrained row's distribution is masked: the filtered form)
+        sampling = sampling.replace(kind=FILTERED)
     if not abstract:  # (a program built for devices that are not here is measured against theirs: plan.py)
         budget.check_shapes(target, drafter, *np.shape(prompts), int(max_new_tokens), mesh,
                             sampled=not sampling.greedy)  # nothing traced yet
@@ -125,7 +131,7 @@ def prepare(target, prompts, lengths, draft, key, max_new_tokens, num_draft_toke
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function or None, got {type(stream).__name__}")
     args = (target, drafter, prompts, lengths, key,
-            sampling, eos, jnp.asarray(draft_threshold, jnp.float32))
+            sampling, eos, jnp.asarray(draft_threshold, jnp.float32), automaton, grammar_state)
     static = dict(max_new_tokens=int(max_new_tokens), return_trace=bool(return_trace),
                   logprobs=logprobs_setting(logprobs, logprobs_mode),
                   prompt_logprobs=(None if prompt_logprobs is None
@@ -209,6 +215,21 @@ def logprobs_setting(logprobs, mode, name: str = "logprobs") -> tuple[int, str] 
         raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}] (the top alternatives listed), "
                          f"got {logprobs!r}")
     return int(logprobs), mode
+
+
+def _grammar(grammar, batch: int, vocab_size: int):
+    """(the `Automaton` of generate's grammar (None, one `Grammar` for every row, or a list of
+    B, None for a free row), each row's initial state int32 [B]), or (None, None)."""
+    if grammar is None:
+        return None, None
+    rows = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * batch
+    if len(rows) != batch or not all(g is None or isinstance(g, Grammar) for g in rows):
+        raise ValueError(f"grammar must be None, a specjax.Grammar or a list of {batch} of them (None for a free "
+                         f"row), got {grammar!r:.200}")
+    if all(g is None for g in rows):
+        return None, None
+    automaton, initial = Automaton.of(rows, vocab_size)
+    return automaton, jnp.asarray(initial)
 
 
 def _bias(logit_bias, batch: int, vocab_size: int) -> dict:

@@ -383,13 +383,18 @@ def penalize(logits: jax.Array, sampling: Sampling, history: History) -> jax.Arr
     return logits - row(sampling.frequency) * counts - row(sampling.presence) * seen
 
 
-def warp(logits: jax.Array, sampling: Sampling, history: History | None = None) -> jax.Array:
+def warp(logits: jax.Array, sampling: Sampling, history: History | None = None,
+         allowed: jax.Array | None = None) -> jax.Array:
     """float32 logits [..., V] -> probabilities [..., V] that are actually sampled from.
     history: where logits are [B, T, V], what a filtered program's penalties read (None:
     none are applied). A row without penalties passes through them unchanged, bit for bit
-    (x / 1, x * 1, x - 0); no branch skips them (a conditional waits on the host on a GPU)."""
+    (x / 1, x * 1, x - 0); no branch skips them (a conditional waits on the host on a GPU).
+    allowed: bool [..., V], the tokens a grammar allows (None: all), masked first (vLLM's
+    order); only a filtered program's rows may be constrained."""
     logits = jnp.asarray(logits, jnp.float32)
     if sampling.kind == FILTERED:  # only a filtered program's rows may be biased or penalized (`kind_of`)
+        if allowed is not None:
+            logits = jnp.where(allowed, logits, -jnp.inf)
         logits = add_bias(logits, sampling.bias_ids, sampling.bias)
         if history is not None:
             logits = penalize(logits, sampling, history)
@@ -426,15 +431,16 @@ class Logprobs:
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling, top: int, mode: str,
-             history: History | None = None) -> Logprobs:
+             history: History | None = None, allowed: jax.Array | None = None) -> Logprobs:
     """The log-probabilities of tokens int32 [B, J] under logits [B, J, V] (each token's row
     of the distribution it was drawn from), and the top `top` alternatives: "raw", of the
     model's own distribution (log_softmax of the logits, vLLM's raw_logprobs); "processed",
-    of the one sampled from (`warp`: bias, penalties (history: at those J positions),
-    temperature and filters applied; -inf where a filter removed a token; a greedy row's is
-    0 at the argmax)."""
+    of the one sampled from (`warp`: a grammar's mask (allowed), bias, penalties (history: at
+    those J positions), temperature and filters applied; -inf where a filter removed a
+    token; a greedy row's is 0 at the argmax)."""
     logits = logits.astype(jnp.float32)
-    lp = jax.nn.log_softmax(logits, axis=-1) if mode == "raw" else jnp.log(warp(logits, sampling, history))
+    lp = (jax.nn.log_softmax(logits, axis=-1) if mode == "raw"
+          else jnp.log(warp(logits, sampling, history, allowed)))
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     top_lp, top_ids = jax.lax.top_k(lp, top)
     return Logprobs(chosen, top_ids.astype(jnp.int32), top_lp)

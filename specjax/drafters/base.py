@@ -43,6 +43,8 @@ class DraftRequest:
     threshold: jax.Array  # float32 []: stop a row's drafting when the draft's confidence is lower
     features: Features | None = None  # for drafters that want the target's hidden states
     history: History | None = None  # what penalties read (`sampling.History`): a filtered program's
+    grammar: Any = None  # the rows' constraints (`grammar.Automaton`), or None
+    grammar_state: jax.Array | None = None  # int32 [B]: each row's state in it, at its root
 
 
 @struct.dataclass
@@ -208,7 +210,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     argmax_siblings = tree.siblings == "sampled" and request.sampling.greedy
     placed = isinstance(cache, KVCache) and not tree.is_chain  # tree masks over a cache
     # Drafted under the rows' own settings (their logit bias on the draft vocabulary's indices),
-    # penalized as the target will be: a frontier node's path (f_path) counts as emitted.
+    # penalized as the target will be: a frontier node's path (f_path) counts as emitted; and
+    # masked by the state a frontier node's path reaches in the rows' grammar (f_state).
     sampling = request.sampling if vocab is None else request.sampling.over(vocab)
     history = request.history if vocab is None or request.history is None else request.history.over(vocab)
     region_offsets = np.arange(R) // W  # held node r has depth r // W + 1, at position start + r // W
@@ -246,7 +249,10 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
 
     def expand(d, carry):
         """Depth d's candidates into the pool; returns the carry and the grid."""
-        cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path = carry
+        cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path, f_state = carry
+        if f_state is not None:
+            allowed = request.grammar.allows(f_state, request.target.config.vocab_size)  # [B, W, V] target ids
+            logits = jnp.where(allowed if vocab is None else allowed[..., vocab], logits, -jnp.inf)
         logq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         confidence = jnp.exp(jnp.max(jnp.where(f_valid[..., None], logq, -jnp.inf), axis=(1, 2)))
         going = going & (d < request.k_limit) & (confidence >= request.threshold)
@@ -255,23 +261,26 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
             tokens = vocab[tokens]
         parent = jnp.broadcast_to(f_pool[:, :, None], (B, W, C))
         pool = jax.tree.map(lambda buf, x: buf.at[:, d].set(x), pool, (tokens, score, valid, parent, q))
-        return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path), (tokens, score, valid)
+        return (cache, logits, feats, f_valid, f_score, f_pool, f_sees, pool, going, f_path, f_state), (tokens, score,
+                                                                                                        valid)
 
     def step(d, carry):
         """Expands depth d and feeds its chosen W candidates: the frontier of depth d+1."""
         carry, (tokens, score, valid) = expand(d, carry)
-        cache, _, feats, _, _, _, f_sees, pool, going, f_path = carry
+        cache, _, feats, _, _, _, f_sees, pool, going, f_path, f_state = carry
         cells, n_valid = next_frontier(d, score, valid)
         take = lambda x: jnp.take_along_axis(x.reshape(B, W * C), cells, 1)  # noqa: E731
         if f_path is not None:  # each new frontier node's path: its parent's, then itself
             f_path = jnp.take_along_axis(f_path, (cells // C)[..., None], axis=1).at[:, :, d].set(take(tokens))
+        if f_state is not None:  # each new frontier node's state: its parent's after its token
+            f_state = request.grammar.step(jnp.take_along_axis(f_state, cells // C, axis=1), take(tokens))
         own = jax.nn.one_hot(d * W + jnp.arange(W), R, dtype=bool)  # [W, R]
         sees = jnp.take_along_axis(f_sees, (cells // C)[..., None], axis=1) | own[None]
         positions = jnp.broadcast_to(start[:, None] + d, (B, W))
         placement = tree_placement(start, region_offsets, sees, offset=d * W) if placed else None
         parent_feats = None if feats is None else jnp.take_along_axis(feats, (cells // C)[..., None], axis=1)
         cache, logits, feats = forward(cache, take(tokens), positions, placement, parent_feats)
-        return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going, f_path
+        return cache, logits, feats, n_valid, take(score), d * W * C + cells, sees, pool, going, f_path, f_state
 
     pool = (jnp.zeros((B, D, W, C), jnp.int32), jnp.full((B, D, W, C), -jnp.inf),
             jnp.zeros((B, D, W, C), bool), jnp.full((B, D, W, C), -1, jnp.int32),
@@ -281,7 +290,8 @@ def grow(forward: Forward, cache, logits0: jax.Array, start: jax.Array, request:
     carry = (cache, jnp.broadcast_to(logits0[:, None], (B, W, V)), feats,
              jnp.broadcast_to(first, (B, W)) & ~request.done[:, None], jnp.zeros((B, W)),
              jnp.full((B, W), -1, jnp.int32), jnp.zeros((B, W, R), bool), pool, ~request.done,
-             None if history is None else jnp.full((B, W, D), -1, jnp.int32))
+             None if history is None else jnp.full((B, W, D), -1, jnp.int32),
+             None if request.grammar is None else jnp.broadcast_to(request.grammar_state[:, None], (B, W)))
     if D > 1:  # (a depth-1 tree feeds nothing)
         carry = (cache.hold_tree(B, R) if placed else cache,) + carry[1:]
         carry = jax.lax.fori_loop(0, D - 1, step, carry)  # static bounds: a scan

@@ -320,9 +320,9 @@ def _loop_args(target: Model, draft, where: Placement, batch: int, prompt_len: i
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=where.rows((batch,)))
     kwargs = dict(draft=draft, key=None, max_new_tokens=max_new_tokens, num_draft_tokens=None, temperature=0.0,
                   top_k=0, top_p=1.0, min_p=0.0, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0,
-                  repetition_penalty=1.0, eos_token_id=None, return_trace=False,
-                  logprobs=None, logprobs_mode="raw", prompt_logprobs=None, adaptive_k=False, draft_threshold=0.0, mesh=where.mesh,
-                  rules=where.rules, stream=None, cost_profile=None, deterministic=False)
+                  repetition_penalty=1.0, grammar=None, eos_token_id=None, return_trace=False,
+                  logprobs=None, logprobs_mode="raw", prompt_logprobs=None, adaptive_k=False, draft_threshold=0.0,
+                  mesh=where.mesh, rules=where.rules, stream=None, cost_profile=None, deterministic=False)
     kwargs.update(generate_kwargs)
     # The exact program for another platform is built, not promised (prepare would refuse it
     # off the CPU, where its bits are verified).
@@ -396,7 +396,7 @@ def draft_program(target: Model, draft, where: Placement, batch: int = 1, prompt
     """One drafter step as the loop runs it (`Drafter.propose` on the loop's state at its
     first step): its forwards, its cache writes, its proposal."""
     args, static = _loop_args(target, draft, where, batch, prompt_len, max_new_tokens, generate_kwargs, draft_rules)
-    target_placed, drafter, prompts, lengths, key, sampling, _, threshold = args
+    target_placed, drafter, prompts, lengths, key, sampling, _, threshold = args[:8]
     if drafter is None:
         raise ValueError("draft_program needs a draft")
     backend = static["backend"]

@@ -1,0 +1,301 @@
+"""Structured output: a regex (or a JSON schema or a list of choices, turned into one) compiled
+into a token-level finite automaton, held on the device as arrays and walked inside the
+compiled step.
+
+`Grammar` is one constraint compiled on the host by outlines-core for a `Vocabulary` (the
+tokenizer's token texts): its states, the tokens each allows, and where each leads. Why
+outlines-core: it turns a regex over a vocabulary into a *finite* automaton of tokens, which
+fits fixed-shape arrays, so every draft position of a chain or a tree is masked by the state
+its path reaches with no host round trip; xgrammar and llguidance match context-free
+grammars with a pushdown stack the host advances token by token, which each speculative
+step would wait on for every path of every row. The price: a JSON schema must be one a
+regex can express (outlines-core's `build_regex_from_schema`: no unbounded recursion).
+
+`Automaton` is a grammar per row on the device: per state a bitmask of the allowed tokens
+([Q, V/32] uint32), the state they lead to, and the few that lead elsewhere in compressed
+rows (per state their tokens, increasing, and targets), found by a fixed number of
+bisection steps (`step`); an engine holds one of fixed capacity per slot, written at
+admission like the rest of a row. A row's state is an int32: FREE (no grammar:
+everything allowed, it stays FREE), a state of the automaton, or DEAD (a draft token its
+state did not allow: everything allowed, since the target gives that token probability 0
+and nothing is ever drawn from a dead node's distribution).
+
+It knows tokenizers' texts, outlines-core and arrays; nothing of models, drafters or loops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+FREE, DEAD = -1, -2  # a row's state without a grammar; after a token its state did not allow
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (the library's reason), or is too large."""
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    """The token texts a grammar is compiled over: outlines-core's vocabulary (each text's
+    ids; special tokens and ids without text left out, so never allowed) and the model's
+    vocabulary size (ids past the tokenizer's are never allowed), eos: the id allowed where
+    the constraint is complete (it stops the row)."""
+
+    index_vocabulary: object  # outlines_core.Vocabulary
+    vocab_size: int
+    eos: int
+
+    @classmethod
+    def from_texts(cls, texts: dict[int, str | bytes], eos: int, vocab_size: int) -> "Vocabulary":
+        """From {token id: its text} (tests and tokenizers alike)."""
+        from outlines_core import Vocabulary as IndexVocabulary
+
+        by_text: dict[bytes, list[int]] = {}
+        for token, text in texts.items():
+            data = text.encode() if isinstance(text, str) else bytes(text)
+            if data and token != eos and 0 <= token < vocab_size:
+                by_text.setdefault(data, []).append(int(token))
+        return cls(IndexVocabulary(int(eos), by_text), int(vocab_size), int(eos))
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int, eos: int | None = None) -> "Vocabulary":
+        """A transformers tokenizer's: each token's bytes (byte-level BPE's through GPT-2's byte
+        map, SentencePiece's ▁ as a space and <0xNN> as its byte), special tokens left out;
+        eos: default the tokenizer's."""
+        eos = tokenizer.eos_token_id if eos is None else eos
+        if eos is None:
+            raise GrammarError("the tokenizer names no EOS token: give the id that ends a constrained reply")
+        special = set(tokenizer.all_special_ids)
+        return cls.from_texts({i: _token_bytes(tokenizer, token) for token, i in tokenizer.get_vocab().items()
+                               if i not in special}, eos, vocab_size)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet back to bytes."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:] + [256 + n for n in range(256) if n not in bs]
+    bs = bs + [n for n in range(256) if n not in bs]
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _token_bytes(tokenizer, token: str) -> bytes:
+    """One vocabulary entry's bytes, as the tokenizer's decoder would produce them in a text."""
+    byte = _BYTE_TOKEN.match(token)
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    if "▁" in token:  # SentencePiece
+        return token.replace("▁", " ").encode()
+    if all(c in _BYTES for c in token):  # byte-level BPE
+        return bytes(_BYTES[c] for c in token)
+    return tokenizer.convert_tokens_to_string([token]).encode()
+
+
+MAX_GRAMMAR_BYTES = 256 << 20  # a grammar's arrays on the device, at most
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """One constraint compiled on the host: states 0..Q-1 (`initial` the start), per state
+    its allowed tokens as bits (allowed uint32 [Q, W], W = ceil(V/32)), the state most of
+    them lead to (default int32 [Q]), and the others as exceptions (starts int32 [Q+1];
+    tokens, targets int32 [E], increasing tokens within a state): a JSON string's state
+    leads back to itself for almost every token, so E stays near the tokens that matter."""
+
+    allowed: np.ndarray
+    default: np.ndarray
+    starts: np.ndarray
+    tokens: np.ndarray
+    targets: np.ndarray
+    initial: int
+    finals: frozenset
+    source: str  # what it was compiled from, for messages
+
+    @classmethod
+    def regex(cls, pattern: str, vocabulary: Vocabulary, source: str | None = None) -> "Grammar":
+        """The constraint that the reply's text matches `pattern` (a whole match), then EOS."""
+        from outlines_core import Index
+
+        if not isinstance(pattern, str):
+            raise GrammarError(f"a regex must be a string, got {type(pattern).__name__}")
+        source = source or f"the regex {pattern[:80]!r}"
+        try:
+            index = Index(pattern, vocabulary.index_vocabulary)
+        except Exception as e:  # noqa: BLE001 - the library's own reason, named
+            raise GrammarError(f"{source} cannot be compiled: {' '.join(str(e).split())[:300]}") from None
+        moves = index.get_transitions()  # {state: {token: next state}}
+        states = sorted(set(moves) | {t for edges in moves.values() for t in edges.values()})
+        number = {s: i for i, s in enumerate(states)}
+        Q, V = len(states), vocabulary.vocab_size
+        W = -(-V // 32)
+        if Q * W * 4 > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"{source} compiles to {Q} states over {V} tokens: {Q * W * 4 / 2**20:.0f} MiB of "
+                               f"masks, over the {MAX_GRAMMAR_BYTES >> 20} MiB allowed")
+        bits = np.zeros((Q, W * 32), bool)
+        default = np.zeros(Q, np.int32)
+        starts, tokens, targets = [0], [], []
+        for s in states:
+            edges = sorted((t, number[n]) for t, n in moves.get(s, {}).items() if t < V)
+            bits[number[s], [t for t, _ in edges]] = True
+            if edges:
+                default[number[s]] = most = np.bincount([n for _, n in edges]).argmax()
+                edges = [(t, n) for t, n in edges if n != most]
+            tokens += [t for t, _ in edges]
+            targets += [n for _, n in edges]
+            starts.append(len(tokens))
+        allowed = (bits.reshape(Q, W, 32) * (np.uint64(1) << np.arange(32, dtype=np.uint64))).sum(-1)
+        return cls(allowed.astype(np.uint32), default, np.array(starts, np.int32), np.array(tokens, np.int32),
+                   np.array(targets, np.int32), number[index.get_initial_state()],
+                   frozenset(number[s] for s in index.get_final_states()), source)
+
+    @classmethod
+    def choice(cls, choices, vocabulary: Vocabulary) -> "Grammar":
+        """The reply is one of `choices` (strings), exactly (vLLM's guided_choice)."""
+        if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
+            raise GrammarError("a choice constraint is a non-empty list of strings")
+        return cls.regex("(" + "|".join(re.escape(c) for c in choices) + ")", vocabulary,
+                         f"the choice among {len(choices)} strings")
+
+    @classmethod
+    def json_schema(cls, schema, vocabulary: Vocabulary, whitespace: str | None = None) -> "Grammar":
+        """The reply is JSON that validates against `schema` (a dict, or its JSON text), as
+        outlines-core's regex for it says (compact by default: whitespace is a regex, as theirs)."""
+        from outlines_core.json_schema import build_regex_from_schema
+
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            pattern = build_regex_from_schema(text, whitespace)
+        except Exception as e:  # noqa: BLE001 - the library's reason names the part it cannot express
+            raise GrammarError(f"the JSON schema cannot be compiled: {' '.join(str(e).split())[:300]}") from None
+        return cls.regex(pattern, vocabulary, "the JSON schema")
+
+    @property
+    def num_states(self) -> int:
+        return self.starts.shape[0] - 1
+
+    @property
+    def num_edges(self) -> int:
+        return self.tokens.shape[0]
+
+
+@struct.dataclass
+class Automaton:
+    """One grammar per row on the device (its own states and exceptions, padded to the
+    batch's largest, or to an engine's capacity: `of`); a row's state indexes its own."""
+
+    allowed: jax.Array  # uint32 [B, Q, W]: bit v % 32 of word v // 32: token v is allowed in that state
+    default: jax.Array  # int32 [B, Q]: where an allowed token leads unless an exception says otherwise
+    starts: jax.Array  # int32 [B, Q+1]: state q's exceptions are starts[q] .. starts[q+1] - 1
+    tokens: jax.Array  # int32 [B, E]: each exception's token, increasing within a state
+    targets: jax.Array  # int32 [B, E]: the state it leads to
+
+    AXES = {"allowed": ("batch", None, None), "default": ("batch", None), "starts": ("batch", None),
+            "tokens": ("batch", None), "targets": ("batch", None)}  # sharding.declared_axes: rows over data
+
+    @staticmethod
+    def arrays(grammars, vocab_size: int, states: int | None = None, edges: int | None = None) -> tuple:
+        """Host arrays of an `Automaton` for rows of these grammars (None: a free row) and each
+        row's initial state int32 [B] (FREE for None): padded to `states` and `edges` (default
+        the largest, rounded up to a power of two so that similar grammars share programs)."""
+        held = [g for g in grammars if g is not None]
+        for g in held:
+            if g.allowed.shape[1] * 32 < vocab_size:
+                raise GrammarError(f"{g.source} was compiled for a smaller vocabulary than the model's {vocab_size}")
+        Q = states or 1 << max([g.num_states - 1 for g in held] + [0]).bit_length()
+        E = edges or 1 << max([g.num_edges - 1 for g in held] + [0]).bit_length()
+        for g in held:
+            if g.num_states > Q or g.num_edges > E:
+                raise GrammarError(f"{g.source} compiles to {g.num_states} states and {g.num_edges} exceptional moves; "
+                                   f"this engine holds up to {Q} and {E} a row")
+        B, W = len(grammars), -(-vocab_size // 32)
+        out = (np.zeros((B, Q, W), np.uint32), np.zeros((B, Q), np.int32), np.zeros((B, Q + 1), np.int32),
+               np.zeros((B, E), np.int32), np.zeros((B, E), np.int32))
+        for b, g in enumerate(grammars):
+            if g is not None:
+                n, e = g.num_states, g.num_edges
+                out[0][b, :n], out[1][b, :n] = g.allowed[:, :W], g.default
+                out[2][b, :n + 1], out[2][b, n + 1:] = g.starts, e
+                out[3][b, :e], out[4][b, :e] = g.tokens, g.targets
+        initial = np.array([FREE if g is None else g.initial for g in grammars], np.int32)
+        return out, initial
+
+    @classmethod
+    def of(cls, grammars, vocab_size: int) -> tuple["Automaton", np.ndarray]:
+        """(the automaton of these rows' grammars, each row's initial state): `arrays` on the device."""
+        arrays, initial = cls.arrays(grammars, vocab_size)
+        return cls(*(jnp.asarray(x) for x in arrays)), initial
+
+    @property
+    def vocab_size(self) -> int:
+        return self.allowed.shape[-1] * 32
+
+    def _bit(self, rows, state, token):
+        words = self.allowed[rows, jnp.maximum(state, 0), token // 32]
+        return ((words >> (token % 32).astype(jnp.uint32)) & 1) == 1
+
+    def step(self, state: jax.Array, token: jax.Array) -> jax.Array:
+        """int32 [B, ...]: each row's states after `token` int32 [B, ...] in `state` int32 [B,
+        ...] (FREE and DEAD stay; a token the state does not allow: DEAD). An exception is
+        found by a bisection of the state's in ceil(log2(E + 1)) fixed steps."""
+        B, E = self.tokens.shape
+        state, token = jnp.broadcast_arrays(state, token)
+        rows = jnp.arange(B).reshape((B,) + (1,) * (state.ndim - 1))
+        q = jnp.maximum(state, 0)
+        lo, end = self.starts[rows, q], self.starts[rows, q + 1]
+
+        def halve(_, bounds):
+            lo, hi = bounds
+            mid = (lo + hi) // 2
+            right = self.tokens[rows, jnp.minimum(mid, E - 1)] < token
+            going = lo < hi
+            return jnp.where(going & right, mid + 1, lo), jnp.where(going & ~right, mid, hi)
+
+        if E:
+            lo, _ = jax.lax.fori_loop(0, math.ceil(math.log2(E + 1)), halve, (lo, end))
+        at = jnp.minimum(lo, max(E - 1, 0))
+        found = (lo < end) & (self.tokens[rows, at] == token) if E else jnp.zeros(state.shape, bool)
+        moved = jnp.where(found, self.targets[rows, at] if E else 0, self.default[rows, q])
+        token_ok = (token >= 0) & (token < self.vocab_size)
+        allowed = self._bit(rows, state, jnp.clip(token, 0, self.vocab_size - 1)) & token_ok
+        return jnp.where(state < 0, state, jnp.where(allowed, moved, DEAD))
+
+    def allows(self, state: jax.Array, vocab_size: int) -> jax.Array:
+        """bool [B, ..., vocab_size]: the tokens each of `state` int32 [B, ...] allows (FREE
+        and DEAD: all)."""
+        B = state.shape[0]
+        rows = jnp.arange(B).reshape((B,) + (1,) * (state.ndim - 1))
+        words = self.allowed[rows, jnp.maximum(state, 0)]  # [B, ..., W]
+        v = jnp.arange(vocab_size)
+        bits = (jnp.take(words, v // 32, axis=-1) >> (v % 32).astype(jnp.uint32)) & 1
+        return (bits == 1) | (state < 0)[..., None]
+
+    def walk(self, state: jax.Array, tokens: jax.Array, parents, depth: int) -> jax.Array:
+        """int32 [B, N+1]: the state each node of a token tree reaches (node 0, the root, is in
+        `state` int32 [B]; node i is tokens[:, i-1], its parent parents[i-1] (numpy [N] or
+        int32 [B, N]), after its ancestors' tokens): depth passes, each node taking its
+        parent's state of the pass before (every node deeper than the pass is wrong until
+        the pass of its depth)."""
+        B, N = tokens.shape
+        parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, N))
+        states = jnp.broadcast_to(state[:, None], (B, N + 1))
+        for _ in range(depth):
+            states = jnp.concatenate(
+                [state[:, None], self.step(jnp.take_along_axis(states, parents, axis=1), tokens)], axis=1)
+        return states
+
+    def run(self, state: jax.Array, tokens: jax.Array, count: jax.Array) -> jax.Array:
+        """int32 [B]: each row's state after its first count[b] of tokens int32 [B, T]."""
+        for j in range(tokens.shape[1]):
+            state = jnp.where(j < count, self.step(state, tokens[:, j]), state)
+        return state
