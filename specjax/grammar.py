@@ -184,6 +184,19 @@ class Grammar:
     def num_states(self) -> int:
         return self.starts.shape[0] - 1
 
+    def state_after(self, tokens) -> int:
+        """The state after `tokens` (ids) from the start, walked on the host (a preempted
+        request resumes there): DEAD once one was not allowed."""
+        state = self.initial
+        for token in tokens:
+            known = 0 <= token < self.allowed.shape[1] * 32
+            if not known or not (self.allowed[state, token // 32] >> (token % 32)) & 1:
+                return DEAD
+            lo, hi = self.starts[state], self.starts[state + 1]
+            at = lo + int(np.searchsorted(self.tokens[lo:hi], token))
+            state = int(self.targets[at]) if at < hi and self.tokens[at] == token else int(self.default[state])
+        return state
+
     @property
     def num_edges(self) -> int:
         return self.tokens.shape[0]

@@ -358,7 +358,8 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
     # What penalties read: only a filtered program's rows may have any (`sampling.kind_of`).
     history = None if state.sampling.kind != FILTERED else History.of(
         state.tokens, state.prompt_length, length, V)
-    grammar = state.grammar  # (its rows are of the filtered kind: `warp` masks)
+    # A constrained row's call is of the filtered kind (`warp` masks): others leave the states be.
+    grammar = state.grammar if state.sampling.kind == FILTERED else None
     if drafter is None:
         draft_state, cache = state.draft_state, state.target_cache
         proposal = Proposal(jnp.zeros((B, 0), jnp.int32), np.zeros((0,), np.int32), jnp.zeros((B, 0), bool), None)
@@ -433,7 +434,8 @@ def step(target: Model, drafter, state: SlotState, threshold, *, adaptive_k: boo
                             start)
     new_state = state.replace(tokens=tokens, length=new_length, target_cache=cache.replace(lengths=new_length - 1),
                               draft_state=draft_state, k_limit=k_limit, done=done, stats=stats, features=features,
-                              grammar_state=None if grammar is None else grammar.run(state.grammar_state, new, count))
+                              grammar_state=state.grammar_state if grammar is None
+                              else grammar.run(state.grammar_state, new, count))
     scored = None
     if logprobs is not None:  # new token j was scored at the root (j = 0), else at the path's node at depth j
         at = jnp.pad(path, ((0, 0), (1, 0)))  # [B, D+1]

@@ -65,6 +65,7 @@ class Settings(NamedTuple):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constrained: bool = False  # held to a grammar (specjax.grammar): its distribution is masked
 
     @property
     def penalized(self) -> bool:
@@ -78,8 +79,8 @@ def is_penalized(presence, frequency, repetition):
 
 def kind_of_rows(rows: Sequence[Settings]) -> str:
     """The least kind that serves every row of `rows`."""
-    return kind_of(*(np.array(x) for x in zip(*(r[:4] for r in rows))), biased=[bool(r.logit_bias) for r in rows],
-                   penalized=[r.penalized for r in rows])
+    return kind_of(*(np.array(x) for x in zip(*(r[:4] for r in rows))),
+                   biased=[bool(r.logit_bias) or r.constrained for r in rows], penalized=[r.penalized for r in rows])
 
 
 def bias_arrays(logit_bias, rows: int | None = None, width: int | None = None):
@@ -103,7 +104,7 @@ def bias_arrays(logit_bias, rows: int | None = None, width: int | None = None):
 def stack(rows: Sequence[Settings], width: int) -> "Sampling":
     """Rows' settings as one `Sampling` of host arrays ([n] each; the bias [n, width]), of
     kind FILTERED (which serves every row: a program reads it as its own kind)."""
-    temperature, top_k, top_p, min_p, biases, presence, frequency, repetition = zip(*rows)
+    temperature, top_k, top_p, min_p, biases, presence, frequency, repetition, _ = zip(*rows)
     ids, bias = bias_arrays(biases, len(rows), width)
     floats = lambda x: np.array(x, np.float32)  # noqa: E731
     return Sampling(floats(temperature), np.array(top_k, np.int32), floats(top_p), floats(min_p), ids, bias,

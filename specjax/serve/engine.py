@@ -39,7 +39,7 @@ from specjax.models import Model
 from specjax.request import deterministic_target, logprobs_setting
 from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, Logprobs, kind_of_rows
 from specjax.serve import sizing
-from specjax.serve.pages import OutOfPages, PagePool, page_keys
+from specjax.serve.pages import OutOfPages, page_keys
 from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Programs
 from specjax.serve.requests import Limits, Request
@@ -108,12 +108,13 @@ class Engine:
         `compile_all` timed the steps, a call runs those that last about policy.CALL_MS (a
         request that arrives at a full batch waits one to two calls).
     max_stop_ids: how many stop ids a request may carry.
-    max_logit_bias: the most entries a request's logit_bias may hold (OpenAI's 300): the
-        state holds them per row; only a filtered program (where a live row is biased) adds them.
+    max_logit_bias: the most entries a request's logit_bias may hold (OpenAI's 300), per row.
     max_logprobs: None, or the most top alternatives a request's logprobs may list (0-20):
         then a call with a row that asks for logprobs runs a filtered program that also
         scores its tokens (`generate`'s logprobs, of `logprobs_mode`: "raw" or "processed"),
         one more run program per K and width; `Request.logprobs` holds them.
+    max_grammar_states, max_grammar_edges: each slot holds a grammar (specjax.grammar) of up to
+        this many states and exceptional moves, written with its row (0: none; larger: refused).
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache
         (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
         in pools of this many pages of `page_size` positions that the rows share
@@ -125,13 +126,12 @@ class Engine:
         max_len-sized rows would fit. A request larger than the whole pool is refused at
         `submit`. On a mesh the pools split as the caches' heads do, the tables' rows over
         `data`; with deterministic=True, bit for bit as without pages.
-    kv_cache_bytes: the pool sized from a budget instead of kv_pages: an int of bytes or a
-        string ("4GiB", "512MiB", "2GB"): as many pages as fit, every cache's share of a page
-        counted, the null page included; or "auto": sizing.KV_MEMORY_FRACTION of the device's
-        free memory now (the weights placed), less the state's other arrays and the most any
-        program needs beside its arguments (`Programs.temporaries`: compiled here and read
-        from XLA's `memory_analysis()`), on a device that reports its memory (not a CPU); at
-        most the pages every slot at max_len holds. `stats()` reports pages, tokens, bytes.
+    kv_cache_bytes: the pool sized from a budget instead of kv_pages: bytes ("4GiB", "2GB", an
+        int): as many pages as fit, every cache's share of a page and the null page counted;
+        or "auto": sizing.KV_MEMORY_FRACTION of the device's free memory now (the weights
+        placed), less the state's other arrays and the most any program needs beside its
+        arguments (`Programs.temporaries`, from XLA's `memory_analysis()`), on a device that
+        reports its memory (not a CPU); at most what every slot at max_len holds (`stats()`).
     prefix_caching: paged, whether a request's row takes the cached pages of its context's
         longest run of full pages that an earlier request's row wrote with the same tokens
         before them (`pages.page_keys`), for every cache, and prefills only the rest into its
@@ -140,10 +140,9 @@ class Engine:
         gives (greedy: token for token; deterministic: bit for bit). `stats()` counts tokens
         looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
     prefill_chunk: paged, the most prompt tokens one device call prefills (None: 64 on a CPU,
-        512 elsewhere: `sizing.default_chunk`; rounded down to a prompt bucket): a longer
-        prompt's row holds a slot and its pages while its chunks are prefilled a call apiece
-        between the live rows' calls, which go on streaming, and is placed with its last
-        (its first token then).
+        512 elsewhere: `sizing.default_chunk`; rounded down to a bucket): a longer prompt's row
+        holds a slot and its pages while its chunks are prefilled a call apiece between the
+        live rows' calls, which go on streaming, and is placed with its last.
     """
 
     def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
@@ -151,7 +150,8 @@ class Engine:
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
                  prefix_caching: bool | None = None, prefill_chunk: int | None = None,
-                 max_logit_bias: int = MAX_LOGIT_BIAS, max_logprobs: int | None = None, logprobs_mode: str = "raw"):
+                 max_logit_bias: int = MAX_LOGIT_BIAS, max_logprobs: int | None = None, logprobs_mode: str = "raw",
+                 max_grammar_states: int = 512, max_grammar_edges: int = 4096):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -159,8 +159,11 @@ class Engine:
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
-            raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
+        for name, value in (("max_logit_bias", max_logit_bias), ("max_grammar_states", max_grammar_states),
+                            ("max_grammar_edges", max_grammar_edges)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        grammar = (int(max_grammar_states), int(max_grammar_edges)) if max_grammar_states else None
         scoring = logprobs_setting(max_logprobs, logprobs_mode, "max_logprobs")  # (top, mode) or None
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "
@@ -192,17 +195,12 @@ class Engine:
                                  int(steps_per_call), draft_threshold, mesh, rules, deterministic, OPEN_STEPS,
                                  paging=(2 if kv_pages is None else int(kv_pages) + 1, int(page_size)) if paged else None,
                                  prefill_chunk=(sizing.default_chunk(mesh) if paged and prefill_chunk is None
-                                                else prefill_chunk), bias_width=int(max_logit_bias), logprobs=scoring)
+                                                else prefill_chunk), bias_width=int(max_logit_bias), logprobs=scoring,
+                                 grammar=grammar)
         # What a request may hold (`submit`'s checks).
         self.limits = Limits(target.config.vocab_size, self.max_len, self.programs.stop_width, int(max_logit_bias),
-                             None if scoring is None else scoring[0])
-        self.kv_budget, self.pages = {}, None
-        if paged:
-            per_page, rest = self.programs.page_bytes()
-            if kv_cache_bytes is not None:
-                kv_pages, self.kv_budget = sizing.pages_within(self.programs, kv_cache_bytes, per_page, rest, mesh)
-            self.pages = PagePool(int(kv_pages) + 1, int(page_size))
-            self.kv_budget["kv_cache_bytes"] = per_page * self.pages.num_pages  # every cache's, the null page too
+                             None if scoring is None else scoring[0], grammar)
+        self.pages, self.kv_budget = sizing.page_pool(self.programs, kv_pages, kv_cache_bytes, page_size, mesh)
         if prefix_caching and not paged:
             raise ValueError("prefix_caching shares pages of the KV cache: give kv_pages or kv_cache_bytes")
         self.prefix_caching = paged if prefix_caching is None else bool(prefix_caching)
@@ -251,9 +249,9 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, stop_token_ids: Sequence[int] = (),
                seed: int | None = None, listener=None, *, min_p: float = 0.0, logit_bias=None,
                logprobs: int | None = None, presence_penalty=0.0, frequency_penalty=0.0,
-               repetition_penalty=1.0) -> Request:
+               repetition_penalty=1.0, grammar=None) -> Request:
         """Queues a request; refuses at once (ValueError) what cannot run. Sampling as `generate`'s
-        (min_p, penalties; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
+        (min_p, penalties, grammar; logit_bias {token id: bias}, up to `max_logit_bias` entries). seed: its samples'
         seed (None: a fresh one, kept in `Request.seed`); a seeded request's output does not
         depend on its slot or neighbours, and equals `generate` on it alone with
         key=jax.random.key(seed). listener: None, or a function the engine's thread calls
@@ -261,14 +259,15 @@ class Engine:
         (a server's bridge to its event loop; it must not block)."""
         prompt, settings, stops, seed = self.limits.check(prompt_ids, max_new_tokens, temperature, top_k, top_p,
                                                           min_p, logit_bias, stop_token_ids, seed, logprobs,
-                                                          (presence_penalty, frequency_penalty, repetition_penalty))
+                                                          (presence_penalty, frequency_penalty, repetition_penalty),
+                                                          grammar)
         room = self.programs.room  # a last step's in-flight tokens (`_reach`)
         if self.pages is not None and not self.pages.fits(len(prompt) + max_new_tokens + room):
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens})"
                              f"{f' + {room} in flight' if room else ''} needs more than the engine's whole page pool "
                              f"({self.pages.capacity_tokens} tokens in {self.pages.num_pages - 1} pages of "
                              f"{self.pages.page_size})")
-        request = Request(self, prompt, int(max_new_tokens), settings, stops, seed, listener, logprobs)
+        request = Request(self, prompt, int(max_new_tokens), settings, stops, seed, listener, logprobs, grammar)
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
@@ -573,9 +572,10 @@ class Engine:
         contexts = [np.asarray(r.context, np.int32) for r in group]
         limits, samplings = [len(r.prompt) + r.max_new_tokens for r in group], [r.sampling for r in group]
         outputs = [len(r.prompt) for r in group]  # where each output begins (a resumed one's context holds some)
+        grammars = [(r.grammar, r.tokens) for r in group]
         try:
             rows = None if self.pages else self.programs.prefill(contexts, limits, samplings, stops,
-                                                                 [r.seed for r in group], outputs)
+                                                                 [r.seed for r in group], outputs, grammars)
         except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
             if n == 1:
                 del taken[0]
@@ -590,7 +590,7 @@ class Engine:
         try:
             self._state = (self.programs.insert(self._state, slots, rows) if rows is not None else self.programs.admit(
                 self._state, slots, contexts, [r.prefilled for r in group], limits, samplings, stops,
-                [r.seed for r in group], self._table(dict(zip(slots, group))), outputs))
+                [r.seed for r in group], self._table(dict(zip(slots, group))), outputs, grammars))
         except Exception as e:
             self._fail(group, e)
             raise

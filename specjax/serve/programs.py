@@ -23,6 +23,7 @@ from specjax import loop
 from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
+from specjax.grammar import Automaton
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
 
@@ -51,34 +52,39 @@ def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
 
 
 @functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "bias_width", "backend", "rules",
-                                             "paging"))
+                                             "paging", "grammar"))
 def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, bias_width: int, backend: Backend, rules,
-           paging: tuple | None = None):
+           paging: tuple | None = None, grammar: tuple | None = None):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row.
     paging: None, or (pages, page size, table width): every cache of the state (the target's,
-    the drafter's) in a pool of pages, every row's table the null page (serve/pages.py)."""
+    the drafter's) in a pool of pages, every row's table the null page (serve/pages.py).
+    grammar: None, or (states, exceptional moves) each row's grammar may hold (all free)."""
     target, drafter = loop.bound(backend, target, drafter)
+    automaton, states = (None, None) if grammar is None else Automaton.arrays([None] * slots,
+                                                                              target.config.vocab_size, *grammar)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
         cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=stack([Settings()] * slots, bias_width),
-        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots))
+        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots),
+        grammar=None if automaton is None else Automaton(*(jnp.asarray(x) for x in automaton)), grammar_state=states)
     if paging is not None:  # (the row buffers above are then never made: nothing reads them)
         state = loop.paged(state, *paging)
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, backend.mesh, rules)
 
 
 @functools.partial(jax.jit, static_argnames=("cache_len", "backend"))
-def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, prompt_length, *, cache_len: int,
-             backend: Backend):
+def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, prompt_length, grammar, grammar_state,
+             *, cache_len: int, backend: Backend):
     """n requests' rows: prompts int32 [n, P], their lengths and limits int32 [n], seeds
     uint32 [n], settings [n] each, stop ids [n, M], where their outputs begin int32 [n]
-    (a resumed request's prompt holds output already); row i's key is generate's row 0 of
-    key(seed[i]), as if it were prefilled alone. backend: unsharded (its rows are placed by
-    `_insert`)."""
+    (a resumed request's prompt holds output already), their grammars (an `Automaton` of n
+    rows, or None) and states there; row i's key is generate's row 0 of key(seed[i]), as if
+    it were prefilled alone. backend: unsharded (its rows are placed by `_insert`)."""
     target, drafter = loop.bound(backend, target, drafter)
     return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
-                        stop_ids=stop_ids, key=_seed_keys(seed), prompt_lengths=prompt_length)
+                        stop_ids=stop_ids, key=_seed_keys(seed), prompt_lengths=prompt_length, grammar=grammar,
+                        grammar_state=grammar_state)
 
 
 def _seed_keys(seed):
@@ -118,18 +124,18 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
 
 @functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend", "rules"))
 def _admit(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, prompt_length,
-           table, *, width: int, backend: Backend, rules):
+           grammar, grammar_state, table, *, width: int, backend: Backend, rules):
     """A paged state with n waiting requests prefilled straight into its pages and placed in
     its rows slots int32 [n]: prompts int32 [n, S] (each request's tokens, S the state's
     token buffer), of which positions start[i] .. start[i] + width - 1 are computed (its
     pages hold the ones before: a cached prefix), lengths and limits int32 [n], settings [n]
     each, stop ids [n, M], seeds uint32 [n] (row i's key as `_prefill`'s), where outputs
-    begin int32 [n]; table: the whole
+    begin int32 [n], grammars and states (`_prefill`'s); table: the whole
     page table int32 [slots, M] as the host holds it, the rows' pages included. No row of
     its own is made: the pass writes the state's pools in place."""
     drafter, rows = _prefill_into(target, drafter, state, slots, prompts, start, length, table, width, backend,
                                   limit=limit, sampling=sampling, stop_ids=stop_ids, key=_seed_keys(seed),
-                                  prompt_lengths=prompt_length)
+                                  prompt_lengths=prompt_length, grammar=grammar, grammar_state=grammar_state)
     return loop.place(loop.admit(state, slots, rows, drafter, table), drafter, backend.mesh, rules)
 
 
@@ -282,8 +288,9 @@ class Programs:
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
                  open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None,
-                 bias_width: int = 0, logprobs: tuple[int, str] | None = None):
+                 bias_width: int = 0, logprobs: tuple[int, str] | None = None, grammar: tuple | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
+        self.grammar = grammar  # None, or (states, exceptional moves) a row's grammar may hold
         self.bias_width = bias_width  # entries of a row's logit bias the state holds
         # None, or (top, mode): the run programs that also score the tokens they emit
         # (`loop.step`'s logprobs), one per K and width, of the filtered kind (which serves every row).
@@ -406,22 +413,24 @@ class Programs:
     def empty(self):
         return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
                       stop_width=self.stop_width, bias_width=self.bias_width, backend=self.backend, rules=self.rules,
-                      paging=self._paging)
+                      paging=self._paging, grammar=self.grammar)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
 
     def prefill(self, prompts: list, limits: list, samplings: list, stop_ids: np.ndarray, seeds: list,
-                prompt_lengths: list | None = None):
+                prompt_lengths: list | None = None, grammars: list | None = None):
         """n requests' rows (n in `prefill_sizes`), in the bucket of the longest prompt:
         prompts int32 [P_i] each; samplings `Settings` each; stop_ids int32 [n, M];
         prompt_lengths: where each output begins (None: past its prompt; a resumed request's
-        holds output already). Its arguments go as host arrays: nothing runs eagerly."""
-        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, prompt_lengths=prompt_lengths)
+        holds output already); grammars: None, or each row's (a `Grammar` or None, the
+        tokens of its output so far). Its arguments go as host arrays: nothing runs eagerly."""
+        args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, prompt_lengths=prompt_lengths,
+                                     grammars=grammars)
         return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
 
     def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None,
-                      prompt_lengths=None):
+                      prompt_lengths=None, grammars=None):
         """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket: the longest
         prompt's). starts: None, or (`_admit`'s) where each prompt's prefill starts: then the
         tokens are [n, cache_len], the starts follow them, and the bucket is the longest rest's."""
@@ -439,7 +448,19 @@ class Programs:
         lengths = np.array([len(p) for p in prompts], np.int32)
         return head + (lengths, np.array(limits, np.int32), settings, np.asarray(stop_ids, np.int32).reshape(n, -1),
                        np.array(seeds, np.uint32), lengths if prompt_lengths is None
-                       else np.array(prompt_lengths, np.int32)), b
+                       else np.array(prompt_lengths, np.int32)) + self._grammar_args(n, grammars), b
+
+    def _grammar_args(self, n: int, grammars) -> tuple:
+        """(`_prefill`'s grammar and grammar_state) for n rows (grammars: None, or each row's
+        (Grammar or None, its output so far): a resumed row starts where its output left it)."""
+        if self.grammar is None:
+            return None, None
+        rows = [None] * n if grammars is None else [g for g, _ in grammars]
+        arrays, states = Automaton.arrays(rows, self.target.config.vocab_size, *self.grammar)
+        for i, (g, done) in enumerate(grammars or ()):
+            if g is not None:
+                states[i] = g.state_after(done)
+        return Automaton(*arrays), states
 
     @property
     def table_width(self) -> int:
@@ -462,7 +483,7 @@ class Programs:
         return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
-              seeds: list, table=None, prompt_lengths: list | None = None):
+              seeds: list, table=None, prompt_lengths: list | None = None, grammars: list | None = None):
         """Paged: n requests (n in `prefill_sizes`) prefilled straight into their pages and
         placed in the state's rows `slots`, in the bucket of the longest rest of a prompt past
         its start (starts: positions its pages hold already, a cached prefix: a whole number
@@ -470,7 +491,7 @@ class Programs:
         the rows' pages included (None: every row's null pages, for throwaway rows).
         `prefill`'s other arguments; nothing runs eagerly."""
         args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, starts=starts,
-                                     prompt_lengths=prompt_lengths)
+                                     prompt_lengths=prompt_lengths, grammars=grammars)
         if table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
         return _admit(self.target, self.deepest, state, np.array(slots, np.int32), *args,

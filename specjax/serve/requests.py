@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from specjax.grammar import Grammar
 from specjax.models import check_token_ids
 from specjax.request import fresh_seed
 from specjax.sampling import Settings, check_logit_bias, check_penalties, validate
@@ -27,12 +28,25 @@ class Limits(NamedTuple):
     stop_width: int  # stop ids
     bias_width: int  # logit bias entries
     logprobs: int | None  # top alternatives a token's logprobs may list (None: no logprobs)
+    grammar: tuple | None = None  # (states, exceptional moves) a row's grammar may hold (None: no grammars)
 
     def check(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, stop_token_ids, seed,
-              logprobs, penalties=(0.0, 0.0, 1.0)) -> tuple[tuple, Settings, tuple, int]:
+              logprobs, penalties=(0.0, 0.0, 1.0), grammar=None) -> tuple[tuple, Settings, tuple, int]:
         """`Engine.submit`'s arguments checked (ValueError names what is wrong): (prompt,
         its `Settings`, stop ids, seed: a fresh one where None). penalties: (presence,
-        frequency, repetition)."""
+        frequency, repetition); grammar: None or a `specjax.Grammar` that fits a row."""
+        if grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this engine holds no grammars: Engine(max_grammar_states=...)")
+            if not isinstance(grammar, Grammar):
+                raise ValueError(f"grammar must be a specjax.Grammar, got {type(grammar).__name__}")
+            states, moves = self.grammar
+            ids = grammar.allowed.shape[1] * 32
+            if grammar.num_states > states or grammar.num_edges > moves or ids < self.vocab_size:
+                raise ValueError(f"{grammar.source} compiles to {grammar.num_states} states and {grammar.num_edges} "
+                                 f"exceptional moves over {ids} ids; this engine's rows "
+                                 f"hold {states} and {moves} over {self.vocab_size} (Engine(max_grammar_states=..., "
+                                 f"max_grammar_edges=...))")
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError("prompt_ids must be a non-empty list of token ids")
@@ -61,7 +75,7 @@ class Limits(NamedTuple):
         elif not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
         settings = Settings(float(temperature), int(top_k), float(top_p), float(min_p), tuple(bias.items()),
-                            *check_penalties(*penalties))
+                            *check_penalties(*penalties), constrained=grammar is not None)
         return tuple(int(t) for t in prompt), settings, stops, int(seed)
 
 
@@ -72,10 +86,10 @@ class Request:
     "cancelled"; None while it runs. Times (time.perf_counter) are kept for benchmarks."""
 
     def __init__(self, engine, prompt: tuple, max_new_tokens: int, sampling: tuple,
-                 stop_ids: tuple, seed: int, listener=None, logprobs: int | None = None):
+                 stop_ids: tuple, seed: int, listener=None, logprobs: int | None = None, grammar=None):
         self._engine, self._listener = engine, listener  # its Engine (for cancel)
         self.prompt, self.max_new_tokens, self.sampling = prompt, max_new_tokens, sampling
-        self.stop_token_ids, self.seed = stop_ids, seed
+        self.stop_token_ids, self.seed, self.grammar = stop_ids, seed, grammar  # (grammar: a specjax.Grammar)
         self.tokens: list[int] = []
         self.logprobs = logprobs  # None, or the top alternatives each token's scores list
         # Per token of `tokens` where logprobs is asked for: (its log-probability, [(id, log-probability)

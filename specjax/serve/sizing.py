@@ -1,5 +1,5 @@
-"""How large an engine's state and calls may be: the pages a byte budget holds
-(`pages_within`), the state's bytes checked against what the devices have
+"""How large an engine's state and calls may be: its page pool (`page_pool`), the pages a
+byte budget holds (`pages_within`), the state's bytes checked against what the devices have
 (`check_memory`), and the prompt tokens a call prefills by default (`default_chunk`).
 
 This module reads a `Programs`' shapes and the devices' memory; it knows nothing of
@@ -12,6 +12,7 @@ import jax
 
 from specjax import memory
 from specjax.backend import Backend
+from specjax.serve.pages import PagePool
 
 KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
 # A paged engine's default prefill_chunk (tokens a call), by platform: a chunk stalls the live
@@ -21,6 +22,20 @@ KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto"
 # for a chunk of hundreds (vLLM chunks in thousands).
 PREFILL_CHUNK = {"cpu": 64}
 PREFILL_CHUNK_ELSEWHERE = 512
+
+
+def page_pool(programs, kv_pages, kv_cache_bytes, page_size: int, mesh) -> tuple:
+    """(an `Engine`'s PagePool, what its size was computed from), or (None, {}) unpaged:
+    kv_pages pages (and the null page), or those a byte budget holds (`pages_within`)."""
+    if kv_pages is None and kv_cache_bytes is None:
+        return None, {}
+    per_page, rest = programs.page_bytes()
+    budget = {}
+    if kv_cache_bytes is not None:
+        kv_pages, budget = pages_within(programs, kv_cache_bytes, per_page, rest, mesh)
+    pages = PagePool(int(kv_pages) + 1, int(page_size))
+    budget["kv_cache_bytes"] = per_page * pages.num_pages  # every cache's, the null page too
+    return pages, budget
 
 
 def pages_within(programs, budget, per_page: int, rest: int, mesh) -> tuple[int, dict]:
