@@ -321,7 +321,8 @@ def _serve(args):
                  compilation_cache=None if args.no_compilation_cache else args.compilation_cache,
                  prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk,
                  dense_kv_cache=args.dense_kv_cache, max_logprobs=None if args.no_logprobs else args.max_logprobs,
-                 logprobs_mode=args.logprobs_mode)
+                 logprobs_mode=args.logprobs_mode, max_grammar_states=args.max_grammar_states,
+                 max_grammar_edges=args.max_grammar_edges)
 
 
 def _plan(args):
@@ -543,6 +544,12 @@ def main(argv=None):
     p.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
                    help="raw: the model's own distribution (vLLM's raw_logprobs, the default); processed: the one "
                         "sampled from (logit bias, temperature, top-k, top-p, min-p applied)")
+    p.add_argument("--max-grammar-states", type=int, default=None, metavar="N",
+                   help="each slot's room for a structured-output grammar (response_format, guided_json, "
+                        "guided_regex, guided_choice), in automaton states (default: what 8 MiB of masks hold, "
+                        "64-2048; a JSON object's takes ~1,600; 0 refuses them)")
+    p.add_argument("--max-grammar-edges", type=int, default=None, metavar="N",
+                   help="and in moves that leave a state other than by its usual one (default 8 a state)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
                         "chunk a call while the running requests stream (default 64 on a CPU, 512 elsewhere)")

@@ -81,9 +81,8 @@ class Vocabulary:
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet back to bytes."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs = bs[:] + [256 + n for n in range(256) if n not in bs]
-    bs = bs + [n for n in range(256) if n not in bs]
-    return {chr(c): b for b, c in zip(bs, cs)}
+    rest = [b for b in range(256) if b not in bs]  # mapped to 256, 257, ... in order
+    return {chr(c): b for b, c in zip(bs + rest, bs + [256 + i for i in range(len(rest))])}
 
 
 _BYTES = _byte_decoder()
@@ -170,9 +169,17 @@ class Grammar:
     @classmethod
     def json_schema(cls, schema, vocabulary: Vocabulary, whitespace: str | None = None) -> "Grammar":
         """The reply is JSON that validates against `schema` (a dict, or its JSON text), as
-        outlines-core's regex for it says (compact by default: whitespace is a regex, as theirs)."""
+        outlines-core's regex for it says (whitespace: a regex, default theirs). A keyword
+        that regex does not express (outlines-core passes over `maximum`, `multipleOf`,
+        `uniqueItems`, ...: `UNEXPRESSED`) is refused, named by its path, rather than
+        letting through output that would not validate."""
         from outlines_core.json_schema import build_regex_from_schema
 
+        try:
+            parsed = json.loads(schema) if isinstance(schema, str) else schema
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        _check_expressed(parsed, "")
         text = schema if isinstance(schema, str) else json.dumps(schema)
         try:
             pattern = build_regex_from_schema(text, whitespace)
@@ -200,6 +207,41 @@ class Grammar:
     @property
     def num_edges(self) -> int:
         return self.tokens.shape[0]
+
+
+# JSON Schema keywords outlines-core's regex does not express (it passes over them, so output
+# would match the regex and still fail the schema): refused by `Grammar.json_schema`.
+UNEXPRESSED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+               "minProperties", "maxProperties", "not", "if", "then", "else", "dependentRequired",
+               "dependentSchemas", "dependencies", "patternProperties", "propertyNames", "contains", "minContains",
+               "maxContains", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems")  # a schema each
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # a list of schemas each
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> schema
+
+
+def _check_expressed(schema, path: str):
+    """GrammarError naming the first keyword of `UNEXPRESSED` in a schema and its subschemas."""
+    if isinstance(schema, list):  # (items as a list of schemas)
+        for i, s in enumerate(schema):
+            _check_expressed(s, f"{path}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in UNEXPRESSED:
+        if key in schema:
+            raise GrammarError(f"the JSON schema's {path + '.' if path else ''}{key} is not supported: outlines-core's "
+                               f"regex does not express it, so output could fail the schema")
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            _check_expressed(schema[key], f"{path + '.' if path else ''}{key}")
+    for key in _SCHEMA_LISTS:
+        for i, s in enumerate(schema.get(key) or ()):
+            _check_expressed(s, f"{path + '.' if path else ''}{key}[{i}]")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, s in schema[key].items():
+                _check_expressed(s, f"{path + '.' if path else ''}{key}.{name}")
 
 
 @struct.dataclass

@@ -3,8 +3,9 @@ automaton on the device (specjax.grammar) walks every row's output and every dra
 its moves equal outlines-core's own; sampling under it is exact under speculation
 (chi-square against the enumerated joint of plain constrained decoding, for a chain and a
 sampled tree, constrained rows beside free ones); greedy output equals plain constrained
-decoding for every drafter; a JSON schema's output parses and validates; bad constraints
-are refused by name."""
+decoding for every drafter; a JSON schema's output parses and validates; the engine holds a
+grammar per slot (preempted rows resume in their state); bad constraints are refused by
+name. The server's, through the openai client, in test_serve.py."""
 
 import json
 import re
@@ -156,7 +157,7 @@ def test_a_json_schema_s_output_parses_and_validates():
     target = specjax.models.init(config, jax.random.key(2), jnp.float32)
     texts = dict(enumerate('{}"ok:truefalsn, 0123'))
     vocabulary = Vocabulary.from_texts(texts, eos=23, vocab_size=24)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 20, 300]}},
               "required": ["ok"], "additionalProperties": False}
     grammar = Grammar.json_schema(schema, vocabulary)
     prompts = np.zeros((6, 3), np.int32)
@@ -186,6 +187,10 @@ def test_the_shipped_tokenizer_s_vocabulary_compiles_a_schema():
     (lambda v: Grammar.regex(5, v), "a regex must be a string"),
     (lambda v: Grammar.choice([], v), "a non-empty list of strings"),
     (lambda v: Grammar.json_schema({"type": "nonsense"}, v), "the JSON schema cannot be compiled"),
+    (lambda v: Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}, v),
+     "the JSON schema's properties.n.maximum is not supported"),
+    (lambda v: Grammar.json_schema({"anyOf": [{"type": "array", "uniqueItems": True}]}, v),
+     r"anyOf\[0\].uniqueItems is not supported"),
 ])
 def test_bad_constraints_are_refused_by_name(vocabulary, make, message):
     with pytest.raises(GrammarError, match=message):
@@ -197,3 +202,31 @@ def test_generate_refuses_a_grammar_list_of_the_wrong_length(tiny_pair, vocabula
     padded, lengths = specjax.pad_prompts([PROMPT, PROMPT])
     with pytest.raises(ValueError, match="a list of 2 of them"):
         specjax.generate(target, padded, lengths, max_new_tokens=2, grammar=[Grammar.regex("a", vocabulary)])
+
+
+def test_the_engine_holds_a_grammar_per_slot_and_resumes_it_after_preemption(tiny_pair, vocabulary):
+    """Constrained rows (two grammars, greedy and seeded sampling) beside a free one, in an
+    engine whose page pool is too small for all (rows are preempted and resume from their
+    output: the grammar's state walked over it on the host): each equals generate alone; a
+    grammar larger than a slot's room is refused at submit."""
+    target, draft = tiny_pair
+    grammar, choice = Grammar.regex("(ab|c|d)[a-f]{10}", vocabulary), Grammar.choice(["bad", "cab"], vocabulary)
+    jobs = [(PROMPT, grammar, {}), (PROMPT[::-1], None, {}), (PROMPT, choice, {}),
+            (PROMPT + [1], grammar, dict(temperature=1.0, seed=3)), ([2, 3], grammar, dict(temperature=0.8, seed=5))]
+    with specjax.Engine(target, draft=draft, num_draft_tokens=2, slots=4, max_len=32, kv_pages=7, page_size=4,
+                        steps_per_call=1, max_grammar_states=16, max_grammar_edges=32) as engine:
+        with engine._lock:
+            requests = [engine.submit(p, 14, stop_token_ids=[EOS], grammar=g, **s) for p, g, s in jobs]
+        results = [r.result(timeout=300) for r in requests]
+        with pytest.raises(ValueError, match="this engine's rows hold 16 and 32"):
+            engine.submit(PROMPT, 4, grammar=Grammar.regex("[a-f]{20}", vocabulary))
+        preemptions = engine.preemptions
+    for (prompt, g, s), result in zip(jobs, results):
+        key = {} if "seed" not in s else {"key": jax.random.key(s["seed"]), "temperature": s["temperature"]}
+        padded, lengths = specjax.pad_prompts([prompt])
+        alone = specjax.generate(target, padded, lengths, draft=draft, num_draft_tokens=2, max_new_tokens=14,
+                                 grammar=g, eos_token_id=EOS, **key)
+        assert result == list(np.asarray(alone.tokens[0, :int(alone.num_tokens[0])])), (prompt, s)
+    assert preemptions > 0, ([len(r) for r in results], preemptions)
+    with pytest.raises(ValueError, match="this engine holds no grammars"):
+        specjax.Engine(target, slots=2, max_len=16, max_grammar_states=0).submit(PROMPT, 2, grammar=grammar)

@@ -265,7 +265,16 @@ BAD = [  # (body, status, param)
     (b'{"prompt": "x", "logit_bias": {"-5": 1}}', 400, "logit_bias"),
     (b'{"prompt": "x", "logit_bias": {"4096": 1}}', 400, "logit_bias"),
     (b'{"prompt": "x", "logit_bias": [5, 1]}', 400, "logit_bias"),
-    (b'{"prompt": "x", "guided_choice": ["yes", "no"]}', 400, "guided_choice"),
+    (b'{"prompt": "x", "guided_choice": []}', 400, "guided_choice"),
+    (b'{"prompt": "x", "guided_regex": "("}', 400, "guided_regex"),  # the library's reason, named
+    (b'{"prompt": "x", "guided_json": "[1]"}', 400, "guided_json"),
+    (b'{"prompt": "x", "guided_json": {"type": "integer", "maximum": 3}}', 400, "guided_json"),  # inexpressible
+    (b'{"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}', 400, "guided_choice"),  # one a request
+    (b'{"prompt": "x", "response_format": {"type": "json_schema"}}', 400, "response_format"),
+    (b'{"prompt": "x", "response_format": {"type": "xml"}}', 400, "response_format"),
+    (b'{"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}', 400, "structured_outputs"),
+    (b'{"prompt": "x", "guided_grammar": "root ::= x"}', 400, "guided_grammar"),
+    (b'{"prompt": "x", "guided_choice": ["a"], "ignore_eos": true}', 400, "ignore_eos"),
     (b'{"prompt": "x", "max_completion_tokens": 5}', 400, "max_completion_tokens"),  # chat's, not completions'
     (b'{"prompt": "x", "temprature": 0.5}', 400, "temprature"),  # a typo is named, not ignored
     (b'{"prompt": "x", "stop_token_ids": [99999]}', 400, "stop_token_ids"),
@@ -299,9 +308,9 @@ def test_fields_at_their_off_values_and_harmless_fields_are_served(servers):
             "guided_choice": None, "logprobs": None, "metadata": {"k": "v"}, "store": False, "user": "u"}
     r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "guided_json": {"k": "v" * 200}}, timeout=10)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "guided_grammar": {"k": "v" * 200}}, timeout=10)
     message = r.json()["error"]["message"]
-    assert r.status_code == 400 and "guided_json" in message and "characters)" in message and len(message) < 200
+    assert r.status_code == 400 and "guided_grammar" in message and "characters)" in message and len(message) < 200
 
 
 def test_min_p_logit_bias_and_penalties_through_the_openai_client(engine, servers):
@@ -374,6 +383,40 @@ def test_logprobs_through_the_openai_client(engine, servers):
     assert [t.logprob for t in streamed] == [t.logprob for t in content] and all(t.top_logprobs == [] for t in streamed)
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_structured_output_through_the_openai_client(engine, servers):
+    """response_format json_schema (chat, streamed and not) gives JSON that validates against
+    the schema; guided_choice one of the choices; guided_regex a match; each equal to
+    generate with that grammar (greedy) on the same vocabulary."""
+    import jsonschema
+
+    live = servers("main")
+    client, tokenizer = live.client(), live.server.tokenizer
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["x", "yy", "zzz"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+    format_ = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    messages = [{"role": "user", "content": "answer"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                          response_format=format_)
+    assert chat.choices[0].finish_reason == "stop", repr(chat.choices[0].message.content)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                              response_format=format_, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    sampled = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=1.0, n=3,
+                                             seed=4, response_format={"type": "json_object"})
+    assert all(isinstance(json.loads(c.message.content), dict) for c in sampled.choices if c.finish_reason == "stop")
+    choices = ["alpha", "beta", "gamma delta"]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                    extra_body={"guided_choice": choices})
+    assert got.choices[0].text in choices
+    vocabulary = specjax.Vocabulary.of(tokenizer, engine.target.config.vocab_size, EOS)
+    want = _alone(engine, PROMPTS[0], 16, grammar=specjax.Grammar.choice(choices, vocabulary))
+    assert got.choices[0].text == _text(tokenizer, want)
+    got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0.7, seed=2,
+                                    extra_body={"guided_regex": "[0-9]{2,4}-[a-c]+"})
+    assert re.fullmatch("[0-9]{2,4}-[a-c]+", got.choices[0].text) or got.choices[0].finish_reason == "length"
 
 
 def test_echo_with_logprobs_scores_the_prompt_too(engine, servers):
@@ -675,12 +718,13 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
     assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32", "--prefill-chunk", "256"]) == 0
     assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
-    assert entry(["serve", "t", "--dense-kv-cache", "--no-logprobs"]) == 0
+    assert entry(["serve", "t", "--dense-kv-cache", "--no-logprobs", "--max-grammar-states", "0"]) == 0
     assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"],
              s["dense_kv_cache"]) for s in seen] == [(64, None, 32, True, 256, False),
                                                      (None, "4GiB", 16, False, None, False),
                                                      (None, None, 16, True, None, True)]
     assert [(s["max_logprobs"], s["logprobs_mode"]) for s in seen] == [(20, "raw"), (20, "raw"), (None, "raw")]
+    assert [(s["max_grammar_states"], s["max_grammar_edges"]) for s in seen] == [(None, None)] * 2 + [(0, None)]
     with pytest.raises(SystemExit):  # dense rows or a pool, not both
         entry(["serve", "t", "--dense-kv-cache", "--kv-pages", "8"])
     # Given neither, a server's caches are paged: on a CPU (no memory reported), the pages of its rows.

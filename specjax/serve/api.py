@@ -38,7 +38,9 @@ from specjax.models import check_token_ids
 from specjax.sampling import check_logit_bias
 from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
-from specjax.serve.protocol import PENALTIES, ApiError, ChatRequest, CompletionRequest, logit_bias, parse
+from specjax.serve.protocol import (PENALTIES, ApiError, ChatRequest, CompletionRequest, constraint, logit_bias,
+                                    parse)
+from specjax.serve.structured import Constraints
 from specjax.text import encode_prompts
 
 MAX_BODY = 1 << 20  # bytes of a request body (a 1,024-token prompt of ids is ~6 KB)
@@ -60,6 +62,8 @@ class Server:
         self.stop_ids = tuple(stop_ids or ())
         self.max_body = max_body
         self.vocab_size = engine.target.config.vocab_size
+        self.constraints = Constraints(tokenizer, self.vocab_size, self.stop_ids[0] if self.stop_ids else None,
+                                       engine.limits.grammar)
         self.metrics = Metrics(engine, model_name)
         self.created = int(time.time())
 
@@ -267,6 +271,7 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         # Tokenizing (and decoding an echo) runs beside the event loop: a large body stalls no stream.
         prompts, echoes = await asyncio.to_thread(server.completion_prompts_and_echoes, body)
         settings = server.settings(body, [len(p) for p in prompts], default_max=16)
+        settings.grammar = await _grammar(server, body)
         if body.echo and settings.logprobs is not None:  # the prompts' own, from a pass of their own beside the loop
             echoes = await asyncio.to_thread(_echoed_logprobs, server, prompts, echoes, settings.logprobs)
         return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes)
@@ -277,10 +282,19 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         server.check_model(body.model)
         prompt = await asyncio.to_thread(server.chat_prompt, body)  # its template and tokenizer, beside the loop
         settings = server.settings(body, [len(prompt)], default_max=None)
+        settings.grammar = await _grammar(server, body)
         return await _respond(server, request, body, [prompt], settings, chat=True, echoes=[""])
 
     app.include_router(v1)
     return app
+
+
+async def _grammar(server: Server, body):
+    """The body's structured-output grammar (None: none), compiled beside the event loop."""
+    found = constraint(body)
+    if found is not None and body.ignore_eos:
+        raise ApiError(400, "ignore_eos: a constrained reply ends at EOS once complete", param="ignore_eos")
+    return None if found is None else await asyncio.to_thread(server.constraints.grammar, found)
 
 
 def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:

@@ -114,7 +114,8 @@ class Engine:
         scores its tokens (`generate`'s logprobs, of `logprobs_mode`: "raw" or "processed"),
         one more run program per K and width; `Request.logprobs` holds them.
     max_grammar_states, max_grammar_edges: each slot holds a grammar (specjax.grammar) of up to
-        this many states and exceptional moves, written with its row (0: none; larger: refused).
+        this many states and exceptional moves, written with its row (0: none; larger: refused;
+        None: `sizing.grammar_capacity`, about 8 MiB a slot).
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache
         (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
         in pools of this many pages of `page_size` positions that the rows share
@@ -151,7 +152,7 @@ class Engine:
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
                  prefix_caching: bool | None = None, prefill_chunk: int | None = None,
                  max_logit_bias: int = MAX_LOGIT_BIAS, max_logprobs: int | None = None, logprobs_mode: str = "raw",
-                 max_grammar_states: int = 512, max_grammar_edges: int = 4096):
+                 max_grammar_states: int | None = None, max_grammar_edges: int | None = None):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -159,11 +160,9 @@ class Engine:
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name, value in (("max_logit_bias", max_logit_bias), ("max_grammar_states", max_grammar_states),
-                            ("max_grammar_edges", max_grammar_edges)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        grammar = (int(max_grammar_states), int(max_grammar_edges)) if max_grammar_states else None
+        if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
+        grammar = sizing.grammar_capacity(max_grammar_states, max_grammar_edges, target.config.vocab_size)
         scoring = logprobs_setting(max_logprobs, logprobs_mode, "max_logprobs")  # (top, mode) or None
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "

@@ -67,6 +67,7 @@ class Settings:
     stop: tuple[str, ...]
     seed: int | None
     penalties: dict = field(default_factory=dict)  # presence_penalty, frequency_penalty, repetition_penalty
+    grammar: object = None  # a specjax.Grammar every choice must match (structured output), or None
 
 
 class Generation:
@@ -90,7 +91,7 @@ class Generation:
                 c.request = self.engine.submit(
                     c.prompt, max_new_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                     min_p=s.min_p, logit_bias=s.logit_bias, logprobs=s.logprobs, stop_token_ids=s.stop_ids, seed=seed,
-                    **s.penalties,
+                    grammar=s.grammar, **s.penalties,
                     listener=lambda tokens, c=c: loop.call_soon_threadsafe(self._queue.put_nowait, (c, tokens)))
         except BaseException:
             self.close()

@@ -3,8 +3,8 @@
 Every body is read here: its size bounded, parsed as JSON (nesting bounded), typed field by
 field (strictly: "5" is not an int, true is not a number) and ranged; whatever fails is an
 `ApiError` with OpenAI's body `{"error": {"message", "type", "param", "code"}}` naming the
-field. Fields OpenAI or vLLM define that specjax does not implement (guided decoding, tools,
-beam search, ...) are refused by name unless they hold their
+field (a structured-output constraint: `constraint`). Fields OpenAI or vLLM define that
+specjax does not implement (context-free grammars, tools, beam search, ...) are refused by name unless they hold their
 "off" value; fields that change nothing served (user, metadata, store, ...) are accepted;
 any other field is refused by name, as OpenAI's server refuses an unrecognized argument:
 nothing a client sends is dropped without a word.
@@ -47,6 +47,29 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):  # OpenAI's
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):  # vLLM's
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    json_object: StrictBool | None = None
+    grammar: StrictStr | None = None  # (a context-free grammar: refused by name, `constraint`)
+    whitespace_pattern: StrictStr | None = None
+
+
 class Sampling(BaseModel):
     """The fields completions and chat share (others are kept in `model_extra`, and refused
     by `refuse_unsupported` unless IGNORED)."""
@@ -71,6 +94,13 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     user: StrictStr | None = None
+    # Structured output (`constraint`): OpenAI's response_format, vLLM's guided_* and structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # `Sampling`'s, passed on by name
@@ -109,14 +139,13 @@ UNSUPPORTED = {
     # OpenAI
     "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": OFF,
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": OFF, "prediction": OFF, "reasoning_effort": OFF, "web_search_options": OFF,
     # vLLM's extensions
     "length_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
     "bad_words": (None, []), "allowed_token_ids": OFF, "prompt_logprobs": OFF, "truncate_prompt_tokens": OFF,
-    "guided_json": OFF, "guided_regex": OFF, "guided_choice": OFF, "guided_grammar": OFF,
-    "guided_decoding_backend": OFF, "guided_whitespace_pattern": OFF, "structured_outputs": OFF,
+    "guided_grammar": OFF, "guided_decoding_backend": OFF,
     "logits_processors": OFF, "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "add_special_tokens": OFF, "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": OFF, "chat_template_kwargs": (None, {}), "documents": OFF,
@@ -124,6 +153,48 @@ UNSUPPORTED = {
 }
 # Fields that change nothing this server computes or returns: accepted, whatever they hold.
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+
+
+def constraint(body: Sampling) -> tuple[str, object, str | None, str] | None:
+    """The body's structured-output constraint, or None: (kind "regex", "choice" or
+    "json_schema", its spec (a pattern, a list, a schema), whitespace pattern or None, the
+    field that gave it). More than one is an ApiError naming the second; a JSON schema
+    given as text that is not a JSON object, and a context-free grammar, likewise."""
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("json_schema", {"type": "object"}, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
+        found.append(("json_schema", rf.json_schema.schema_, "response_format"))
+    so = body.structured_outputs or StructuredOutputs()
+    if so.grammar is not None:
+        raise ApiError(400, "structured_outputs.grammar (a context-free grammar) is not supported: specjax holds "
+                            "finite automata on the device (a regex, a JSON schema, choices)",
+                       param="structured_outputs", code="unsupported_parameter")
+    for value, kind, param in ((body.guided_json, "json_schema", "guided_json"),
+                               (body.guided_regex, "regex", "guided_regex"),
+                               (body.guided_choice, "choice", "guided_choice"),
+                               (so.json_, "json_schema", "structured_outputs"),
+                               (so.regex, "regex", "structured_outputs"), (so.choice, "choice", "structured_outputs"),
+                               ({"type": "object"} if so.json_object else None, "json_schema", "structured_outputs")):
+        if value is not None:
+            found.append((kind, value, param))
+    if len(found) > 1:
+        raise ApiError(400, f"{found[1][2]}: one structured-output constraint a request, and {found[0][2]} gives one",
+                       param=found[1][2], code="invalid_value")
+    if not found:
+        return None
+    kind, spec, param = found[0]
+    if kind == "json_schema" and isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            spec = None
+        if not isinstance(spec, dict):
+            raise ApiError(400, f"{param}: a JSON schema must be a JSON object", param=param, code="invalid_value")
+    return kind, spec, body.guided_whitespace_pattern or so.whitespace_pattern, param
 
 
 def logit_bias(body: Sampling) -> dict[int, float]:

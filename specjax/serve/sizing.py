@@ -1,5 +1,5 @@
 """How large an engine's state and calls may be: its page pool (`page_pool`), the pages a
-byte budget holds (`pages_within`), the state's bytes checked against what the devices have
+byte budget holds (`pages_within`), a slot's room for a grammar (`grammar_capacity`), the state's bytes checked against what the devices have
 (`check_memory`), and the prompt tokens a call prefills by default (`default_chunk`).
 
 This module reads a `Programs`' shapes and the devices' memory; it knows nothing of
@@ -22,6 +22,23 @@ KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto"
 # for a chunk of hundreds (vLLM chunks in thousands).
 PREFILL_CHUNK = {"cpu": 64}
 PREFILL_CHUNK_ELSEWHERE = 512
+
+
+GRAMMAR_BYTES = 8 << 20  # a slot's room for a structured-output grammar's masks by default
+GRAMMAR_STATES = (64, 2048)  # the default states a slot holds, at least and at most (a JSON object's: ~1,600)
+
+
+def grammar_capacity(states: int | None, edges: int | None, vocab_size: int) -> tuple[int, int] | None:
+    """(states, exceptional moves) a slot's grammar may hold, or None (states 0: none). None
+    given: as many states as GRAMMAR_BYTES of masks hold (V/32 words each) within
+    GRAMMAR_STATES, and 8 moves a state."""
+    for name, value in (("max_grammar_states", states), ("max_grammar_edges", edges)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+    if states is None:
+        lo, hi = GRAMMAR_STATES
+        states = min(hi, max(lo, GRAMMAR_BYTES // (4 * -(-vocab_size // 32))))
+    return None if states == 0 else (states, 8 * states if edges is None else edges)
 
 
 def page_pool(programs, kv_pages, kv_cache_bytes, page_size: int, mesh) -> tuple:
