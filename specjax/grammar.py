@@ -286,6 +286,17 @@ class Automaton:
         return out, initial
 
     @classmethod
+    def resumed(cls, rows, vocab_size: int, capacity: tuple) -> tuple["Automaton", np.ndarray]:
+        """(host arrays of an Automaton at capacity (states, exceptional moves), each row's
+        state) for rows of (a Grammar or None, the tokens it has emitted so far): a resumed
+        row (an engine's preempted request) starts where its output left it."""
+        arrays, states = cls.arrays([g for g, _ in rows], vocab_size, *capacity)
+        for i, (g, emitted) in enumerate(rows):
+            if g is not None:
+                states[i] = g.state_after(emitted)
+        return cls(*arrays), states
+
+    @classmethod
     def of(cls, grammars, vocab_size: int) -> tuple["Automaton", np.ndarray]:
         """(the automaton of these rows' grammars, each row's initial state): `arrays` on the device."""
         arrays, initial = cls.arrays(grammars, vocab_size)

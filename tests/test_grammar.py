@@ -18,7 +18,7 @@ import pytest
 import specjax
 from specjax.grammar import DEAD, FREE, Automaton, Grammar, GrammarError, Vocabulary
 from tests.test_sampling import PROMPT, ROWS, V, _tiny, _transformers_probs
-from tests.test_sampling_params import _check, _joint
+from tests.test_sampling_params import GREEDY_CASES, GREEDY_DRAFTERS, _check, _joint
 
 TEXTS = {i: c for i, c in enumerate("abcdefg")}  # token 7 is EOS
 EOS = 7
@@ -84,17 +84,7 @@ def _reference_greedy(target, automaton, initial, prompt, n):
     return seq[len(prompt):]
 
 
-GREEDY_DRAFTERS = {
-    "plain": lambda d: None,
-    "chain": lambda d: specjax.DraftModel(d),
-    "tree": lambda d: specjax.DraftModel(d, specjax.Tree(depth=3, top_k=2, nodes=6)),
-    "prompt_lookup": lambda d: specjax.PromptLookup(2, 1),
-    "early_exit": lambda d: specjax.EarlyExit(1),
-}
-
-
-@pytest.mark.parametrize("drafter", [d if d in ("tree", "prompt_lookup") else pytest.param(d, marks=pytest.mark.slow)
-                                     for d in GREEDY_DRAFTERS])  # (the others with -m slow)
+@pytest.mark.parametrize("drafter", GREEDY_CASES)
 def test_greedy_constrained_output_equals_plain_constrained_decoding(tiny_pair, vocabulary, drafter):
     target, draft = tiny_pair
     pattern = "(ab|c)+d?e"

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 import specjax
 from specjax.sampling import History, Sampling, check_penalties, penalize
 from tests.test_sampling import PROMPT, ROWS, V, _tiny, _transformers_probs
-from tests.test_sampling_params import _check, _joint
+from tests.test_sampling_params import GREEDY_CASES, GREEDY_DRAFTERS, _check, _joint
 
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.5, repetition_penalty=1.7)
 
@@ -116,17 +116,7 @@ def _greedy_reference(target, prompt, n, **penalties):
     return seq[len(prompt):]
 
 
-GREEDY_DRAFTERS = {
-    "plain": lambda d: None,
-    "chain": lambda d: specjax.DraftModel(d),
-    "tree": lambda d: specjax.DraftModel(d, specjax.Tree(depth=3, top_k=2, nodes=6)),
-    "prompt_lookup": lambda d: specjax.PromptLookup(2, 1),
-    "early_exit": lambda d: specjax.EarlyExit(1),
-}
-
-
-@pytest.mark.parametrize("drafter", [d if d in ("tree", "prompt_lookup") else pytest.param(d, marks=pytest.mark.slow)
-                                     for d in GREEDY_DRAFTERS])  # (the others with -m slow)
+@pytest.mark.parametrize("drafter", GREEDY_CASES)
 def test_greedy_with_penalties_equals_plain_penalized_decoding(tiny_pair, drafter):
     target, draft = tiny_pair
     prompts = [PROMPT, PROMPT[::-1] + [7]]

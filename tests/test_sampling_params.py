@@ -124,10 +124,12 @@ GREEDY_DRAFTERS = {
     "prompt_lookup": lambda d: specjax.PromptLookup(2, 1),
     "early_exit": lambda d: specjax.EarlyExit(1),
 }
+# The greedy tests' drafters: a tree and prompt lookup in the suite, the others with -m slow.
+GREEDY_CASES = [d if d in ("tree", "prompt_lookup") else pytest.param(d, marks=pytest.mark.slow)
+                for d in GREEDY_DRAFTERS]
 
 
-@pytest.mark.parametrize("drafter", [d if d in ("tree", "prompt_lookup") else pytest.param(d, marks=pytest.mark.slow)
-                                     for d in GREEDY_DRAFTERS])  # (the others with -m slow)
+@pytest.mark.parametrize("drafter", GREEDY_CASES)
 def test_greedy_with_a_logit_bias_equals_plain_decoding(tiny_pair, drafter):
     target, draft = tiny_pair
     prompts = [PROMPT, PROMPT[::-1] + [7]]

@@ -9,7 +9,9 @@ program's rows are the same here whatever their settings: the shapes are fixed).
 working tree's engine scores tokens (`Engine(max_logprobs=20)`), its filtered program that
 also does ("filtered+logprobs") is timed too, against its own filtered one; where its rows
 may have penalties, its filtered program over rows that all do ("filtered+penalties":
-presence 0.5, frequency 0.5, repetition 1.2, temperature 1), likewise.
+presence 0.5, frequency 0.5, repetition 1.2, temperature 1), likewise; where they may hold a
+grammar, over rows that all hold a JSON object's (response_format json_object, the shipped
+tokenizer's vocabulary; "filtered+grammar", temperature 1).
 
     python docs/bench/step_against.py --against REV [--rounds 3]
 """
@@ -44,15 +46,24 @@ def child():
     engines = {K: specjax.Engine(target, draft=d, slots=8, max_len=256, num_draft_tokens=K, **scoring)
                 for K, d in ((0, None), (4, draft))}
     penalties = "repetition_penalty" in Settings._fields
-    extra = (("filtered+logprobs",) if scoring else ()) + (("filtered+penalties",) if penalties else ())
+    grammars = "constrained" in Settings._fields
+    extra = ((("filtered+logprobs",) if scoring else ()) + (("filtered+penalties",) if penalties else ())
+             + (("filtered+grammar",) if grammars else ()))
+    if grammars:
+        tokenizer = specjax.load_tokenizer(os.path.join(ROOT, "checkpoints", "target"))
+        vocabulary = specjax.Vocabulary.of(tokenizer, target.config.vocab_size)
+        json_object = specjax.Grammar.json_schema({"type": "object"}, vocabulary)
 
-    def filled(programs, penalized=False):
+    def filled(programs, kind):
         prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
         stops = np.full((1, programs.stop_width), -1, np.int32)
         settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
-        if penalized:
+        more = {}
+        if kind == "filtered+penalties":
             settings = [Settings(1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)]
-        row = programs.prefill([prompt], [programs.max_len], settings, stops, [0])
+        if kind == "filtered+grammar":
+            settings, more = [Settings(1.0, constrained=True)], {"grammars": [(json_object, ())]}
+        row = programs.prefill([prompt], [programs.max_len], settings, stops, [0], **more)
         state = programs.empty()
         for slot in range(programs.slots):
             state = programs.insert(state, [slot], row)
@@ -65,7 +76,7 @@ def child():
             for kind in KINDS + extra:
                 times = []
                 for call in range(6):
-                    state = jax.block_until_ready(filled(programs, kind == "filtered+penalties"))
+                    state = jax.block_until_ready(filled(programs, kind))
                     start = time.perf_counter()
                     result = (programs.run(state, K, programs.slots, "filtered", logprobs=True)
                               if kind == "filtered+logprobs" else programs.run(state, K, programs.slots,

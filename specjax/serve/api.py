@@ -40,6 +40,7 @@ from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
 from specjax.serve.protocol import (PENALTIES, ApiError, ChatRequest, CompletionRequest, constraint, logit_bias,
                                     parse)
+from specjax.serve.scoring import prompt_logprobs
 from specjax.serve.structured import Constraints
 from specjax.text import encode_prompts
 
@@ -300,11 +301,11 @@ async def _grammar(server: Server, body):
 def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:
     """Each echoed prompt's (text, completions' logprobs of its tokens): none for the first,
     which nothing predicts (OpenAI's and vLLM's null), then each token's given those before
-    it and the `top` likeliest there (`Programs.score`)."""
+    it and the `top` likeliest there (`scoring.prompt_logprobs`)."""
     piece = lambda i: server.tokenizer.decode([int(i)])  # noqa: E731
     out = []
     for prompt, text in zip(prompts, echoes):
-        chosen, top_ids, top_lp = server.engine.programs.score(prompt, top)
+        chosen, top_ids, top_lp = prompt_logprobs(server.engine.programs, prompt, top)
         tokens = [piece(t) for t in prompt]
         out.append((text, {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
                            "top_logprobs": [None] + [{piece(i): float(x) for i, x in zip(ids, lps)}

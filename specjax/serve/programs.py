@@ -24,6 +24,7 @@ from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.grammar import Automaton
+from specjax.serve.scoring import prompt_logprobs
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
 
@@ -150,18 +151,6 @@ def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table,
                             limit=length, sampling=_as_kind(Sampling.make(batch=n)),
                             stop_ids=jnp.full((n, 1), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), n))
     return loop.with_pools(state, rows)
-
-
-@functools.partial(jax.jit, static_argnames=("top", "backend"))
-def _score(target, tokens, length, *, top: int, backend: Backend):
-    """A prompt's raw `Logprobs` (tokens int32 [1, b] right-padded, length int32 [1]): each
-    token's given those before it and the top `top` there, from a prefill's pass into a cache
-    of its own (`loop.prefill`'s score), [1, b] and [1, b, top]."""
-    target, _ = loop.bound(backend, target)
-    _, scored = loop.prefill(target, None, tokens, length, cache_len=tokens.shape[1], limit=length,
-                             sampling=Sampling.make(batch=1), stop_ids=jnp.full((1, 1), -1, jnp.int32),
-                             key=loop.row_keys(jax.random.key(0), 1), score=top)
-    return scored
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -357,10 +346,14 @@ class Programs:
         return ("prefill", "insert") if self.paging is None else ("admit",)
 
     def state_shapes(self):
-        return jax.eval_shape(functools.partial(
-            _empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
-            bias_width=self.bias_width, backend=self.backend, rules=self.rules, paging=self._paging),
-            self.target, self.deepest)
+        return jax.eval_shape(self._empty, self.target, self.deepest)
+
+    @property
+    def _empty(self):
+        """`_empty` of this engine's sizes, of (target, drafter)."""
+        return functools.partial(_empty, slots=self.slots, cache_len=self.cache_len, stop_width=self.stop_width,
+                                 bias_width=self.bias_width, backend=self.backend, rules=self.rules,
+                                 paging=self._paging, grammar=self.grammar)
 
     def state_bytes(self) -> int:
         return nbytes(self.state_shapes())
@@ -411,9 +404,7 @@ class Programs:
         return self._prefill_args(*self._dummy_prompts(n, b), starts=None if self.paging is None else [0] * n)
 
     def empty(self):
-        return _empty(self.target, self.deepest, slots=self.slots, cache_len=self.cache_len,
-                      stop_width=self.stop_width, bias_width=self.bias_width, backend=self.backend, rules=self.rules,
-                      paging=self._paging, grammar=self.grammar)
+        return self._empty(self.target, self.deepest)
 
     def bucket(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
@@ -451,16 +442,10 @@ class Programs:
                        else np.array(prompt_lengths, np.int32)) + self._grammar_args(n, grammars), b
 
     def _grammar_args(self, n: int, grammars) -> tuple:
-        """(`_prefill`'s grammar and grammar_state) for n rows (grammars: None, or each row's
-        (Grammar or None, its output so far): a resumed row starts where its output left it)."""
+        """(`_prefill`'s grammar and grammar_state) for n rows (`Automaton.resumed`)."""
         if self.grammar is None:
             return None, None
-        rows = [None] * n if grammars is None else [g for g, _ in grammars]
-        arrays, states = Automaton.arrays(rows, self.target.config.vocab_size, *self.grammar)
-        for i, (g, done) in enumerate(grammars or ()):
-            if g is not None:
-                states[i] = g.state_after(done)
-        return Automaton(*arrays), states
+        return Automaton.resumed(grammars or [(None, ())] * n, self.target.config.vocab_size, self.grammar)
 
     @property
     def table_width(self) -> int:
@@ -594,27 +579,10 @@ class Programs:
                     state = self.run(state, K, w, FILTERED, logprobs=True)[0]
                     done(1)
         for b in self.buckets if self.logprobs is not None else ():
-            self.score(np.ones((b,), np.int32), 0)
+            prompt_logprobs(self, np.ones((b,), np.int32), 0)
             done(1)
         jax.block_until_ready(state)
         return layout
-
-    def score(self, prompt, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A prompt's (token ids [P]) raw log-probabilities: each token's given those before it
-        [P] (0 at position 0, which nothing predicts) and the `top` likeliest ids there and
-        theirs [P, top] (top at most the engine's max_logprobs), from a pass of its own over
-        the prompt's bucket (compiled with the rest where the engine scores tokens). Safe to
-        call beside the engine's thread: it touches no state."""
-        most = 0 if self.logprobs is None else self.logprobs[0]
-        if self.logprobs is None or not 0 <= top <= most:
-            raise ValueError(f"this engine scores prompts with up to {most} alternatives (Engine(max_logprobs=...)), "
-                             f"not {top}")
-        P = len(prompt)
-        tokens = np.zeros((1, self.bucket(P)), np.int32)
-        tokens[0, :P] = prompt
-        scored = jax.device_get(_score(self.target, tokens, np.array([P], np.int32), top=self.logprobs[0],
-                                       backend=self._prefill_backend))
-        return scored.chosen[0, :P], scored.top_ids[0, :P, :top], scored.top[0, :P, :top]
 
     def _measure_call_tokens(self, state, skip=()):
         """(state, `call_tokens` on this device): admissions (prefill and insert into `state`)

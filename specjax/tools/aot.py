@@ -349,14 +349,16 @@ def loop_program(target: Model, draft, where: Placement, batch: int = 1, prompt_
 
 def engine_program(target: Model, draft: Model | None, where: Placement, slots: int = 8, max_len: int = 2048,
                    K: int = 4, steps: int = 8, kind: str = "greedy", name: str | None = None,
-                   width: int | None = None, kv_pages: int | None = None, page_size: int = 16) -> Spec:
+                   width: int | None = None, kv_pages: int | None = None, page_size: int = 16,
+                   grammar: tuple | None = None) -> Spec:
     """One device call of `specjax.Engine` (serve/programs.py's run): `steps` steps at K (0: the
     draft's state carried, not drafting) of the first `width` (default: all `slots`) rows of a
     state sized for max_len, for rows whose sampling is of `kind` (specjax.sampling.KINDS).
     kv_pages: a paged engine's (Engine(kv_pages=, page_size=)): every cache in pools of
     kv_pages pages (and the null page) of page_size slots, each row's table as wide as its
     longest cache needs: the state is the engine's own (`Programs`: its cache length and
-    table width)."""
+    table width). grammar: None, or (states, exceptional moves): each row's room for a grammar
+    (Engine(max_grammar_states=, max_grammar_edges=)), the call of a kind that walks it."""
     from specjax.serve import programs
     from specjax.serve.engine import OPEN_STEPS
 
@@ -365,14 +367,16 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     placed = where.model(target)
     drafter = None if draft is None else DraftModel(where.model(draft)).resolve(max(K, 1)).bind(placed)
     engine = programs.Programs(placed, {0: None} if drafter is None else {max(K, 1): drafter}, slots, max_len, 8,
-                               steps, 0.0, paging=None if kv_pages is None else (kv_pages + 1, page_size))
+                               steps, 0.0, paging=None if kv_pages is None else (kv_pages + 1, page_size),
+                               grammar=grammar)
     state = where.replicated(engine.state_shapes())  # (its shapes are every platform's)
     scalar = lambda dtype: where.replicated(jax.ShapeDtypeStruct((), dtype))  # noqa: E731
     params = (placed.params, drafter_params(drafter))
     must = nbytes(params) + KVCache.nbytes(target.config, slots, max_len, target.dtype)
     width = width or slots
     label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "") + (
-        "" if kv_pages is None else f", {kv_pages} pages of {page_size}")
+        "" if kv_pages is None else f", {kv_pages} pages of {page_size}") + (
+        "" if grammar is None else f", grammars of {grammar[0]} states")
     return Spec(name or label, programs._run, None,
                 (placed, drafter if K else None, drafter, state, scalar(jnp.float32), scalar(jnp.int32)),
                 dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, backend=where.backend,
