@@ -286,6 +286,15 @@ class Automaton:
         return out, initial
 
     @classmethod
+    def free(cls, rows: int, vocab_size: int, states: int, edges: int) -> "Automaton":
+        """An automaton of `rows` free rows at capacity (states, edges): zeros, built in the
+        program (an engine's empty state: nothing as large is made on the host)."""
+        W = -(-vocab_size // 32)
+        return cls(jnp.zeros((rows, states, W), jnp.uint32), jnp.zeros((rows, states), jnp.int32),
+                   jnp.zeros((rows, states + 1), jnp.int32), jnp.zeros((rows, edges), jnp.int32),
+                   jnp.zeros((rows, edges), jnp.int32))
+
+    @classmethod
     def resumed(cls, rows, vocab_size: int, capacity: tuple) -> tuple["Automaton", np.ndarray]:
         """(host arrays of an Automaton at capacity (states, exceptional moves), each row's
         state) for rows of (a Grammar or None, the tokens it has emitted so far): a resumed

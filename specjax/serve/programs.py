@@ -23,7 +23,7 @@ from specjax import loop
 from specjax.backend import Backend
 from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
-from specjax.grammar import Automaton
+from specjax.grammar import FREE, Automaton
 from specjax.serve.scoring import prompt_logprobs
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
@@ -62,13 +62,12 @@ def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, bias
     the drafter's) in a pool of pages, every row's table the null page (serve/pages.py).
     grammar: None, or (states, exceptional moves) each row's grammar may hold (all free)."""
     target, drafter = loop.bound(backend, target, drafter)
-    automaton, states = (None, None) if grammar is None else Automaton.arrays([None] * slots,
-                                                                              target.config.vocab_size, *grammar)
+    automaton = None if grammar is None else Automaton.free(slots, target.config.vocab_size, *grammar)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
         cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=stack([Settings()] * slots, bias_width),
         stop_ids=jnp.full((slots, stop_width), -1, jnp.int32), key=loop.row_keys(jax.random.key(0), slots),
-        grammar=None if automaton is None else Automaton(*(jnp.asarray(x) for x in automaton)), grammar_state=states)
+        grammar=automaton, grammar_state=None if automaton is None else jnp.full((slots,), FREE, jnp.int32))
     if paging is not None:  # (the row buffers above are then never made: nothing reads them)
         state = loop.paged(state, *paging)
     return loop.place(state.replace(done=jnp.ones((slots,), bool)), drafter, backend.mesh, rules)
