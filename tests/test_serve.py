@@ -406,7 +406,8 @@ def test_structured_output_through_the_openai_client(engine, servers):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
     sampled = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=1.0, n=3,
                                              seed=4, response_format={"type": "json_object"})
-    assert all(isinstance(json.loads(c.message.content), dict) for c in sampled.choices if c.finish_reason == "stop")
+    stopped = [c for c in sampled.choices if c.finish_reason == "stop"]
+    assert stopped and all(isinstance(json.loads(c.message.content), dict) for c in stopped)
     choices = ["alpha", "beta", "gamma delta"]
     got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                     extra_body={"guided_choice": choices})
