@@ -351,8 +351,10 @@ class Automaton:
         B = state.shape[0]
         rows = jnp.arange(B).reshape((B,) + (1,) * (state.ndim - 1))
         words = self.allowed[rows, jnp.maximum(state, 0)]  # [B, ..., W]
-        v = jnp.arange(vocab_size)
-        bits = (jnp.take(words, v // 32, axis=-1) >> (v % 32).astype(jnp.uint32)) & 1
+        # Each word's 32 bits by a broadcast shift, not a gather over the vocabulary: on a TPU
+        # that gather's [V, B] layout pads B to 128 lanes (16x a row's mask at 8 rows).
+        bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [B, ..., W, 32]
+        bits = bits.reshape(*words.shape[:-1], -1)[..., :vocab_size]
         return (bits == 1) | (state < 0)[..., None]
 
     def walk(self, state: jax.Array, tokens: jax.Array, parents, depth: int) -> jax.Array:
