@@ -184,6 +184,23 @@ def test_a_paged_engine_call_writes_its_pools_in_place_on_a_tpu():
                 assert "specjax_paged_prefix_attention" in text, K
 
 
+def test_a_grammar_costs_a_tpu_call_about_one_mask_of_its_scored_positions():
+    """A filtered engine call whose rows hold room for a grammar (64 states) against one
+    that holds none, compiled for one v5e chip at a 32,000-token vocabulary, 8 slots, K=4:
+    the difference in temporaries stays within two float32 [B, K+1, V] (the nodes' masks and
+    the drafter's). A gather over the vocabulary (`jnp.take(words, v // 32)`) laid its
+    [V, B] output out with the 8 rows padded to 128 lanes: 16x a mask, a dozen of them
+    (docs/bench/sampling_aot.txt: 593.9 MB at Llama-3.2-1B's vocabulary, 155.3 MB without)."""
+    config = ModelConfig.from_hf_config(dict(TINY, vocab_size=32000))
+    target, draft = aot.abstract_model(config), aot.abstract_model(dataclasses.replace(config, num_layers=1))
+    where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
+    temps = [aot.compile_spec(aot.engine_program(target, draft, where, slots=8, max_len=128, K=4, steps=2,
+                                                 kind="filtered", grammar=grammar)).temporaries
+             for grammar in (None, (64, 512))]
+    mask = 8 * 5 * 32000 * 4
+    assert temps[1] - temps[0] <= 2 * mask, (temps, mask)
+
+
 def test_large_copies_are_found_and_named_by_their_line():
     """The instrument itself: a transpose (XLA makes it a relayout copy of the argument) and a
     float32 convert of a 4 MB weight, written out because the program returns them, are found
