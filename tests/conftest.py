@@ -43,12 +43,13 @@ FAST = {"test_config.py": set(), "test_house.py": set(), "test_text.py": set(), 
         "test_auto_k.py": {"pair"}, "test_sampling.py": {"tiny_pair"}}
 
 
-# The longest modules first (seconds of their slowest tests on 2 cores, 2026-11-28): xdist's
-# --dist loadfile hands modules out in collection order as workers free up, so the longest
-# going first keeps one worker from running a long module alone at the end.
-LONGEST_FIRST = ("test_engine.py", "test_sharding.py", "test_serve.py", "test_engine_pages.py",
-                 "test_generate.py", "test_aot.py", "test_tree.py", "test_heads.py", "test_cli.py",
-                 "test_long_context.py", "test_exact.py")
+# The longest modules first (seconds of their tests on 2 cores, 2026-11-28, `--durations=0`):
+# xdist's --dist loadfile hands modules out in collection order as workers free up, so the
+# longest going first keeps one worker from running a long module alone at the end.
+LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_tree.py", "test_generate.py", "test_aot.py",
+                 "test_sharding.py", "test_long_context.py", "test_grammar.py", "test_engine_pages.py",
+                 "test_heads.py", "test_drafters.py", "test_published.py", "test_sampling.py", "test_logprobs.py",
+                 "test_cli.py", "test_exact.py")
 
 
 def pytest_collection_modifyitems(config, items):

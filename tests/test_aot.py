@@ -194,7 +194,7 @@ def test_a_grammar_costs_a_tpu_call_about_one_mask_of_its_scored_positions():
     config = ModelConfig.from_hf_config(dict(TINY, vocab_size=32000))
     target, draft = aot.abstract_model(config), aot.abstract_model(dataclasses.replace(config, num_layers=1))
     where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
-    temps = [aot.compile_spec(aot.engine_program(target, draft, where, slots=8, max_len=128, K=4, steps=2,
+    temps = [aot.compile_spec(aot.engine_program(target, draft, where, slots=8, max_len=64, K=4, steps=1,
                                                  kind="filtered", grammar=grammar)).temporaries
              for grammar in (None, (64, 512))]
     mask = 8 * 5 * 32000 * 4

@@ -23,16 +23,18 @@ def test_generate_on_the_shipped_pair(capsys):
     assert "compile" in stats
 
 
-def test_generate_json_batch_and_drafters(capsys, tmp_path):
+# (the suite's time on 2 cores: prompt lookup and no draft with -m slow)
+@pytest.mark.parametrize("drafter", [[], pytest.param(["--prompt-lookup"], marks=pytest.mark.slow),
+                                     ["--early-exit", "2"], pytest.param(["--no-draft"], marks=pytest.mark.slow)])
+def test_generate_json_batch_and_drafters(capsys, tmp_path, drafter):
     batch = tmp_path / "prompts.txt"
     batch.write_text("import os\nclass Stack:\\n    def push(self, x):\n")
-    for drafter in ([], ["--prompt-lookup"], ["--early-exit", "2"], ["--no-draft"]):
-        main(["generate", "--batch-file", str(batch), "--max-new-tokens", "8", "--json",
-              "--target", str(TARGET), "--draft", str(DRAFT), "--temperature", "0.7", *drafter])
-        result = json.loads(capsys.readouterr().out)
-        assert [o["prompt"] for o in result["outputs"]] == ["import os", "class Stack:\n    def push(self, x):"]
-        assert all(0 < o["num_tokens"] <= 8 for o in result["outputs"])
-        assert result["stats"]["tokens_per_s"] > 0
+    main(["generate", "--batch-file", str(batch), "--max-new-tokens", "8", "--json",
+          "--target", str(TARGET), "--draft", str(DRAFT), "--temperature", "0.7", *drafter])
+    result = json.loads(capsys.readouterr().out)
+    assert [o["prompt"] for o in result["outputs"]] == ["import os", "class Stack:\n    def push(self, x):"]
+    assert all(0 < o["num_tokens"] <= 8 for o in result["outputs"])
+    assert result["stats"]["tokens_per_s"] > 0
 
 
 def test_info(capsys):

@@ -27,7 +27,8 @@ DRAFTERS = {
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
-@pytest.mark.parametrize("K, batch", [(2, 3), (5, 4)])
+# (the suite's time on 2 cores: K=2 with -m slow)
+@pytest.mark.parametrize("K, batch", [pytest.param(2, 3, marks=pytest.mark.slow), (5, 4)])
 def test_greedy_equals_transformers(pair, name, K, batch):
     target, _, torch_model = pair
     prompts = _prompts(batch, seed=K)

@@ -71,7 +71,8 @@ def _staggered(engine, requests, gap=0.02, **kwargs):
         return [r.result(timeout=300) for r in submitted], submitted
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", pytest.param("eagle3", marks=pytest.mark.slow), "lookup",
+@pytest.mark.parametrize("name", ["plain", pytest.param("draft", marks=pytest.mark.slow),  # (test_engine_pages' tree)
+                                  pytest.param("eagle3", marks=pytest.mark.slow), "lookup",
                                   pytest.param("early_exit", marks=pytest.mark.slow), "medusa", "retrieval",
                                   "lookahead"])
 def test_staggered_requests_equal_generate_alone(pair, engines, name):

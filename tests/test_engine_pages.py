@@ -44,7 +44,8 @@ def paged(pair):
             engine.stop()
 
 
-@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft",
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow),
+                                  pytest.param("draft", marks=pytest.mark.slow),  # (the tree's is a draft model's)
                                   pytest.param("eagle3", marks=pytest.mark.slow), "tree",
                                   pytest.param("lookup", marks=pytest.mark.slow)])
 def test_paged_requests_equal_generate_alone(pair, paged, name):
@@ -147,6 +148,7 @@ def test_the_pool_is_sized_from_a_byte_budget(pair, monkeypatch):
                                     auto.programs.table_width)
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (test_exact holds generate's deterministic bits)
 def test_deterministic_pages_give_generate_s_bits(pair):
     """Deterministic mode over pages (its passes read their own keys back through the table):
     sampled requests, a draft model at K=2, on a pool small enough that they wait and are

@@ -26,7 +26,9 @@ _rows = tiny.rows
 
 
 # Batches of 3 and 4 (and 1), the shapes the other tests here use too: each shape compiles once.
-@pytest.mark.parametrize("K, batch", [(1, 1), (2, 3), (4, 3), (7, 4), (4, 4)])
+# (the suite's time on 2 cores: the others with -m slow)
+@pytest.mark.parametrize("K, batch", [(1, 1), (2, 3), pytest.param(4, 3, marks=pytest.mark.slow), (7, 4),
+                                      pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_greedy_speculative_equals_autoregressive_and_transformers(pair, K, batch):
     target, drafts, torch_model = pair
     prompts = _prompts(batch, seed=K + batch)

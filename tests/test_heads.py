@@ -43,7 +43,9 @@ DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(DRAFTERS))
+# (the suite's time on 2 cores: the others with -m slow)
+@pytest.mark.parametrize("name", [n if n in ("medusa_chain", "eagle_dynamic", "eagle3_dynamic", "eagle3_reduced")
+                                  else pytest.param(n, marks=pytest.mark.slow) for n in DRAFTERS])
 def test_greedy_equals_transformers(pair, name):
     """Random heads; a ragged batch of 4 (one prompt of a single token, which has no state
     before its first pass) with an EOS that stops the first row mid-way."""
@@ -356,7 +358,9 @@ def own_text(pair):
     return text[:48].reshape(-1), text[48:].reshape(-1)
 
 
-@pytest.mark.parametrize("kind", ["medusa", pytest.param("eagle", marks=pytest.mark.slow),
+# (the suite's time on 2 cores: test_train trains the shared loop)
+@pytest.mark.parametrize("kind", [pytest.param("medusa", marks=pytest.mark.slow),
+                                  pytest.param("eagle", marks=pytest.mark.slow),
                                   pytest.param("eagle3", marks=pytest.mark.slow),
                                   pytest.param("eagle3_reduced", marks=pytest.mark.slow)])
 def test_training_raises_acceptance_and_stays_exact(pair, own_text, tmp_path, kind):

@@ -160,7 +160,12 @@ TREE_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(TREE_DRAFTERS))
+# (the suite's time on 2 cores: the others with -m slow)
+IN_THE_DEFAULT_RUN = ("model_dynamic", "model_static", "model_sampled_siblings", "early_exit_dynamic")
+
+
+@pytest.mark.parametrize("name", [n if n in IN_THE_DEFAULT_RUN else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in TREE_DRAFTERS])
 def test_greedy_tree_equals_transformers(pair, name):
     """Ragged batch of 4, with an EOS that stops the first row mid-way."""
     target, drafts, torch_model = pair

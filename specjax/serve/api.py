@@ -302,15 +302,12 @@ def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> l
     """Each echoed prompt's (text, completions' logprobs of its tokens): none for the first,
     which nothing predicts (OpenAI's and vLLM's null), then each token's given those before
     it and the `top` likeliest there (`scoring.prompt_logprobs`)."""
-    piece = lambda i: server.tokenizer.decode([int(i)])  # noqa: E731
     out = []
     for prompt, text in zip(prompts, echoes):
         chosen, top_ids, top_lp = prompt_logprobs(server.engine.programs, prompt, top)
-        tokens = [piece(t) for t in prompt]
-        out.append((text, {"tokens": tokens, "token_logprobs": [None] + [float(x) for x in chosen[1:]],
-                           "top_logprobs": [None] + [{piece(i): float(x) for i, x in zip(ids, lps)}
-                                                     for ids, lps in zip(top_ids[1:], top_lp[1:])],
-                           "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}))
+        scores = [(float(x), [(int(i), float(y)) for i, y in zip(ids, lps)])
+                  for x, ids, lps in zip(chosen[1:], top_ids[1:], top_lp[1:])]
+        out.append((text, _completion_logprobs(server.tokenizer, list(zip(prompt, [(None, None)] + scores)), 0)[0]))
     return out
 
 
@@ -387,11 +384,20 @@ def _logprobs(tokenizer, c, chat: bool) -> dict | None:
         entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
         return {"content": [{**entry(piece(t), lp), "top_logprobs": [entry(piece(i), x) for i, x in top]}
                             for t, (lp, top) in taken]}
+    found, c.offset = _completion_logprobs(tokenizer, taken, c.offset)
+    return found
+
+
+def _completion_logprobs(tokenizer, taken: list, offset: int) -> tuple[dict, int]:
+    """Completions' {tokens, token_logprobs, top_logprobs, text_offset} of taken [(token id,
+    (its logprob, [(id, logprob)] of the likeliest)), ...] (None, None: a token nothing
+    scores, an echo's first) whose text begins at `offset`, and the offset after them."""
+    piece = lambda i: tokenizer.decode([int(i)])  # noqa: E731
     tokens = [piece(t) for t, _ in taken]
-    offsets = list(itertools.accumulate((len(p) for p in tokens), initial=c.offset))
-    c.offset = offsets.pop()
+    offsets = list(itertools.accumulate((len(p) for p in tokens), initial=offset))
     return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in taken],
-            "top_logprobs": [{piece(i): x for i, x in top} for _, (_, top) in taken], "text_offset": offsets}
+            "top_logprobs": [None if top is None else {piece(i): x for i, x in top} for _, (_, top) in taken],
+            "text_offset": offsets[:-1]}, offsets[-1]
 
 
 async def _collect(generation: Generation):
