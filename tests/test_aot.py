@@ -184,6 +184,7 @@ def test_a_paged_engine_call_writes_its_pools_in_place_on_a_tpu():
                 assert "specjax_paged_prefix_attention" in text, K
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (docs/bench/sampling_aot.py shows it at Llama-3.2-1B's size)
 def test_a_grammar_costs_a_tpu_call_about_one_mask_of_its_scored_positions():
     """A filtered engine call whose rows hold room for a grammar (64 states) against one
     that holds none, compiled for one v5e chip at a 32,000-token vocabulary, 8 slots, K=4:

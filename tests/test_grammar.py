@@ -136,6 +136,27 @@ def test_sampling_under_a_regex_is_exact_under_speculation(tiny_pair, vocabulary
     _check(_joint(tokens[half:]), free)
 
 
+@pytest.mark.slow  # the suite's time on 2 cores (the engine's rows equal generate's: test_the_engine_holds...)
+def test_the_engine_samples_under_a_regex_exactly_beside_greedy_rows(tiny_pair, vocabulary):
+    """Through the engine: seeded requests under a regex (chi-square against the enumerated
+    joint of plain constrained decoding) share calls with greedy constrained requests and free
+    sampled ones (each half its own plain joint; the greedy ones generate's alone)."""
+    target, draft = tiny_pair
+    grammar = Grammar.regex("[a-c](b|d[a-f])e?", vocabulary)
+    automaton, initial = Automaton.of([grammar], V)
+    padded, lengths = specjax.pad_prompts([PROMPT])
+    greedy_alone = specjax.generate(target, padded, lengths, max_new_tokens=2, grammar=grammar).tokens[0]
+    rows = 1200
+    with specjax.Engine(target, draft=draft, slots=16, max_len=16, num_draft_tokens=2, steps_per_call=2) as engine:
+        requests = [engine.submit(PROMPT, max_new_tokens=2, seed=i, temperature=1.2, grammar=grammar if i % 2 else None)
+                    for i in range(rows)]
+        greedy = [engine.submit(PROMPT, max_new_tokens=2, grammar=grammar) for _ in range(16)]
+        tokens = np.array([r.result(timeout=600) for r in requests])
+        assert [r.result() for r in greedy] == [list(np.asarray(greedy_alone))] * 16
+    _check(_joint(tokens[1::2]), _exact_joint(target, automaton, initial, 1.2))
+    _check(_joint(tokens[0::2]), _exact_joint(target, Automaton.of([None], V)[0], np.array([FREE]), 1.2))
+
+
 def test_a_json_schema_s_output_parses_and_validates():
     """A schema over a character vocabulary: sampled rows end at EOS with JSON that
     validates against it (jsonschema)."""
