@@ -273,9 +273,8 @@ class Automaton:
             if g.num_states > Q or g.num_edges > E:
                 raise GrammarError(f"{g.source} compiles to {g.num_states} states and {g.num_edges} exceptional moves; "
                                    f"this engine holds up to {Q} and {E} a row")
-        B, W = len(grammars), -(-vocab_size // 32)
-        out = (np.zeros((B, Q, W), np.uint32), np.zeros((B, Q), np.int32), np.zeros((B, Q + 1), np.int32),
-               np.zeros((B, E), np.int32), np.zeros((B, E), np.int32))
+        W = -(-vocab_size // 32)
+        out = Automaton._zeros(np, len(grammars), vocab_size, Q, E)
         for b, g in enumerate(grammars):
             if g is not None:
                 n, e = g.num_states, g.num_edges
@@ -285,14 +284,20 @@ class Automaton:
         initial = np.array([FREE if g is None else g.initial for g in grammars], np.int32)
         return out, initial
 
+    @staticmethod
+    def _zeros(xp, rows: int, vocab_size: int, states: int, edges: int) -> tuple:
+        """The fields' arrays for `rows` free rows at capacity (states, edges), all zeros, of
+        xp (numpy on the host, jax.numpy in a program)."""
+        W = -(-vocab_size // 32)
+        return (xp.zeros((rows, states, W), np.uint32), xp.zeros((rows, states), np.int32),
+                xp.zeros((rows, states + 1), np.int32), xp.zeros((rows, edges), np.int32),
+                xp.zeros((rows, edges), np.int32))
+
     @classmethod
     def free(cls, rows: int, vocab_size: int, states: int, edges: int) -> "Automaton":
         """An automaton of `rows` free rows at capacity (states, edges): zeros, built in the
         program (an engine's empty state: nothing as large is made on the host)."""
-        W = -(-vocab_size // 32)
-        return cls(jnp.zeros((rows, states, W), jnp.uint32), jnp.zeros((rows, states), jnp.int32),
-                   jnp.zeros((rows, states + 1), jnp.int32), jnp.zeros((rows, edges), jnp.int32),
-                   jnp.zeros((rows, edges), jnp.int32))
+        return cls(*cls._zeros(jnp, rows, vocab_size, states, edges))
 
     @classmethod
     def resumed(cls, rows, vocab_size: int, capacity: tuple) -> tuple["Automaton", np.ndarray]:

@@ -322,7 +322,7 @@ class Programs:
         self.backend = Backend.of(None, mesh)
         # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
         # portably, as the sharded programs' cuDNN and splash do (one kernel would run per call).
-        self._prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
+        self.prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
@@ -388,7 +388,7 @@ class Programs:
                                  backend=self.backend, rules=self.rules).compile().memory_analysis()
             return int(max(most, admit.temp_size_in_bytes))
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
-                                 backend=self._prefill_backend).compile().memory_analysis()
+                                 backend=self.prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
 
     def _largest_size(self) -> tuple[int, int]:
@@ -417,7 +417,7 @@ class Programs:
         tokens of its output so far). Its arguments go as host arrays: nothing runs eagerly."""
         args, b = self._prefill_args(prompts, limits, samplings, stop_ids, seeds, prompt_lengths=prompt_lengths,
                                      grammars=grammars)
-        return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self._prefill_backend)
+        return _prefill(self.target, self.deepest, *args, cache_len=b, backend=self.prefill_backend)
 
     def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None,
                       prompt_lengths=None, grammars=None):

@@ -45,5 +45,5 @@ def prompt_logprobs(programs, prompt, top: int) -> tuple[np.ndarray, np.ndarray,
     tokens = np.zeros((1, programs.bucket(P)), np.int32)
     tokens[0, :P] = prompt
     scored = jax.device_get(_score(programs.target, tokens, np.array([P], np.int32), top=most,
-                                   backend=programs._prefill_backend))
+                                   backend=programs.prefill_backend))
     return scored.chosen[0, :P], scored.top_ids[0, :P, :top], scored.top[0, :P, :top]
