@@ -5,7 +5,8 @@ at least 0.95x of generate's). The shipped pair, float32, greedy, 128 new tokens
 each prompt alone, with the shipped draft at K=4 and plain, timed after a warm-up pass over
 every prompt. Through the server: `specjax serve` with the draft and with --draft none (8
 slots, its defaults otherwise), one closed-loop client. Each ratio is of total times, the
-median over --rounds.
+median over --rounds; and server / generate per round (the two measured minutes apart), its
+median.
 
     PYTHONPATH=$PWD python docs/bench/serve_vs_generate.py [--requests 32] [--rounds 3]
 """
@@ -64,7 +65,8 @@ def main():
                 settle()
                 seconds[name] = asyncio.run(load(url, "target", texts, 1, INF, 128, 0))[1]
             ratios["server"].append(seconds["plain"] / seconds["draft"])
-            print({k: round(v[-1], 3) for k, v in ratios.items()}, flush=True)
+            print({k: round(v[-1], 3) for k, v in ratios.items()}, "server / generate",
+                  round(ratios["server"][-1] / ratios["generate"][-1], 3), flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -72,7 +74,9 @@ def main():
     g, s = statistics.median(ratios["generate"]), statistics.median(ratios["server"])
     print(f"# {' '.join(sys.argv)}: {args.requests} prompts one at a time, 128 new tokens, {args.rounds} rounds, "
           f"medians")
-    print(f"speculative / plain: generate {g:.2f}x, server {s:.2f}x; server / generate {s / g:.2f}")
+    paired = statistics.median(b / a for a, b in zip(ratios["generate"], ratios["server"]))
+    print(f"speculative / plain: generate {g:.2f}x, server {s:.2f}x; server / generate {s / g:.2f} "
+          f"(the median of each round's own: {paired:.2f})")
 
 
 if __name__ == "__main__":
