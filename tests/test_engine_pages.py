@@ -15,6 +15,7 @@ import pytest
 import specjax
 from specjax import loop
 from specjax.drafters import Eagle3
+from specjax.serve.pages import page_keys
 from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
 
 PAGE = 8
@@ -227,6 +228,93 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
         scraped = generate_latest(Metrics(engine, "m").registry).decode()
         assert f'specjax:prefix_cache_hits_total{{model_name="m"}} {float(stats["prefix_cache_hits"])}' in scraped
         assert f'specjax:prefix_cache_queries_total{{model_name="m"}} {float(stats["prefix_cache_queries"])}' in scraped
+
+
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft", "eagle3",
+                                  pytest.param("tree", marks=pytest.mark.slow)])
+def test_a_conversation_s_next_turn_takes_the_pages_its_reply_wrote(pair, paged, name):
+    """A finished request's pages are cached up to where every cache of its row holds its
+    tokens (`Drafter.held`): its reply's too, not its prompt's alone. A next turn that
+    resends prompt and reply takes 4 full pages (32 tokens; its prompt's own were 3), and
+    gives what generate alone gives it, with the same drafts accepted as when the pages are
+    evicted first and it is prefilled whole."""
+    target = pair[0]
+    engine = paged(name)
+    other = [int(t) for t in np.random.default_rng(8).integers(3, 97, 37)]
+    with engine:
+        reply = engine.submit(SHARED, max_new_tokens=12).result(timeout=300)
+        turn = SHARED + reply + [17, 4, 60]
+        runs = []
+        for prompt, budget in ((turn, 6), (other, 12), (turn, 6)):  # the second takes every page
+            start = engine.stats()["accepted"]
+            request = engine.submit(prompt, max_new_tokens=budget)
+            runs.append((request.result(timeout=300), request.cached_tokens, engine.stats()["accepted"] - start))
+    (cached_out, cached, cached_accepted), _, (fresh_out, fresh, fresh_accepted) = runs
+    assert cached == 32 and fresh == 0, (cached, fresh)
+    assert cached_out == fresh_out == _alone(target, None, turn, 6, ())
+    assert cached_accepted == fresh_accepted, (cached_accepted, fresh_accepted)
+    assert engine.pages._owned == {} and not +engine.pages._holders
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle3", pytest.param("tree", marks=pytest.mark.slow)])
+def test_the_pages_a_finished_row_caches_hold_what_a_prefill_writes(pair, paged, name, monkeypatch):
+    """`Drafter.held` claims no more than the drafter's cache holds: every page a finished
+    row cached (its reply's among them) holds, in every cache, what a prefill of the same
+    tokens writes into it. A drafter's cache may lag its row when it finishes (a draft
+    model's by the tokens it has not fed, an EAGLE layer's by its last pass): such pages
+    stay out, or a later request would read junk (with the drafter's lag ignored, this
+    test fails at a page 4 that the drafter had not finished)."""
+    engine = paged(name)
+    held = {}
+    give_back = engine._give_back
+    monkeypatch.setattr(engine, "_give_back", lambda r, h=None: (held.setdefault(r, h), give_back(r, h))[1])
+
+    def pages_by_key():  # key -> the page's entries in every cache (the engine stopped)
+        pools = loop.caches(engine._state)
+        return {key: [np.asarray(x[page]) for cache in pools for x in cache.k + cache.v]
+                for key, page in engine.pages._page_of.items()}
+
+    other = [int(t) for t in np.random.default_rng(8).integers(3, 97, 37)]
+    lagged = 0
+    for budget in range(14, 19):
+        with engine:
+            request = engine.submit(SHARED, max_new_tokens=budget)
+            context = SHARED + request.result(timeout=300)
+        decoded = pages_by_key()
+        with engine:  # every page taken, then the same tokens prefilled whole (and one more)
+            engine.submit(other, max_new_tokens=12).result(timeout=300)
+            again = engine.submit(context + [17], max_new_tokens=1)
+            again.result(timeout=300)
+        assert again.cached_tokens == 0
+        prefilled = pages_by_key()
+        mine = page_keys(context, PAGE, engine._salt, len(context))  # every full page followed by a token
+        assert sum(k in decoded for k in mine) == held[request] // PAGE >= 4, (budget, held[request])
+        lagged += held[request] // PAGE < (len(context) - 1) // PAGE
+        for j, key in enumerate(mine):
+            if key in decoded:
+                for got, want in zip(decoded[key], prefilled[key]):
+                    np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"page {j}")
+    assert lagged, "no row finished with its drafter's cache a page behind its own: the test shows nothing"
+
+
+@pytest.mark.slow  # the suite's time on 2 cores (the test above holds greedy's)
+def test_a_deterministic_next_turn_on_its_reply_s_pages_gives_generate_s_bits(pair):
+    """Deterministic mode: a reply's pages, written by verification passes (and the draft's
+    catch-ups and chains), hold what a prefill of those tokens writes, bit for bit: a sampled
+    next turn that takes them gives generate's deterministic tokens with its seed."""
+    target, drafts, _ = pair
+    engine = specjax.Engine(target, draft=drafts["near"], slots=2, max_len=MAX_LEN, num_draft_tokens=2,
+                            deterministic=True, steps_per_call=2, kv_pages=7, page_size=PAGE)
+    settings = dict(temperature=0.8, top_k=20)
+    with engine:
+        reply = engine.submit(SHARED, max_new_tokens=12, seed=3, **settings).result(timeout=300)
+        turn = SHARED + reply + [17, 4, 60]
+        request = engine.submit(turn, max_new_tokens=8, seed=4, **settings)
+        got = request.result(timeout=300)
+    assert request.cached_tokens == 32
+    out = specjax.generate(target, *specjax.pad_prompts([turn]), key=jax.random.key(4), deterministic=True,
+                           draft=drafts["near"], num_draft_tokens=2, max_new_tokens=8, **settings)
+    assert got == [int(t) for t in np.asarray(out.tokens[0])]
 
 
 def test_prefix_caching_off_and_refused_without_pages(pair):

@@ -56,6 +56,11 @@ def test_page_keys_name_a_page_by_every_token_before_it_and_the_next():
     assert not set(page_keys(early, PAGE)) & set(keys)
     assert page_keys(tokens, PAGE, salt=b"other model") != keys
     assert cached_pages(5, PAGE) == 0 and cached_pages(6, PAGE) == 1 and cached_pages(1, PAGE) == 0
+    # A finished row's count (its caches' `held` // page_size): the same keys, as many as full
+    # pages a token follows (13 of 14 tokens: 3 pages; the 4th has no next token).
+    assert page_keys(tokens, PAGE, count=2) == keys[:2] and page_keys(tokens, PAGE, count=9) == keys
+    assert len(page_keys(tokens + [99, 98], PAGE, count=9)) == 3 and len(page_keys(tokens + [99], PAGE, count=9)) == 3
+    assert len(page_keys(tokens + [99, 98, 97], PAGE, count=9)) == 4
 
 
 def test_cached_pages_are_shared_counted_and_evicted_least_recently_used_first():

@@ -79,7 +79,7 @@ def main():
                     state = jax.tree.map(lambda x: x.copy(), fresh[name])
                     jax.block_until_ready(state)
                     start = time.perf_counter()
-                    state, *_, taken, _ = programs[name].run(state, k, w, "greedy")
+                    state, *_, taken, _, _ = programs[name].run(state, k, w, "greedy")
                     taken = int(taken)
                     times[(name, k, w)].append(1e3 * (time.perf_counter() - start) / max(taken, 1))
     print(f"{'K':>2} {'rows':>4} {'dense ms/step':>14} {'paged ms/step':>14} {'paged/dense':>12}")

@@ -142,6 +142,13 @@ class Drafter:
         next `propose` needs no loop of its own. Default: nothing to do."""
         return state
 
+    def held(self, state, tokens: jax.Array, length: jax.Array, features):
+        """int32 [B]: the positions below which its own cache holds the row's final tokens'
+        entries, as a prefill of them writes them (a paged engine keeps such pages for later
+        requests with the same tokens); tokens [B, S], length [B] and features as the loop
+        holds them. None (the default): it keeps no cache (`keeps_cache`)."""
+        return None
+
     def observe(self, state, logits: jax.Array, active: jax.Array):
         """Reads the target's logits [B, X, V] for the `Branch` it proposed."""
         raise NotImplementedError(f"{type(self).__name__} proposed a Branch but does not observe its logits")

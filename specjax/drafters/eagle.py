@@ -183,6 +183,11 @@ class Eagle(Drafter):
                                self.draft_vocab)
         return cache, request.target_cache, proposal.replace(valid=proposal.valid & (length >= 2)[:, None])
 
+    def held(self, cache, tokens, length, features):
+        """Below the last pass's first position (`features.start`): `propose` re-feeds the pairs
+        from there with the target's own states; the tree it grew left its own past them."""
+        return jnp.maximum(features.start, 0)
+
     def save(self, path):
         """Writes drafter.safetensors and drafter.json into the folder path."""
         return trained.save(path, "eagle", self.params, self.signature,

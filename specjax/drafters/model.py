@@ -200,6 +200,9 @@ class DraftModel(Drafter):
             seen = seen + leading(final)
         return seen
 
+    def held(self, state: "ModelDraftState", tokens, length, features):
+        return self._seen(state, tokens, length)
+
     def sync(self, state: "ModelDraftState", tokens, length, done) -> "ModelDraftState":
         """Feeds every final token but each live row's last, in windows, until one window
         covers what is left: after steps that did not draft (the engine runs it before its

@@ -12,11 +12,8 @@ at once). The device never waits on the host: call N+1 is dispatched before call
 tokens are read (their copy to the host starts at dispatch), so the host delivers tokens,
 frees finished rows' slots and pages and admits waiting requests while the device runs the
 next call (a row that finished stays frozen on the device meanwhile: a late read is
-harmless); its slot is refilled a call later. K follows the number of live rows (a table chosen at
-construction from the backend's cost profile, then re-chosen among the Ks compiled at the
-steps' costs timed once compiled and at the acceptance the traffic shows; a slot refilled
-as its row finishes makes throughput one row's tokens per step, not a batch's slowest
-row's), among a few programs compiled over the same state.
+harmless); its slot is refilled a call later. K follows the number of live rows
+(`KPolicy`), among a few programs compiled over the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
 and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).
@@ -65,6 +62,7 @@ class Call:
     counts: jax.Array  # int32 [steps, slots]: how many of them
     taken: jax.Array  # int32 []: steps the call ran
     done: jax.Array  # bool [slots]: rows finished (or empty) after it
+    held: jax.Array  # int32 [slots]: positions below which every cache of the row holds its entries
     logprobs: Logprobs | None = None  # [steps, slots, K+1] (top: [.., n]), where a live row asked for them
 
 
@@ -135,11 +133,13 @@ class Engine:
         reports its memory (not a CPU); at most what every slot at max_len holds (`stats()`).
     prefix_caching: paged, whether a request's row takes the cached pages of its context's
         longest run of full pages that an earlier request's row wrote with the same tokens
-        before them (`pages.page_keys`), for every cache, and prefills only the rest into its
-        own pages; a cached page no request holds is kept until pages run out (least recently
-        used first). None (the default): on where paged. Its output is what a fresh prefill
-        gives (greedy: token for token; deterministic: bit for bit). `stats()` counts tokens
-        looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
+        before them (`pages.page_keys`: its prompt's, and once it finished, its output's as
+        far as every cache of its row holds them, `Drafter.held`), for every cache, and
+        prefills only the rest into its own pages; a cached page no request holds is kept
+        until pages run out (least recently used first). None (the default): on where paged.
+        Its output is what a fresh prefill gives (greedy: token for token; deterministic:
+        bit for bit). `stats()` counts tokens looked up and found (`prefix_cache_queries`,
+        `prefix_cache_hits`).
     prefill_chunk: paged, the most prompt tokens one device call prefills (None: 64 on a CPU,
         512 elsewhere: `sizing.default_chunk`; rounded down to a bucket): a longer prompt's row
         holds a slot and its pages while its chunks are prefilled a call apiece between the
@@ -303,14 +303,12 @@ class Engine:
 
         Then each K's step at each width is timed over live rows (`Programs.measure_steps`,
         about a second; `stats()["step_ms"]`): calls run the steps that last about
-        policy.CALL_MS at those costs, and a table the cost profile chose is chosen again at
-        them (the profile measured generate's loop at other batch sizes, maybe on another
-        machine)."""
+        policy.CALL_MS at those costs (`KPolicy.call_steps`), and a table the cost profile
+        chose is chosen again at them (the profile timed generate's loop, maybe elsewhere)."""
         self.wait_warm()  # an earlier call's background compile ends first
         later = self.programs.groups() if groups_later else []
         self.warmup.pending = set(later)
         layout = self.programs.compile_all(skip=self.warmup.pending, progress=progress)
-        # The steps timed here size each call (`KPolicy.call_steps`); a table the profile chose is priced at them.
         self.policy.price(self.programs.measure_steps(), self.programs.widths)
         if later:
             self.warmup.start(self.programs, later, layout, progress)
@@ -411,9 +409,12 @@ class Engine:
             self._give_back(request)
             request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
 
-    def _give_back(self, request: Request):
-        """The request's pages back to the pool (paged; nothing otherwise)."""
+    def _give_back(self, request: Request, held: int | None = None):
+        """The request's pages back to the pool (paged; nothing otherwise); those below `held`
+        (a finished row's, which its caches hold: its output's too) cached first."""
         if self.pages is not None:
+            if held is not None and self.prefix_caching:
+                self.pages.register(request, self._keys(request, held))
             self.pages.release(request)
 
     def _table(self, extra: dict | None = None) -> np.ndarray:
@@ -516,10 +517,13 @@ class Engine:
         request.prefilled += self.programs.chunk
         return False
 
-    def _keys(self, request: Request) -> list:
+    def _keys(self, request: Request, held: int | None = None) -> list:
         """The keys of the request's context's cacheable pages (`page_keys`; none without
-        prefix caching): a hash a page, microseconds."""
-        return page_keys(request.context, self.pages.page_size, self._salt) if self.prefix_caching else []
+        prefix caching): a hash a page, microseconds. held: those of a finished row whose
+        caches hold its entries below this position (`Drafter.held`; no pass writes them
+        again): its output's too."""
+        count = None if held is None else held // self.pages.page_size
+        return page_keys(request.context, self.pages.page_size, self._salt, count) if self.prefix_caching else []
 
     def _reach(self, request: Request) -> int:
         """The slots a request's row may have written by the end of the next two device calls
@@ -615,17 +619,17 @@ class Engine:
         self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
         steps = 1 if fresh else self.policy.call_steps(max(owners) + 1, K, self.programs.steps_per_call)
-        self._state, tokens, counts, taken, done, *scored = self.programs.run(self._state, K, max(owners) + 1, kind,
-                                                                             steps, logprobs=scoring)
+        self._state, tokens, counts, taken, done, held, *scored = self.programs.run(
+            self._state, K, max(owners) + 1, kind, steps, logprobs=scoring)
         with self._lock:
             self.calls[K] += 1
-        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done, scored))  # read in `_deliver`
-        return Call(owners, K, tokens, counts, taken, done, *scored)
+        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done, held, scored))  # `_deliver`
+        return Call(owners, K, tokens, counts, taken, done, held, *scored)
 
     def _deliver(self, call: Call):
         owners, K = call.owners, call.K
-        tokens, counts, taken, done, scored = jax.device_get((call.tokens, call.counts, call.taken, call.done,
-                                                              call.logprobs))
+        tokens, counts, taken, done, held, scored = jax.device_get((call.tokens, call.counts, call.taken, call.done,
+                                                                    call.held, call.logprobs))
         with self._lock:  # (`stats` reads the counters at once)
             self.steps[K] += int(taken)
             self.k_in_use = K
@@ -648,7 +652,7 @@ class Engine:
                 with self._lock:
                     if self._live.get(slot) is request:
                         del self._live[slot]
-                self._give_back(request)
+                self._give_back(request, int(held[slot]))
                 request._finish("stop" if stopped else "length")
 
     @property
@@ -672,13 +676,10 @@ class Engine:
             request.cancel()
 
     def stats(self) -> dict:
-        """Device calls and steps per K so far, the draft's catch-ups after calls at K = 0, K by
-        live rows now and the per-position acceptance it was chosen from (`acceptance`), and
-        speculation's counts (drafts, draft tokens, accepted tokens, accepted per position),
-        what a prefill call costs beyond its tokens, in tokens (`Programs.partition`), and
-        the steps' costs `compile_all` timed ({K: {width: ms}}; None: untimed), and
-        the requests running and waiting: one snapshot (read under the engine's lock, which
-        the device thread takes to update them)."""
+        """Device calls and steps per K, the draft's catch-ups after calls at K = 0, K by live
+        rows and the acceptance it was chosen from, speculation's counts, a prefill call's
+        cost beyond its tokens (`Programs.partition`), the steps' timed costs (`step_ms`), the
+        requests running and waiting, the pages': one snapshot, under the engine's lock."""
         with self._lock:
             return self._stats()
 

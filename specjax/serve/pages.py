@@ -37,13 +37,15 @@ def cached_pages(length: int, page_size: int) -> int:
     return max(0, (int(length) - 2) // page_size)
 
 
-def page_keys(tokens, page_size: int, salt: bytes = b"") -> list[bytes]:
-    """The keys of the `cached_pages` of a context of tokens: page j's is a hash of page j-1's
-    key (salt for the first: what else decides the contents, e.g. the model), the page's
-    tokens and the token after it; equal keys, equal contents."""
+def page_keys(tokens, page_size: int, salt: bytes = b"", count: int | None = None) -> list[bytes]:
+    """The keys of the first `count` full pages of a context of tokens (None: its
+    `cached_pages`; at most those followed by a token): page j's is a hash of page j-1's key
+    (salt for the first: what else decides the contents, e.g. the model), the page's tokens
+    and the token after it; equal keys, equal contents."""
     tokens = np.asarray(tokens, np.int32)
     keys, previous = [], hashlib.blake2b(salt, digest_size=16).digest()
-    for j in range(cached_pages(tokens.size, page_size)):
+    most = (tokens.size - 1) // page_size
+    for j in range(cached_pages(tokens.size, page_size) if count is None else min(count, most)):
         previous = hashlib.blake2b(previous + tokens[j * page_size:(j + 1) * page_size + 1].tobytes(),
                                    digest_size=16).digest()
         keys.append(previous)

@@ -179,10 +179,12 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
     Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
     taken int32 [], done bool [width]: a copy the host may read while the state is donated
-    to the next call). drafter: this K's (None: no drafting); state_drafter: the drafter
-    whose state the rows carry (the deepest), whose rules lay it out on a mesh whatever K
-    runs. logprobs: None, or `loop.step`'s (top, mode): then also each step's `Logprobs`
-    ([steps, width, D+1], top [steps, width, D+1, n]), a sixth output."""
+    to the next call, held int32 [width]: the positions below which every cache of the row
+    holds its final tokens' entries, as a prefill writes them: `Drafter.held`). drafter:
+    this K's (None: no drafting); state_drafter: the drafter whose state the rows carry (the
+    deepest), whose rules lay it out on a mesh whatever K runs. logprobs: None, or
+    `loop.step`'s (top, mode): then also each step's `Logprobs` ([steps, width, D+1], top
+    [steps, width, D+1, n]), a seventh output."""
     target, drafter = loop.bound(backend, target, drafter)
     mesh = backend.mesh
     in_place = backend.platform != "gpu"  # see _first_rows
@@ -212,7 +214,11 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
              jnp.zeros((steps, B), jnp.int32), scored)
     state, taken, tokens, counts, scored = jax.lax.while_loop(go_on, body, carry)
     state = state.replace(sampling=_as_kind(state.sampling))
-    out = _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done
+    held = state.length - 1  # the target's cache holds its rows below length - 1
+    own = None if state_drafter is None else state_drafter.held(state.draft_state, state.tokens, state.length,
+                                                                 state.features)
+    held = held if own is None else jnp.minimum(held, own)
+    out = _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done, held
     return out if scored is None else out + (scored,)
 
 
@@ -645,7 +651,7 @@ class Programs:
                 times = []
                 for call in range(calls + 1):
                     start = time.perf_counter()
-                    state, *_, taken, _ = self.run(state, K, w, "greedy")
+                    state, *_, taken, _, _ = self.run(state, K, w, "greedy")
                     taken = int(taken)  # waits for the call
                     if call and taken:
                         times.append(1e3 * (time.perf_counter() - start) / taken)
@@ -663,7 +669,7 @@ class Programs:
         slot is free) steps at K over the narrowest width covering the first `rows` rows, for
         rows that need sampling of `kind` (`sampling.kind_of` their settings); one program
         whatever `steps`. logprobs: the program that also scores the emitted tokens (the
-        engine's `logprobs`; kind must be FILTERED): a sixth output."""
+        engine's `logprobs`; kind must be FILTERED): a seventh output."""
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
         if logprobs and (self.logprobs is None or kind != FILTERED):
             raise ValueError("this engine scores tokens only in its filtered runs, and only with max_logprobs set")
