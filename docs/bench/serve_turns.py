@@ -3,13 +3,13 @@
 caching on in both): one from this checkout, where a finished request's reply is cached as
 far as its caches hold it, and one from --against (a commit whose prefix cache held prompts'
 pages alone), both up before either is loaded, loaded in turn (--rounds). A load: 8
-closed-loop clients, each one conversation of --turns turns; a turn's prompt is the text of
-every earlier turn (prompt and reply) and --user new tokens of held-out code, its reply
---reply tokens (greedy, streamed). Printed per load: time to first token p50 and p99 of the
+closed-loop clients, each one conversation of --turns turns (new ones each round); a turn's
+prompt is the text of every earlier turn (prompt and reply) and --user new tokens of
+held-out code, its reply --reply tokens (greedy, streamed). Printed per load: time to first token p50 and p99 of the
 turns after the first, output tokens/s, and the prompt tokens the server reports cached;
 then the medians over rounds and their ratios.
 
-    PYTHONPATH=$PWD python docs/bench/serve_turns.py --against REV [--turns 4] [--user 48] [--reply 64] [--rounds 3]
+    PYTHONPATH=$PWD python docs/bench/serve_turns.py --against REV [--turns 4] [--user 32] [--reply 160] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -68,18 +68,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", required=True, help="a commit whose prefix cache held prompts' pages alone")
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--user", type=int, default=48)
-    parser.add_argument("--reply", type=int, default=64)
+    parser.add_argument("--user", type=int, default=32)
+    parser.add_argument("--reply", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import specjax
     from specjax.train.data import held_out_prompts
 
     tokenizer = specjax.load_tokenizer(str(ROOT / "checkpoints/target"))
-    texts = [tokenizer.decode(p) for p in held_out_prompts(tokenizer, CLIENTS * args.turns, 128, seed=1)]
-    openings = texts[:CLIENTS]
-    users = [[tokenizer.decode(tokenizer.encode(t)[:args.user]) for t in texts[CLIENTS + c * (args.turns - 1):][
-        :args.turns - 1]] for c in range(CLIENTS)]
+
+    def conversations_of(seed):  # (openings, each one's later user turns): new ones each round, none cached
+        texts = [tokenizer.decode(p) for p in held_out_prompts(tokenizer, CLIENTS * args.turns, 128, seed=seed)]
+        said = [tokenizer.decode(tokenizer.encode(t)[:args.user]) for t in texts[CLIENTS:]]
+        return texts[:CLIENTS], [said[c * (args.turns - 1):(c + 1) * (args.turns - 1)] for c in range(CLIENTS)]
+
     servers, tree = {}, tempfile.mkdtemp(prefix="specjax-against-")
     subprocess.run(["git", "worktree", "add", "--detach", tree, args.against], cwd=ROOT, check=True,
                    capture_output=True)
@@ -87,7 +89,8 @@ def main():
         for name, source in (("replies cached", None), ("prompts alone", tree)):
             servers[name] = start("checkpoints/draft", CLIENTS, ("--kv-pages", "512"), tree=source)
         runs = {name: [] for name in servers}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
+            openings, users = conversations_of(1 + round_)
             for name, (_, url) in servers.items():
                 settle()
                 turns, seconds = asyncio.run(conversations(url, openings, users, args.reply))
@@ -112,7 +115,8 @@ def main():
               f"{m['tok_per_s']:.0f} output tokens/s; {m['cached']:.0f} prompt tokens cached")
     new, old = medians["replies cached"], medians["prompts alone"]
     print(f"prompts alone / replies cached: time to first token p50 {old['ttft_p50_ms'] / new['ttft_p50_ms']:.2f}x, "
-          f"p99 {old['ttft_p99_ms'] / new['ttft_p99_ms']:.2f}x; output tokens/s {new['tok_per_s'] / old['tok_per_s']:.2f}x")
+          f"p99 {old['ttft_p99_ms'] / new['ttft_p99_ms']:.2f}x; "
+          f"output tokens/s {new['tok_per_s'] / old['tok_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
