@@ -379,10 +379,12 @@ def _logprobs(tokenizer, c, chat: bool) -> dict | None:
     taken = c.take_scores()
     if taken is None:
         return None
-    piece = lambda i: tokenizer.decode([i])  # noqa: E731
     if chat:
-        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
-        return {"content": [{**entry(piece(t), lp), "top_logprobs": [entry(piece(i), x) for i, x in top]}
+        def entry(token, lp):
+            text = _piece(tokenizer, token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in top]}
                             for t, (lp, top) in taken]}
     found, c.offset = _completion_logprobs(tokenizer, taken, c.offset)
     return found
@@ -392,12 +394,17 @@ def _completion_logprobs(tokenizer, taken: list, offset: int) -> tuple[dict, int
     """Completions' {tokens, token_logprobs, top_logprobs, text_offset} of taken [(token id,
     (its logprob, [(id, logprob)] of the likeliest)), ...] (None, None: a token nothing
     scores, an echo's first) whose text begins at `offset`, and the offset after them."""
-    piece = lambda i: tokenizer.decode([int(i)])  # noqa: E731
-    tokens = [piece(t) for t, _ in taken]
+    tokens = [_piece(tokenizer, t) for t, _ in taken]
     offsets = list(itertools.accumulate((len(p) for p in tokens), initial=offset))
     return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in taken],
-            "top_logprobs": [None if top is None else {piece(i): x for i, x in top} for _, (_, top) in taken],
+            "top_logprobs": [None if top is None else {_piece(tokenizer, i): x for i, x in top}
+                             for _, (_, top) in taken],
             "text_offset": offsets[:-1]}, offsets[-1]
+
+
+def _piece(tokenizer, token: int) -> str:
+    """A token's own text (`decode` of it alone), as logprobs name it."""
+    return tokenizer.decode([int(token)])
 
 
 async def _collect(generation: Generation):

@@ -45,16 +45,14 @@ from specjax.serve.warmup import Warmup
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
-# Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa and
-# Retrieval hold none: Medusa reads the target's features, which the engine keeps per row for
-# EAGLE, and Retrieval each row's text; Lookahead's window, pool and clock are per row).
+# Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa reads
+# the target's features, kept per row; Retrieval each row's text; Lookahead's state is per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
 
 
 @dataclasses.dataclass
 class Call:
-    """One device call in flight: the rows it ran and what it returns (device arrays, read by
-    `Engine._deliver`)."""
+    """One device call in flight: the rows it ran, what it returns (read by `Engine._deliver`)."""
 
     owners: dict  # slot -> Request, the live rows as the call started
     K: int
@@ -410,10 +408,12 @@ class Engine:
             request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
 
     def _give_back(self, request: Request, held: int | None = None):
-        """The request's pages back to the pool (paged; nothing otherwise); those below `held`
-        (a finished row's, which its caches hold: its output's too) cached first."""
+        """The request's pages back to the pool (paged; nothing otherwise); those below `held` (a
+        finished row's, its output's too; a draft model that lagged it fed first) cached first."""
         if self.pages is not None:
             if held is not None and self.prefix_caching:
+                state, held = self.programs.catch_up(self._state, request.context, held, self.pages.pages(request))
+                self._state = state
                 self.pages.register(request, self._keys(request, held))
             self.pages.release(request)
 

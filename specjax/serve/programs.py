@@ -21,9 +21,9 @@ import numpy as np
 
 from specjax import loop
 from specjax.backend import Backend
-from specjax.cache import KVCache
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.grammar import FREE, Automaton
+from specjax.serve.rows import first_rows, written_back
 from specjax.serve.scoring import prompt_logprobs
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
@@ -152,6 +152,17 @@ def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table,
     return loop.with_pools(state, rows)
 
 
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("width", "backend"))
+def _catch_up(drafter, state, tokens, start, table, *, width: int, backend: Backend):
+    """A paged state whose draft model's cache holds positions start .. start + width - 1 of
+    a row's tokens int32 [1, S], written into its pages (table int32 [1, M]); nothing else
+    changes. A row the draft did not follow (calls at K = 0) made cacheable as it ends."""
+    _, view = loop.resumed_views(state, np.zeros((1,), np.int32), table, start)
+    pools = drafter.on(backend).start(None, tokens, start + 1, 0, resume=Resume(view, start, width)).cache
+    return state.replace(draft_state=state.draft_state.replace(cache=state.draft_state.cache.replace(k=pools.k,
+                                                                                                     v=pools.v)))
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_table(state, table):
     """A paged state with the page table int32 [slots, M] the host holds now."""
@@ -187,9 +198,9 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     [steps, width, D+1, n]), a seventh output."""
     target, drafter = loop.bound(backend, target, drafter)
     mesh = backend.mesh
-    in_place = backend.platform != "gpu"  # see _first_rows
+    in_place = backend.platform != "gpu"  # see rows.first_rows
     axes = loop.state_axes(full, state_drafter)  # where each array's rows lie
-    state = _first_rows(full, width, in_place, axes)
+    state = first_rows(full, width, in_place, axes)
     state = state.replace(sampling=_as_kind(state.sampling, kind))
     B, D = width, 0 if drafter is None else drafter.tree.depth
     limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_steps), limit)
@@ -218,47 +229,8 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     own = None if state_drafter is None else state_drafter.held(state.draft_state, state.tokens, state.length,
                                                                  state.features)
     held = held if own is None else jnp.minimum(held, own)
-    out = _written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done, held
+    out = written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done, held
     return out if scored is None else out + (scored,)
-
-
-def _whole(x, in_place: bool) -> bool:
-    """Whether a run takes this leaf of the state whole, its rows' lengths and tables sliced
-    (`_first_rows`): a cache read in place, or a paged one (its pools are no row's)."""
-    return isinstance(x, KVCache) and (in_place or x.pages is not None)
-
-
-def _first_rows(full, width: int, in_place: bool, axes):
-    """The state's first `width` rows, for a run over them: every leaf sliced on its row axis
-    (`axes`: `loop.state_axes`; an array all rows share whole), copied into the run and
-    written back once per call (a few KB a row), but, in_place, the caches' key/value
-    buffers, which a pass reads and writes where they lie whatever their rows (cache.py), so
-    a narrow run copies no cache. Not on a GPU: there a cached pass may take cuDNN over the
-    whole cache, which wants the pass's rows alone, and a slice of the buffers would be
-    copied every pass rather than once a call. A paged cache's pools are shared: never sliced."""
-    if width == full.tokens.shape[0]:
-        return full
-
-    def first(x, a):
-        if _whole(x, in_place):
-            return x.replace(lengths=x.lengths[:width], pages=None if x.pages is None else x.pages[:width])
-        return jax.tree.map(lambda leaf, leaf_axes: loop.take_rows(leaf, leaf_axes, 0, width), x, a)
-
-    return jax.tree.map(first, full, axes, is_leaf=loop.is_cache)
-
-
-def _written_back(full, rows, width: int, in_place: bool, axes):
-    """`full` with `_first_rows`' rows, as a run left them, in its first `width` rows (an
-    array all rows share: the run's)."""
-    if width == full.tokens.shape[0]:
-        return rows
-
-    def back(big, new, a):
-        if _whole(big, in_place):
-            return new.replace(lengths=big.lengths.at[:width].set(new.lengths), pages=big.pages)
-        return jax.tree.map(lambda b, n, leaf_axes: loop.write_rows(b, n, leaf_axes, 0), big, new, a)
-
-    return jax.tree.map(back, full, rows, axes, is_leaf=loop.is_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("backend", "rules"))
@@ -336,6 +308,7 @@ class Programs:
                 + ([] if self.paging is None else [f"set the page table [{self.slots}, {self.table_width}]"])
                 + [f"{name} [{n}, {b}]" for n, b in self.sizes for name in self.admissions]
                 + ([] if self.chunk is None else [f"prefill a chunk [1, {self.chunk}]"])
+                + ([f"catch the draft up on a chunk [1, {self.chunk}]"] if self.catches_up else [])
                 + [f"run {self.steps_per_call} steps of rows [:{w}] at K={K}, {kind}"
                    for K in sorted(self.drafters) for w in self.widths for kind in KINDS]
                 + ([] if self.logprobs is None else [
@@ -496,6 +469,28 @@ class Programs:
                               np.array([start], np.int32), np.array([len(prompt)], np.int32),
                               np.asarray(table, np.int32), width=self.chunk, backend=self.backend)
 
+    @property
+    def catches_up(self) -> bool:
+        """Whether a finished row's draft model may lag it (calls at K = 0 beside a draft that
+        keeps a cache of tokens alone), so that `catch_up` runs before its pages are cached."""
+        d = self.deepest
+        return (self.chunk is not None and 0 in self.drafters and d is not None and d.keeps_cache
+                and not d.wants_features)
+
+    def catch_up(self, state, tokens, held: int, pages) -> tuple:
+        """(state, held) for a finished row of `tokens` whose caches hold it below `held`: where
+        its draft model lags it (`catches_up`: calls at K = 0), the draft's cache in its `pages`
+        made to hold what the target's does (all but the last token), a `chunk` a call
+        (`_catch_up`: the draft's passes alone); else as they were."""
+        if not self.catches_up or held >= len(tokens) - 1:
+            return state, held
+        row, table = np.zeros((1, self.cache_len), np.int32), np.zeros((1, self.table_width), np.int32)
+        row[0, :len(tokens)], table[0, :len(pages)] = tokens, pages
+        for at in range(held, len(tokens) - 1, self.chunk):
+            state = _catch_up(self.deepest, state, row, np.array([at], np.int32), table, width=self.chunk,
+                              backend=self.backend)
+        return state, len(tokens) - 1
+
     def set_table(self, state, table):
         """A paged state with the host's page table (rows grown, or freed, since it was set)."""
         return _set_table(state, np.asarray(table, np.int32))
@@ -568,6 +563,9 @@ class Programs:
         if self.chunk is not None:  # (into the null pages)
             state = self.prefill_chunk(state, 0, np.ones((self.chunk,), np.int32), 0,
                                        np.zeros((self.slots, self.table_width), np.int32))
+            done(1)
+        if self.catches_up:  # (into the null page)
+            state = self.catch_up(state, np.ones((self.chunk,), np.int32), 0, [])[0]
             done(1)
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
