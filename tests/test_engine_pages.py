@@ -231,7 +231,8 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
         assert f'specjax:prefix_cache_queries_total{{model_name="m"}} {float(stats["prefix_cache_queries"])}' in scraped
 
 
-@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft", "eagle3", "draft_off",
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft",
+                                  pytest.param("eagle3", marks=pytest.mark.slow), "draft_off",
                                   pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_conversation_s_next_turn_takes_the_pages_its_reply_wrote(pair, paged, name):
     """A finished request's pages are cached up to where every cache of its row holds its

@@ -91,7 +91,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    chunks, tokens, cached = [], 0, 0  # (time, characters) of each non-empty text chunk
+    chunks, text, tokens, cached = [], [], 0, 0  # the time and the text of each non-empty text chunk
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -103,8 +103,9 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                 cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             if data["choices"] and data["choices"][0]["text"]:
                 chunks.append(time.perf_counter())
+                text.append(data["choices"][0]["text"])
     end = time.perf_counter()
-    return {"start": start, "end": end, "chunks": chunks, "tokens": tokens, "cached": cached}
+    return {"start": start, "end": end, "chunks": chunks, "text": "".join(text), "tokens": tokens, "cached": cached}
 
 
 async def load(url: str, model: str, texts: list[str], clients: int, rate: float, max_tokens: int, seed: int):
@@ -142,6 +143,29 @@ def summary(results: list[dict], seconds: float) -> dict:
             "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "tpot_p50_ms": 1e3 * statistics.median(tpot),
             "tpot_p99_ms": 1e3 * pct(tpot, 0.99), "itl_p50_ms": 1e3 * statistics.median(itl),
             "itl_p99_ms": 1e3 * pct(itl, 0.99)}
+
+
+def prefix_figures(ttft: list[float], results: list[dict], seconds: float) -> dict:
+    """A load's figures where what differs is a prefix cache: time to first token p50 and p99
+    (ms) over `ttft` (seconds), output tokens/s and prompt tokens the server found cached."""
+    ttft = sorted(ttft)
+    p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
+    return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * p99,
+            "tok_per_s": sum(r["tokens"] for r in results) / seconds, "cached": sum(r["cached"] for r in results)}
+
+
+def prefix_medians(runs: dict, ours: str, theirs: str):
+    """Prints each server's `prefix_figures`, the medians over its rounds ({name: [figures,
+    ...]}), a line each, then how server `ours` compares with `theirs` (their time to first
+    token over ours, our tokens/s over theirs)."""
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    for name, m in medians.items():
+        print(f"{name}: time to first token p50 {m['ttft_p50_ms']:.0f} ms, p99 {m['ttft_p99_ms']:.0f} ms; "
+              f"{m['tok_per_s']:.0f} output tokens/s; {m['cached']:.0f} prompt tokens cached")
+    a, b = medians[ours], medians[theirs]
+    print(f"{theirs} / {ours}: time to first token p50 {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x, p99 "
+          f"{b['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x; output tokens/s {ours} / {theirs} "
+          f"{a['tok_per_s'] / b['tok_per_s']:.2f}x")
 
 
 def settle(window: float = 0.5, most: float = 0.05, patience: float = 20.0):

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 
 import numpy as np
-from serve_load import ROOT, load, settle, start, summary
+from serve_load import ROOT, load, prefix_figures, prefix_medians, settle, start
 
 INF = float("inf")
 
@@ -49,10 +48,8 @@ def main():
                 settle()
                 asyncio.run(load(url, "target", [shared], 1, INF, 32, 0))  # the shared part's pages written
                 results, seconds = asyncio.run(load(url, "target", prompts, 8, INF, 32, 0))
-                figures = summary(results, seconds)
-                runs[name].append({"ttft_p50_ms": figures["ttft_p50_ms"], "ttft_p99_ms": figures["ttft_p99_ms"],
-                                   "tok_per_s": figures["output_tok_per_s"],
-                                   "cached": sum(r["cached"] for r in results)})
+                ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
+                runs[name].append(prefix_figures(ttft, results, seconds))
                 print(f"{name}: {json.dumps({k: round(v, 1) for k, v in runs[name][-1].items()})}", flush=True)
     finally:
         for proc, _ in servers.values():
@@ -62,14 +59,7 @@ def main():
     print(f"# shipped pair over HTTP, 8 slots of 1024 on 512 pages of 16; {len(prompts)} requests sharing "
           f"{len(shared)} tokens, then 16-64 of their own, 32 new tokens each, 8 closed-loop clients; "
           f"{args.rounds} rounds, medians")
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    for name, m in medians.items():
-        print(f"{name}: time to first token p50 {m['ttft_p50_ms']:.0f} ms, p99 {m['ttft_p99_ms']:.0f} ms; "
-              f"{m['tok_per_s']:.0f} output tokens/s; {m['cached']:.0f} prompt tokens cached")
-    on, off = medians["caching on"], medians["caching off"]
-    print(f"off / on: time to first token p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x, p99 "
-          f"{off['ttft_p99_ms'] / on['ttft_p99_ms']:.2f}x; output tokens/s on / off "
-          f"{on['tok_per_s'] / off['tok_per_s']:.2f}x")
+    prefix_medians(runs, "caching on", "caching off")
 
 
 if __name__ == "__main__":

@@ -17,35 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
-from serve_load import ROOT, settle, start
+from serve_load import ROOT, one, prefix_figures, prefix_medians, settle, start
 
 CLIENTS = 8
-
-
-async def turn(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    begun, first, text, cached, tokens = time.perf_counter(), None, [], 0, 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-                cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            if data["choices"] and data["choices"][0]["text"]:
-                first = first or time.perf_counter()
-                text.append(data["choices"][0]["text"])
-    return {"ttft": first - begun, "text": "".join(text), "cached": cached, "tokens": tokens}
 
 
 async def conversations(url: str, openings: list[str], users: list[list[str]], reply: int) -> tuple[list, float]:
@@ -54,8 +34,7 @@ async def conversations(url: str, openings: list[str], users: list[list[str]], r
             history, turns = opening, []
             for i, user in enumerate([""] + said):
                 history += user
-                turns.append(await turn(client, url, history, reply))
-                turns[-1]["index"] = i
+                turns.append({**await one(client, url, "target", history, reply), "index": i})
                 history += turns[-1]["text"]
             return turns
 
@@ -94,11 +73,8 @@ def main():
             for name, (_, url) in servers.items():
                 settle()
                 turns, seconds = asyncio.run(conversations(url, openings, users, args.reply))
-                later = sorted(t["ttft"] for t in turns if t["index"])
-                runs[name].append({"ttft_p50_ms": 1e3 * statistics.median(later),
-                                   "ttft_p99_ms": 1e3 * later[min(len(later) - 1, int(0.99 * len(later)))],
-                                   "tok_per_s": sum(t["tokens"] for t in turns) / seconds,
-                                   "cached": sum(t["cached"] for t in turns)})
+                later = [t["chunks"][0] - t["start"] for t in turns if t["index"]]
+                runs[name].append(prefix_figures(later, turns, seconds))
                 print(f"{name}: {json.dumps({k: round(v, 1) for k, v in runs[name][-1].items()})}", flush=True)
     finally:
         for proc, _ in servers.values():
@@ -109,14 +85,7 @@ def main():
     print(f"# shipped pair over HTTP, 8 slots of 1024 on 512 pages of 16; {CLIENTS} closed-loop conversations of "
           f"{args.turns} turns (a 128-token opening, then {args.user} new tokens a turn), {args.reply}-token replies; "
           f"time to first token of turns 2-{args.turns}; {args.rounds} rounds, medians")
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    for name, m in medians.items():
-        print(f"{name}: time to first token p50 {m['ttft_p50_ms']:.0f} ms, p99 {m['ttft_p99_ms']:.0f} ms; "
-              f"{m['tok_per_s']:.0f} output tokens/s; {m['cached']:.0f} prompt tokens cached")
-    new, old = medians["replies cached"], medians["prompts alone"]
-    print(f"prompts alone / replies cached: time to first token p50 {old['ttft_p50_ms'] / new['ttft_p50_ms']:.2f}x, "
-          f"p99 {old['ttft_p99_ms'] / new['ttft_p99_ms']:.2f}x; "
-          f"output tokens/s {new['tok_per_s'] / old['tok_per_s']:.2f}x")
+    prefix_medians(runs, "replies cached", "prompts alone")
 
 
 if __name__ == "__main__":
