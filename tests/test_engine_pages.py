@@ -232,7 +232,8 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
 
 
 @pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "draft",
-                                  pytest.param("eagle3", marks=pytest.mark.slow), "draft_off",
+                                  pytest.param("eagle3", marks=pytest.mark.slow),
+                                  pytest.param("draft_off", marks=pytest.mark.slow),  # (the next test's contents)
                                   pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_conversation_s_next_turn_takes_the_pages_its_reply_wrote(pair, paged, name):
     """A finished request's pages are cached up to where every cache of its row holds its
