@@ -273,8 +273,8 @@ class Automaton:
             if g.num_states > Q or g.num_edges > E:
                 raise GrammarError(f"{g.source} compiles to {g.num_states} states and {g.num_edges} exceptional moves; "
                                    f"this engine holds up to {Q} and {E} a row")
-        W = -(-vocab_size // 32)
         out = Automaton._zeros(np, len(grammars), vocab_size, Q, E)
+        W = out[0].shape[2]  # words of a state's allowed-token bits
         for b, g in enumerate(grammars):
             if g is not None:
                 n, e = g.num_states, g.num_edges

@@ -301,6 +301,9 @@ def test_the_pages_a_finished_row_caches_hold_what_a_prefill_writes(pair, paged,
                 for got, want in zip(decoded[key], prefilled[key]):
                     np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"page {j}")
     assert lagged, "no row finished with its drafter's cache a page behind its own: the test shows nothing"
+    if engine.programs.catches_up:  # a lag within the row's last page loses no page: nothing is fed
+        untouched = object()
+        assert engine.programs.catch_up(untouched, list(range(20)), 17, []) == (untouched, 17)  # 17 // 8 == 19 // 8
 
 
 @pytest.mark.slow  # the suite's time on 2 cores (the test above holds greedy's)

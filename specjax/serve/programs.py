@@ -463,11 +463,15 @@ class Programs:
     def prefill_chunk(self, state, slot: int, prompt, start: int, table):
         """Paged: positions start .. start + `chunk` - 1 of a long prompt written into its
         pages (table: the host's, the row's pages included), its row not placed yet."""
-        tokens = np.zeros((1, self.cache_len), np.int32)
-        tokens[0, :len(prompt)] = prompt
-        return _prefill_chunk(self.target, self.deepest, state, np.array([slot], np.int32), tokens,
+        return _prefill_chunk(self.target, self.deepest, state, np.array([slot], np.int32), self._row(prompt),
                               np.array([start], np.int32), np.array([len(prompt)], np.int32),
                               np.asarray(table, np.int32), width=self.chunk, backend=self.backend)
+
+    def _row(self, tokens) -> np.ndarray:
+        """int32 [1, cache_len]: one row's tokens, as the state's token buffer holds them."""
+        row = np.zeros((1, self.cache_len), np.int32)
+        row[0, :len(tokens)] = tokens
+        return row
 
     @property
     def catches_up(self) -> bool:
@@ -479,17 +483,23 @@ class Programs:
 
     def catch_up(self, state, tokens, held: int, pages) -> tuple:
         """(state, held) for a finished row of `tokens` whose caches hold it below `held`: where
-        its draft model lags it (`catches_up`: calls at K = 0), the draft's cache in its `pages`
-        made to hold what the target's does (all but the last token), a `chunk` a call
-        (`_catch_up`: the draft's passes alone); else as they were."""
-        if not self.catches_up or held >= len(tokens) - 1:
+        its draft model lags it by a page or more (`catches_up`: calls at K = 0 leave it so),
+        the draft's cache in its `pages` made to hold what the target's does (all but the last
+        token), a `chunk` a call (`_catch_up`: the draft's passes alone); else as they were (a
+        lag within the last page costs no page: nothing is fed)."""
+        end, page = len(tokens) - 1, self.paging[1]
+        if not self.catches_up or held // page >= end // page:
             return state, held
-        row, table = np.zeros((1, self.cache_len), np.int32), np.zeros((1, self.table_width), np.int32)
-        row[0, :len(tokens)], table[0, :len(pages)] = tokens, pages
-        for at in range(held, len(tokens) - 1, self.chunk):
-            state = _catch_up(self.deepest, state, row, np.array([at], np.int32), table, width=self.chunk,
-                              backend=self.backend)
-        return state, len(tokens) - 1
+        row, table = self._row(tokens), np.zeros((1, self.table_width), np.int32)
+        table[0, :len(pages)] = pages
+        for at in range(held, end, self.chunk):
+            state = self._feed_draft(state, row, at, table)
+        return state, end
+
+    def _feed_draft(self, state, row, at: int, table):
+        """`_catch_up` of one chunk of a row (`_row`) from position `at` (table int32 [1, M])."""
+        return _catch_up(self.deepest, state, row, np.array([at], np.int32), table, width=self.chunk,
+                         backend=self.backend)
 
     def set_table(self, state, table):
         """A paged state with the host's page table (rows grown, or freed, since it was set)."""
@@ -565,7 +575,8 @@ class Programs:
                                        np.zeros((self.slots, self.table_width), np.int32))
             done(1)
         if self.catches_up:  # (into the null page)
-            state = self.catch_up(state, np.ones((self.chunk,), np.int32), 0, [])[0]
+            state = self._feed_draft(state, self._row(np.ones((self.chunk,), np.int32)), 0,
+                                     np.zeros((1, self.table_width), np.int32))
             done(1)
         state, self.call_tokens = self._measure_call_tokens(state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
