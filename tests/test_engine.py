@@ -272,6 +272,7 @@ def test_every_k_shares_one_copy_of_the_drafters_weights(pair):
     assert engine.memory["weight_bytes"] == nbytes(bf16.params) + nbytes(engine.programs.deepest)
 
 
+@pytest.mark.slow  # (a minute of the suite on 2 cores)
 def test_sampling_through_the_engine_is_exact_beside_greedy_rows():
     """Per-row settings: sampled requests with top-k, top-p, min-p, a logit bias and the three
     penalties (chi-square against the enumerated joint) share the batch with greedy ones,

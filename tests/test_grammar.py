@@ -215,6 +215,7 @@ def test_generate_refuses_a_grammar_list_of_the_wrong_length(tiny_pair, vocabula
         specjax.generate(target, padded, lengths, max_new_tokens=2, grammar=[Grammar.regex("a", vocabulary)])
 
 
+@pytest.mark.slow  # (a minute of the suite on 2 cores)
 def test_the_engine_holds_a_grammar_per_slot_and_resumes_it_after_preemption(tiny_pair, vocabulary):
     """Constrained rows (two grammars, greedy and seeded sampling) beside a free one, in an
     engine whose page pool is too small for all (rows are preempted and resume from their

@@ -283,17 +283,19 @@ def check_unrolled_drafts_as_the_loop_does(drafter, target):
     positions = jax.numpy.broadcast_to(jax.numpy.arange(11), (2, 11))
     _, taps, _ = apply(target, tokens[:, :-1], positions, taps=drafter.feature_layers)
     assert taps.shape == (2, 11, len(drafter.feature_layers) * target.config.hidden_size)
-    steps = unrolled(drafter, drafter.params, target, tokens[:, 1:], taps, 3)
+    # (jitted: op by op, these took most of a minute of the suite)
+    steps = jax.jit(unrolled, static_argnums=5)(drafter, drafter.params, target, tokens[:, 1:], taps, 3)
+    advance, read = jax.jit(type(drafter).advance), jax.jit(type(drafter).read)
     root = 5
     cache = KVCache.init(drafter.config, 2, 32, jax.numpy.float32)
-    _, cache = drafter.advance(target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
-    g, cache = drafter.advance(target, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
-                               positions[:, root:root + 1], cache)
-    np.testing.assert_allclose(steps[0][:, root], drafter.read(target, g)[:, 0], atol=1e-5)
+    _, cache = advance(drafter, target, tokens[:, 1:root + 1], taps[:, :root], positions[:, :root], cache)
+    g, cache = advance(drafter, target, tokens[:, root + 1:root + 2], taps[:, root:root + 1],
+                       positions[:, root:root + 1], cache)
+    np.testing.assert_allclose(steps[0][:, root], read(drafter, target, g)[:, 0], atol=1e-5)
     for j in (1, 2):
         t = root + j
-        g, cache = drafter.advance(target, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
-        np.testing.assert_allclose(steps[j][:, t], drafter.read(target, g)[:, 0], atol=1e-5, err_msg=f"step {j}")
+        g, cache = advance(drafter, target, tokens[:, t + 1:t + 2], g, positions[:, t:t + 1], cache)
+        np.testing.assert_allclose(steps[j][:, t], read(drafter, target, g)[:, 0], atol=1e-5, err_msg=f"step {j}")
 
 
 def test_a_reduced_draft_vocabulary_reads_out_the_targets_rows(pair):

@@ -617,7 +617,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
     process exits 0 (at 02042b0 it aborted, SIGABRT, from the compile thread inside XLA)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", str(folder), "--draft", "none",
-                             "--port", str(port), "--slots", "2", "--max-model-len", "64", "--no-compilation-cache"],
+                             "--port", str(port), "--slots", "2", "--max-model-len", "32", "--no-compilation-cache"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -633,7 +633,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
             assert time.time() < deadline, "the server did not start"
             time.sleep(0.1)
         assert health.json()["status"] == "warming" and health.json()["compiling"] > 0, health.json()
-        body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": [5, 6, 7], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         result = {}
 
         def request():
@@ -645,7 +645,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder):
         proc.send_signal(signal.SIGTERM)
         thread.join(120)
         assert proc.wait(60) == 0, proc.stdout.read()
-        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 40
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 24
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
         assert "compiling:" in proc.stdout.read()  # the count while compiling
