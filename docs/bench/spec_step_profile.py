@@ -48,7 +48,7 @@ def main():
     args = parser.parse_args()
     target, draft, _ = load_pair()
     engine = specjax.Engine(target, draft=draft if args.k else None, slots=args.slots, max_len=1024,
-                            num_draft_tokens=(args.k,) * args.slots, kv_cache_bytes=2 ** 40, page_size=16,
+                            num_draft_tokens=(args.k,) * args.slots if args.k else None, kv_cache_bytes=2 ** 40, page_size=16,
                             steps_per_call=args.steps)
     p = engine.programs
     prompt = np.random.default_rng(0).integers(3, target.config.vocab_size, args.prompt).astype(np.int32)
