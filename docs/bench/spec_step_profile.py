@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,7 +23,7 @@ import numpy as np  # noqa: E402
 import specjax  # noqa: E402
 from shipped_pair import load_pair  # noqa: E402
 from specjax.serve import programs as P  # noqa: E402
-from step_profile import self_times  # noqa: E402
+from step_profile import instructions, traced  # noqa: E402
 
 CALLS = 10
 
@@ -48,8 +46,8 @@ def main():
     args = parser.parse_args()
     target, draft, _ = load_pair()
     engine = specjax.Engine(target, draft=draft if args.k else None, slots=args.slots, max_len=1024,
-                            num_draft_tokens=(args.k,) * args.slots if args.k else None, kv_cache_bytes=2 ** 40, page_size=16,
-                            steps_per_call=args.steps)
+                            num_draft_tokens=(args.k,) * args.slots if args.k else None, kv_cache_bytes=2 ** 40,
+                            page_size=16, steps_per_call=args.steps)
     p = engine.programs
     prompt = np.random.default_rng(0).integers(3, target.config.vocab_size, args.prompt).astype(np.int32)
     stops = np.full((1, p.stop_width), -1, np.int32)
@@ -75,20 +73,15 @@ def main():
     hlo = P._run.lower(p.target, p.drafters[args.k], p.deepest, state, p.threshold, np.int32(p.steps_per_call),
                        steps=p.steps_per_call, open_steps=p.open_steps, width=args.width, kind="greedy",
                        backend=p.backend, rules=None).compile().as_text()
-    what = {}  # instruction name -> (shape, the op it computes: its metadata's, or its opcode)
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)
-        if m:
-            op = re.search(r'op_name="([^"]+)"', line)
-            what[m.group(1)] = (m.group(2), op.group(1) if op else m.group(3))
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
-        steps = 0
+    what, steps = instructions(hlo), 0
+
+    def calls():
+        nonlocal state, steps
         for _ in range(CALLS):
             state, *_, taken, _, _ = run(state)
             steps += int(taken)
-        jax.profiler.stop_trace()
-        own = self_times(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1])
+
+    own = traced(calls)
     phases, ops = collections.Counter(), collections.Counter()
     for name, us in own.items():
         if name in what:

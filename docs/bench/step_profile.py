@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
+from specjax.sampling import Settings  # noqa: E402
 from specjax.serve import programs as P  # noqa: E402
 from specjax.shipped import default_checkpoint  # noqa: E402
 
@@ -48,6 +49,27 @@ def self_times(trace: str) -> collections.Counter:
     return own
 
 
+def instructions(hlo: str) -> dict:
+    """Compiled HLO text's instructions: name -> (shape, the op it computes: its metadata's
+    op_name, or its opcode)."""
+    what = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)
+        if m:
+            op = re.search(r'op_name="([^"]+)"', line)
+            what[m.group(1)] = (m.group(2), op.group(1) if op else m.group(3))
+    return what
+
+
+def traced(run) -> collections.Counter:
+    """`self_times` of what run() dispatches (it waits for its calls), traced by jax.profiler."""
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        run()
+        jax.profiler.stop_trace()
+        return self_times(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=8)
@@ -57,7 +79,7 @@ def main():
     p = P.Programs(target, {0: None}, 8, 1024, 4, STEPS, 0.0)
     state, stops = p.empty(), np.full((1, 4), -1, np.int32)
     for s in range(args.width):
-        state = p.insert(state, [s], p.prefill([np.arange(1, 49, dtype=np.int32)], [1020], [(0.0, 0, 1.0)], stops, [0]))
+        state = p.insert(state, [s], p.prefill([np.arange(1, 49, dtype=np.int32)], [1020], [Settings()], stops, [0]))
     run = lambda state: p.run(state, 0, args.width, "greedy")[0]  # noqa: E731
     for _ in range(3 + CALLS):  # compile, warm, then as many untraced calls as will be traced
         state = run(state)
@@ -69,19 +91,15 @@ def main():
     print(f"width {args.width}: {1e3 * (time.perf_counter() - start) / CALLS / STEPS:.2f} ms per step untraced")
     hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.int32(STEPS), steps=STEPS, open_steps=STEPS,
                        width=args.width, kind="greedy", backend=p.backend, rules=None).compile().as_text()
-    what = {}  # instruction name -> (shape, the op it computes: its metadata's, or its opcode)
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)
-        if m:
-            op = re.search(r'op_name="([^"]+)"', line)
-            what[m.group(1)] = (m.group(2), op.group(1).replace("jit(_run)/while/body/", "") if op else m.group(3))
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
+    what = {name: (shape, op.replace("jit(_run)/while/body/", "")) for name, (shape, op) in instructions(hlo).items()}
+
+    def calls():
+        nonlocal state
         for _ in range(CALLS):
             state = run(state)
         jax.block_until_ready(state)
-        jax.profiler.stop_trace()
-        own = self_times(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1])
+
+    own = traced(calls)
     per_step = CALLS * STEPS
     kinds, ops = collections.Counter(), collections.Counter()
     for name, us in own.items():
