@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import specjax  # noqa: E402
 from shipped_pair import load_pair  # noqa: E402
 from specjax.serve import programs as P  # noqa: E402
-from step_profile import instructions, traced  # noqa: E402
+from step_profile import instructions, report, traced  # noqa: E402
 
 CALLS = 10
 
@@ -88,12 +88,7 @@ def main():
             shape, op = what[name]
             phases[phase(op, args.depth)] += us
             ops[(re.sub(r"\.\d+$", "", name), shape, phase(op, 6))] += us
-    print(f"XLA thunks, per step: {sum(phases.values()) / steps / 1e3:.2f} ms; by phase:")
-    for name, us in phases.most_common(args.top):
-        print(f"  {us / steps:8.1f} us  {name}")
-    print("by op:")
-    for (kind, shape, op), us in ops.most_common(args.top):
-        print(f"  {us / steps:8.1f} us  {kind} {shape} {op}")
+    report(phases, "phase", ops, steps, args.top)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,17 @@ def traced(run) -> collections.Counter:
         return self_times(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1])
 
 
+def report(groups: collections.Counter, label: str, ops: collections.Counter, per_step: float, top: int):
+    """Prints the thunks' time per step in all, the `top` groups' ({name: us}, by `label`),
+    then the `top` ops' ({(kind, shape, op): us})."""
+    print(f"XLA thunks, per step: {sum(groups.values()) / per_step / 1e3:.2f} ms; by {label}:")
+    for name, us in groups.most_common(top):
+        print(f"  {us / per_step:8.1f} us  {name}")
+    print("by op:")
+    for (kind, shape, op), us in ops.most_common(top):
+        print(f"  {us / per_step:8.1f} us  {kind} {shape} {op}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=8)
@@ -106,12 +117,7 @@ def main():
         if name in what:
             kinds[re.sub(r"\.\d+$", "", name)] += us
             ops[(re.sub(r"\.\d+$", "", name),) + what[name]] += us
-    print(f"XLA thunks, per step: {sum(kinds.values()) / per_step / 1e3:.2f} ms; by kind:")
-    for kind, us in kinds.most_common(args.top):
-        print(f"  {us / per_step:8.1f} us  {kind}")
-    print("by op:")
-    for (kind, shape, op), us in ops.most_common(args.top):
-        print(f"  {us / per_step:8.1f} us  {kind} {shape} {op}")
+    report(kinds, "kind", ops, per_step, args.top)
 
 
 if __name__ == "__main__":
