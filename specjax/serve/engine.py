@@ -12,7 +12,9 @@ at once). The device never waits on the host: call N+1 is dispatched before call
 tokens are read (their copy to the host starts at dispatch), so the host delivers tokens,
 frees finished rows' slots and pages and admits waiting requests while the device runs the
 next call (a row that finished stays frozen on the device meanwhile: a late read is
-harmless); its slot is refilled a call later. K follows the number of live rows
+harmless); its slot is refilled a call later. But once after a row finishes while none
+waits, the call in flight is read first: its client's next request then goes ahead of the
+next call (docs/bench/serve_against_read_first.txt). K follows the number of live rows
 (`KPolicy`), among a few programs compiled over the same state.
 
 The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
@@ -112,32 +114,30 @@ class Engine:
     max_grammar_states, max_grammar_edges: each slot holds a grammar (specjax.grammar) of up to
         this many states and exceptional moves, written with its row (0: none; larger: refused;
         None: `sizing.grammar_capacity`, about 8 MiB a slot).
-    kv_pages: None (each slot holds max_len positions of keys and values), or every cache
-        (the target's, and a draft model's or an EAGLE layer's: one page id a page of each)
-        in pools of this many pages of `page_size` positions that the rows share
-        (PagedAttention): a running request holds the pages its next two calls can
-        write (`_reach`), grown before each call; a waiting one is admitted when its pages are
-        free; when growth runs out of pages the request that arrived last is preempted (its
-        pages freed; it waits with its tokens and resumes by prefilling them, its output
-        unchanged); a request gives its pages back when it ends; so slots can exceed what
-        max_len-sized rows would fit. A request larger than the whole pool is refused at
-        `submit`. On a mesh the pools split as the caches' heads do, the tables' rows over
-        `data`; with deterministic=True, bit for bit as without pages.
+    kv_pages: None (each slot holds max_len positions of keys and values), or every cache (the
+        target's, and a draft model's or an EAGLE layer's: one page id a page of each) in pools
+        of this many pages of `page_size` positions that the rows share (PagedAttention): a
+        running request holds the pages its next two calls can write (`_reach`), grown before
+        each call; a waiting one is admitted when its pages are free; when growth runs out of
+        pages the request that arrived last is preempted (its pages freed; it waits with its
+        tokens and resumes by prefilling them, its output unchanged); a request gives its pages
+        back when it ends; so slots can exceed what max_len-sized rows would fit. A request
+        larger than the whole pool is refused at `submit`. On a mesh the pools split as the
+        caches' heads do, the tables' rows over `data`; deterministic=True: bits as unpaged.
     kv_cache_bytes: the pool sized from a budget instead of kv_pages: bytes ("4GiB", "2GB", an
-        int): as many pages as fit, every cache's share of a page and the null page counted;
-        or "auto": sizing.KV_MEMORY_FRACTION of the device's free memory now (the weights
-        placed), less the state's other arrays and the most any program needs beside its
-        arguments (`Programs.temporaries`, from XLA's `memory_analysis()`), on a device that
-        reports its memory (not a CPU); at most what every slot at max_len holds (`stats()`).
+        int), as many pages as fit (every cache's share of a page and the null page counted);
+        or "auto": sizing.KV_MEMORY_FRACTION of the device's free memory now, less the state's
+        other arrays and the most any program needs beside its arguments (`Programs.temporaries`,
+        XLA's `memory_analysis()`), where a device reports its memory (not a CPU); at most what
+        every slot at max_len holds (`stats()`).
     prefix_caching: paged, whether a request's row takes the cached pages of its context's
         longest run of full pages that an earlier request's row wrote with the same tokens
         before them (`pages.page_keys`: its prompt's, and once it finished, its output's as
         far as every cache of its row holds them, `Drafter.held`), for every cache, and
         prefills only the rest into its own pages; a cached page no request holds is kept
         until pages run out (least recently used first). None (the default): on where paged.
-        Its output is what a fresh prefill gives (greedy: token for token; deterministic:
-        bit for bit). `stats()` counts tokens looked up and found (`prefix_cache_queries`,
-        `prefix_cache_hits`).
+        Its output is what a fresh prefill gives (greedy: token for token; deterministic: bit
+        for bit). `stats()` counts tokens looked up and found (vLLM's names).
     prefill_chunk: paged, the most prompt tokens one device call prefills (None: 64 on a CPU,
         512 elsewhere: `sizing.default_chunk`; rounded down to a bucket): a longer prompt's row
         holds a slot and its pages while its chunks are prefilled a call apiece between the
@@ -214,6 +214,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draft_behind = False  # a call ran at K = 0 since the draft's state last caught up
+        self._finished = False  # a row finished in the call read last (its client may send its next request)
         self.syncs = 0  # catch-ups of the draft's state after such calls
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
@@ -230,14 +231,12 @@ class Engine:
         return self.policy.table
 
     def acceptance(self) -> tuple[float, ...] | None:
-        """P(draft position i accepted | the ones before were), as the table is chosen from
-        (`KPolicy.acceptance`; None without a cost profile)."""
+        """P(draft position i accepted | those before were): `KPolicy.acceptance`."""
         return self.policy.acceptance()
 
     @property
     def step_ms(self) -> dict | None:
-        """The steps' costs `compile_all` timed ({K: {width: ms}}; None: untimed), which size
-        the calls and price a profile's table."""
+        """The steps' costs `compile_all` timed ({K: {width: ms}}; None: untimed)."""
         return self.policy.step_ms
 
     # ---- requests -----------------------------------------------------------------------
@@ -388,6 +387,9 @@ class Engine:
                     if not np.array_equal(table, before):  # rows grew, or were freed
                         self._state = self.programs.set_table(self._state, table)
                 fresh = self._admit()
+                if pending is not None and self._finished and not self._waiting:  # read first (above)
+                    self._deliver(pending)
+                    pending, fresh = None, self._admit() or fresh
                 out = self._dispatch(fresh=self._prefill_chunk() or fresh)
                 if pending is not None:  # the call before this one: read while this one runs
                     self._deliver(pending)
@@ -627,7 +629,7 @@ class Engine:
         return Call(owners, K, tokens, counts, taken, done, held, *scored)
 
     def _deliver(self, call: Call):
-        owners, K = call.owners, call.K
+        owners, K, self._finished = call.owners, call.K, False
         tokens, counts, taken, done, held, scored = jax.device_get((call.tokens, call.counts, call.taken, call.done,
                                                                     call.held, call.logprobs))
         with self._lock:  # (`stats` reads the counters at once)
@@ -648,6 +650,7 @@ class Engine:
             if new:
                 request._emit(new)
             if done[slot]:
+                self._finished = True
                 stopped = bool(request.tokens) and request.tokens[-1] in request.stop_token_ids
                 with self._lock:
                     if self._live.get(slot) is request:
@@ -657,14 +660,12 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """Whether the device thread runs (it stops with `stop`, or when even an empty state
-        cannot be made after a failure)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        """Whether the device thread runs (it stops with `stop`, or if even an empty state cannot
+        be made after a failure)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def load(self) -> tuple[int, int]:
-        """(running, waiting): requests in slots (a long prompt's being prefilled too), and
-        requests queued for one."""
+        """(running, waiting): requests in slots (long prompts' being prefilled too), and queued."""
         with self._lock:
             return len(self._live) + len(self._chunking), len(self._waiting)
 
@@ -676,10 +677,10 @@ class Engine:
             request.cancel()
 
     def stats(self) -> dict:
-        """Device calls and steps per K, the draft's catch-ups after calls at K = 0, K by live
-        rows and the acceptance it was chosen from, speculation's counts, a prefill call's
-        cost beyond its tokens (`Programs.partition`), the steps' timed costs (`step_ms`), the
-        requests running and waiting, the pages': one snapshot, under the engine's lock."""
+        """Device calls and steps per K, the draft's catch-ups after calls at K = 0, K by live rows
+        and the acceptance it was chosen from, speculation's counts, a prefill call's cost beyond
+        its tokens (`Programs.partition`), `step_ms`, the requests running and waiting, the pages':
+        one snapshot, under the engine's lock."""
         with self._lock:
             return self._stats()
 
@@ -693,8 +694,7 @@ class Engine:
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
                 "failures": self.failures, "preemptions": self.preemptions, "prefix_caching": self.prefix_caching,
-                "programs": self.programs.listing(),
-                "step_ms": self.step_ms,
+                "programs": self.programs.listing(), "step_ms": self.step_ms,
                 "compiling": len(self.warmup.pending), "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}
 
