@@ -137,7 +137,7 @@ class Engine:
         prefills only the rest into its own pages; a cached page no request holds is kept
         until pages run out (least recently used first). None (the default): on where paged.
         Its output is what a fresh prefill gives (greedy: token for token; deterministic: bit
-        for bit). `stats()` counts tokens looked up and found (vLLM's names).
+        for bit). stats(): tokens looked up and found, `prefix_cache_queries`, `prefix_cache_hits`.
     prefill_chunk: paged, the most prompt tokens one device call prefills (None: 64 on a CPU,
         512 elsewhere: `sizing.default_chunk`; rounded down to a bucket): a longer prompt's row
         holds a slot and its pages while its chunks are prefilled a call apiece between the
