@@ -160,23 +160,24 @@ def main():
 
 def engine_findings(target, draft) -> dict:
     """The engine on a 2x4 mesh (slots over data, heads over model), requests staggered and K
-    changing with live rows, against single-device generate on each request alone."""
+    changing with live rows (3 to 0, and back: the draft synced), against single-device
+    generate on each request alone."""
     mesh = specjax.make_mesh(data=2, model=4)
     engine = specjax.Engine(specjax.shard_model(target, mesh), draft=specjax.shard_model(draft, mesh), slots=4,
-                            max_len=48, num_draft_tokens=(3, 2, 1, 0), mesh=mesh, steps_per_call=4)
+                            max_len=48, num_draft_tokens=(3, 3, 0, 0), mesh=mesh, steps_per_call=4)
     rng = np.random.RandomState(1)
     requests = [(list(rng.randint(0, 389, n)), budget) for n, budget in ((5, 10), (12, 6), (3, 12), (9, 8), (7, 5))]
     with engine:
         submitted = [engine.submit(p, max_new_tokens=b) for p, b in requests]
         got = [r.result(timeout=300) for r in submitted]
-    alone = []
+    alone = []  # each request alone, greedy: the first b of its longest budget's tokens (one compile)
     for p, b in requests:
-        out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=b)
-        alone.append([int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])])
+        out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=max(b for _, b in requests))
+        alone.append([int(t) for t in np.asarray(out.tokens[0, :b])])
     # A drafter whose state's table [4, 3] has a first dimension of B = 4 slots but is shared
     # by the rows (declared so), and whose `seen` [2, B] has its rows on axis 1.
     tabled = specjax.Engine(specjax.shard_model(target, mesh), draft=Tabled(table_rows=4), slots=4, max_len=48,
-                            num_draft_tokens=(3, 2, 1, 0), mesh=mesh, steps_per_call=4)
+                            num_draft_tokens=3, mesh=mesh, steps_per_call=4)
     with tabled:
         tabled_got = [r.result(timeout=300) for r in [tabled.submit(p, max_new_tokens=b) for p, b in requests]]
     draft_state = tabled._state.draft_state

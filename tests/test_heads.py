@@ -108,12 +108,10 @@ def test_save_load_round_trip_and_refusals(pair, hf_folder, tmp_path):
         loaded = specjax.load_drafter(tmp_path / name, tree=drafter.tree)
         assert type(loaded) is type(drafter)
         assert jax.tree.structure(loaded) == jax.tree.structure(drafter)
-        for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(drafter)):  # every weight, the vocabulary
+        # Every weight and the vocabulary equal, under the same structure (its static fields
+        # too): generate, a function of the drafter's pytree, then drafts the same.
+        for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(drafter)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        a, b = (specjax.generate(target, padded, lengths, draft=d, max_new_tokens=MAX_NEW, eos_token_id=1)
-                for d in (drafter, loaded))
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_array_equal(a.stats.accepted, b.stats.accepted)
         other = specjax.load_model(hf_folder("gpt2")[0])
         with pytest.raises(ValueError, match="made for another target"):
             specjax.generate(other, padded, lengths, draft=loaded, max_new_tokens=4)

@@ -4,7 +4,8 @@ several steps of loop.py's `step` at one static K per device call, over the stat
 rows (a few widths: a step costs by its rows), and `sync`: the draft's catch-up after calls
 at K = 0. Their number is bounded and fixed at construction (`Programs.listing`): one
 prefill per bucket and group size, one run per K, width and sampling kind, never one per
-request.
+request; widths and group sizes are at most `SIZES` (`spread`), so the set does not grow
+with slots.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
 (engine.py), and nothing of what the step computes (loop.py).
@@ -13,6 +14,7 @@ This module knows shapes and the step's arguments; nothing of requests, queues o
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 import jax
@@ -33,6 +35,16 @@ MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_
 # its rows' caches are dense until inserted, so a group bounds what a prefill holds beside
 # the state (a long prompt goes alone; 64 slots of 8K-token prompts would be 64 GiB of an 8B's).
 GROUP_TOKENS = 4096
+SIZES = 4  # the most run widths, and prefill group sizes, an engine compiles, whatever its slots
+
+
+def spread(slots: int, count: int = SIZES) -> tuple[int, ...]:
+    """At most `count` sizes from 1 to `slots`: powers of two evenly spaced in log between
+    them, and slots itself (1, 2, 4, 8 at 8; 1, 4, 8, 32 at 32; 1, 4, 16, 64 at 64; 1, 8, 64,
+    512 at 512): a program set that does not grow with slots, its narrowest runs kept for
+    the few rows a step then costs less for (on a CPU)."""
+    top = math.log2(slots)
+    return tuple(sorted({min(2 ** round(i * top / (count - 1)), slots) for i in range(count - 1)} | {slots}))
 
 
 def buckets(max_len: int, unit: int = MIN_BUCKET) -> tuple[int, ...]:
@@ -285,12 +297,11 @@ class Programs:
             if self.paging is None:
                 raise ValueError("prefill_chunk prefills into a row's pages: give kv_pages or kv_cache_bytes")
             self.chunk = max([b for b in self.buckets if b <= prefill_chunk] or [self.buckets[0]])
-        doubling = tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))  # 1, 2, 4, .. slots
         # On a mesh, rows lie over `data`: a call steps them all (a narrower slice would move rows).
-        self.widths = (slots,) if mesh is not None else doubling
+        self.widths = (slots,) if mesh is not None else spread(slots)
         # Requests that wait together are prefilled together, in groups of these sizes (one
         # at a time on a mesh, and where a row must not depend on its neighbours' prefill).
-        self.prefill_sizes = (1,) if mesh is not None or deterministic else doubling
+        self.prefill_sizes = (1,) if mesh is not None or deterministic else spread(slots)
         self.mesh, self.rules = mesh, rules
         # What a prefill call costs beyond its token slots, in tokens' worth (`partition`):
         # measured by `compile_all`. Until then (and where tokens cost nothing measurable
