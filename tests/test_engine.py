@@ -583,7 +583,7 @@ def test_a_prefill_group_holds_at_most_group_tokens(pair, monkeypatch):
 def test_the_program_set_does_not_grow_with_slots(pair):
     """An engine compiles at most SIZES run widths and prefill group sizes, whatever its
     slots: 8 slots and 64 list as many programs (paged, drafting, chunked prefill), 1,024 no more."""
-    from specjax.serve.programs import SIZES, spread
+    from specjax.serve.shapes import SIZES, spread
 
     assert spread(8) == (1, 2, 4, 8) and spread(64) == (1, 4, 16, 64) and spread(3) == (1, 2, 3)
     assert all(len(spread(s)) <= SIZES and spread(s)[0] == 1 and spread(s)[-1] == s for s in range(1, 2000))

@@ -4,7 +4,7 @@ several steps of loop.py's `step` at one static K per device call, over the stat
 rows (a few widths: a step costs by its rows), and `sync`: the draft's catch-up after calls
 at K = 0. Their number is bounded and fixed at construction (`Programs.listing`): one
 prefill per bucket and group size, one run per K, width and sampling kind, never one per
-request; widths and group sizes are at most `SIZES` (`spread`), so the set does not grow
+request; widths and group sizes are at most four (shapes.py), so the set does not grow
 with slots.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads
@@ -14,7 +14,6 @@ This module knows shapes and the step's arguments; nothing of requests, queues o
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import jax
@@ -27,35 +26,14 @@ from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.grammar import FREE, Automaton
 from specjax.serve.rows import first_rows, written_back
 from specjax.serve.scoring import prompt_logprobs
+from specjax.serve.shapes import MIN_BUCKET, buckets, spread
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
 
-MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
 # The most prompt tokens one prefill of several requests holds (n requests x their bucket):
 # its rows' caches are dense until inserted, so a group bounds what a prefill holds beside
 # the state (a long prompt goes alone; 64 slots of 8K-token prompts would be 64 GiB of an 8B's).
 GROUP_TOKENS = 4096
-SIZES = 4  # the most run widths, and prefill group sizes, an engine compiles, whatever its slots
-
-
-def spread(slots: int, count: int = SIZES) -> tuple[int, ...]:
-    """At most `count` sizes from 1 to `slots`: powers of two evenly spaced in log between
-    them, and slots itself (1, 2, 4, 8 at 8; 1, 4, 8, 32 at 32; 1, 4, 16, 64 at 64; 1, 8, 64,
-    512 at 512): a program set that does not grow with slots, its narrowest runs kept for
-    the few rows a step then costs less for (on a CPU)."""
-    top = math.log2(slots)
-    return tuple(sorted({min(2 ** round(i * top / (count - 1)), slots) for i in range(count - 1)} | {slots}))
-
-
-def buckets(max_len: int, unit: int = MIN_BUCKET) -> tuple[int, ...]:
-    """Prompt-length buckets: unit (16, or a page of more), doubling, the last max_len rounded
-    up to the unit: each a whole number of units."""
-    last = -(-max_len // unit) * unit
-    out, b = [], unit
-    while b < last:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (last,)
 
 
 def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
