@@ -595,19 +595,23 @@ def test_a_prefill_group_holds_at_most_group_tokens(pair, monkeypatch):
 
 def test_the_program_set_does_not_grow_with_slots(pair):
     """An engine compiles at most SIZES run widths and prefill group sizes, whatever its
-    slots: 8 slots and 64 list as many programs (paged, drafting, chunked prefill), 1,024 no more."""
+    slots: 64 slots and 1,024 list as many runs, and 1,024 no more programs (paged,
+    drafting, chunked prefill)."""
     from specjax.serve.shapes import SIZES, spread
 
-    assert spread(8) == (1, 2, 4, 8) and spread(64) == (1, 4, 16, 64) and spread(3) == (1, 2, 3)
+    assert spread(8) == (1, 2, 4, 8) and spread(64) == (1, 8, 16, 32, 64) and spread(3) == (1, 2, 3)
     assert all(len(spread(s)) <= SIZES and spread(s)[0] == 1 and spread(s)[-1] == s for s in range(1, 2000))
     listed = {}
     for slots in (8, 64, 1024):
         engine = specjax.Engine(pair[0], draft=pair[1]["near"], slots=slots, max_len=MAX_LEN, kv_pages=64,
                                 prefill_chunk=32)
         listed[slots] = engine.programs.listing()
-        assert len(engine.programs.widths) == len(engine.programs.prefill_sizes) == SIZES
-    # (at 1,024 slots fewer: the largest groups would hold more than GROUP_TOKENS)
-    assert len(listed[1024]) <= len(listed[64]) == len(listed[8]), {s: len(v) for s, v in listed.items()}
+        assert len(engine.programs.widths) == len(engine.programs.prefill_sizes) == min(SIZES, len(spread(slots)))
+    runs = {slots: [x for x in names if x.startswith("run ")] for slots, names in listed.items()}
+    assert len(runs[64]) == len(runs[1024]) <= 2 * SIZES * 3  # (K = 0 and the draft's, three sampling kinds)
+    # (fewer admissions at 1,024: its largest groups would hold more than GROUP_TOKENS)
+    assert len(listed[8]) < len(listed[64]) and len(listed[1024]) <= len(listed[64]), \
+        {s: len(v) for s, v in listed.items()}
 
 
 def test_a_burst_is_partitioned_by_what_a_call_costs(engines):

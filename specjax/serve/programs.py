@@ -4,7 +4,7 @@ several steps of loop.py's `step` at one static K per device call, over the stat
 rows (a few widths: a step costs by its rows), and `sync`: the draft's catch-up after calls
 at K = 0. Their number is bounded and fixed at construction (`Programs.listing`): one
 prefill per bucket and group size, one run per K, width and sampling kind, never one per
-request; widths and group sizes are at most four (shapes.py), so the set does not grow
+request; widths and group sizes are at most five (shapes.py), so the set does not grow
 with slots.
 
 This module knows shapes and the step's arguments; nothing of requests, queues or threads

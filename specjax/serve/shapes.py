@@ -5,19 +5,16 @@ requests or devices.
 
 from __future__ import annotations
 
-import math
-
 MIN_BUCKET = 16  # the shortest prompt bucket; buckets double from it up to max_len
-SIZES = 4  # the most run widths, and prefill group sizes, an engine compiles, whatever its slots
+SIZES = 5  # the most run widths, and prefill group sizes, an engine compiles, whatever its slots
 
 
 def spread(slots: int, count: int = SIZES) -> tuple[int, ...]:
-    """At most `count` sizes from 1 to `slots`: powers of two evenly spaced in log between
-    them, and slots itself (1, 2, 4, 8 at 8; 1, 4, 8, 32 at 32; 1, 4, 16, 64 at 64; 1, 8, 64,
-    512 at 512): a program set that does not grow with slots, its narrowest runs kept for
-    the few rows a step then costs less for (on a CPU)."""
-    top = math.log2(slots)
-    return tuple(sorted({min(2 ** round(i * top / (count - 1)), slots) for i in range(count - 1)} | {slots}))
+    """At most `count` sizes from 1 to `slots`: slots and its halvings (rounded up), and 1:
+    1, 2, 4, 8 at 8 slots; 1, 8, 16, 32, 64 at 64. A program set that does not grow with
+    slots; a server's rows, which fill from about half its slots to all under load, run
+    near their number (a step costs by its rows on a CPU), and one row alone runs alone."""
+    return tuple(sorted({-(-slots // 2 ** j) for j in range(count - 1)} | {1}))
 
 
 def buckets(max_len: int, unit: int = MIN_BUCKET) -> tuple[int, ...]:
