@@ -170,9 +170,9 @@ def engine_findings(target, draft) -> dict:
     with engine:
         submitted = [engine.submit(p, max_new_tokens=b) for p, b in requests]
         got = [r.result(timeout=300) for r in submitted]
-    alone = []  # each request alone, greedy: the first b of its longest budget's tokens (one compile)
+    alone, longest = [], max(b for _, b in requests)  # each alone, greedy: its longest budget's run, cut (one compile)
     for p, b in requests:
-        out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=max(b for _, b in requests))
+        out = specjax.generate(target, *specjax.pad_prompts([p]), max_new_tokens=longest)
         alone.append([int(t) for t in np.asarray(out.tokens[0, :b])])
     # A drafter whose state's table [4, 3] has a first dimension of B = 4 slots but is shared
     # by the rows (declared so), and whose `seen` [2, B] has its rows on axis 1.

@@ -17,9 +17,10 @@ draft = specjax.load_drafter(default_checkpoint("draft"))
 for slots in (8, 32, 64, 1024):
     programs = specjax.Engine(target, draft=draft, slots=slots, max_len=1024, kv_cache_bytes="64MiB",
                               prefill_chunk=256).programs
-    kinds = collections.Counter(name.split(" [")[0].split(" steps")[0] for name in programs.listing())
-    print(f"{slots} slots: {sum(kinds.values())} programs ({kinds['admit']} admissions, {kinds['run 8']} runs); "
+    kinds = collections.Counter(name.split()[0] for name in programs.listing())
+    print(f"{slots} slots: {sum(kinds.values())} programs ({kinds['admit']} admissions, {kinds['run']} runs); "
           f"widths {programs.widths}, prefill groups {programs.prefill_sizes}")
-engine = specjax.Engine(target, draft=draft, slots=8, max_len=1024, kv_cache_bytes="64MiB", num_draft_tokens=(4,) * 4 + (0,) * 4)
+engine = specjax.Engine(target, draft=draft, slots=8, max_len=1024, kv_cache_bytes="64MiB",
+                        num_draft_tokens=(4,) * 4 + (0,) * 4)
 for K, by_width in engine.programs.measure_steps().items():
     print(f"8 slots, K={K}: ms per step by width " + ", ".join(f"{w}: {ms:.1f}" for w, ms in by_width.items()))
