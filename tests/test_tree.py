@@ -13,6 +13,7 @@ from specjax import acceptance
 from specjax.cache import KVCache, commit, tree_placement
 from specjax.drafters.base import DraftRequest, grow
 from specjax.loop import generate_loop
+from specjax import models
 from specjax.models import apply
 from specjax.sampling import Sampling
 from specjax.tree import Tree, ancestors, depths
@@ -83,6 +84,7 @@ def test_tree_and_num_draft_tokens_conflict(pair):
 @pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow),  # window 5 < the paths
                                   pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
+    apply = jax.jit(models.apply, static_argnames=("exit_layer", "taps", "defer"))  # (not op by op: seconds)
     target = specjax.load_model(hf_folder(name)[0])
     tree = Tree.from_paths(STATIC)
     rng = np.random.RandomState(0)
