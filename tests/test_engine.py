@@ -472,7 +472,7 @@ def test_a_draft_that_skipped_steps_syncs_and_then_drafts_in_one_window(pair):
     drafter = specjax.DraftModel(target).resolve(3).bind(target)
     prompts, lengths = specjax.pad_prompts([list(range(3, 12)), list(range(20, 25))])
     step = jax.jit(lambda d, s: loop.step(target, d, s, jnp.float32(0))[0])
-    state = loop.initial_state(target, drafter, prompts, lengths, jax.random.key(0), 40)
+    state = jax.jit(lambda d: loop.initial_state(target, d, prompts, lengths, jax.random.key(0), 40))(drafter)
     state = step(drafter, state)
     np.testing.assert_array_equal(state.stats.accepted, [3, 3])  # steady state: the window suffices
     for _ in range(5):

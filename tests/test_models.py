@@ -74,8 +74,9 @@ def test_stale_cache_entries_are_ignored(hf_folder):
     positions = np.broadcast_to(np.arange(6), (2, 6))
     clean = KVCache.init(model.config, 2, 16)
     dirty = clean.replace(k=tuple(k + 7.0 for k in clean.k), v=tuple(v - 3.0 for v in clean.v))
-    a = apply(model, tokens, positions, clean)[0]
-    b = apply(model, tokens, positions, dirty)[0]
+    run = jax.jit(apply)  # (not op by op: seconds)
+    a = run(model, tokens, positions, clean)[0]
+    b = run(model, tokens, positions, dirty)[0]
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 

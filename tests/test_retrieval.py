@@ -123,7 +123,7 @@ def _propose(text, tree, K=None):
                            length=jnp.array([len(text)]), done=jnp.array([False]), key=jax.random.key(0),
                            sampling=Sampling.make(0.0, 0, 1.0), k_limit=jnp.array([drafter.tree.depth]),
                            threshold=jnp.float32(0))
-    _, _, p = drafter.propose(None, request)
+    _, _, p = jax.jit(lambda d, r: d.propose(None, r))(drafter, request)  # (not op by op: seconds)
     valid = np.asarray(p.valid[0])
     parents = np.asarray(p.parents)
     parents = parents[0] if parents.ndim == 2 else parents

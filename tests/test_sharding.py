@@ -216,9 +216,10 @@ def _rows(drafter, B, seed=0):
     """A SlotState of B rows for `drafter` (prefilled with tiny random prompts)."""
     target = specjax.models.init(TINY, jax.random.key(0), jnp.float32)
     prompts = jnp.asarray(np.random.RandomState(seed).randint(1, 53, (B, 5)), jnp.int32)
-    return loop.prefill(target, drafter.resolve(2), prompts, jnp.full((B,), 5, jnp.int32), cache_len=16,
-                        limit=jnp.full((B,), 12, jnp.int32), sampling=Sampling.make(batch=B),
-                        stop_ids=jnp.full((B, 1), -1, jnp.int32), key=loop.row_keys(jax.random.key(1), B))
+    return jax.jit(lambda: loop.prefill(  # (one program, not op by op)
+        target, drafter.resolve(2), prompts, jnp.full((B,), 5, jnp.int32), cache_len=16,
+        limit=jnp.full((B,), 12, jnp.int32), sampling=Sampling.make(batch=B), stop_ids=jnp.full((B, 1), -1, jnp.int32),
+        key=loop.row_keys(jax.random.key(1), B)))()
 
 
 def test_a_drafter_state_is_laid_out_by_its_declared_axes_not_its_shape():
@@ -245,7 +246,7 @@ def test_insert_writes_each_array_on_its_declared_row_axis():
     state, row = _rows(drafter, 4), _rows(drafter, 1, seed=1)
     state = state.replace(draft_state=state.draft_state.replace(seen=jnp.arange(8).reshape(2, 4)))
     row = row.replace(draft_state=row.draft_state.replace(seen=jnp.array([[70], [71]])))
-    out = loop.insert(state, jnp.int32(2), row, drafter)
+    out = jax.jit(lambda s, r: loop.insert(s, jnp.int32(2), r, drafter))(state, row)
     np.testing.assert_array_equal(out.draft_state.seen, [[0, 1, 70, 3], [4, 5, 71, 7]])
     np.testing.assert_array_equal(out.draft_state.table, state.draft_state.table)
     assert int(out.draft_state.table[0, 0]) == 4000

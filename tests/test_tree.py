@@ -229,7 +229,7 @@ def test_finished_rows_are_not_drafted_for(pair):
                             length=jnp.array([5, 7]), done=jnp.array(done), key=jax.random.key(0),
                             sampling=Sampling.make(), k_limit=jnp.array([3, 3]), threshold=jnp.float32(0))
 
-    _, proposal = grow(forward, cache, logits0, jnp.array([5, 7]), request([True, False]), tree)
+    _, proposal = jax.jit(lambda c: grow(forward, c, logits0, jnp.array([5, 7]), request([True, False]), tree))(cache)
     assert not proposal.valid[0].any() and proposal.valid[1].all()
     passes.clear()
     _, proposal = jax.jit(lambda c: grow(forward, c, logits0, jnp.array([5, 7]), request([True, True]), tree))(cache)
