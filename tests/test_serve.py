@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import re
 import resource
 import shutil
@@ -34,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import specjax
 from specjax.serve.api import Server, create_app
 from specjax.serve.detokenize import Detokenizer
-from tests import tiny
+from tests import children, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TOKENIZER = ROOT / "checkpoints" / "target"
@@ -619,6 +618,7 @@ def test_serve_refuses_several_hosts_in_one_line(capsys):
 
 # The two `specjax serve` processes' settings (2 slots: grouped prefills compile in the background),
 # and their compilation cache: the SIGTERM test's start fills it, the second-start test reads it.
+# Their environment compiles without LLVM's optimisations (tests/children.py): neither compares bits.
 SERVE_CHILD = ("--draft", "none", "--slots", "2", "--max-model-len", "32")
 
 
@@ -634,7 +634,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder, xla_cache):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", str(folder), *SERVE_CHILD,
                              "--port", str(port), "--compilation-cache", str(xla_cache)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=children.env())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -699,7 +699,7 @@ def test_a_second_start_compiles_nothing(folder, xla_cache):
     cache = xla_cache
     child = [sys.executable, str(Path(__file__).parent / "serve_cache_child.py"), str(folder), *SERVE_CHILD,
              "--compilation-cache", str(cache)]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    env = children.env(PYTHONPATH=str(Path(__file__).parent.parent))
     runs = []
     for _ in range(2):
         result = subprocess.run(child, capture_output=True, text=True, timeout=600, env=env)
