@@ -3,8 +3,8 @@
 One engine for the module (a tiny random Llama with the shipped byte-level tokenizer's
 4,096 ids, and a noisy copy of it as the draft), served by several apps (with a chat
 template, without one, with an API key, with a tiny queue) from threads of this process;
-one `specjax serve` subprocess for SIGTERM. Greedy outputs are compared with `generate` on
-each prompt alone."""
+one `specjax serve` subprocess for SIGTERM, whose compiled programs two more starts find in
+their compilation cache. Greedy outputs are compared with `generate` on each prompt alone."""
 
 import asyncio
 import contextlib
