@@ -55,7 +55,7 @@ def test_paged_requests_equal_generate_alone(pair, paged, name):
     engine = paged(name)
     outputs, requests = _staggered(engine, REQUESTS)
     for (prompt, budget, stops), got in zip(REQUESTS, outputs):
-        assert got == _alone(target, None, prompt, budget, stops), (name, len(prompt), budget)
+        assert got == _alone(target, prompt, budget, stops), (name, len(prompt), budget)
     stats = engine.stats()
     assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
     assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
@@ -90,7 +90,7 @@ def test_paged_admission_cancellation_and_refusal(pair, paged):
         with engine._lock:  # both queued before the engine admits either
             long = engine.submit(prompt, max_new_tokens=16, listener=first_chunk)  # 40 + 16: 6 pages, then 7
             waiting = engine.submit(prompt[:5], max_new_tokens=20)  # 2 pages at once: more than are left
-        assert waiting.result(timeout=300) == _alone(target, None, prompt[:5], 20, ())
+        assert waiting.result(timeout=300) == _alone(target, prompt[:5], 20, ())
     assert seen == [((1, 1), [])]  # a slot was free: it waited for pages
     assert long.finish_reason == "cancelled" and len(long.tokens) < 16
     assert engine.stats()["free_pages"] == 7
@@ -111,7 +111,7 @@ def test_rows_that_outgrow_the_pool_are_preempted_and_resume_exactly(pair, paged
         with engine._lock:
             requests = [engine.submit(p, max_new_tokens=30, **s) for p, s in zip(prompts, penalties)]
         outputs = [r.result(timeout=300) for r in requests]
-    assert outputs == [_alone(target, None, p, 30, (), **s) for p, s in zip(prompts, penalties)]
+    assert outputs == [_alone(target, p, 30, (), **s) for p, s in zip(prompts, penalties)]
     assert engine.preemptions > before
     assert engine.stats()["free_pages"] == 7
 
@@ -182,7 +182,7 @@ def test_pages_larger_than_a_bucket_round_the_buckets_up(pair):
     with engine:
         got = [r.result(timeout=300) for r in [engine.submit(p, max_new_tokens=b, stop_token_ids=s)
                                                 for p, b, s in chosen]]
-    assert got == [_alone(target, None, *r) for r in chosen]
+    assert got == [_alone(target, *r) for r in chosen]
     with pytest.raises(ValueError, match="page_size must divide 16 or be a multiple of it"):
         specjax.Engine(target, slots=2, max_len=MAX_LEN, kv_pages=4, page_size=24)
 
@@ -213,7 +213,7 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
             outputs.append(request.result(timeout=300))
             cached.append(request.cached_tokens)
             accepted.append(engine.stats()["accepted"] - start)
-    assert outputs == [_alone(target, None, p, 12, ()) for p in asked]
+    assert outputs == [_alone(target, p, 12, ()) for p in asked]
     assert cached == [0, 24, 24, 0, 0], cached
     if name != "plain":
         assert accepted[1] == accepted[0] == accepted[4], accepted
@@ -254,7 +254,7 @@ def test_a_conversation_s_next_turn_takes_the_pages_its_reply_wrote(pair, paged,
             runs.append((request.result(timeout=300), request.cached_tokens, engine.stats()["accepted"] - start))
     (cached_out, cached, cached_accepted), _, (fresh_out, fresh, fresh_accepted) = runs
     assert cached == 32 and fresh == 0, (cached, fresh)
-    assert cached_out == fresh_out == _alone(target, None, turn, 6, ())
+    assert cached_out == fresh_out == _alone(target, turn, 6, ())
     assert cached_accepted == fresh_accepted, (cached_accepted, fresh_accepted)
     assert engine.pages._owned == {} and not +engine.pages._holders
 
@@ -334,7 +334,7 @@ def test_prefix_caching_off_and_refused_without_pages(pair):
     with engine:
         got = [engine.submit(SHARED + [5, 9, 13], max_new_tokens=4) for _ in range(2)]
         outputs = [r.result(timeout=300) for r in got]
-    assert outputs[0] == outputs[1] == _alone(target, None, SHARED + [5, 9, 13], 4, ())
+    assert outputs[0] == outputs[1] == _alone(target, SHARED + [5, 9, 13], 4, ())
     assert [r.cached_tokens for r in got] == [0, 0]
     stats = engine.stats()
     assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0 and stats["cached_pages"] == 0
@@ -362,7 +362,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_row_streams(pair):
             time.sleep(0.01)
         long = engine.submit(long_prompt, max_new_tokens=8)
         outputs = [streaming.result(timeout=300), long.result(timeout=300)]
-    assert outputs == [_alone(target, None, [4, 5, 6], 60, ()), _alone(target, None, long_prompt, 8, ())]
+    assert outputs == [_alone(target, [4, 5, 6], 60, ()), _alone(target, long_prompt, 8, ())]
     assert [start for start, _ in chunks] == [0, 16] and all(running == 2 for _, running in chunks)
     first = long.chunk_times[0][0]
     between = [t for t, _ in streaming.chunk_times if long.submitted < t < first]
@@ -407,6 +407,6 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
     assert len(calls) >= nth, calls  # the call failed
     assert engine.failures == failures + 1 and None in outputs
     for (prompt, budget), got in zip(asked, outputs):
-        assert got is None or got == _alone(target, None, prompt, budget, ()), (call, len(prompt))
-    assert after == _alone(target, None, REQUESTS[3][0], 9, ())
+        assert got is None or got == _alone(target, prompt, budget, ()), (call, len(prompt))
+    assert after == _alone(target, REQUESTS[3][0], 9, ())
     assert engine.stats()["free_pages"] == 7 and engine.pages._owned == {} and not engine._chunking

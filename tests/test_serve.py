@@ -34,6 +34,7 @@ import specjax
 from specjax.serve.api import Server, create_app
 from specjax.serve.detokenize import Detokenizer
 from tests import children, tiny
+from tests.test_engine import _alone as engine_alone
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TOKENIZER = ROOT / "checkpoints" / "target"
@@ -120,17 +121,10 @@ def servers(engine, folder):
         live.stop()
 
 
-LONGEST = 40  # what any test here asks `_alone` for
-
-
-def _alone(engine, prompt, max_tokens, eos=(EOS,), **settings):
-    """generate's greedy output on the prompt alone, its first max_tokens: one length for every
-    budget (a shorter greedy run is a longer one's start), so one program for every call."""
-    assert max_tokens <= LONGEST
-    prompts, lengths = specjax.pad_prompts([prompt])
-    out = specjax.generate(engine.target, prompts, lengths, max_new_tokens=LONGEST, eos_token_id=list(eos) or None,
-                           **settings)
-    return [int(t) for t in np.asarray(out.tokens[0, :int(out.num_tokens[0])])][:max_tokens]
+def _alone(engine, prompt, max_tokens, **settings):
+    """generate's greedy output on the prompt alone, to EOS or max_tokens (test_engine's: one
+    length, 40, for every budget here, so one program for every call)."""
+    return engine_alone(engine.target, prompt, max_tokens, (EOS,), at_least=40, **settings)
 
 
 def _text(tokenizer, ids):

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import acceptance
+from specjax import acceptance, models
 from specjax.cache import KVCache, commit, tree_placement
 from specjax.drafters.base import DraftRequest, grow
 from specjax.loop import generate_loop
-from specjax import models
 from specjax.models import apply
 from specjax.sampling import Sampling
 from specjax.tree import Tree, ancestors, depths
@@ -84,7 +83,7 @@ def test_tree_and_num_draft_tokens_conflict(pair):
 @pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow),  # window 5 < the paths
                                   pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
-    apply = jax.jit(models.apply, static_argnames=("exit_layer", "taps", "defer"))  # (not op by op: seconds)
+    run_pass = jax.jit(models.apply, static_argnames=("exit_layer", "taps", "defer"))  # (not op by op: seconds)
     target = specjax.load_model(hf_folder(name)[0])
     tree = Tree.from_paths(STATIC)
     rng = np.random.RandomState(0)
@@ -94,15 +93,15 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
     nodes = rng.randint(2, tiny.VOCAB, (B, N))
     cache = KVCache.init(target.config, B, S)
     positions = jnp.broadcast_to(jnp.arange(16), (B, 16))
-    _, _, cache = apply(target, jnp.asarray(prefix), positions, cache)  # slots >= length-1 go stale
+    _, _, cache = run_pass(target, jnp.asarray(prefix), positions, cache)  # slots >= length-1 go stale
     start = jnp.asarray(prefix_lengths - 1)
     anc = ancestors(tree.parents)
     depth = depths(anc)
     verify = np.concatenate([prefix[np.arange(B), prefix_lengths - 1][:, None], nodes], axis=1)
     placement = tree_placement(start, depth, jnp.broadcast_to(anc, (B, N + 1, N + 1)))
     # A verification pass: its keys pending, none written; then the path to the deepest node committed.
-    logits, _, unwritten, pending = apply(target, jnp.asarray(verify), start[:, None] + depth, cache,
-                                          placement=placement, defer=True)
+    logits, _, unwritten, pending = run_pass(target, jnp.asarray(verify), start[:, None] + depth, cache,
+                                            placement=placement, defer=True)
     sequences = [list(prefix[b, : prefix_lengths[b] - 1]) + list(verify[b, anc[i]])  # root .. node i
                  for b in range(B) for i in range(N + 1)]
     padded, ends = specjax.pad_prompts(sequences, bucket=8)  # right padding is never attended to
@@ -113,7 +112,7 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
     kept = np.flatnonzero(anc[N])  # the root, then node N's ancestors and itself, by depth
     committed = commit(cache, pending, jnp.broadcast_to(jnp.asarray(kept), (B, kept.size)), start)
-    _, _, plain = apply(target, jnp.asarray(verify[:, kept]), start[:, None] + jnp.arange(kept.size), cache)
+    _, _, plain = run_pass(target, jnp.asarray(verify[:, kept]), start[:, None] + jnp.arange(kept.size), cache)
     for got, want in zip(committed.k + committed.v, plain.k + plain.v):  # [B, G, S, D] each
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     # A drafter's passes over the same tree, a depth each (`grow`), the root in the cache and
@@ -127,7 +126,7 @@ def test_tree_pass_equals_full_passes_over_each_path(hf_folder, name):
             sees = jnp.broadcast_to(anc[at + 1, 1:], (B, at.size, N))  # the node and its ancestors
             placement = tree_placement(start + 1, node_depth - 1, sees, offset=at[0])
             positions = jnp.broadcast_to(start[:, None] + d, (B, at.size))
-            got, _, held = apply(model, jnp.asarray(nodes[:, at]), positions, held, placement=placement)
+            got, _, held = run_pass(model, jnp.asarray(nodes[:, at]), positions, held, placement=placement)
             np.testing.assert_allclose(np.asarray(got), np.asarray(logits)[:, at + 1], atol=1e-4,
                                        err_msg=f"depth {d}, exact={model.exact}")
         for got, before in zip(held.k + held.v, cache.k + cache.v):
@@ -229,12 +228,15 @@ def test_finished_rows_are_not_drafted_for(pair):
                             length=jnp.array([5, 7]), done=jnp.array(done), key=jax.random.key(0),
                             sampling=Sampling.make(), k_limit=jnp.array([3, 3]), threshold=jnp.float32(0))
 
-    _, proposal = jax.jit(lambda c: grow(forward, c, logits0, jnp.array([5, 7]), request([True, False]), tree))(cache)
-    assert not proposal.valid[0].any() and proposal.valid[1].all()
+    def proposal(done):  # (compiled: op by op it takes seconds)
+        return jax.jit(lambda c: grow(forward, c, logits0, jnp.array([5, 7]), request(done), tree))(cache)[1]
+
+    proposal_one = proposal([True, False])
+    assert not proposal_one.valid[0].any() and proposal_one.valid[1].all()
     passes.clear()
-    _, proposal = jax.jit(lambda c: grow(forward, c, logits0, jnp.array([5, 7]), request([True, True]), tree))(cache)
+    proposal_all = proposal([True, True])
     jax.effects_barrier()
-    assert not proposal.valid.any()
+    assert not proposal_all.valid.any()
     assert len(passes) == tree.depth - 1  # every row done, the passes run all the same: no predicate
 
 
