@@ -2,7 +2,8 @@
 that dashboards built for vLLM read them with the prefix changed.
 
 - From the engine, read at each scrape: requests running and waiting, slots and their
-  occupancy, the K in use, and speculation's counters (`spec_decode_num_drafts`,
+  occupancy, the K in use, each K's step time at each width as the engine timed it
+  (`step_seconds`, once compiled), and speculation's counters (`spec_decode_num_drafts`,
   `_num_draft_tokens`, `_num_accepted_tokens`, `_num_accepted_tokens_per_pos` by position):
   acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 - From the routes, as requests end: time to first token, inter-token latency, end-to-end
@@ -75,6 +76,13 @@ class _EngineCollector:
                           stats["prefix_cache_queries"])
             yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their pages shared).",
                           stats["prefix_cache_hits"])
+        if stats["step_ms"] is not None:  # what the K table was chosen from (`Engine.compile_all` timed them)
+            step = GaugeMetricFamily("specjax:step_seconds", "One step's time at this K and width (rows computed), "
+                                     "as the engine timed it once compiled.", labels=[*labels, "k", "width"])
+            for K, widths in sorted(stats["step_ms"].items()):
+                for width, ms in sorted(widths.items()):
+                    step.add_metric([*labels.values(), str(K), str(width)], ms / 1e3)
+            yield step
         yield gauge("num_prefill_groups_compiling", "(group size, bucket) prefills still compiling in the background; "
                     "until one is, its requests are prefilled in smaller groups.", stats["compiling"])
 
