@@ -100,8 +100,9 @@ def main():
     print(f"the step's own ratio, 8 x step(1 row) / step(8 rows): {8 * steps[1] / steps[8]:.2f}x "
           f"({1e3 * steps[1]:.2f} and {1e3 * steps[8]:.2f} ms)")
     for c in (1, 8):
-        print(f"{c} client(s): {med[c]['output_tok_per_s']:.0f} tokens/s = {med[c]['output_tok_per_s'] * steps[c] / c:.2f} "
-              f"of the step's {c / steps[c]:.0f} at {c} row(s); rows decoding on average {med[c]['rows_decoding']:.2f}")
+        rate = med[c]["output_tok_per_s"]
+        print(f"{c} client(s): {rate:.0f} tokens/s = {rate * steps[c] / c:.2f} of the step's {c / steps[c]:.0f} at "
+              f"{c} row(s); rows decoding on average {med[c]['rows_decoding']:.2f}")
 
 
 if __name__ == "__main__":
