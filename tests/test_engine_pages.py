@@ -15,6 +15,7 @@ import pytest
 import specjax
 from specjax import loop
 from specjax.drafters import Eagle3
+from specjax.sampling import Settings
 from specjax.serve.pages import page_keys
 from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
 
@@ -410,3 +411,35 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
         assert got is None or got == _alone(target, prompt, budget, ()), (call, len(prompt))
     assert after == _alone(target, REQUESTS[3][0], 9, ())
     assert engine.stats()["free_pages"] == 7 and engine.pages._owned == {} and not engine._chunking
+
+
+def test_a_group_compiled_in_the_background_runs_without_compiling_again(pair):
+    """A group's admission that `compile_group` compiled ahead of time (in the background,
+    against the state's layout) is what its first admission runs: nothing is compiled then.
+    Through jit's own path the first such call in a process compiled the program again
+    (docs/bench/serve_first_group.txt)."""
+    target, drafts, _ = pair
+    # Sizes no other test uses, so that no program of theirs is in jax's caches.
+    engine = specjax.Engine(target, draft=drafts["near"], slots=3, max_len=40, num_draft_tokens=2, kv_pages=9,
+                            page_size=PAGE)
+    programs = engine.programs
+    n, b = programs.groups()[0]
+    state = programs.set_table(programs.empty(), np.zeros((3, programs.table_width), np.int32))
+    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    programs.compile_group(n, b, layout)
+    compiles = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    prompts = [np.arange(3, 3 + b - i, dtype=np.int32) for i in range(n)]
+    table = np.arange(3 * programs.table_width, dtype=np.int32).reshape(3, -1) % 9
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        state = programs.admit(state, list(range(n)), prompts, [0] * n, [len(p) + 4 for p in prompts],
+                               [Settings()] * n, np.full((n, programs.stop_width), -1, np.int32), [0] * n, table)
+        assert np.asarray(state.length)[:n].tolist() == [len(p) for p in prompts]  # the rows admitted
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []

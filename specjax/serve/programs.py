@@ -232,6 +232,11 @@ def _sync(drafter, state, state_drafter, *, backend: Backend, rules):
     return loop.place(state, state_drafter, backend.mesh, rules)
 
 
+def _zeros(layout):
+    """A state of zeros laid out as `layout` (ShapeDtypeStructs with their shardings)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), layout)
+
+
 def pool_bytes(state) -> int:
     """Bytes of the key/value buffers of every cache a state holds (a paged state's pools)."""
     return sum(nbytes((c.k, c.v)) for c in loop.caches(state))
@@ -290,6 +295,7 @@ class Programs:
         # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
         # portably, as the sharded programs' cuDNN and splash do (one kernel would run per call).
         self.prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
+        self._compiled = {}  # {(n, bucket): `compile_group`'s executable of its admission or insert}
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
@@ -432,7 +438,9 @@ class Programs:
         pages, for rows that are thrown away)."""
         if self.paging is not None and table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
-        return _insert(state, np.array(slots, np.int32), rows, self.deepest, table, mesh=self.mesh, rules=self.rules)
+        args = (state, np.array(slots, np.int32), rows, self.deepest, table)
+        compiled = self._compiled.get((len(slots), rows.tokens.shape[1]))
+        return compiled(*args) if compiled else _insert(*args, mesh=self.mesh, rules=self.rules)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
               seeds: list, table=None, prompt_lengths: list | None = None, grammars: list | None = None):
@@ -446,8 +454,9 @@ class Programs:
                                      prompt_lengths=prompt_lengths, grammars=grammars)
         if table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
-        return _admit(self.target, self.deepest, state, np.array(slots, np.int32), *args,
-                      np.asarray(table, np.int32), width=b, backend=self.backend, rules=self.rules)
+        args = (self.target, self.deepest, state, np.array(slots, np.int32), *args, np.asarray(table, np.int32))
+        compiled = self._compiled.get((len(slots), b))
+        return compiled(*args) if compiled else _admit(*args, width=b, backend=self.backend, rules=self.rules)
 
     def prefill_chunk(self, state, slot: int, prompt, start: int, table):
         """Paged: positions start .. start + `chunk` - 1 of a long prompt written into its
@@ -614,19 +623,26 @@ class Programs:
 
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway
-        prompt) and its insert (ahead of time against `layout`, `compile_all`'s: no state is
-        made), while the engine may be serving from its own state. The insert's later call
-        finds the executable in jax's compilation cache, which `lower().compile()` fills for
-        the same program and shardings (should it not, that call compiles, and is slower)."""
+        prompt) and its insert (ahead of time against `layout`, `compile_all`'s), while the
+        engine may be serving from its own state; `admit` and `insert` call the executable
+        kept here (through jit, the first such call in a process compiled it again: 4 s at 8
+        slots of the shipped pair here, docs/bench/serve_first_group.txt). A CPU runs it once
+        on a state of zeros (a state's memory more, for a moment): a first run costs 50-60 ms
+        more than later ones there. An accelerator's state may not fit twice."""
         slots = jax.ShapeDtypeStruct((n,), jnp.int32)
         if self.paging is not None:  # one program, the state's own pages its rows
             args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
-            table = jax.ShapeDtypeStruct((self.slots, self.table_width), jnp.int32)
-            _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b, backend=self.backend,
-                         rules=self.rules).compile()
-            return
-        rows = self._dummy_rows(n, b)
-        _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh, rules=self.rules).compile()
+            table = np.zeros((self.slots, self.table_width), np.int32)  # (for lower, its shape alone)
+            run = _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
+                               backend=self.backend, rules=self.rules).compile()
+            first = (self.target, self.deepest, _zeros(layout), np.arange(n, dtype=np.int32), *args, table)
+        else:
+            rows = self._dummy_rows(n, b)
+            run = _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh, rules=self.rules).compile()
+            first = (_zeros(layout), np.arange(n, dtype=np.int32), rows, self.deepest, None)
+        if self.backend.platform == "cpu":
+            jax.block_until_ready(run(*first))
+        self._compiled[(n, b)] = run
 
     def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:
         """Milliseconds of one step of each run program, {K: {width: ms}}, on this device:
