@@ -8,7 +8,13 @@ paged engine (float32, this CPU, --slots, --max-len) through that compile, then 
 of each (n, bucket) of --groups into a throwaway state, each twice: per call the time to its
 result and the XLA compiles during it (jax.monitoring). No persistent compilation cache.
 
+--load: instead, a `specjax serve` from each tree (the shipped pair, --slots, its default
+compilation cache), both up and warm as serve_load.py starts them, then loaded in turn,
+--rounds times, with serve_load.py's closed loop of --clients clients (64 requests of 128
+tokens): a burst's first grouped admissions come in the first rounds.
+
     PYTHONPATH=$PWD python docs/bench/serve_first_group.py --before /tmp/parent [--slots 8]
+    PYTHONPATH=$PWD python docs/bench/serve_first_group.py --before /tmp/parent --load --slots 32
 """
 
 from __future__ import annotations
@@ -56,18 +62,46 @@ def child(slots: int, max_len: int, groups: list[tuple[int, int]]):
                               "compiles": len(compiles)}), flush=True)
 
 
+def load(trees: list, slots: int, clients: int, rounds: int):
+    import asyncio
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import serve_load
+
+    texts, servers = serve_load.prompts(64), []
+    try:
+        for name, tree in trees:
+            servers.append((name, *serve_load.start("checkpoints/draft", slots, tree=tree)))
+        for _, _, url in servers:
+            asyncio.run(serve_load.load(url, "target", texts[:2], 1, float("inf"), 8, 0))  # warm, as serve_load
+        for r in range(rounds):
+            for name, _, url in servers:
+                serve_load.settle()
+                results, seconds = asyncio.run(serve_load.load(url, "target", texts, clients, float("inf"), 128, 0))
+                print(json.dumps({"tree": name, "round": r, **{k: round(v, 1) for k, v in serve_load.summary(
+                    results, seconds).items()}}), flush=True)
+    finally:
+        for _, proc, _ in servers:
+            proc.kill()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", help="a source tree to compare with (e.g. a checkout of the parent commit)")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--groups", default="8x64,4x32,2x16", help="n x bucket, in the order admitted")
+    p.add_argument("--load", action="store_true", help="servers under load instead (see above)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     groups = [tuple(int(x) for x in g.split("x")) for g in args.groups.split(",")]
     if args.child:
         return child(args.slots, args.max_len, groups)
     trees = ([("before", args.before)] if args.before else []) + [("after", str(ROOT))]
+    if args.load:
+        return load(trees, args.slots, args.clients, args.rounds)
     for name, tree in trees:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": tree}
         out = subprocess.run([sys.executable, __file__, "--child", "--slots", str(args.slots), "--max-len",
