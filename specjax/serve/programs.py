@@ -295,7 +295,7 @@ class Programs:
         # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
         # portably, as the sharded programs' cuDNN and splash do (one kernel would run per call).
         self.prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
-        self._compiled = {}  # {(n, bucket): `compile_group`'s executable of its admission or insert}
+        self._compiled = {}  # {("admit" or "insert", n, bucket): `compile_group`'s executable}
 
     def listing(self) -> list[str]:
         """Every program this engine may compile, by name and shape."""
@@ -439,7 +439,7 @@ class Programs:
         if self.paging is not None and table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
         args = (state, np.array(slots, np.int32), rows, self.deepest, table)
-        compiled = self._compiled.get((len(slots), rows.tokens.shape[1]))
+        compiled = self._compiled.get(("insert", len(slots), rows.tokens.shape[1]))
         return compiled(*args) if compiled else _insert(*args, mesh=self.mesh, rules=self.rules)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
@@ -455,7 +455,7 @@ class Programs:
         if table is None:
             table = np.zeros((self.slots, self.table_width), np.int32)
         args = (self.target, self.deepest, state, np.array(slots, np.int32), *args, np.asarray(table, np.int32))
-        compiled = self._compiled.get((len(slots), b))
+        compiled = self._compiled.get(("admit", len(slots), b))
         return compiled(*args) if compiled else _admit(*args, width=b, backend=self.backend, rules=self.rules)
 
     def prefill_chunk(self, state, slot: int, prompt, start: int, table):
@@ -622,27 +622,27 @@ class Programs:
         return state, float(min(self.most_tokens, max(0.0, per_call) / per_token))
 
     def compile_group(self, n: int, b: int, layout):
-        """Compiles the prefill of n requests in bucket b (by running it on a throwaway
-        prompt) and its insert (ahead of time against `layout`, `compile_all`'s), while the
-        engine may be serving from its own state; `admit` and `insert` call the executable
-        kept here (through jit, the first such call in a process compiled it again: 4 s at 8
-        slots of the shipped pair here, docs/bench/serve_first_group.txt). A CPU runs it once
-        on a state of zeros (a state's memory more, for a moment): a first run costs 50-60 ms
-        more than later ones there. An accelerator's state may not fit twice."""
+        """Compiles the prefill of n requests in bucket b (by running it on a throwaway prompt)
+        and its insert (ahead of time against `layout`, `compile_all`'s) while the engine may
+        serve; `admit` and `insert` call the executable kept here (through jit, the first such
+        call in a process compiled it again: docs/bench/serve_first_group.txt). A CPU runs it
+        once on a state of zeros (a state's memory more, for a moment): a first run costs
+        50-60 ms more than later ones there. An accelerator's state may not fit twice."""
         slots = jax.ShapeDtypeStruct((n,), jnp.int32)
         if self.paging is not None:  # one program, the state's own pages its rows
             args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
-            table = np.zeros((self.slots, self.table_width), np.int32)  # (for lower, its shape alone)
-            run = _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
-                               backend=self.backend, rules=self.rules).compile()
-            first = (self.target, self.deepest, _zeros(layout), np.arange(n, dtype=np.int32), *args, table)
+            table = np.zeros((self.slots, self.table_width), np.int32)  # every row's null pages
+            name, run = "admit", _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
+                                              backend=self.backend, rules=self.rules).compile()
+            first = (self.target, self.deepest, layout, np.arange(n, dtype=np.int32), *args, table)
         else:
             rows = self._dummy_rows(n, b)
-            run = _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh, rules=self.rules).compile()
-            first = (_zeros(layout), np.arange(n, dtype=np.int32), rows, self.deepest, None)
-        if self.backend.platform == "cpu":
-            jax.block_until_ready(run(*first))
-        self._compiled[(n, b)] = run
+            name, run = "insert", _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh,
+                                                rules=self.rules).compile()
+            first = (layout, np.arange(n, dtype=np.int32), rows, self.deepest, None)
+        if self.backend.platform == "cpu":  # once, on a state of zeros
+            jax.block_until_ready(run(*(_zeros(x) if x is layout else x for x in first)))
+        self._compiled[(name, n, b)] = run
 
     def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:
         """Milliseconds of one step of each run program, {K: {width: ms}}, on this device:
