@@ -624,10 +624,10 @@ class Programs:
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway prompt)
         and its insert (ahead of time against `layout`, `compile_all`'s) while the engine may
-        serve; `admit` and `insert` call the executable kept here (through jit, the first such
-        call in a process compiled it again: docs/bench/serve_first_group.txt). A CPU runs it
-        once on a state of zeros (a state's memory more, for a moment): a first run costs
-        50-60 ms more than later ones there. An accelerator's state may not fit twice."""
+        serve; `admit` and `insert` call the executable kept here, which a CPU has run once on a
+        state of zeros (a state's memory more, for a moment; an accelerator's may not fit twice).
+        Through jit, the first such call in a process compiled it again and every first call
+        cost 71-74 ms more than the second; now none (docs/bench/serve_first_group.txt)."""
         slots = jax.ShapeDtypeStruct((n,), jnp.int32)
         if self.paging is not None:  # one program, the state's own pages its rows
             args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
