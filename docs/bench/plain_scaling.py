@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import resource
 import statistics
 from pathlib import Path
@@ -32,9 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import serve_load
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def thread_cpu(pid: int) -> collections.Counter:
     """CPU seconds by thread name of process pid (Linux /proc): XLA's CPU pool is tf_XLAEigen."""
     out = collections.Counter()
@@ -43,8 +39,7 @@ def thread_cpu(pid: int) -> collections.Counter:
             stat = (task / "stat").read_text()
         except OSError:  # a thread that ended
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[stat[stat.index("(") + 1:stat.rindex(")")]] += (int(fields[11]) + int(fields[12])) / TICK
+        out[stat[stat.index("(") + 1:stat.rindex(")")]] += serve_load.cpu_seconds(stat)
     return out
 
 

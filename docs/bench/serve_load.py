@@ -185,15 +185,17 @@ def settle(window: float = 0.5, most: float = 0.05, patience: float = 20.0):
             return
 
 
+def cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds in the text of a Linux /proc/PID[/task/TID]/stat."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def idle_cpu(pid: int, seconds: float = 5.0) -> float:
     """CPU seconds the process used in `seconds` of wall time (Linux /proc)."""
-    def used():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    before = used()
+    before = cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
     time.sleep(seconds)
-    return used() - before
+    return cpu_seconds(Path(f"/proc/{pid}/stat").read_text()) - before
 
 
 def main():
