@@ -332,6 +332,12 @@ def paged(state: SlotState, num_pages: int, page_size: int, table_width: int) ->
                         is_leaf=is_cache)
 
 
+def page_table(state: SlotState):
+    """A paged state's page table int32 [B, M] (every cache reads the same one); None unpaged."""
+    paged = [c.pages for c in caches(state) if c.pages is not None]
+    return paged[0] if paged else None
+
+
 def with_pages(state: SlotState, pages) -> SlotState:
     """A paged state whose every cache reads the page table pages int32 [B, M] (one table:
     a row's page ids index each cache's own pool)."""

@@ -180,7 +180,7 @@ def engine_findings(target, draft) -> dict:
                             num_draft_tokens=3, mesh=mesh, steps_per_call=4)
     with tabled:
         tabled_got = [r.result(timeout=300) for r in [tabled.submit(p, max_new_tokens=b) for p, b in requests]]
-    draft_state = tabled._state.draft_state
+    draft_state = tabled.runner.state.draft_state
     # Pages on the mesh: the target's and the draft's pools over model (kv heads, or head_dim
     # where they do not divide it), every row's page table over data; a pool of 10 pages of 8
     # for 4 slots of 48.
@@ -188,13 +188,13 @@ def engine_findings(target, draft) -> dict:
                            max_len=48, num_draft_tokens=2, mesh=mesh, steps_per_call=4, kv_pages=10, page_size=8)
     with paged:
         paged_got = [r.result(timeout=300) for r in [paged.submit(p, max_new_tokens=b) for p, b in requests]]
-    state = paged._state
+    state = paged.runner.state
     return {"paged": {"equal": paged_got == alone, "free_pages": paged.stats()["free_pages"],
                       "pool_spec": [str(c.k[0].sharding.spec) for c in (state.target_cache, state.draft_state.cache)],
                       "table_spec": str(state.target_cache.pages.sharding.spec)},
             "equal": got == alone, "steps_by_K": {str(k): v for k, v in engine.steps.items()},
-            "cache_spec": str(engine._state.target_cache.k[0].sharding.spec),
-            "tokens_spec": str(engine._state.tokens.sharding.spec),
+            "cache_spec": str(engine.runner.state.target_cache.k[0].sharding.spec),
+            "tokens_spec": str(engine.runner.state.tokens.sharding.spec),
             "declared": {"equal": tabled_got == alone, "table_spec": list(draft_state.table.sharding.spec),
                          "seen_spec": list(draft_state.seen.sharding.spec),
                          "table_whole": all(s.data.shape == (4, 3) for s in draft_state.table.addressable_shards),

@@ -15,6 +15,7 @@ import pytest
 
 import specjax
 from specjax.drafters import Eagle3, Medusa
+from specjax.serve import timing
 from tests.test_penalties import _exact_joint
 from tests.test_sampling import PROMPT, V, _chi_square_p, _tiny
 
@@ -141,15 +142,15 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
     monkeypatch.setattr(engine.programs, "prefill", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
 
     def run(state, *a, **kw):
-        live = len(engine._live)
+        live = len(engine.scheduler.live)
         out = real_run(state, *a, **kw)
-        runs.append((live, a[-1], int(out[3])))
+        runs.append((live, a[-1], int(out[1].taken)))
         return out
 
     order, real_dispatch, real_deliver = [], engine._dispatch, engine._deliver
 
-    def dispatch(**kwargs):
-        call = real_dispatch(**kwargs)
+    def dispatch(*args, **kwargs):
+        call = real_dispatch(*args, **kwargs)
         if call is not None:
             order.append(("run", call))
         return call
@@ -367,7 +368,7 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engines):
         assert long[0].finish_reason == "cancelled" and len(long[0].tokens) < budget
         for r in long[1:]:
             r.cancel()
-    assert engine._live == {} and not engine._waiting
+    assert engine.scheduler.load() == (0, 0)
 
 
 def test_refusals_name_the_problem(pair, engines):
@@ -539,13 +540,13 @@ def test_a_table_that_always_drafts_can_turn_drafting_off(pair):
 
 
 def test_a_profile_s_table_is_chosen_again_at_the_engine_s_own_steps(pair, engines):
-    """`Programs.measure_steps` times every K's step at every width over live rows; an
+    """`timing.step_costs` times every K's step at every width over live rows; an
     engine whose table a profile chose takes such costs (`KPolicy.price`, as `compile_all` does)
     and chooses again: a profile whose batch-3 steps make K = 2 lose beyond one row gives
     (2, 0, 0); steps measured cheap at every width give (2, 2, 2); costs missing a (K,
     width) are not taken."""
     programs = engines("draft").programs
-    costs = programs.measure_steps(calls=1)
+    costs = timing.step_costs(programs, calls=1)
     assert sorted(costs) == sorted(programs.drafters), costs
     assert all(sorted(c) == list(programs.widths) and min(c.values()) > 0 for c in costs.values()), costs
     profile = specjax.CostProfile((1, 3), ((1.0, 1.1, 1.2), (1.0, 3.0, 4.0)), (0.9, 0.9))

@@ -60,8 +60,8 @@ def test_paged_requests_equal_generate_alone(pair, paged, name):
     stats = engine.stats()
     assert stats["kv_pages"] == 7 and stats["page_size"] == PAGE and stats["kv_capacity_tokens"] == 56
     assert stats["free_pages"] == 7 and stats["kv_cache_usage"] == 0.0, stats  # idle: every page back
-    assert engine.pages._owned == {}
-    caches = loop.caches(engine._state)
+    assert engine.pages.owners() == []
+    caches = loop.caches(engine.runner.state)
     assert len(caches) == (1 if name in ("plain", "lookup") else 2)  # the target's, and a draft model's or layer's
     for cache in caches:  # every cache in pools of the engine's pages, one table
         assert cache.k[0].shape[0] == 8 and cache.k[0].shape[2] == PAGE, cache.k[0].shape
@@ -107,13 +107,13 @@ def test_rows_that_outgrow_the_pool_are_preempted_and_resume_exactly(pair, paged
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 97, 10)] for _ in range(3)]
     penalties = [{}, dict(presence_penalty=1.5, repetition_penalty=1.3), dict(frequency_penalty=0.7)]
-    before = engine.preemptions
+    before = engine.stats()["preemptions"]
     with engine:
         with engine._lock:
             requests = [engine.submit(p, max_new_tokens=30, **s) for p, s in zip(prompts, penalties)]
         outputs = [r.result(timeout=300) for r in requests]
     assert outputs == [_alone(target, p, 30, (), **s) for p, s in zip(prompts, penalties)]
-    assert engine.preemptions > before
+    assert engine.stats()["preemptions"] > before
     assert engine.stats()["free_pages"] == 7
 
 
@@ -169,7 +169,7 @@ def test_deterministic_pages_give_generate_s_bits(pair):
         out = specjax.generate(target, *specjax.pad_prompts([prompt]), key=jax.random.key(i), deterministic=True,
                                draft=drafts["near"], num_draft_tokens=2, **settings)
         assert tokens == [int(t) for t in np.asarray(out.tokens[0])], i
-    assert engine.stats()["free_pages"] == 7 and engine.preemptions > 0
+    assert engine.stats()["free_pages"] == 7 and engine.stats()["preemptions"] > 0
 
 
 def test_pages_larger_than_a_bucket_round_the_buckets_up(pair):
@@ -222,7 +222,8 @@ def test_a_cached_prefix_gives_what_a_fresh_prefill_gives(pair, paged, name):
     assert stats["prefix_cache_queries"] - before["prefix_cache_queries"] == sum(map(len, asked))
     assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] == 48
     assert stats["free_pages"] == 7 and stats["cached_pages"] > 0
-    assert engine.pages._owned == {} and not +engine.pages._holders  # every page's holders back to zero
+    assert engine.pages.owners() == []
+    engine.pages.check()  # every page's holders back to zero
     if name == "draft":  # the server's counters, under vLLM's names
         from prometheus_client import generate_latest
 
@@ -257,7 +258,8 @@ def test_a_conversation_s_next_turn_takes_the_pages_its_reply_wrote(pair, paged,
     assert cached == 32 and fresh == 0, (cached, fresh)
     assert cached_out == fresh_out == _alone(target, turn, 6, ())
     assert cached_accepted == fresh_accepted, (cached_accepted, fresh_accepted)
-    assert engine.pages._owned == {} and not +engine.pages._holders
+    assert engine.pages.owners() == []
+    engine.pages.check()
 
 
 @pytest.mark.parametrize("name", ["draft", "eagle3", "draft_off", pytest.param("tree", marks=pytest.mark.slow)])
@@ -272,13 +274,13 @@ def test_the_pages_a_finished_row_caches_hold_what_a_prefill_writes(pair, paged,
     (`Programs.catch_up`), and every full page is cached."""
     engine = paged(name)
     held = {}
-    give_back = engine._give_back
-    monkeypatch.setattr(engine, "_give_back", lambda r, h=None: (held.setdefault(r, h), give_back(r, h))[1])
+    end = engine._end  # (a finished row's request, and where its caches hold it before any catch-up)
+    monkeypatch.setattr(engine, "_end", lambda slot, r, h: (held.setdefault(r, h), end(slot, r, h))[1])
 
     def pages_by_key():  # key -> the page's entries in every cache (the engine stopped)
-        pools = loop.caches(engine._state)
+        pools = loop.caches(engine.runner.state)
         return {key: [np.asarray(x[page]) for cache in pools for x in cache.k + cache.v]
-                for key, page in engine.pages._page_of.items()}
+                for key, page in engine.pages.cached().items()}
 
     other = [int(t) for t in np.random.default_rng(8).integers(3, 97, 37)]
     lagged = 0
@@ -293,7 +295,7 @@ def test_the_pages_a_finished_row_caches_hold_what_a_prefill_writes(pair, paged,
             again.result(timeout=300)
         assert again.cached_tokens == 0
         prefilled = pages_by_key()
-        mine = page_keys(context, PAGE, engine._salt, len(context))  # every full page followed by a token
+        mine = page_keys(context, PAGE, engine.scheduler.salt, len(context))  # every full page followed by a token
         fed = len(context) - 1 if engine.programs.catches_up else held[request]  # a lagging draft caught up first
         assert sum(k in decoded for k in mine) == fed // PAGE >= 4, (budget, held[request])
         lagged += held[request] // PAGE < (len(context) - 1) // PAGE
@@ -371,13 +373,79 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_row_streams(pair):
     assert long.prefilled == 32 and long.cached_tokens == 0 and engine.stats()["free_pages"] == 14
 
 
-@pytest.mark.parametrize("call, nth", [("run", 2), ("admit", 2), ("prefill_chunk", 2), ("set_table", 1)])
+def _alone_scored(target, prompt, budget):
+    """`prompt` alone through greedy `generate` with logprobs: (its tokens, each one's log-probability)."""
+    prompts, lengths = specjax.pad_prompts([prompt])
+    out = specjax.generate(target, prompts, lengths, max_new_tokens=budget, logprobs=0)
+    n = int(out.num_tokens[0])
+    return [int(t) for t in np.asarray(out.tokens[0, :n])], np.asarray(out.logprobs.chosen[0, :n])
+
+
+def _checked_every_turn(engine):
+    """The engine's rules asserted after every turn (the scheduler's) and before every run
+    call (the runner's: the device's table is the host's, a row not live is done); -> the
+    errors seen on the engine's thread (an assertion there would only fail its requests)."""
+    errors = []
+
+    def check(engine):
+        try:
+            engine.scheduler.check()
+        except AssertionError as e:
+            errors.append(e)
+
+    engine.turn_hook, engine.runner.check = check, True
+    return errors
+
+
+def test_chunked_prompts_beside_running_and_finishing_rows_equal_generate_alone(pair):
+    """Issue 77's load: 3 slots, pages of 8, prompts over 16 tokens prefilled 16 a call;
+    short requests, requests sharing a cached prefix and 60-100 token prompts arriving with
+    random gaps while others run and finish; greedy, logprobs on. Each request's tokens and
+    log-probabilities are `generate`'s on it alone. Before the runner sent the table before
+    every run (and a done row wrote only to the null page), a slot whose request had
+    finished still named its pages on the device, and its frozen row wrote into them after
+    a chunk of another prompt had (19 of 22 equal at 53bdaf5)."""
+    target = pair[0]
+    engine = specjax.Engine(target, slots=3, max_len=128, steps_per_call=4, kv_pages=40, page_size=PAGE,
+                            prefill_chunk=16, max_logprobs=0)
+    errors = _checked_every_turn(engine)
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(3, 97, 40)]
+    asked = []
+    for _ in range(22):
+        kind = rng.integers(3)
+        prompt = ([int(t) for t in rng.integers(3, 97, rng.integers(2, 12))] if kind == 0 else
+                  shared + [int(t) for t in rng.integers(3, 97, rng.integers(1, 8))] if kind == 1 else
+                  [int(t) for t in rng.integers(3, 97, rng.integers(60, 100))])
+        asked.append((prompt, int(rng.integers(4, 20)), float(rng.uniform(0, 0.05))))
+    with engine:
+        submitted = []
+        for prompt, budget, gap in asked:
+            submitted.append(engine.submit(prompt, max_new_tokens=budget, logprobs=0))
+            time.sleep(gap)
+        outputs = [r.result(timeout=300) for r in submitted]
+    wrong = []
+    for (prompt, budget, _), request, got in zip(asked, submitted, outputs):
+        tokens, chosen = _alone_scored(target, prompt, budget)
+        scores = np.array([score for score, _ in request.scores])
+        if got != tokens or not np.allclose(scores, chosen, atol=1e-4):
+            wrong.append(len(prompt))
+    assert wrong == [] and errors == [], (wrong, errors)
+    assert engine.stats()["free_pages"] == 40 and engine.pages.owners() == []
+    assert engine.pages.stats()["prefix_cache_hits"] > 0  # the shared prefix was found
+
+
+@pytest.mark.parametrize("call, nth", [("run", 2), ("admit", 2), ("prefill_chunk", 2), ("set_table", 1),
+                                       ("release", 1), ("catch_up", 1), ("sync", 1)])
 def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, call, nth):
     """Each kind of device call a paged engine makes, failing once mid-load (a step, an
-    admission into pages, a chunk of a long prompt, a table update): the requests in the
-    state then fail with the error, every other one is served as generate serves it alone,
-    none is left waiting, and every page comes back (the cache forgotten: the new state's
-    pages hold nothing). The nth call of its kind fails."""
+    admission into pages, a chunk of a long prompt, a table update, a preempted row's
+    release, a finished row's draft catching up before its pages are cached, the draft's
+    sync after calls at K = 0): the requests in the state then fail with the error (a
+    finished row's request keeps its tokens), every other one is served as generate serves
+    it alone, none is left waiting, and every page comes back (the cache forgotten: the new
+    state's pages hold nothing). The nth call of its kind fails. The rules are checked
+    every turn (`_checked_every_turn`)."""
     target = pair[0]
     engine = paged("draft")
     real, calls = getattr(engine.programs, call), []
@@ -389,6 +457,9 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine.programs, call, failing)
+    monkeypatch.setattr(engine, "turn_hook", None)  # (the module's engine: undone after)
+    monkeypatch.setattr(engine.runner, "check", False)
+    errors = _checked_every_turn(engine)
     long_prompt = [int(t) for t in np.random.default_rng(11).integers(3, 97, 40)]  # 3 chunks of 16
     asked = [(REQUESTS[5][0], 44), (long_prompt, 6), (REQUESTS[2][0], 10), (REQUESTS[3][0], 9)]
     failures = engine.failures
@@ -410,7 +481,8 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
     for (prompt, budget), got in zip(asked, outputs):
         assert got is None or got == _alone(target, prompt, budget, ()), (call, len(prompt))
     assert after == _alone(target, REQUESTS[3][0], 9, ())
-    assert engine.stats()["free_pages"] == 7 and engine.pages._owned == {} and not engine._chunking
+    assert engine.stats()["free_pages"] == 7 and engine.pages.owners() == [] and not engine.scheduler.chunking
+    assert errors == []
 
 
 def test_a_group_compiled_in_the_background_runs_without_compiling_again(pair):

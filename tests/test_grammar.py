@@ -232,7 +232,7 @@ def test_the_engine_holds_a_grammar_per_slot_and_resumes_it_after_preemption(tin
         results = [r.result(timeout=300) for r in requests]
         with pytest.raises(ValueError, match="this engine's rows hold 16 and 32"):
             engine.submit(PROMPT, 4, grammar=Grammar.regex("[a-f]{20}", vocabulary))
-        preemptions = engine.preemptions
+        preemptions = engine.stats()["preemptions"]
     for (prompt, g, s), result in zip(jobs, results):
         key = {} if "seed" not in s else {"key": jax.random.key(s["seed"]), "temperature": s["temperature"]}
         padded, lengths = specjax.pad_prompts([prompt])

@@ -80,7 +80,7 @@ def test_cached_pages_are_shared_counted_and_evicted_least_recently_used_first()
     pool.release("a")  # a2 and a3 leave a; a2 stays cached, a3 is free; a0, a1 still held by x
     assert pool.holders(a[0]) == 1 and pool.free_pages == 5
     pool.release("x")
-    assert pool.free_pages == 8 and pool.stats()["cached_pages"] == 4 and not +pool._holders
+    assert pool.free_pages == 8 and pool.stats()["cached_pages"] == 4 and pool.owners() == []
     b = pool.grow("b", 4 * 4)  # 4 pages: the 4 free (uncached) ones, no eviction
     pool.register("b", b_keys)
     assert pool.stats()["cached_pages"] == 6 and set(b).isdisjoint(a[:3])
@@ -90,8 +90,11 @@ def test_cached_pages_are_shared_counted_and_evicted_least_recently_used_first()
     for owner in "bcd":
         pool.release(owner)
     assert pool.free_pages == 8 and len(set(b + c)) == 6
-    pool.forget()  # the device's pages were made anew
+    held = pool.grow("f", 8)  # an owner still holding pages when the device's state is made anew
+    pool.reset()
     assert pool.stats()["cached_pages"] == 0 and pool.share("e", a_keys) == 0 and pool.free_pages == 8
+    assert pool.pages("f") == [] and pool.holders(held[0]) == 0 and pool.owners() == []
+    pool.check()
 
 
 def _paged(buffer, table, num_pages):

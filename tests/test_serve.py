@@ -602,6 +602,25 @@ def test_the_detokenizer_never_emits_a_broken_character():
         assert "".join(pieces) == expected and d.stopped == bool(stop)
 
 
+def test_a_stop_string_ends_the_reply_s_tokens_at_the_one_that_completed_it():
+    """A speculative chunk holds several tokens: those after the token that completed a stop
+    string are not the reply's (its usage and logprobs stop there; at 53bdaf5 they counted
+    the whole chunk). One chunk of all the ids, and one id a chunk, give the same count."""
+    from specjax.serve.generation import Choice
+
+    tokenizer = specjax.load_tokenizer(SHIPPED_TOKENIZER)
+    ids = tokenizer("def add(a, b):\n    return a + b\n\nprint(add(1, 2))")["input_ids"]
+    through = next(n for n in range(1, len(ids) + 1) if "return" in tokenizer.decode(ids[:n]))
+    for chunks in ([ids], [[i] for i in ids]):
+        choice = Choice(0, [], Detokenizer(tokenizer, ("return",)))
+        for chunk in chunks:
+            choice.chunk_times.append((0.0, len(chunk)))
+            choice.detokenizer.push(chunk)
+            if choice.detokenizer.stopped:
+                break
+        assert choice.detokenizer.text == "def add(a, b):\n    " and choice.tokens == through < len(ids)
+
+
 def test_serve_refuses_several_hosts_in_one_line(capsys):
     from specjax.cli import entry
 

@@ -57,7 +57,7 @@ def child(slots: int, max_len: int, groups: list[tuple[int, int]]):
         for call in ("first", "second"):
             compiles.clear()
             t = time.perf_counter()
-            state = jax.block_until_ready(programs._dummy_admit(state, n, b))
+            state = jax.block_until_ready(programs.dummy_admit(state, n, b))
             print(json.dumps({"n": n, "bucket": b, "call": call, "ms": round(1e3 * (time.perf_counter() - t), 1),
                               "compiles": len(compiles)}), flush=True)
 

@@ -33,6 +33,7 @@ class Detokenizer:
         self.text = ""  # the text decoded so far (cut at a stop string once one is found)
         self.sent = 0  # characters of text already returned
         self.stopped = False
+        self.used: int | None = None  # once stopped: the ids up to the one that completed the stop string
         self._prefix = 0  # ids before the window's new part: context for its first character
         self._read = 0  # ids whose text is in self.text
         self._checked = 0  # characters of text already searched for stop strings
@@ -53,22 +54,30 @@ class Detokenizer:
         return self._release(final=True)
 
     def _decode(self, final: bool):
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)  # noqa: E731
-        before = decode(self.ids[self._prefix:self._read])
-        window = decode(self.ids[self._prefix:])
+        before = self._text_of(self.ids[self._prefix:self._read])
+        window = self._text_of(self.ids[self._prefix:])
         if len(window) > len(before) and (final or not window.endswith(INCOMPLETE)):
             self.text += window[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._find_stop()
+            read, self._prefix, self._read = self._read, self._read, len(self.ids)
+            self._find_stop(read)
 
-    def _find_stop(self):
+    def _text_of(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _find_stop(self, read: int):
+        """Cuts the text at the first stop string, if one is whole now; `used` then counts the
+        ids through the one that completed it (what the reply's tokens stop at: its usage and
+        logprobs), one of those after `read` (the ids decoded before held none)."""
         if not self.stop:
             return
         longest = max(map(len, self.stop))
         start = max(0, self._checked - longest + 1)
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        found = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if found:
-            self.text, self.stopped = self.text[:min(found)], True
+            cut, end = min(found)
+            self.text, self.stopped = self.text[:cut], True
+            self.used = next((n for n in range(read + 1, len(self.ids))
+                              if len(self._text_of(self.ids[:n]).rstrip(INCOMPLETE)) >= end), len(self.ids))
         self._checked = len(self.text)
 
     def _release(self, final: bool) -> str:

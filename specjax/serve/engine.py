@@ -1,24 +1,27 @@
 """`Engine`: continuous batching with speculation kept on the device.
 
 A fixed batch of `slots` rows lives on the device (loop.py's `SlotState`, sized for
-`max_len` and the deepest draft the engine runs). One host thread owns it: free slots take
-the waiting requests (prefilled together, a few per call, in the longest prompt's length
-bucket, then inserted into their rows; nothing else moves), and the live rows advance by
-loop.py's `step`, several steps per device call. A call runs the steps that last about
-policy.CALL_MS where `compile_all` timed them, at most `steps_per_call`; at most OPEN_STEPS
-when a slot was free as it started (a request that arrives meanwhile waits that long for
-it, not a whole call); one step when rows were just inserted (their first tokens go out
-at once). The device never waits on the host: call N+1 is dispatched before call N's
-tokens are read (their copy to the host starts at dispatch), so the host delivers tokens,
-frees finished rows' slots and pages and admits waiting requests while the device runs the
-next call (a row that finished stays frozen on the device meanwhile: a late read is
-harmless); its slot is refilled a call later. But once after a row finishes while none
-waits, the call in flight is read first: its client's next request then goes ahead of the
-next call (docs/bench/serve_against_read_first.txt). K follows the number of live rows
-(`KPolicy`), among a few programs compiled over the same state.
+`max_len` and the deepest draft the engine runs), and one host thread serves it a turn at a
+time. Three parts, each owning its state:
 
-The engine knows requests, slots and threads; nothing of HTTP or text (a server sits on it),
-and nothing of what a step computes (loop.py) or how its programs are shaped (programs.py).
+    Engine     the thread, the public API (submit, cancel, stats), delivery of tokens
+      -> Scheduler (scheduler.py, host only)  queues, pages, preemption, chunks: plans a `Turn`
+      -> Runner    (runner.py)  the device state and the table it last sent: applies the Turn
+
+A turn: the scheduler plans (rows stopped, groups admitted into free slots, a long prompt's
+chunk, the rows that run, the page table), the runner makes its device calls in that order,
+and the engine reads the previous call's tokens while this one runs (call N+1 is dispatched
+before call N is read; a row that finished stays frozen on the device meanwhile, writing
+only to the null page once its turn is over). A call runs the steps that last about
+policy.CALL_MS where `compile_all` timed them, at most `steps_per_call`; at most OPEN_STEPS
+when a slot was free as it started; one step when rows were just admitted (their first
+tokens go out at once). The call in flight is read first where pages ran out (a preempted
+request resumes from all its tokens), and once after a row finished while none waits (its
+client's next request then goes ahead of the next call: docs/bench/serve_against_read_first.txt).
+K follows the number of live rows (`KPolicy`), among a few programs compiled over the same state.
+
+The engine knows requests, the scheduler, the runner and a thread; nothing of HTTP or text
+(a server sits on it), what a step computes (loop.py) or how programs are shaped (programs.py).
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, Pr
 from specjax.drafters.base import Drafter
 from specjax.models import Model
 from specjax.request import deterministic_target, logprobs_setting
-from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, Logprobs, kind_of_rows
-from specjax.serve import sizing
-from specjax.serve.pages import OutOfPages, page_keys
+from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, kind_of_rows
+from specjax.serve import sizing, timing
 from specjax.serve.policy import KPolicy
-from specjax.serve.programs import Programs
+from specjax.serve.programs import Emitted, Programs
 from specjax.serve.requests import Limits, Request
+from specjax.serve.runner import Runner
+from specjax.serve.scheduler import Admission, Reach, Scheduler, Turn
 from specjax.serve.warmup import Warmup
 
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
@@ -54,16 +58,11 @@ SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrie
 
 @dataclasses.dataclass
 class Call:
-    """One device call in flight: the rows it ran, what it returns (read by `Engine._deliver`)."""
+    """One run call in flight: the rows it ran and what it returns (read by `Engine._deliver`)."""
 
     owners: dict  # slot -> Request, the live rows as the call started
     K: int
-    tokens: jax.Array  # int32 [steps, slots, K+1]: what each step emitted per row
-    counts: jax.Array  # int32 [steps, slots]: how many of them
-    taken: jax.Array  # int32 []: steps the call ran
-    done: jax.Array  # bool [slots]: rows finished (or empty) after it
-    held: jax.Array  # int32 [slots]: positions below which every cache of the row holds its entries
-    logprobs: Logprobs | None = None  # [steps, slots, K+1] (top: [.., n]), where a live row asked for them
+    emitted: Emitted
 
 
 def _supported(draft):
@@ -201,26 +200,24 @@ class Engine:
         if prefix_caching and not paged:
             raise ValueError("prefix_caching shares pages of the KV cache: give kv_pages or kv_cache_bytes")
         self.prefix_caching = paged if prefix_caching is None else bool(prefix_caching)
-        # What decides a page's contents beside its tokens (`page_keys`' salt): fixed per engine.
-        self._salt = f"{target.config}|{target.dtype}|{deterministic}|{type(self.programs.deepest)}".encode()
         self.policy.bind(self.programs.drafters, self.programs.width)
         self.memory = sizing.check_memory(self.programs, target)
-        self._state = None
-        self._lock = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._live: dict[int, Request] = {}
-        self._chunking: dict[int, Request] = {}  # slot -> a long prompt's request being prefilled a chunk a call
-        self._cancelled: set[Request] = set()
+        depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
+        # What decides a page's contents beside its tokens (`page_keys`' salt): fixed per engine.
+        salt = f"{target.config}|{target.dtype}|{deterministic}|{type(self.programs.deepest)}".encode()
+        self.scheduler = Scheduler(self.slots, self.pages, Reach(self.programs.steps_per_call, depth, self.programs.room),
+                                   self._partition, self.programs.chunk, self.prefix_caching, salt,
+                                   self.programs.table_width if paged else 0)
+        self.runner = Runner(self.programs)
+        self._lock = threading.Condition()  # guards the scheduler (submit and cancel come from other threads)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._draft_behind = False  # a call ran at K = 0 since the draft's state last caught up
         self._finished = False  # a row finished in the call read last (its client may send its next request)
-        self.syncs = 0  # catch-ups of the draft's state after such calls
+        self._started: set = set()  # ids of the requests whose admission call this turn has made (`_recover`)
         self.calls = collections.Counter()  # device calls per K
         self.steps = collections.Counter()  # steps per K
         self.k_in_use = self.policy.table[0]  # the K of the last device call
         self.failures = 0  # device calls that failed (their requests failed; the engine went on)
-        self.preemptions = 0  # requests sent back to wait, their pages freed, when pages ran out (paged)
         self.warmup = Warmup()  # the grouped prefills compiled in the background (compile_all)
 
     # ---- construction -------------------------------------------------------------------
@@ -268,20 +265,19 @@ class Engine:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start()); "
                                    "if it was, its device thread failed (see its requests' errors)")
-            self._waiting.append(request)
+            self.scheduler.submit(request)
             self._lock.notify()
         return request
 
-    def _cancel(self, request: Request):
+    def cancel(self, request: Request):
+        """Stops a request of this engine: a waiting one at once, a running one at the next
+        device call (`Request.cancel`)."""
         with self._lock:
             if request.finished:
                 return
-            if request in self._waiting:
-                self._waiting.remove(request)
+            if self.scheduler.cancel(request):
                 request._finish("cancelled")
-            else:
-                self._cancelled.add(request)
-                self._lock.notify()
+            self._lock.notify()
 
     # ---- the device thread --------------------------------------------------------------
 
@@ -298,7 +294,7 @@ class Engine:
         progress: None, or a function called with the number of programs just compiled,
         after each (from the background thread too).
 
-        Then each K's step at each width is timed over live rows (`Programs.measure_steps`,
+        Then each K's step at each width is timed over live rows (`timing.step_costs`,
         about a second; `stats()["step_ms"]`): calls run the steps that last about
         policy.CALL_MS at those costs (`KPolicy.call_steps`), and a table the cost profile
         chose is chosen again at them (the profile timed generate's loop, maybe elsewhere)."""
@@ -306,7 +302,7 @@ class Engine:
         later = self.programs.groups() if groups_later else []
         self.warmup.pending = set(later)
         layout = self.programs.compile_all(skip=self.warmup.pending, progress=progress)
-        self.policy.price(self.programs.measure_steps(), self.programs.widths)
+        self.policy.price(timing.step_costs(self.programs), self.programs.widths)
         if later:
             self.warmup.start(self.programs, later, layout, progress)
         return self
@@ -339,8 +335,8 @@ class Engine:
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError("the engine is already running")
-            if self._state is None:
-                self._state = self.programs.empty()
+            if self.runner.state is None:
+                self.runner.reset()
             self._stopping = False
             self._thread = threading.Thread(target=self._serve, name="specjax-engine", daemon=True)
             self._thread.start()
@@ -362,301 +358,175 @@ class Engine:
     def __exit__(self, *exc):
         self.stop()
 
+    def _partition(self, lengths: list[int]) -> list[int]:
+        """The sizes of the groups waiting prompts of `lengths` (ascending) are prefilled in."""
+        return self.programs.partition(lengths, self.programs.call_tokens, skip=self.warmup.pending)
+
     def _serve(self):
-        pending = None
+        """The device thread: a turn at a time, each planned by the scheduler (`Turn`) and
+        applied by the runner; the call in flight is read while the next one runs."""
+        pending = None  # the call dispatched last turn, not read yet
         while True:
             with self._lock:
-                while not (self._waiting or self._live or self._chunking or self._cancelled or pending
-                           or self._stopping):
+                while not (self.scheduler.busy or pending or self._stopping):
                     self._lock.wait()  # idle: blocks, using no CPU
-                if self._stopping and not (self._waiting or self._live or self._chunking or pending):
+                if self._stopping and not (self.scheduler.busy or pending):
                     return
-                cancelled, self._cancelled = self._cancelled, set()
+            turn = None
             try:
-                self._release(cancelled)
-                # Paged: the live rows' pages first (the next two calls' worth), then admission
-                # takes what is left.
-                if self.pages is not None:
-                    before = self._table()
-                    if not self._grow_live():
-                        if pending is not None:  # lengths as they are, before anyone is preempted
-                            self._deliver(pending)
-                            pending = None
-                        self._preempt_until_grown()
-                    table = self._table()
-                    if not np.array_equal(table, before):  # rows grew, or were freed
-                        self._state = self.programs.set_table(self._state, table)
-                fresh = self._admit()
-                if pending is not None and self._finished and not self._waiting:  # read first (above)
+                # Read the call in flight first where pages ran out (a preempted request resumes
+                # from every token it has), or once after a row finished while none waits (its
+                # client's next request then goes ahead of the next call).
+                with self._lock:
+                    first = pending is not None and (not self.scheduler.grows()
+                                                     or (self._finished and not self.scheduler.waiting))
+                if first:
                     self._deliver(pending)
-                    pending, fresh = None, self._admit() or fresh
-                out = self._dispatch(fresh=self._prefill_chunk() or fresh)
+                    pending = None
+                with self._lock:
+                    turn = self.scheduler.schedule()
+                out = self._apply(turn)
                 if pending is not None:  # the call before this one: read while this one runs
                     self._deliver(pending)
                 pending = out
             except Exception as e:  # noqa: BLE001 - a device call failed: its rows' requests learn why
                 pending = None
-                self._recover(e)
+                self._recover(e, turn)
             except BaseException as e:  # interpreter exit: every request learns why
-                self._fail(list(self._live.values()) + list(self._chunking.values()) + list(self._waiting), e)
+                with self._lock:
+                    everyone = self.scheduler.everyone()
+                self._fail(everyone, e)
                 raise
+            if self.turn_hook is not None:
+                self.turn_hook(self)
+
+    turn_hook = None  # tests: called with the engine after every turn, on its thread (the rules' checks)
+
+    def _apply(self, turn: Turn) -> Call | None:
+        """Applies a turn's device calls in order; -> the run call dispatched (None: no row
+        runs). Each admission's requests are marked started as its call into the state is
+        made (`_started`: `_recover` puts those not started back in the queue)."""
+        for request in turn.cancelled:
+            request._finish("cancelled")
+        self.runner.release(turn.stopped)
+        self._started = set()
+        for admission in turn.admissions:
+            self._place(admission, turn.table)
+        if turn.chunk is not None:
+            self.runner.prefill_chunk(turn.chunk.slot, turn.chunk.request, turn.chunk.start, turn.table)
+        with self._lock:
+            owners = dict(self.scheduler.live)  # (an admitted request that failed to prepare has left)
+        return self._dispatch(owners, fresh=bool(turn.admissions), table=turn.table)
+
+    def _place(self, admission: Admission, table):
+        """One admission's call (paged: into the state's pages; unpaged: a prefill, then its
+        rows' insert). Unpaged, a request whose preparation fails fails alone: a group that
+        fails is prepared again one request at a time. A failing call into the state raises
+        (the state is suspect: `_recover`)."""
+        if self.pages is not None:
+            self._started.update(map(id, admission.requests))
+            self.runner.admit(admission.slots, admission.requests, table)
+            return
+        try:
+            rows = self.runner.prefill(admission.requests)
+        except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine's state
+            if len(admission.requests) > 1:
+                for slot, request in zip(admission.slots, admission.requests):
+                    self._place(Admission((slot,), (request,)), table)
+                return
+            request = admission.requests[0]
+            with self._lock:
+                self.scheduler.unprepared(request)
+            request._finish(None, e)
+            return
+        self._started.update(map(id, admission.requests))
+        self.runner.insert(admission.slots, rows)
 
     def _fail(self, requests: list[Request], error: BaseException):
         with self._lock:
-            self._waiting = collections.deque(r for r in self._waiting if r not in requests)
-            self._live = {slot: r for slot, r in self._live.items() if r not in requests}
+            self.scheduler.fail(requests)
         for request in requests:
-            self._give_back(request)
             request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
 
-    def _give_back(self, request: Request, held: int | None = None):
-        """The request's pages back to the pool (paged; nothing otherwise); those below `held` (a
-        finished row's, its output's too; a draft model that lagged it fed first) cached first."""
-        if self.pages is not None:
-            if held is not None and self.prefix_caching:
-                state, held = self.programs.catch_up(self._state, request.context, held, self.pages.pages(request))
-                self._state = state
-                self.pages.register(request, self._keys(request, held))
-            self.pages.release(request)
-
-    def _table(self, extra: dict | None = None) -> np.ndarray:
-        """The page table as the host holds it: each slot's request's pages (live, and `extra`
-        {slot: request} being inserted), a free slot's null pages."""
-        owners = {**self._live, **(extra or {})}
-        return self.pages.table([owners.get(slot) for slot in range(self.slots)], self.programs.table_width)
-
-    def _recover(self, error: Exception):
-        """A device call failed: the requests in the state (every live row) fail with it, the
-        state starts empty, and the engine serves the waiting requests. If even an empty state
-        cannot be made, every request fails and the thread stops."""
+    def _recover(self, error: Exception, turn: Turn | None):
+        """A device call failed: the requests in the state (its rows, those of the turn's
+        admissions made so far, a long prompt's being chunked) fail with it, the admissions
+        not made yet go back to the front of the queue, the state starts empty, and the
+        engine serves the waiting requests. If even an empty state cannot be made, every
+        request fails and the thread stops."""
         self.failures += 1
+        not_started = [r for r in (turn.admitted if turn is not None else ()) if id(r) not in self._started]
         with self._lock:
-            live = list(self._live.values()) + list(self._chunking.values())
-            self._chunking.clear()
-        self._fail(live, error)
-        self._draft_behind = False
-        if self.pages is not None:  # the new state's pages hold nothing
-            self.pages.forget()
+            gone = self.scheduler.recover(not_started)
+        for request in gone:
+            request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
         try:
-            self._state = self.programs.empty()
+            self.runner.reset()
         except Exception:
-            self._state = None
-            self._fail(list(self._waiting), error)
             with self._lock:
-                self._stopping = True
+                everyone, self._stopping = self.scheduler.everyone(), True
+            self._fail(everyone, error)
             raise
 
-    def _release(self, cancelled: set[Request]):
-        self._chunking = {slot: r for slot, r in self._chunking.items() if r not in cancelled}
-        slots = [slot for slot, r in self._live.items() if r in cancelled]
-        if slots:
-            self._state = self.programs.release(self._state, slots)
-        with self._lock:
-            for slot in slots:
-                del self._live[slot]
-            if cancelled:  # cancelled while `_admit` held it, then put back
-                self._waiting = collections.deque(r for r in self._waiting if r not in cancelled)
-        for request in cancelled:
-            self._give_back(request)
-            request._finish("cancelled")
-
-    def _admit(self) -> bool:
-        """Free slots take waiting requests, prefilled together in groups of the programs'
-        sizes (`Programs.partition`: a burst's prompts in as few calls as pay), then inserted.
-        Returns whether any row was inserted (the next call then steps once: their first
-        tokens go out at once). Every request taken off the queue is placed, failed, or (when
-        an insert fails and the error goes up to `_recover`) put back at its front."""
-        with self._lock:
-            free = [s for s in range(self.slots) if s not in self._live and s not in self._chunking]
-            taken = []
-            while len(taken) < len(free) and self._waiting and self._takes_pages(self._waiting[0]):
-                taken.append(self._waiting.popleft())
-        rest = lambda r: len(r.context) - r.prefilled  # noqa: E731 - what its prefill computes
-        for request in [r for r in taken if self.programs.chunk and rest(r) > self.programs.chunk]:
-            taken.remove(request)  # prefilled a chunk a call (`_prefill_chunk`)
-            self._chunking[free.pop(0)] = request
-        before, arrived = len(free), list(taken)
-        taken.sort(key=rest)  # a group runs in its longest prompt's bucket
-        try:
-            for n in self.programs.partition([rest(r) for r in taken], self.programs.call_tokens,
-                                             skip=self.warmup.pending):
-                self._place(taken, n, free)
-        finally:
-            if taken:  # back at the front, in the order they arrived, holding no pages
-                for request in taken:
-                    self._give_back(request)
-                with self._lock:
-                    self._waiting.extendleft(reversed([r for r in arrived if r in taken]))
-        return len(free) < before  # `_place` takes the slots it fills from `free`
-
-    def _takes_pages(self, request: Request) -> bool:
-        """Whether the request's pages could be taken (paged: `_reach`'s); the first waiting
-        request that cannot stops admission, so that requests are admitted in the order they
-        arrived."""
-        if self.pages is None:
-            return True
-        shared = self.pages.share(request, self._keys(request))
-        try:
-            self.pages.grow(request, self._reach(request))
-        except OutOfPages:
-            self.pages.release(request)
-            return False
-        request.cached_tokens = request.prefilled = shared * self.pages.page_size
-        return True
-
-    def _prefill_chunk(self) -> bool:
-        """The oldest long prompt being prefilled a chunk a call gets its next chunk, or, if
-        what is left fits one, is placed (`_place`: its row then steps). Whether it was."""
-        if not self._chunking:
-            return False
-        slot, request = min(self._chunking.items(), key=lambda item: item[1].submitted)
-        if len(request.context) - request.prefilled <= self.programs.chunk:
-            del self._chunking[slot]
-            self._place([request], 1, [slot])
-            return True
-        self._state = self.programs.prefill_chunk(self._state, slot, request.context, request.prefilled,
-                                                  self._table({slot: request}))
-        request.prefilled += self.programs.chunk
-        return False
-
-    def _keys(self, request: Request, held: int | None = None) -> list:
-        """The keys of the request's context's cacheable pages (`page_keys`; none without
-        prefix caching): a hash a page, microseconds. held: those of a finished row whose
-        caches hold its entries below this position (`Drafter.held`; no pass writes them
-        again): its output's too."""
-        count = None if held is None else held // self.pages.page_size
-        return page_keys(request.context, self.pages.page_size, self._salt, count) if self.prefix_caching else []
-
-    def _reach(self, request: Request) -> int:
-        """The slots a request's row may have written by the end of the next two device calls
-        (the host knows its tokens a call late): its tokens then, at most its limit, and the
-        last step's in-flight ones past them (`verify_room`: a deterministic pass reads them
-        back from the cache). What its pages cover."""
-        depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
-        known = len(request.prompt) + len(request.tokens)
-        return min(len(request.prompt) + request.max_new_tokens,
-                   known + 2 * self.programs.steps_per_call * (depth + 1)) + self.programs.room
-
-    def _grow_live(self) -> bool:
-        """Every live row's pages grown to its `_reach`, oldest request first (on the host: the
-        caller sets the device's table); False where the free pages ran out first."""
-        with self._lock:
-            live = sorted(self._live.values(), key=lambda r: r.submitted)
-        try:
-            for request in live:
-                self.pages.grow(request, self._reach(request))
-        except OutOfPages:
-            return False
-        return True
-
-    def _preempt_until_grown(self):
-        """Pages ran out: the request that arrived last among the live ones goes back to the
-        front of the queue, its pages freed, until the others' grow (vLLM's recompute: it
-        resumes by prefilling its prompt and the tokens it has, and goes on as it would have:
-        its samples depend on its seed and positions alone)."""
-        while not self._grow_live():
-            with self._lock:
-                slot, request = max(self._live.items(), key=lambda item: item[1].submitted)
-                del self._live[slot]
-                self._waiting.appendleft(request)
-            self._state = self.programs.release(self._state, [slot])
-            self.pages.release(request)
-            self.preemptions += 1
-
-    def _place(self, taken: list[Request], n: int, free: list[int]):
-        """Prefills the first `n` requests of `taken` in one call and inserts their rows into
-        the first of the `free` slots (paged: one call prefills them into their own pages,
-        past the cached ones they share); each is removed from `taken` (and its slot from
-        `free`) as it is placed or failed. A request whose preparation fails fails alone: a
-        group that fails is prepared again one request at a time. An insert (or a paged
-        admission) that fails fails its group and re-raises (a device call: the state is suspect)."""
-        group = taken[:n]
-        stops = np.full((n, self.programs.stop_width), -1, np.int32)
-        for i, request in enumerate(group):
-            stops[i, :len(request.stop_token_ids)] = request.stop_token_ids
-        contexts = [np.asarray(r.context, np.int32) for r in group]
-        limits, samplings = [len(r.prompt) + r.max_new_tokens for r in group], [r.sampling for r in group]
-        outputs = [len(r.prompt) for r in group]  # where each output begins (a resumed one's context holds some)
-        grammars = [(r.grammar, r.tokens) for r in group]
-        try:
-            rows = None if self.pages else self.programs.prefill(contexts, limits, samplings, stops,
-                                                                 [r.seed for r in group], outputs, grammars)
-        except Exception as e:  # noqa: BLE001 - these requests' preparation, not the engine
-            if n == 1:
-                del taken[0]
-                self._give_back(group[0])
-                group[0]._finish(None, e)
-            else:
-                for _ in range(n):
-                    self._place(taken, 1, free)
-            return
-        del taken[:n]
-        slots = [free.pop(0) for _ in group]
-        try:
-            self._state = (self.programs.insert(self._state, slots, rows) if rows is not None else self.programs.admit(
-                self._state, slots, contexts, [r.prefilled for r in group], limits, samplings, stops,
-                [r.seed for r in group], self._table(dict(zip(slots, group))), outputs, grammars))
-        except Exception as e:
-            self._fail(group, e)
-            raise
-        with self._lock:
-            for request in group if self.pages else ():  # the pages they write are cached (calls run in order)
-                self.pages.count(len(request.context) if self.prefix_caching else 0, request.cached_tokens)
-                self.pages.register(request, self._keys(request))
-            self._live.update(zip(slots, group))
-
-    def _dispatch(self, fresh: bool) -> Call | None:
-        """Runs the live rows one call (one step when `fresh`: rows were just inserted)."""
-        with self._lock:
-            owners = dict(self._live)
+    def _dispatch(self, owners: dict, fresh: bool, table) -> Call | None:
+        """Runs the live rows one call (one step when `fresh`: rows were just admitted)."""
         if not owners:
             return None
         K = self.k_table[len(owners) - 1]
         kind = kind_of_rows([r.sampling for r in owners.values()])  # greedy rows alone: a greedy program
         scoring = any(r.logprobs is not None for r in owners.values())  # then the filtered run that scores
         kind = FILTERED if scoring else kind
-        if K and self._draft_behind:  # the steps at K hold one window of catch-up: feed what K = 0 left
-            self._state = self.programs.sync(self._state, K)
-            self.syncs += 1
-        self._draft_behind = K == 0 and self.programs.deepest is not None
         # New requests take the lowest free slot, so live rows gather at the front.
         steps = 1 if fresh else self.policy.call_steps(max(owners) + 1, K, self.programs.steps_per_call)
-        self._state, tokens, counts, taken, done, held, *scored = self.programs.run(
-            self._state, K, max(owners) + 1, kind, steps, logprobs=scoring)
+        emitted = self.runner.run(set(owners), K, kind, steps, scoring, table)
         with self._lock:
             self.calls[K] += 1
-        jax.tree.map(lambda x: x.copy_to_host_async(), (tokens, counts, taken, done, held, scored))  # `_deliver`
-        return Call(owners, K, tokens, counts, taken, done, held, *scored)
+        jax.tree.map(lambda x: x.copy_to_host_async(), emitted)  # `_deliver`
+        return Call(owners, K, emitted)
 
     def _deliver(self, call: Call):
+        """A call's tokens (and scores) to its requests; a row that finished leaves (its pages
+        cached where its caches hold them, then back), its request finished whatever a device
+        call here does."""
         owners, K, self._finished = call.owners, call.K, False
-        tokens, counts, taken, done, held, scored = jax.device_get((call.tokens, call.counts, call.taken, call.done,
-                                                                    call.held, call.logprobs))
+        out = jax.device_get(call.emitted)
+        taken = int(out.taken)
         with self._lock:  # (`stats` reads the counters at once)
-            self.steps[K] += int(taken)
+            self.steps[K] += taken
             self.k_in_use = K
             if K:
-                emitted = counts[:int(taken), sorted(owners)]  # [steps, live rows]: each drafted step's tokens
+                emitted = out.counts[:taken, sorted(owners)]  # [steps, live rows]: each drafted step's tokens
                 self.policy.record(K, emitted[emitted > 0] - 1)  # drafted tokens the target accepted, per drafted step
         for slot, request in owners.items():
             if request.finished:
                 continue
-            new = [int(t) for s in range(int(taken)) for t in tokens[s, slot, :counts[s, slot]]]
+            new = [int(t) for s in range(taken) for t in out.tokens[s, slot, :out.counts[s, slot]]]
             if new and request.logprobs is not None:  # (before the listener hears of the tokens)
-                n = request.logprobs
+                n, scored = request.logprobs, out.logprobs
                 request.scores.extend((float(scored.chosen[s, slot, j]), list(zip(
                     scored.top_ids[s, slot, j, :n].tolist(), scored.top[s, slot, j, :n].tolist())))
-                    for s in range(int(taken)) for j in range(counts[s, slot]))
+                    for s in range(taken) for j in range(out.counts[s, slot]))
             if new:
                 request._emit(new)
-            if done[slot]:
+            if out.done[slot]:
                 self._finished = True
-                stopped = bool(request.tokens) and request.tokens[-1] in request.stop_token_ids
+                self._end(slot, request, int(out.held[slot]))
+
+    def _end(self, slot: int, request: Request, held: int):
+        """A finished row's request: its pages cached below `held` (a draft that lagged the row
+        fed first: a device call) and given back, and the request finished, even where that
+        call fails (its error then goes on to `_recover`)."""
+        stopped = bool(request.tokens) and request.tokens[-1] in request.stop_token_ids
+        caught_up = None
+        try:
+            if self.pages is not None and self.prefix_caching:
                 with self._lock:
-                    if self._live.get(slot) is request:
-                        del self._live[slot]
-                self._give_back(request, int(held[slot]))
-                request._finish("stop" if stopped else "length")
+                    pages = self.scheduler.pages.pages(request)
+                caught_up = self.runner.catch_up(request.context, held, pages)
+        finally:
+            with self._lock:
+                self.scheduler.finished(slot, request, caught_up)
+            request._finish("stop" if stopped else "length")
 
     @property
     def running(self) -> bool:
@@ -667,12 +537,12 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(running, waiting): requests in slots (long prompts' being prefilled too), and queued."""
         with self._lock:
-            return len(self._live) + len(self._chunking), len(self._waiting)
+            return self.scheduler.load()
 
     def cancel_all(self):
         """Cancels every request, waiting or running (a server's bounded drain)."""
         with self._lock:
-            everyone = list(self._waiting) + list(self._live.values()) + list(self._chunking.values())
+            everyone = self.scheduler.everyone()
         for request in everyone:
             request.cancel()
 
@@ -688,12 +558,12 @@ class Engine:
         policy = self.policy
         acceptance = policy.acceptance()
         running, waiting = self.load()
-        return {"running": running, "waiting": waiting, "calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.syncs,
+        return {"running": running, "waiting": waiting, "calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.runner.syncs,
                 "k_table": list(policy.table), "k_in_use": self.k_in_use, "drafts": policy.drafts,
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
-                "failures": self.failures, "preemptions": self.preemptions, "prefix_caching": self.prefix_caching,
+                "failures": self.failures, "preemptions": self.scheduler.preemptions, "prefix_caching": self.prefix_caching,
                 "programs": self.programs.listing(), "step_ms": self.step_ms,
                 "compiling": len(self.warmup.pending), "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}

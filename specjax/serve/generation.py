@@ -48,8 +48,11 @@ class Choice:
 
     @property
     def tokens(self) -> int:
-        """Generated tokens up to the end of its text (a stop string's chunk included)."""
-        return sum(n for _, n in self.chunk_times)
+        """Generated tokens up to the end of its text: through the token that completed its
+        stop string, if one did (a speculative chunk holds several: those after it are not
+        the reply's, in its usage or its logprobs)."""
+        emitted = sum(n for _, n in self.chunk_times)
+        return min(emitted, self.detokenizer.used) if self.detokenizer.stopped else emitted
 
 
 @dataclass

@@ -144,12 +144,37 @@ class PagePool:
             if page not in self._key_of and key not in self._page_of:
                 self._page_of[key], self._key_of[page] = page, key
 
-    def forget(self):
-        """Every cached page forgotten (their contents are lost: the device's state was made anew)."""
-        self._free.extend(self._idle)
+    def reset(self):
+        """Every page free again, held or cached: the device's state was made anew (its pages'
+        contents are lost and its rows hold none)."""
+        self._free = list(range(self.num_pages - 1, 0, -1))
+        self._owned.clear()
+        self._holders.clear()
         self._idle.clear()
         self._page_of.clear()
         self._key_of.clear()
+
+    def cached(self) -> dict[bytes, int]:
+        """key -> the cached page holding its contents."""
+        return dict(self._page_of)
+
+    def owners(self) -> list:
+        """Every owner holding pages."""
+        return [owner for owner, held in self._owned.items() if held]
+
+    def check(self):
+        """Raises AssertionError where its account is broken: each page is free, cached and
+        idle, or held (by as many owners as list it), never two of these; the null page never
+        handed out; keys and cached pages one to one."""
+        held = collections.Counter(page for pages in self._owned.values() for page in pages)
+        assert held == +self._holders, "a page's holders differ from the owners listing it"
+        assert all(len(set(pages)) == len(pages) for pages in self._owned.values()), "an owner lists a page twice"
+        free, idle = set(self._free), set(self._idle)
+        assert len(free) == len(self._free), "a page is free twice"
+        assert not free & idle and not free & set(held) and not idle & set(held), "a page is in two states"
+        assert free | idle | set(held) == set(range(1, self.num_pages)), "a page is lost (or the null page given out)"
+        assert idle <= set(self._key_of), "an idle page is not cached"
+        assert {self._page_of[k]: k for k in self._page_of} == self._key_of, "keys and cached pages differ"
 
     def release(self, owner) -> int:
         """Gives all of the owner's pages back; -> how many. A cached page no other owner

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ from specjax import loop
 from specjax.backend import Backend
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
 from specjax.grammar import FREE, Automaton
+from specjax.serve import timing
+from specjax.serve.pages import NULL_PAGE
 from specjax.serve.rows import first_rows, written_back
 from specjax.serve.scoring import prompt_logprobs
 from specjax.serve.shapes import MIN_BUCKET, buckets, spread
@@ -34,6 +37,18 @@ from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stac
 # its rows' caches are dense until inserted, so a group bounds what a prefill holds beside
 # the state (a long prompt goes alone; 64 slots of 8K-token prompts would be 64 GiB of an 8B's).
 GROUP_TOKENS = 4096
+
+
+class Emitted(NamedTuple):
+    """What a run call gives the host (`Programs.run`), each a copy it may read while the
+    state is donated to the next call."""
+
+    tokens: jax.Array  # int32 [steps, width, D+1]: what each step emitted per row
+    counts: jax.Array  # int32 [steps, width]: how many of them
+    taken: jax.Array  # int32 []: steps the call ran
+    done: jax.Array  # bool [width]: rows finished (or empty) after it
+    held: jax.Array  # int32 [width]: positions below which every cache of the row holds its final entries
+    logprobs: Logprobs | None = None  # [steps, width, D+1] (top: [.., n]) where the call scored them
 
 
 def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
@@ -178,20 +193,21 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     steps for a free slot.
     kind: the sampling kind its live rows need (`sampling.kind_of`). The drafter's state must
     be within one window of the rows (`_sync` after calls at K = 0), so its steps hold no loop.
-    Returns (state, tokens int32 [steps, width, D+1], counts int32 [steps, width], steps
-    taken int32 [], done bool [width]: a copy the host may read while the state is donated
-    to the next call, held int32 [width]: the positions below which every cache of the row
-    holds its final tokens' entries, as a prefill writes them: `Drafter.held`). drafter:
-    this K's (None: no drafting); state_drafter: the drafter whose state the rows carry (the
-    deepest), whose rules lay it out on a mesh whatever K runs. logprobs: None, or
-    `loop.step`'s (top, mode): then also each step's `Logprobs` ([steps, width, D+1], top
-    [steps, width, D+1, n]), a seventh output."""
+    A paged row that is done as the call starts (a free slot, a finished or cancelled
+    request's, a long prompt's being prefilled a chunk a call) writes only to the null page
+    during the call, whatever its table names: the pages the host gave someone else are
+    never written by it.
+    Returns (state, `Emitted`). drafter: this K's (None: no drafting); state_drafter: the
+    drafter whose state the rows carry (the deepest), whose rules lay it out on a mesh
+    whatever K runs. logprobs: None, or `loop.step`'s (top, mode): then `Emitted.logprobs`."""
     target, drafter = loop.bound(backend, target, drafter)
     mesh = backend.mesh
     in_place = backend.platform != "gpu"  # see rows.first_rows
     axes = loop.state_axes(full, state_drafter)  # where each array's rows lie
     state = first_rows(full, width, in_place, axes)
     state = state.replace(sampling=_as_kind(state.sampling, kind))
+    table = loop.page_table(full)  # paged: the host's table, which the call gives back as it was
+    state = _done_rows_write_nowhere(state)
     B, D = width, 0 if drafter is None else drafter.tree.depth
     limit = jnp.where(jnp.any(full.done), jnp.minimum(limit, open_steps), limit)
 
@@ -219,16 +235,29 @@ def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, 
     own = None if state_drafter is None else state_drafter.held(state.draft_state, state.tokens, state.length,
                                                                  state.features)
     held = held if own is None else jnp.minimum(held, own)
-    out = written_back(full, state, width, in_place, axes), tokens, counts, taken, state.done, held
-    return out if scored is None else out + (scored,)
+    full = written_back(full, state, width, in_place, axes)
+    return full if table is None else loop.with_pages(full, table), Emitted(tokens, counts, taken, state.done, held,
+                                                                             scored)
+
+
+def _done_rows_write_nowhere(state):
+    """A paged state whose rows that are done now read and write only the null page (their
+    tables' entries NULL_PAGE): a free slot, a finished or cancelled request's row, a long
+    prompt's row being prefilled a chunk a call. The pages their tables named may belong to
+    another request by now; within a program, no pass over a done row then touches them."""
+    table = loop.page_table(state)
+    return state if table is None else loop.with_pages(state, jnp.where(state.done[:, None], NULL_PAGE, table))
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("backend", "rules"))
 def _sync(drafter, state, state_drafter, *, backend: Backend, rules):
     """The drafter's state brought within one window of its rows (`Drafter.sync`): run before
-    the first call that drafts after calls that did not."""
+    the first call that drafts after calls that did not. A done row writes only to the null
+    page (`_done_rows_write_nowhere`); the table comes back as it was."""
     drafter = drafter.on(backend)
+    table, state = loop.page_table(state), _done_rows_write_nowhere(state)
     state = state.replace(draft_state=drafter.sync(state.draft_state, state.tokens, state.length, state.done))
+    state = state if table is None else loop.with_pages(state, table)
     return loop.place(state, state_drafter, backend.mesh, rules)
 
 
@@ -539,7 +568,7 @@ class Programs:
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
         return self.prefill(*self._dummy_prompts(n, b))
 
-    def _dummy_admit(self, state, n: int, b: int):
+    def dummy_admit(self, state, n: int, b: int):
         """`state` with n prompts filling bucket b admitted into its rows 0..n-1 (their prefill
         and insert, or, paged, their admission into the null pages), compiling them once."""
         if self.paging is None:
@@ -566,7 +595,7 @@ class Programs:
         layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for n, b in self.sizes:
             if (n, b) not in skip:
-                state = self._dummy_admit(state, n, b)
+                state = self.dummy_admit(state, n, b)
                 done(len(self.admissions))
         if self.chunk is not None:  # (into the null pages)
             state = self.prefill_chunk(state, 0, np.ones((self.chunk,), np.int32), 0,
@@ -576,7 +605,7 @@ class Programs:
             state = self._feed_draft(state, self._row(np.ones((self.chunk,), np.int32)), 0,
                                      np.zeros((1, self.table_width), np.int32))
             done(1)
-        state, self.call_tokens = self._measure_call_tokens(state, skip)
+        state, self.call_tokens = timing.call_tokens(self, state, skip)
         state = self.release(state, range(max(self.prefill_sizes)))
         done(1)
         for K in self.drafters:
@@ -585,41 +614,16 @@ class Programs:
                 done(1)
             for w in self.widths:
                 for kind in KINDS:
-                    state = self.run(state, K, w, kind)[0]
+                    state, _ = self.run(state, K, w, kind)
                     done(1)
                 if self.logprobs is not None:
-                    state = self.run(state, K, w, FILTERED, logprobs=True)[0]
+                    state, _ = self.run(state, K, w, FILTERED, logprobs=True)
                     done(1)
         for b in self.buckets if self.logprobs is not None else ():
             prompt_logprobs(self, np.ones((b,), np.int32), 0)
             done(1)
         jax.block_until_ready(state)
         return layout
-
-    def _measure_call_tokens(self, state, skip=()):
-        """(state, `call_tokens` on this device): admissions (prefill and insert into `state`)
-        of one row and of the most, in the shortest bucket and in the one 4x longer (where
-        bursts' prompts are grouped), timed (the fastest of 3 each; compiled already); the
-        least-squares line of their times over their token slots gives a call's cost beyond
-        its tokens (the intercept) in tokens (over the slope). Those in `skip` (not compiled
-        yet) are left out."""
-        points = {(n, b) for n in (1, max(self.prefill_sizes)) for b in (self.buckets[0], self.buckets[:3][-1])}
-        points = (points & set(self.sizes)) - set(skip)
-        slots, times = [], []
-        for n, b in sorted(points):
-            runs = []
-            for _ in range(3):
-                start = time.perf_counter()
-                state = self._dummy_admit(state, n, b)
-                runs.append(time.perf_counter() - start)
-            slots.append(n * b)
-            times.append(min(runs))
-        if len(set(slots)) < 2:
-            return state, self.most_tokens
-        per_token, per_call = np.polyfit(slots, times, 1)
-        if per_token <= 0:
-            return state, self.most_tokens
-        return state, float(min(self.most_tokens, max(0.0, per_call) / per_token))
 
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway prompt)
@@ -644,36 +648,6 @@ class Programs:
             jax.block_until_ready(run(*(_zeros(x) if x is layout else x for x in first)))
         self._compiled[(name, n, b)] = run
 
-    def measure_steps(self, calls: int = 5) -> dict[int, dict[int, float]]:
-        """Milliseconds of one step of each run program, {K: {width: ms}}, on this device:
-        the median over `calls` calls (after one that warms) of a call's time over the steps
-        it took, its first `width` rows live (a prompt of the shortest bucket each, greedy,
-        limited only by max_len), the rest free, as the engine runs them. A step's cost does
-        not depend on what it accepts (its shapes are fixed). A (K, width) whose rows all
-        finish before any call is timed is left out. Run after `compile_all` (no compiles)."""
-        request = ([np.ones((self.buckets[0],), np.int32)], [self.max_len], [Settings()],
-                   np.full((1, self.stop_width), -1, np.int32), [0])
-        row = self.prefill(*request) if self.paging is None else None
-        state, costs = self.empty(), {}
-        for K in sorted(self.drafters):
-            costs[K] = {}
-            for w in self.widths:
-                state = self.release(state, range(self.slots))
-                for slot in range(w):  # (paged: into the null pages, as timing wants no more)
-                    state = (self.insert(state, [slot], row) if row is not None
-                             else self.admit(state, [slot], request[0], [0], *request[1:]))
-                times = []
-                for call in range(calls + 1):
-                    start = time.perf_counter()
-                    state, *_, taken, _, _ = self.run(state, K, w, "greedy")
-                    taken = int(taken)  # waits for the call
-                    if call and taken:
-                        times.append(1e3 * (time.perf_counter() - start) / taken)
-                if times:
-                    costs[K][w] = float(np.median(times))
-        jax.block_until_ready(state)
-        return costs
-
     def width(self, rows: int) -> int:
         """The narrowest run that covers the state's first `rows` rows."""
         return next(w for w in self.widths if w >= rows)
@@ -683,7 +657,7 @@ class Programs:
         slot is free) steps at K over the narrowest width covering the first `rows` rows, for
         rows that need sampling of `kind` (`sampling.kind_of` their settings); one program
         whatever `steps`. logprobs: the program that also scores the emitted tokens (the
-        engine's `logprobs`; kind must be FILTERED): a seventh output."""
+        engine's `logprobs`; kind must be FILTERED): `Emitted.logprobs`. -> (state, `Emitted`)."""
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
         if logprobs and (self.logprobs is None or kind != FILTERED):
             raise ValueError("this engine scores tokens only in its filtered runs, and only with max_logprobs set")

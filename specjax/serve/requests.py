@@ -133,7 +133,7 @@ class Request:
 
     def cancel(self):
         """Stops the request; its slot is freed at the engine's next device call."""
-        self._engine._cancel(self)
+        self._engine.cancel(self)
 
     def _emit(self, tokens: list[int]):
         self.tokens.extend(tokens)
