@@ -40,6 +40,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # tiny programs, for a developer at work; CI runs the whole suite. Module -> the fixtures
 # that make one of its tests slow (they build and compile models); empty: all are fast.
 FAST = {"test_config.py": set(), "test_house.py": set(), "test_text.py": set(), "test_fuzz.py": set(),
+        "test_scheduler.py": set(),
         "test_auto_k.py": {"pair"}, "test_sampling.py": {"tiny_pair"}}
 
 

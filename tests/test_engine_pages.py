@@ -460,14 +460,17 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
     monkeypatch.setattr(engine, "turn_hook", None)  # (the module's engine: undone after)
     monkeypatch.setattr(engine.runner, "check", False)
     errors = _checked_every_turn(engine)
+    if call == "sync":  # K = 0 with one live row, 3 with more: the draft syncs as a second row starts
+        monkeypatch.setattr(engine.policy, "table", (0, 3, 3))
     long_prompt = [int(t) for t in np.random.default_rng(11).integers(3, 97, 40)]  # 3 chunks of 16
     asked = [(REQUESTS[5][0], 44), (long_prompt, 6), (REQUESTS[2][0], 10), (REQUESTS[3][0], 9)]
     failures = engine.failures
     outputs = []
     with engine:
         submitted = []
-        for prompt, budget in asked:
-            submitted.append(engine.submit(prompt, max_new_tokens=budget))
+        for prompt, budget in asked:  # (the release: the first request cancelled at its first tokens)
+            cancel = (lambda tokens: tokens and submitted[0].cancel()) if call == "release" and not submitted else None
+            submitted.append(engine.submit(prompt, max_new_tokens=budget, listener=cancel))
             time.sleep(0.02)
         for request in submitted:
             try:
@@ -477,9 +480,12 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
                 outputs.append(None)
         after = engine.submit(REQUESTS[3][0], max_new_tokens=9).result(timeout=300)  # the engine serves on
     assert len(calls) >= nth, calls  # the call failed
-    assert engine.failures == failures + 1 and None in outputs
-    for (prompt, budget), got in zip(asked, outputs):
-        assert got is None or got == _alone(target, prompt, budget, ()), (call, len(prompt))
+    assert engine.failures == failures + 1
+    if call in ("run", "admit", "prefill_chunk", "set_table"):  # (a release or catch-up may find no row running)
+        assert None in outputs
+    for (prompt, budget), got, request in zip(asked, outputs, submitted):
+        want = _alone(target, prompt, budget, ())
+        assert got is None or got == (want[:len(got)] if request.finish_reason == "cancelled" else want), call
     assert after == _alone(target, REQUESTS[3][0], 9, ())
     assert engine.stats()["free_pages"] == 7 and engine.pages.owners() == [] and not engine.scheduler.chunking
     assert errors == []
