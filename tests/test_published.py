@@ -198,6 +198,27 @@ def test_a_pickled_head_is_read_as_tensors_alone(target, tmp_path):
         specjax.load_drafter(pickled)
 
 
+def test_a_pickled_head_s_format_is_told_without_unpickling_and_old_torch_is_refused(tmp_path, monkeypatch):
+    """Which head a pytorch_model.bin holds is read from its pickle's strings (its opcodes
+    walked, nothing unpickled: torch.load is never called to tell it); reading its tensors
+    needs torch >= 2.6, whose weights_only=True runs no code (CVE-2025-32434)."""
+    from specjax.drafters.formats import pickled_strings, published_format
+
+    head, folder, _ = make("eagle", tmp_path / "st")
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    torch.save(head.tensors("eagle"), pickled / "pytorch_model.bin")
+    want = published_format(folder)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load ran to tell a format"))
+    assert published_format(pickled) == want and set(head.tensors("eagle")) <= pickled_strings(
+        pickled / "pytorch_model.bin")
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    with pytest.raises(specjax.UnsafeCheckpointError, match=r"torch 2.5.1\+cpu can run code.*CVE-2025-32434"):
+        specjax.load_drafter(pickled)
+
+
 def _edit_config(folder, **changes):
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(changes)

@@ -621,6 +621,22 @@ def test_a_stop_string_ends_the_reply_s_tokens_at_the_one_that_completed_it():
         assert choice.detokenizer.text == "def add(a, b):\n    " and choice.tokens == through < len(ids)
 
 
+def test_a_compilation_cache_others_can_write_is_refused(tmp_path):
+    """Its entries are native code the server runs: a folder (or a folder above it, but a
+    sticky one like /tmp) that others can write is refused, naming it."""
+    from specjax.serve.server import check_private  # (`use_compilation_cache` calls it before it sets jax's)
+
+    (tmp_path / "mine").mkdir(mode=0o700)
+    check_private(tmp_path / "mine")
+    shared = tmp_path / "shared"
+    (shared / "below").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"shared can be written by others .*drwxrwxrwx"):
+        check_private(shared)
+    with pytest.raises(ValueError, match=r"shared can be written by others"):
+        check_private(shared / "below")
+
+
 def test_serve_refuses_several_hosts_in_one_line(capsys):
     from specjax.cli import entry
 

@@ -29,6 +29,7 @@ checked against the config before one is read. It knows files; published.py comp
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -217,10 +218,39 @@ def _renamed(name: str, names: dict) -> str:
 
 
 def _tensor_names(folder: Path) -> set[str]:
+    """The names of the folder's tensors, to tell formats apart: its safetensors' (their
+    headers), or, for a pickle alone, every string its pickle holds (a superset of its
+    tensors' names: `pickled_strings`), read without unpickling anything."""
+    if list(folder.glob("*.safetensors")):
+        try:
+            return set(_tensors(folder))
+        except CheckpointError:
+            return set()
+    pickled = folder / "pytorch_model.bin"
+    return pickled_strings(pickled) if pickled.is_file() else set()
+
+
+def pickled_strings(path: Path) -> set[str]:
+    """Every string constant in a torch file's pickle (a zip's data.pkl, or a legacy file's
+    first pickle), read by walking its opcodes (`pickletools.genops`): nothing is
+    unpickled, no code runs. Empty where it is no pickle."""
+    import pickletools
+    import zipfile
+
     try:
-        return set(_tensors(folder))
-    except CheckpointError:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                data = archive.read(name) if name is not None else b""
+        else:
+            data = path.read_bytes()
+        return {arg for op, arg, _ in pickletools.genops(data) if isinstance(arg, str) and "UNICODE" in op.name}
+    except Exception:  # noqa: BLE001 - a file that is not a pickle names no tensors
         return set()
+
+
+# torch.load(weights_only=True) can run code before torch 2.6 (CVE-2025-32434).
+SAFE_TORCH = (2, 6)
 
 
 def _tensors(folder: Path, pickled: tuple[str, ...] = ("pytorch_model.bin",)) -> dict:
@@ -242,6 +272,11 @@ def _tensors(folder: Path, pickled: tuple[str, ...] = ("pytorch_model.bin",)) ->
     except ImportError:
         raise UnsafeCheckpointError(f"{pickled} is a torch pickle; without torch installed specjax will not read "
                                     f"it (unpickling can run code). Convert it once: {convert}") from None
+    version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if version < SAFE_TORCH:
+        raise UnsafeCheckpointError(f"{pickled} is a torch pickle, and torch {torch.__version__} can run code while "
+                                    f"loading one even with weights_only=True (CVE-2025-32434): install torch >= "
+                                    f"{'.'.join(map(str, SAFE_TORCH))}, or convert it once elsewhere: {convert}")
     try:
         state = torch.load(pickled, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors: say so

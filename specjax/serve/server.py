@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -144,11 +145,29 @@ def use_compilation_cache(folder) -> Path:
     import jax
 
     folder = Path(folder).expanduser().absolute()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private(folder)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def check_private(folder: Path):
+    """Refuses (ValueError) a compilation cache that another user could write: its entries
+    are native code this process runs. The folder and every folder above it up to the root
+    must be owned by this user or root and not writable by others (a sticky folder such as
+    /tmp excepted above it)."""
+    if not hasattr(os, "getuid"):
+        return
+    me = os.getuid()
+    for at in [folder, *folder.parents]:
+        info = at.stat()
+        sticky = at != folder and info.st_mode & stat.S_ISVTX
+        if info.st_uid not in (me, 0) or (info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky):
+            raise ValueError(f"the compilation cache {folder} holds code this server runs, and {at} can be written by "
+                             f"others (owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): give "
+                             f"--compilation-cache a folder only you can write")
 
 
 def _compile(engine, slots: int, length: int):
