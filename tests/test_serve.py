@@ -370,6 +370,7 @@ def test_logprobs_through_the_openai_client(engine, servers):
     streamed = [c.choices[0].logprobs for c in client.completions.create(
         model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=3, stream=True) if c.choices]
     assert sum((s.token_logprobs for s in streamed if s is not None), []) == lp.token_logprobs
+    assert scored_on == ["specjax-engine"] * 2
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
@@ -420,11 +421,16 @@ def test_structured_output_through_the_openai_client(engine, servers):
     assert re.fullmatch("[0-9]{2,4}-[a-c]+" if why == "stop" else "[0-9]{0,4}|[0-9]{2,4}-[a-c]*", text), (text, why)
 
 
-def test_echo_with_logprobs_scores_the_prompt_too(engine, servers):
+def test_echo_with_logprobs_scores_the_prompt_too(engine, servers, monkeypatch):
     """Completions' echo with logprobs (what lm-evaluation-harness's loglikelihood requests
     send): the prompt's tokens first, the first with null logprobs, each other one's what
     generate(prompt_logprobs=) gives (a plain pass's), then the completion's as without echo;
-    streamed, the echo's chunk carries the prompt's."""
+    streamed, the echo's chunk carries the prompt's. The prompt is scored by the engine's
+    thread, in its turn (at 53bdaf5, on a worker thread of the server's before admission,
+    as many at once as came, outside the memory the engine keeps free)."""
+    scored_on, score = [], engine.runner.score
+    monkeypatch.setattr(engine.runner, "score", lambda *a: scored_on.append(threading.current_thread().name)
+                        or score(*a))
     live = servers("main")
     client, tokenizer = live.client(), live.server.tokenizer
     prompt = PROMPTS[1]

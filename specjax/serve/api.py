@@ -40,7 +40,6 @@ from specjax.serve.generation import EngineFailure, Generation, Settings
 from specjax.serve.metrics import Metrics
 from specjax.serve.protocol import (PENALTIES, ApiError, ChatRequest, CompletionRequest, constraint, logit_bias,
                                     parse)
-from specjax.serve.scoring import prompt_logprobs
 from specjax.serve.structured import Constraints
 from specjax.text import encode_prompts
 
@@ -273,9 +272,8 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         prompts, echoes = await asyncio.to_thread(server.completion_prompts_and_echoes, body)
         settings = server.settings(body, [len(p) for p in prompts], default_max=16)
         settings.grammar = await _grammar(server, body)
-        if body.echo and settings.logprobs is not None:  # the prompts' own, from a pass of their own beside the loop
-            echoes = await asyncio.to_thread(_echoed_logprobs, server, prompts, echoes, settings.logprobs)
-        return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes)
+        score = settings.logprobs if body.echo else None  # the prompts' own, scored once admitted
+        return await _respond(server, request, body, prompts, settings, chat=False, echoes=echoes, score=score)
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
@@ -298,13 +296,19 @@ async def _grammar(server: Server, body):
     return None if found is None else await asyncio.to_thread(server.constraints.grammar, found)
 
 
-def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:
+async def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:
     """Each echoed prompt's (text, completions' logprobs of its tokens): none for the first,
     which nothing predicts (OpenAI's and vLLM's null), then each token's given those before
-    it and the `top` likeliest there (`scoring.prompt_logprobs`)."""
+    it and the `top` likeliest there, scored by the engine's thread in its turn
+    (`Engine.score`: one pass at a time, its memory counted beside the state)."""
     out = []
     for prompt, text in zip(prompts, echoes):
-        chosen, top_ids, top_lp = prompt_logprobs(server.engine.programs, prompt, top)
+        try:
+            chosen, top_ids, top_lp = await asyncio.wrap_future(server.engine.score(prompt, top))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except RuntimeError as e:  # the engine is not running, or the pass failed
+            raise ApiError(503, str(e), headers={"Retry-After": "1"}) from None
         scores = [(float(x), [(int(i), float(y)) for i, y in zip(ids, lps)])
                   for x, ids, lps in zip(chosen[1:], top_ids[1:], top_lp[1:])]
         out.append((text, _completion_logprobs(server.tokenizer, list(zip(prompt, [(None, None)] + scores)), 0)[0]))
@@ -329,8 +333,13 @@ def _joined(first: dict | None, then: dict | None) -> dict | None:
     return {key: first[key] + then[key] for key in first}
 
 
-async def _respond(server: Server, request: Request, body, prompts, settings: Settings, chat: bool, echoes):
+async def _respond(server: Server, request: Request, body, prompts, settings: Settings, chat: bool, echoes,
+                   score: int | None = None):
+    """The response to one request, once admitted (`Server.admit`: 503 at capacity); score:
+    its echoed prompts' logprobs with this many alternatives (None: none) first."""
     server.admit(len(prompts) * body.n)
+    if score is not None:
+        echoes = await _echoed_logprobs(server, prompts, echoes, score)
     generation = Generation(server.engine, server.tokenizer, prompts, body.n, settings)
     try:
         generation.submit()

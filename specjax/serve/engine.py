@@ -27,6 +27,7 @@ The engine knows requests, the scheduler, the runner and a thread; nothing of HT
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 from typing import Sequence
@@ -37,7 +38,7 @@ import numpy as np
 from specjax import sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
-from specjax.models import Model
+from specjax.models import Model, check_token_ids
 from specjax.request import deterministic_target, logprobs_setting
 from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, kind_of_rows
 from specjax.serve import sizing, timing
@@ -45,7 +46,7 @@ from specjax.serve.policy import KPolicy
 from specjax.serve.programs import Emitted, Programs
 from specjax.serve.requests import Limits, Request
 from specjax.serve.runner import Runner
-from specjax.serve.scheduler import Admission, Reach, Scheduler, Turn
+from specjax.serve.scheduler import Admission, Reach, Scheduler, Scoring, Turn
 from specjax.serve.warmup import Warmup
 
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
@@ -269,6 +270,30 @@ class Engine:
             self._lock.notify()
         return request
 
+    def score(self, prompt_ids: Sequence[int], top: int) -> concurrent.futures.Future:
+        """A prompt's own log-probabilities, as `generate`'s prompt_logprobs gives them, by
+        the device thread in its turn (a pass of its own; counted in `Programs.temporaries`):
+        a future of (each token's given those before it [P], 0 at position 0; the `top`
+        likeliest ids there and theirs [P, top]). ValueError: what it cannot score."""
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        check_token_ids(prompt, self.target.config.vocab_size)
+        if prompt.size > self.max_len:
+            raise ValueError(f"a prompt of {prompt.size} tokens exceeds the engine's max_len ({self.max_len})")
+        most = self.limits.logprobs
+        if most is None or not isinstance(top, (int, np.integer)) or isinstance(top, bool) or not 0 <= top <= most:
+            raise ValueError(f"this engine scores prompts with 0 to {most} alternatives (Engine(max_logprobs=...)), "
+                             f"not {top!r}" if most is not None else "this engine scores no tokens: "
+                             "Engine(max_logprobs=...) (specjax serve --max-logprobs)")
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._thread is None or self._stopping or not self._thread.is_alive():
+                raise RuntimeError("the engine is not running: use `with engine:` (or engine.start())")
+            self.scheduler.score(Scoring(tuple(int(t) for t in prompt), int(top), future))
+            self._lock.notify()
+        return future
+
     def cancel(self, request: Request):
         """Stops a request of this engine: a waiting one at once, a running one at the next
         device call (`Request.cancel`)."""
@@ -395,7 +420,7 @@ class Engine:
             except BaseException as e:  # interpreter exit: every request learns why
                 with self._lock:
                     everyone = self.scheduler.everyone()
-                self._fail(everyone, e)
+                self._fail(everyone, e, scoring=True)
                 raise
             if self.turn_hook is not None:
                 self.turn_hook(self)
@@ -416,7 +441,13 @@ class Engine:
             self.runner.prefill_chunk(turn.chunk.slot, turn.chunk.request, turn.chunk.start, turn.table)
         with self._lock:
             owners = dict(self.scheduler.live)  # (an admitted request that failed to prepare has left)
-        return self._dispatch(owners, fresh=bool(turn.admissions), table=turn.table)
+        call = self._dispatch(owners, fresh=bool(turn.admissions), table=turn.table)
+        if turn.score is not None:  # (behind the call just dispatched: the state is not its)
+            try:
+                turn.score.future.set_result(self.runner.score(turn.score.prompt, turn.score.top))
+            except Exception as e:  # noqa: BLE001 - its own pass failed: its caller learns why, nobody else
+                turn.score.future.set_exception(e)
+        return call
 
     def _place(self, admission: Admission, table):
         """One admission's call (paged: into the state's pages; unpaged: a prefill, then its
@@ -442,11 +473,19 @@ class Engine:
         self._started.update(map(id, admission.requests))
         self.runner.insert(admission.slots, rows)
 
-    def _fail(self, requests: list[Request], error: BaseException):
+    def _fail(self, requests: list[Request], error: BaseException, scoring: bool = False):
+        """These requests fail with `error`; scoring: the prompts waiting to be scored too
+        (the thread stops)."""
         with self._lock:
             self.scheduler.fail(requests)
+            jobs = list(self.scheduler.scoring) if scoring else []
+            if scoring:
+                self.scheduler.scoring.clear()
+        failure = RuntimeError(f"the engine's device call failed: {error!r}")
         for request in requests:
-            request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
+            request._finish(None, failure)
+        for job in jobs:
+            job.future.set_exception(failure)
 
     def _recover(self, error: Exception, turn: Turn | None):
         """A device call failed: the requests in the state (its rows, those of the turn's
@@ -465,7 +504,7 @@ class Engine:
         except Exception:
             with self._lock:
                 everyone, self._stopping = self.scheduler.everyone(), True
-            self._fail(everyone, error)
+            self._fail(everyone, error, scoring=True)
             raise
 
     def _dispatch(self, owners: dict, fresh: bool, table) -> Call | None:

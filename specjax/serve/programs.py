@@ -28,7 +28,7 @@ from specjax.grammar import FREE, Automaton
 from specjax.serve import timing
 from specjax.serve.pages import NULL_PAGE
 from specjax.serve.rows import first_rows, written_back
-from specjax.serve.scoring import prompt_logprobs
+from specjax.serve.scoring import prompt_logprobs, score_bytes
 from specjax.serve.shapes import MIN_BUCKET, buckets, spread
 from specjax.memory import nbytes
 from specjax.sampling import FILTERED, KINDS, Logprobs, Sampling, Settings, stack
@@ -374,8 +374,8 @@ class Programs:
     def temporaries(self) -> int:
         """The most bytes any of its programs needs beside its arguments (XLA's accounting,
         `memory_analysis()`, of each K's widest run and the largest prefill, compiled for
-        this device here), a prefill's rows counted: what the device must keep free beside
-        the state and the weights."""
+        this device here), a prefill's rows counted, and a prompt's scoring pass (`score_bytes`):
+        what the device must keep free beside the state and the weights."""
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state_shapes())
         most = 0
         for K in self.drafters:
@@ -383,6 +383,7 @@ class Programs:
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
+        most = max(most, score_bytes(self))  # a prompt's own pass (echo with logprobs), between calls
         args, b = self.largest_prefill()
         if self.paging is not None:  # the admission of the most tokens: its rows are the state's
             n = args[0].shape[0]

@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax import loop
 from specjax.serve.programs import Emitted, Programs
+from specjax.serve.scoring import prompt_logprobs
 
 
 class Runner:
@@ -107,6 +108,11 @@ class Runner:
             assert np.array_equal(device, table), f"the device's page table differs from the host's:\n{device}\n{table}"
         done = np.asarray(self.state.done)
         assert all(done[slot] for slot in range(len(done)) if slot not in live), (done, sorted(live))
+
+    def score(self, prompt, top: int) -> tuple:
+        """A prompt's own log-probabilities (`scoring.prompt_logprobs`): a pass of its own over
+        the prompt's bucket, which leaves the state alone."""
+        return prompt_logprobs(self.programs, prompt, top)
 
     def catch_up(self, tokens, held: int, pages) -> int:
         """A finished row's draft model made to hold what its target's cache holds, where calls

@@ -53,6 +53,7 @@ class Turn:
     stopped: tuple[int, ...]  # slots whose rows stop now (cancelled or preempted): marked done on the device
     admissions: tuple[Admission, ...]  # groups admitted into free slots, in order
     chunk: Chunk | None  # a long prompt's next chunk, if one is being prefilled
+    score: object  # a prompt to score (`Scoring`), or None: a pass of its own, beside the state
     rows: dict  # slot -> request: the live rows the turn's run call steps (admitted ones included)
     table: np.ndarray | None  # int32 [slots, M]: every slot's pages (paged), what each call of the turn reads
 
@@ -60,6 +61,16 @@ class Turn:
     def admitted(self) -> list:
         """The requests its admissions place, in order."""
         return [r for a in self.admissions for r in a.requests]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """A prompt's own log-probabilities asked for (completions' echo with logprobs): scored
+    by the device thread in a turn of its own, its result (or error) set on `future`."""
+
+    prompt: tuple
+    top: int
+    future: object  # a concurrent.futures.Future
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +98,16 @@ class Scheduler:
         self.live: dict = {}  # slot -> request: rows the device steps
         self.chunking: dict = {}  # slot -> request: a long prompt's row, prefilled a chunk a call
         self.cancelled: set = set()  # cancelled while in a slot: stopped at the next turn
+        self.scoring: collections.deque = collections.deque()  # prompts to score, one a turn
         self.preemptions = 0
 
     # ---- requests come and go -------------------------------------------------------------
 
     def submit(self, request):
         self.waiting.append(request)
+
+    def score(self, job: Scoring):
+        self.scoring.append(job)
 
     def cancel(self, request) -> bool:
         """A waiting request leaves at once (True: the caller finishes it); one in a slot stops
@@ -111,7 +126,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether a turn has anything to do."""
-        return bool(self.waiting or self.live or self.chunking or self.cancelled)
+        return bool(self.waiting or self.live or self.chunking or self.cancelled or self.scoring)
 
     def load(self) -> tuple[int, int]:
         """(requests in slots, requests waiting)."""
@@ -169,7 +184,8 @@ class Scheduler:
             for request in (r for a in admissions for r in a.requests):
                 self.pages.count(len(request.context) if self.prefix_caching else 0, request.cached_tokens)
                 self.pages.register(request, self.keys(request))
-        return Turn(tuple(cancelled), tuple(stopped), tuple(admissions), chunk, dict(self.live), self.table())
+        score = self.scoring.popleft() if self.scoring else None
+        return Turn(tuple(cancelled), tuple(stopped), tuple(admissions), chunk, score, dict(self.live), self.table())
 
     def _stop_cancelled(self) -> tuple[list, list[int]]:
         cancelled, self.cancelled = self.cancelled, set()
@@ -267,7 +283,8 @@ class Scheduler:
         """A device call failed and the device's state starts anew: -> the requests that were
         in it (running, being prefilled), which leave; `not_started` (admitted this turn after
         the call that failed) go back to the front of the queue in arrival order. Every page
-        comes back and the cache is forgotten (the new state's pages hold nothing)."""
+        comes back and the cache is forgotten (the new state's pages hold nothing). Prompts
+        waiting to be scored stay (a pass of their own: the state is not theirs)."""
         back = sorted(not_started, key=lambda r: r.submitted)
         gone = [r for r in list(self.live.values()) + list(self.chunking.values()) if r not in back]
         self.live.clear()

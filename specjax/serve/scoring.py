@@ -1,8 +1,9 @@
 """A prompt's own log-probabilities for an engine (completions' `echo` with `logprobs`): a
 prefill's pass over the prompt's bucket into a cache of its own, reduced to each token's
-raw log-probability and the top alternatives (`loop.prefill`'s score). It touches no state,
-so it runs beside the engine's thread; `Programs.compile_all` compiles it per bucket where
-the engine scores tokens.
+raw log-probability and the top alternatives (`loop.prefill`'s score). It touches no state;
+the engine's thread runs it in a turn (`Engine.score`), one at a time, and its memory is
+kept free beside the state (`score_bytes`); `Programs.compile_all` compiles it per bucket
+where the engine scores tokens.
 
 It knows the loop's prefill and an engine's `Programs` (its target, buckets and limits);
 nothing of requests, slots or HTTP.
@@ -30,6 +31,19 @@ def _score(target, tokens, length, *, top: int, backend: Backend):
                              sampling=Sampling.make(batch=1), stop_ids=jnp.full((1, 1), -1, jnp.int32),
                              key=loop.row_keys(jax.random.key(0), 1), score=top)
     return scored
+
+
+def score_bytes(programs) -> int:
+    """The bytes its longest bucket's pass needs beside its arguments, its output counted
+    (XLA's `memory_analysis()`, compiled for this device): what `Programs.temporaries`
+    keeps free for it (0 where the engine scores no tokens)."""
+    if programs.logprobs is None:
+        return 0
+    b = programs.buckets[-1]
+    tokens, length = jax.ShapeDtypeStruct((1, b), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    memory = _score.lower(programs.target, tokens, length, top=programs.logprobs[0],
+                          backend=programs.prefill_backend).compile().memory_analysis()
+    return int(memory.temp_size_in_bytes + memory.output_size_in_bytes)
 
 
 def prompt_logprobs(programs, prompt, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
