@@ -122,8 +122,11 @@ class Grammar:
     source: str  # what it was compiled from, for messages
 
     @classmethod
-    def regex(cls, pattern: str, vocabulary: Vocabulary, source: str | None = None) -> "Grammar":
-        """The constraint that the reply's text matches `pattern` (a whole match), then EOS."""
+    def regex(cls, pattern: str, vocabulary: Vocabulary, source: str | None = None,
+              max_states: int | None = None) -> "Grammar":
+        """The constraint that the reply's text matches `pattern` (a whole match), then EOS.
+        max_states: refused (GrammarError naming it) where it compiles to more states, before
+        any of its arrays is built (an engine's rows hold so many: `Engine(max_grammar_states=)`)."""
         from outlines_core import Index
 
         if not isinstance(pattern, str):
@@ -138,36 +141,39 @@ class Grammar:
         number = {s: i for i, s in enumerate(states)}
         Q, V = len(states), vocabulary.vocab_size
         W = -(-V // 32)
+        if max_states is not None and Q > max_states:
+            raise GrammarError(f"{source} compiles to {Q} states; at most {max_states} are held")
         if Q * W * 4 > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"{source} compiles to {Q} states over {V} tokens: {Q * W * 4 / 2**20:.0f} MiB of "
                                f"masks, over the {MAX_GRAMMAR_BYTES >> 20} MiB allowed")
-        bits = np.zeros((Q, W * 32), bool)
+        allowed = np.zeros((Q, W), np.uint32)  # (bits set in place: no array larger than the masks)
         default = np.zeros(Q, np.int32)
         starts, tokens, targets = [0], [], []
         for s in states:
             edges = sorted((t, number[n]) for t, n in moves.get(s, {}).items() if t < V)
-            bits[number[s], [t for t, _ in edges]] = True
+            ids = np.array([t for t, _ in edges], np.int64)
+            np.bitwise_or.at(allowed[number[s]], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
             if edges:
                 default[number[s]] = most = np.bincount([n for _, n in edges]).argmax()
                 edges = [(t, n) for t, n in edges if n != most]
             tokens += [t for t, _ in edges]
             targets += [n for _, n in edges]
             starts.append(len(tokens))
-        allowed = (bits.reshape(Q, W, 32) * (np.uint64(1) << np.arange(32, dtype=np.uint64))).sum(-1)
-        return cls(allowed.astype(np.uint32), default, np.array(starts, np.int32), np.array(tokens, np.int32),
+        return cls(allowed, default, np.array(starts, np.int32), np.array(tokens, np.int32),
                    np.array(targets, np.int32), number[index.get_initial_state()],
                    frozenset(number[s] for s in index.get_final_states()), source)
 
     @classmethod
-    def choice(cls, choices, vocabulary: Vocabulary) -> "Grammar":
+    def choice(cls, choices, vocabulary: Vocabulary, max_states: int | None = None) -> "Grammar":
         """The reply is one of `choices` (strings), exactly (vLLM's guided_choice)."""
         if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("a choice constraint is a non-empty list of strings")
         return cls.regex("(" + "|".join(re.escape(c) for c in choices) + ")", vocabulary,
-                         f"the choice among {len(choices)} strings")
+                         f"the choice among {len(choices)} strings", max_states)
 
     @classmethod
-    def json_schema(cls, schema, vocabulary: Vocabulary, whitespace: str | None = None) -> "Grammar":
+    def json_schema(cls, schema, vocabulary: Vocabulary, whitespace: str | None = None,
+                    max_states: int | None = None) -> "Grammar":
         """The reply is JSON that validates against `schema` (a dict, or its JSON text), as
         outlines-core's regex for it says (whitespace: a regex, default theirs). A keyword
         that regex does not express (outlines-core passes over `maximum`, `multipleOf`,
@@ -185,7 +191,7 @@ class Grammar:
             pattern = build_regex_from_schema(text, whitespace)
         except Exception as e:  # noqa: BLE001 - the library's reason names the part it cannot express
             raise GrammarError(f"the JSON schema cannot be compiled: {' '.join(str(e).split())[:300]}") from None
-        return cls.regex(pattern, vocabulary, "the JSON schema")
+        return cls.regex(pattern, vocabulary, "the JSON schema", max_states)
 
     @property
     def num_states(self) -> int:

@@ -266,6 +266,7 @@ BAD = [  # (body, status, param)
     (b'{"prompt": "x", "logit_bias": [5, 1]}', 400, "logit_bias"),
     (b'{"prompt": "x", "guided_choice": []}', 400, "guided_choice"),
     (b'{"prompt": "x", "guided_regex": "("}', 400, "guided_regex"),  # the library's reason, named
+    (b'{"prompt": "x", "guided_regex": "' + b"a" * 40000 + b'"}', 400, "guided_regex"),  # over MAX_CONSTRAINT_CHARS
     (b'{"prompt": "x", "guided_json": "[1]"}', 400, "guided_json"),
     (b'{"prompt": "x", "guided_json": {"type": "integer", "maximum": 3}}', 400, "guided_json"),  # inexpressible
     (b'{"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}', 400, "guided_choice"),  # one a request
@@ -625,6 +626,44 @@ def test_a_stop_string_ends_the_reply_s_tokens_at_the_one_that_completed_it():
             if choice.detokenizer.stopped:
                 break
         assert choice.detokenizer.text == "def add(a, b):\n    " and choice.tokens == through < len(ids)
+
+
+def test_constraints_are_bounded_in_states_and_time_and_compiled_once(folder, monkeypatch):
+    """A constraint with more states than a row holds is refused before any array is built
+    (at 53bdaf5: after compiling, by the engine); one whose compile outlasts the limit is
+    answered 400 naming it, and refused at once after; identical ones asked together share
+    one compile, in the server's own worker (not asyncio's shared pool)."""
+    from specjax.grammar import Grammar
+    from specjax.serve.protocol import ApiError
+    from specjax.serve.structured import Constraints
+
+    tokenizer = specjax.load_tokenizer(folder)
+    constraints = Constraints(tokenizer, 4096, EOS, (4, 1000), timeout=2.0)
+    regex = ("regex", "[0-9]{12}", None, "guided_regex")
+    with pytest.raises(ApiError, match=r"guided_regex: the regex .* compiles to 1[34] states; at most 4 are held"):
+        asyncio.run(constraints.grammar(regex))
+    compiled, real = [], Grammar.regex
+
+    def slow(pattern, *a, **k):
+        compiled.append(threading.current_thread().name)
+        time.sleep(0.5 if pattern == "ab" else 3.0)
+        return real(pattern, *a, **k)
+
+    monkeypatch.setattr(Grammar, "regex", slow)
+
+    async def together(pattern, n):
+        return await asyncio.gather(*[constraints.grammar(("regex", pattern, None, "guided_regex"))
+                                      for _ in range(n)], return_exceptions=True)
+
+    grammars = asyncio.run(together("ab", 3))
+    assert grammars[0] is grammars[1] is grammars[2] and compiled == ["specjax-grammar_0"]
+    errors = asyncio.run(together("abc", 2))
+    assert all(isinstance(e, ApiError) and "takes longer than the 2 s" in e.message for e in errors), errors
+    start = time.perf_counter()
+    with pytest.raises(ApiError, match="takes longer than the 2 s"):
+        asyncio.run(constraints.grammar(("regex", "abc", None, "guided_regex")))
+    assert time.perf_counter() - start < 0.5 and len(compiled) == 2
+    constraints.close()
 
 
 def test_a_compilation_cache_others_can_write_is_refused(tmp_path):

@@ -224,6 +224,7 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         try:
             yield
         finally:
+            server.constraints.close()
             if owns_engine:
                 server.engine.cancel_all()
                 await asyncio.to_thread(server.engine.close)
@@ -293,7 +294,7 @@ async def _grammar(server: Server, body):
     found = constraint(body)
     if found is not None and body.ignore_eos:
         raise ApiError(400, "ignore_eos: a constrained reply ends at EOS once complete", param="ignore_eos")
-    return None if found is None else await asyncio.to_thread(server.constraints.grammar, found)
+    return None if found is None else await server.constraints.grammar(found)
 
 
 async def _echoed_logprobs(server: Server, prompts: list, echoes: list, top: int) -> list[tuple[str, dict]]:
