@@ -574,7 +574,7 @@ def test_a_narrow_run_steps_its_rows_caches_in_place(engines):
     state = p.empty()
     caches = {tuple(x.shape) for x in jax.tree.leaves((state.target_cache.k, state.draft_state.cache.k))}
     K = max(p.drafters)
-    hlo = P._run.lower(p.target, p.drafters[K], p.deepest, state, p.threshold, np.int32(4),
+    hlo = P.run_steps.lower(p.target, p.drafters[K], p.deepest, state, p.threshold, np.int32(4),
                        steps=p.steps_per_call, open_steps=p.open_steps, width=1, kind="greedy", backend=p.backend,
                        rules=None).compile().as_text()
     entry = hlo[hlo.index("\nENTRY "):]

@@ -70,7 +70,7 @@ def main():
         steps += int(taken)
     print(f"K={args.k} width {args.width}, prompt {args.prompt}: "
           f"{1e3 * (time.perf_counter() - start) / steps:.2f} ms per step untraced")
-    hlo = P._run.lower(p.target, p.drafters[args.k], p.deepest, state, p.threshold, np.int32(p.steps_per_call),
+    hlo = P.run_steps.lower(p.target, p.drafters[args.k], p.deepest, state, p.threshold, np.int32(p.steps_per_call),
                        steps=p.steps_per_call, open_steps=p.open_steps, width=args.width, kind="greedy",
                        backend=p.backend, rules=None).compile().as_text()
     what, steps = instructions(hlo), 0

@@ -100,9 +100,9 @@ def main():
         state = run(state)
     jax.block_until_ready(state)
     print(f"width {args.width}: {1e3 * (time.perf_counter() - start) / CALLS / STEPS:.2f} ms per step untraced")
-    hlo = P._run.lower(p.target, None, p.deepest, state, p.threshold, np.int32(STEPS), steps=STEPS, open_steps=STEPS,
+    hlo = P.run_steps.lower(p.target, None, p.deepest, state, p.threshold, np.int32(STEPS), steps=STEPS, open_steps=STEPS,
                        width=args.width, kind="greedy", backend=p.backend, rules=None).compile().as_text()
-    what = {name: (shape, op.replace("jit(_run)/while/body/", "")) for name, (shape, op) in instructions(hlo).items()}
+    what = {name: (shape, op.replace("jit(run_steps)/while/body/", "")) for name, (shape, op) in instructions(hlo).items()}
 
     def calls():
         nonlocal state

@@ -128,7 +128,7 @@ def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
 
 
 @functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend", "rules"))
-def _admit(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, prompt_length,
+def admit_rows(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, prompt_length,
            grammar, grammar_state, table, *, width: int, backend: Backend, rules):
     """A paged state with n waiting requests prefilled straight into its pages and placed in
     its rows slots int32 [n]: prompts int32 [n, S] (each request's tokens, S the state's
@@ -147,8 +147,8 @@ def _admit(target, drafter, state, slots, prompts, start, length, limit, samplin
 @functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend"))
 def _prefill_chunk(target, drafter, state, slots, prompts, start, length, table, *, width: int, backend: Backend):
     """A paged state with positions start[i] .. start[i] + width - 1 of n requests' prompts
-    (`_admit`'s arguments) written into their pages: a chunk of a long prompt, its rows not
-    live yet (the state's own table keeps their pages away from every step until `_admit`
+    (`admit_rows`'s arguments) written into their pages: a chunk of a long prompt, its rows not
+    live yet (the state's own table keeps their pages away from every step until `admit_rows`
     places them). Only the caches' pools change."""
     n = slots.shape[0]  # (the rows' settings are placeholders: only the pools are kept)
     _, rows = _prefill_into(target, drafter, state, slots, prompts, start, length, table, width, backend,
@@ -182,7 +182,7 @@ def _release(state, free):
 
 @functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "backend", "rules", "logprobs"),
                    donate_argnums=3)
-def _run(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
+def run_steps(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
          kind: str, backend: Backend, rules, logprobs: tuple[int, str] | None = None):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
@@ -344,7 +344,7 @@ class Programs:
     @property
     def admissions(self) -> tuple[str, ...]:
         """The programs that admit a group: a prefill of rows, then their insert; or, paged,
-        one that prefills into the state's own pages (`_admit`)."""
+        one that prefills into the state's own pages (`admit_rows`)."""
         return ("prefill", "insert") if self.paging is None else ("admit",)
 
     def state_shapes(self):
@@ -379,7 +379,7 @@ class Programs:
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state_shapes())
         most = 0
         for K in self.drafters:
-            run = _run.lower(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(1),
+            run = run_steps.lower(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(1),
                              steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
                              kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
@@ -387,7 +387,7 @@ class Programs:
         args, b = self.largest_prefill()
         if self.paging is not None:  # the admission of the most tokens: its rows are the state's
             n = args[0].shape[0]
-            admit = _admit.lower(self.target, self.deepest, state, np.arange(n, dtype=np.int32), *args,
+            admit = admit_rows.lower(self.target, self.deepest, state, np.arange(n, dtype=np.int32), *args,
                                  np.zeros((self.slots, self.table_width), np.int32), width=b,
                                  backend=self.backend, rules=self.rules).compile().memory_analysis()
             return int(max(most, admit.temp_size_in_bytes))
@@ -400,7 +400,7 @@ class Programs:
         return max(self.sizes, key=lambda nb: (nb[0] * nb[1], nb[0]))
 
     def largest_prefill(self) -> tuple:
-        """(`_prefill`'s host arguments, their bucket; paged, `_admit`'s after the state and the
+        """(`_prefill`'s host arguments, their bucket; paged, `admit_rows`'s after the state and the
         slots, starting at 0) for its prefill of the most tokens (`sizes`; of those, the most
         requests): the one whose rows and temporaries a device must keep room for."""
         n, b = self._largest_size()
@@ -426,7 +426,7 @@ class Programs:
     def _prefill_args(self, prompts: list, limits: list, samplings: list, stop_ids, seeds: list, starts=None,
                       prompt_lengths=None, grammars=None):
         """(`_prefill`'s host arrays for `prefill`'s arguments, their bucket: the longest
-        prompt's). starts: None, or (`_admit`'s) where each prompt's prefill starts: then the
+        prompt's). starts: None, or (`admit_rows`'s) where each prompt's prefill starts: then the
         tokens are [n, cache_len], the starts follow them, and the bucket is the longest rest's."""
         n = len(prompts)
         starts = [0] * n if starts is None else list(starts)
@@ -486,7 +486,7 @@ class Programs:
             table = np.zeros((self.slots, self.table_width), np.int32)
         args = (self.target, self.deepest, state, np.array(slots, np.int32), *args, np.asarray(table, np.int32))
         compiled = self._compiled.get(("admit", len(slots), b))
-        return compiled(*args) if compiled else _admit(*args, width=b, backend=self.backend, rules=self.rules)
+        return compiled(*args) if compiled else admit_rows(*args, width=b, backend=self.backend, rules=self.rules)
 
     def prefill_chunk(self, state, slot: int, prompt, start: int, table):
         """Paged: positions start .. start + `chunk` - 1 of a long prompt written into its
@@ -630,14 +630,14 @@ class Programs:
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway prompt)
         and its insert (ahead of time against `layout`, `compile_all`'s) while the engine may
         serve; `admit` and `insert` call the executable kept here, which a CPU has run once on a
-        state of zeros (a state's memory more, for a moment; an accelerator's may not fit twice).
-        Through jit, the first such call in a process compiled it again and every first call
-        cost 71-74 ms more than the second; now none (docs/bench/serve_first_group.txt)."""
+        state of zeros (a state's memory more, for a moment; an accelerator's may not fit twice),
+        so that a group's first admission compiles nothing and costs what its second does (jit's
+        own path would compile it again: docs/bench/serve_first_group.txt)."""
         slots = jax.ShapeDtypeStruct((n,), jnp.int32)
         if self.paging is not None:  # one program, the state's own pages its rows
             args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
             table = np.zeros((self.slots, self.table_width), np.int32)  # every row's null pages
-            name, run = "admit", _admit.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
+            name, run = "admit", admit_rows.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
                                               backend=self.backend, rules=self.rules).compile()
             first = (self.target, self.deepest, layout, np.arange(n, dtype=np.int32), *args, table)
         else:
@@ -662,7 +662,7 @@ class Programs:
         limit = self.steps_per_call if steps is None else min(steps, self.steps_per_call)
         if logprobs and (self.logprobs is None or kind != FILTERED):
             raise ValueError("this engine scores tokens only in its filtered runs, and only with max_logprobs set")
-        return _run(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
+        return run_steps(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(limit),
                     steps=self.steps_per_call, open_steps=self.open_steps, width=self.width(rows), kind=kind,
                     backend=self.backend, rules=self.rules, logprobs=self.logprobs if logprobs else None)
 

@@ -16,10 +16,9 @@ from specjax.serve.pages import PagePool
 
 KV_MEMORY_FRACTION = 0.9  # of a device's free memory that kv_cache_bytes="auto" may take (vLLM's default)
 # A paged engine's default prefill_chunk (tokens a call), by platform: a chunk stalls the live
-# rows for its whole cost, which on a compute-bound CPU grows with its tokens (a 900-token
-# prompt arriving while 8 clients stream, their inter-token latency p99: 7.5x at 512, 2.1-2.8x
-# at 128, 1.4x at 64; docs/bench/serve_arrival.txt); an accelerator reads the weights once
-# for a chunk of hundreds (vLLM chunks in thousands).
+# rows for its whole cost, which on a compute-bound CPU grows with its tokens, so chunks are
+# short there (docs/bench/serve_arrival.txt); an accelerator reads the weights once for a
+# chunk of hundreds.
 PREFILL_CHUNK = {"cpu": 64}
 PREFILL_CHUNK_ELSEWHERE = 512
 

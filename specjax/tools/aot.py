@@ -377,7 +377,7 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     label = f"engine call K={K}, {slots} slots" + (f", rows [:{width}]" if width < slots else "") + (
         "" if kv_pages is None else f", {kv_pages} pages of {page_size}") + (
         "" if grammar is None else f", grammars of {grammar[0]} states")
-    return Spec(name or label, programs._run, None,
+    return Spec(name or label, programs.run_steps, None,
                 (placed, drafter if K else None, drafter, state, scalar(jnp.float32), scalar(jnp.int32)),
                 dict(steps=steps, open_steps=min(OPEN_STEPS, steps), width=width, kind=kind, backend=where.backend,
                      rules=None), params, must, where.platform)

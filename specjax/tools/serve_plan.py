@@ -153,6 +153,6 @@ def _largest_admission(target, draft, where: aot.Placement, slots: int, max_len:
     params = (placed.params, aot.drafter_params(drafter))
     table = np.zeros((slots, engine.table_width), np.int32)
     args = where.replicated((state, np.arange(n, dtype=np.int32)) + tuple(host) + (table,))
-    return aot.Spec(f"admission [{n}, {b}]", programs._admit, None, (placed, drafter) + tuple(args),
+    return aot.Spec(f"admission [{n}, {b}]", programs.admit_rows, None, (placed, drafter) + tuple(args),
                     dict(width=b, backend=where.backend, rules=None), params, nbytes(params) + nbytes(state),
                     where.platform)
