@@ -81,7 +81,7 @@ def child():
                     result = (programs.run(state, K, programs.slots, "filtered", logprobs=True)
                               if kind == "filtered+logprobs" else programs.run(state, K, programs.slots,
                                                                                 kind.split("+")[0]))
-                    taken = int(result[3])
+                    taken = int(result[1].taken if len(result) == 2 else result[3])  # (state, Emitted) from 3293d80
                     if call:
                         times.append(1e3 * (time.perf_counter() - start) / taken)
                 out[f"K={K} {kind}"] = statistics.median(times)
