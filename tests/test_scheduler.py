@@ -14,7 +14,7 @@ device calls, against the rules the engine's correctness rests on:
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from specjax.serve.pages import NULL_PAGE, PagePool, pages_for
+from specjax.serve.pages import NULL_PAGE, OutOfPages, PagePool, pages_for
 from specjax.serve.scheduler import Reach, Scheduler
 
 PAGE, PAGES, SLOTS, CHUNK, WIDTH = 4, 24, 3, 8, 20
@@ -198,3 +198,44 @@ def test_a_preempted_request_frees_its_pages_before_it_waits():
             break
     assert turn.stopped and list(s.waiting) == [new] and s.pages.pages(new) == [] and s.preemptions == 1
     assert list(s.live.values()) == [old]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "share", "register", "release", "reset"]), st.integers(0, 3),
+                          st.integers(0, 40)), max_size=60))
+def test_the_page_pool_keeps_its_account_under_random_use(ops):
+    """Owners grow, share cached runs, register, release, and the pool is reset, in any order:
+    its account holds (`PagePool.check`); a page handed out by `grow` is held by no one else;
+    `share` gives exactly the cached pages of the longest registered run of keys; with every
+    owner gone every page is free (cached ones count: they are evicted on demand)."""
+    pool = PagePool(12, PAGE)
+    keys = [bytes([k]) for k in range(10)]  # owners' keys: a run from the first (page_keys' chain)
+    for op, owner, n in ops:
+        if op == "grow":
+            before = {o: set(pool.pages(o)) for o in range(4) if o != owner}
+            mine = set(pool.pages(owner))
+            try:
+                new = set(pool.grow(owner, n)) - mine
+            except OutOfPages:
+                assert set(pool.pages(owner)) == mine  # nothing taken
+                continue
+            assert all(not new & theirs for theirs in before.values()), "a held page handed out again"
+        elif op == "share" and not pool.pages(owner):
+            cached = pool.cached()
+            want = []
+            for key in keys[:n % 10]:
+                if key not in cached:
+                    break
+                want.append(cached[key])
+            assert pool.share(owner, keys[:n % 10]) == len(want) and pool.pages(owner) == want
+        elif op == "register":
+            pool.register(owner, keys[:n % 10])
+        elif op == "release":
+            pool.release(owner)
+        elif op == "reset":
+            pool.reset()
+        pool.check()
+    for owner in range(4):
+        pool.release(owner)
+    pool.check()
+    assert pool.owners() == [] and pool.free_pages == 11
