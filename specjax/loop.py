@@ -256,6 +256,15 @@ def write_rows(big, new, axes: sharding.Axes, start):
     return jax.lax.dynamic_update_slice(big, new, tuple(start if i == at else 0 for i in range(big.ndim)))
 
 
+def scatter_rows(big, new, axes: sharding.Axes, slots):
+    """`big` with `new`'s row i written at row slots[i] (int32 [n], distinct) on its row axis,
+    at the start of its other axes (new may be shorter on them): one scatter."""
+    at = axes.row_axis
+    rows, values = jnp.moveaxis(big, at, 0), jnp.moveaxis(new, at, 0)
+    index = (slots,) + tuple(slice(0, d) for d in values.shape[1:])
+    return jnp.moveaxis(rows.at[index].set(values.astype(rows.dtype)), 0, at)
+
+
 def is_cache(x) -> bool:
     """Whether a state's leaf (taken with `is_leaf=is_cache`) is a KVCache."""
     return isinstance(x, KVCache)
@@ -298,20 +307,19 @@ def resumed_views(state: SlotState, slots, table, start):
 
 def admit(state: SlotState, slots, rows: SlotState, drafter, table) -> SlotState:
     """A paged `state` with `rows` (n rows, from a `prefill` that resumed into the state's own
-    pools: `resumed_views`) in its rows slots int32 [n]: each row's arrays written at its
-    slot (n unrolled dynamic_update_slices an array, as `insert`), the caches' pools the
-    rows' (which hold their new entries and every other row's), their lengths at the
-    slots, and every cache's table the host's, table int32 [B, M]."""
+    pools: `resumed_views`) in its rows slots int32 [n]: the rows' arrays written at their
+    slots (`scatter_rows`: one scatter an array, whatever n: none of them is a cache's
+    buffer, so nothing large is copied, and the program does not grow with n), the caches'
+    pools the rows' (which hold their new entries and every other row's), their lengths at
+    the slots, and every cache's table the host's, table int32 [B, M]."""
     if jax.tree.structure(state, is_leaf=is_cache) != jax.tree.structure(rows, is_leaf=is_cache):
         raise ValueError("the rows were prefilled for another drafter (or none) than the state's")
 
     def one(big, small, axes):
         if is_cache(big):
             return big.replace(k=small.k, v=small.v, lengths=big.lengths.at[slots].set(small.lengths), pages=table)
-        for i in range(slots.shape[0]):
-            big = jax.tree.map(lambda b, s, a: b if a.row_axis is None else write_rows(b, take_rows(s, a, i, i + 1), a,
-                                                                                      slots[i]), big, small, axes)
-        return big
+        return jax.tree.map(lambda b, s, a: b if a.row_axis is None else scatter_rows(b, s, a, slots), big, small,
+                            axes)
 
     return jax.tree.map(one, state, rows, state_axes(state, drafter), is_leaf=is_cache)
 

@@ -57,7 +57,7 @@ def child():
     def filled(programs, kind):
         prompt = np.arange(5, 5 + programs.buckets[1], dtype=np.int32)
         stops = np.full((1, programs.stop_width), -1, np.int32)
-        settings = programs._dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
+        settings = programs.dummy_prompts(1, programs.buckets[1])[2]  # greedy, in each tree's own form
         more = {}
         if kind == "filtered+penalties":
             settings = [Settings(1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)]

@@ -404,7 +404,7 @@ class Programs:
         slots, starting at 0) for its prefill of the most tokens (`sizes`; of those, the most
         requests): the one whose rows and temporaries a device must keep room for."""
         n, b = self._largest_size()
-        return self._prefill_args(*self._dummy_prompts(n, b), starts=None if self.paging is None else [0] * n)
+        return self._prefill_args(*self.dummy_prompts(n, b), starts=None if self.paging is None else [0] * n)
 
     def empty(self):
         return self._empty(self.target, self.deepest)
@@ -567,17 +567,17 @@ class Programs:
 
     def _dummy_rows(self, n: int, b: int):
         """`prefill`'s rows for n prompts filling bucket b (compiling it, once)."""
-        return self.prefill(*self._dummy_prompts(n, b))
+        return self.prefill(*self.dummy_prompts(n, b))
 
     def dummy_admit(self, state, n: int, b: int):
         """`state` with n prompts filling bucket b admitted into its rows 0..n-1 (their prefill
         and insert, or, paged, their admission into the null pages), compiling them once."""
         if self.paging is None:
             return self.insert(state, list(range(n)), self._dummy_rows(n, b))
-        prompts, limits, samplings, stops, seeds = self._dummy_prompts(n, b)
+        prompts, limits, samplings, stops, seeds = self.dummy_prompts(n, b)
         return self.admit(state, list(range(n)), prompts, [0] * n, limits, samplings, stops, seeds)
 
-    def _dummy_prompts(self, n: int, b: int) -> tuple:
+    def dummy_prompts(self, n: int, b: int) -> tuple:
         """`prefill`'s arguments for n prompts filling bucket b."""
         stops = np.full((n, self.stop_width), -1, np.int32)
         return [np.ones((b,), np.int32)] * n, [min(b + 1, self.max_len)] * n, [Settings()] * n, stops, [0] * n
@@ -626,6 +626,14 @@ class Programs:
         jax.block_until_ready(state)
         return layout
 
+    def lower_admission(self, layout, n: int, b: int) -> tuple:
+        """Paged: (the admission of n prompts filling bucket b into a state of `layout`,
+        lowered; its arguments after the state and the slots, every row's pages null)."""
+        args, b = self._prefill_args(*self.dummy_prompts(n, b), starts=[0] * n)
+        args = args + (np.zeros((self.slots, self.table_width), np.int32),)
+        return admit_rows.lower(self.target, self.deepest, layout, jax.ShapeDtypeStruct((n,), jnp.int32), *args,
+                                width=b, backend=self.backend, rules=self.rules), args
+
     def compile_group(self, n: int, b: int, layout):
         """Compiles the prefill of n requests in bucket b (by running it on a throwaway prompt)
         and its insert (ahead of time against `layout`, `compile_all`'s) while the engine may
@@ -635,11 +643,9 @@ class Programs:
         own path would compile it again: docs/bench/serve_first_group.txt)."""
         slots = jax.ShapeDtypeStruct((n,), jnp.int32)
         if self.paging is not None:  # one program, the state's own pages its rows
-            args, b = self._prefill_args(*self._dummy_prompts(n, b), starts=[0] * n)
-            table = np.zeros((self.slots, self.table_width), np.int32)  # every row's null pages
-            name, run = "admit", admit_rows.lower(self.target, self.deepest, layout, slots, *args, table, width=b,
-                                              backend=self.backend, rules=self.rules).compile()
-            first = (self.target, self.deepest, layout, np.arange(n, dtype=np.int32), *args, table)
+            lowered, args = self.lower_admission(layout, n, b)
+            name, run = "admit", lowered.compile()
+            first = (self.target, self.deepest, layout, np.arange(n, dtype=np.int32), *args)
         else:
             rows = self._dummy_rows(n, b)
             name, run = "insert", _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh,
