@@ -438,9 +438,9 @@ def test_chunked_prompts_beside_running_and_finishing_rows_equal_generate_alone(
 def test_a_64_slot_engine_s_programs_do_not_grow_with_its_groups_and_it_serves(pair):
     """An admission's program writes its n rows with one scatter an array, not n unrolled
     updates (at 53bdaf5 its size grew with n: a 64-slot engine of the tiny pair compiled in
-    186 s and left 37,745 memory mappings; 105 s and 22,644 now, where 8 slots take 96 s and
-    18,532: /tmp-free numbers in the note of issue 77). A burst of 64 requests then goes in
-    one admission and each gives what generate gives it alone."""
+    186 s and left 37,745 memory mappings, 105 s and 22,644 now: docs/bench/engine_slots.txt).
+    A burst of 64 requests then goes in one admission and each gives what generate gives it
+    alone."""
     target = pair[0]
     engine = specjax.Engine(target, slots=64, max_len=MAX_LEN, kv_pages=130, page_size=PAGE, steps_per_call=4)
     programs = engine.programs
