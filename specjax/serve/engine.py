@@ -206,9 +206,9 @@ class Engine:
         depth = 0 if self.programs.deepest is None else self.programs.deepest.tree.depth
         # What decides a page's contents beside its tokens (`page_keys`' salt): fixed per engine.
         salt = f"{target.config}|{target.dtype}|{deterministic}|{type(self.programs.deepest)}".encode()
-        self.scheduler = Scheduler(self.slots, self.pages, Reach(self.programs.steps_per_call, depth, self.programs.room),
-                                   self._partition, self.programs.chunk, self.prefix_caching, salt,
-                                   self.programs.table_width if paged else 0)
+        reach = Reach(self.programs.steps_per_call, depth, self.programs.room)
+        self.scheduler = Scheduler(self.slots, self.pages, reach, self._partition, self.programs.chunk,
+                                   self.prefix_caching, salt, self.programs.table_width if paged else 0)
         self.runner = Runner(self.programs)
         self._lock = threading.Condition()  # guards the scheduler (submit and cancel come from other threads)
         self._thread: threading.Thread | None = None
@@ -597,12 +597,14 @@ class Engine:
         policy = self.policy
         acceptance = policy.acceptance()
         running, waiting = self.load()
-        return {"running": running, "waiting": waiting, "calls": dict(self.calls), "steps": dict(self.steps), "syncs": self.runner.syncs,
+        return {"running": running, "waiting": waiting, "calls": dict(self.calls), "steps": dict(self.steps),
+                "syncs": self.runner.syncs,
                 "k_table": list(policy.table), "k_in_use": self.k_in_use, "drafts": policy.drafts,
                 "acceptance": None if acceptance is None else [round(a, 4) for a in acceptance],
                 "draft_tokens": policy.draft_tokens, "accepted": policy.accepted,
                 "accepted_per_position": [n for _, n in sorted(policy.accepted_per_position.items())],
-                "failures": self.failures, "preemptions": self.scheduler.preemptions, "prefix_caching": self.prefix_caching,
+                "failures": self.failures, "preemptions": self.scheduler.preemptions,
+                "prefix_caching": self.prefix_caching,
                 "programs": self.programs.listing(), "step_ms": self.step_ms,
                 "compiling": len(self.warmup.pending), "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}
