@@ -433,7 +433,7 @@ class Engine:
         made (`_started`: `_recover` puts those not started back in the queue)."""
         for request in turn.cancelled:
             request._finish("cancelled")
-        self.runner.release(turn.stopped)
+        self.runner.stop(turn.stopped)
         self._started = set()
         for admission in turn.admissions:
             self._place(admission, turn.table)

@@ -43,7 +43,7 @@ class Runner:
         self.state = self.programs.empty()
         self.sent = np.zeros((self.programs.slots, self.programs.table_width), np.int32) if self.paged else None
 
-    def release(self, slots):
+    def stop(self, slots):
         """Rows `slots` stop: marked done (a cancelled or preempted request's)."""
         if slots:
             self.state = self.programs.release(self.state, slots)

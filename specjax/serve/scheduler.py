@@ -229,17 +229,17 @@ class Scheduler:
 
     def _admit(self) -> list[Admission]:
         free = [s for s in range(self.slots) if s not in self.live and s not in self.chunking]
-        taken = []  # the first waiting request whose pages cannot be taken stops admission (arrival order)
-        while len(taken) < len(free) and self.waiting and self._takes_pages(self.waiting[0]):
-            taken.append(self.waiting.popleft())
+        admitted = []  # the first waiting request whose pages cannot be taken stops admission (arrival order)
+        while len(admitted) < len(free) and self.waiting and self._takes_pages(self.waiting[0]):
+            admitted.append(self.waiting.popleft())
         rest = lambda r: len(r.context) - r.prefilled  # noqa: E731 - what its prefill computes
-        for request in [r for r in taken if self.chunk is not None and rest(r) > self.chunk]:
-            taken.remove(request)
+        for request in [r for r in admitted if self.chunk is not None and rest(r) > self.chunk]:
+            admitted.remove(request)
             self.chunking[free.pop(0)] = request
-        taken.sort(key=rest)  # a group runs in its longest prompt's bucket
+        admitted.sort(key=rest)  # a group runs in its longest prompt's bucket
         admissions = []
-        for n in self.partition([rest(r) for r in taken]) if taken else ():
-            group, taken = taken[:n], taken[n:]
+        for n in self.partition([rest(r) for r in admitted]) if admitted else ():
+            group, admitted = admitted[:n], admitted[n:]
             slots = tuple(free.pop(0) for _ in group)
             self.live.update(zip(slots, group))
             admissions.append(Admission(slots, tuple(group)))
