@@ -487,15 +487,22 @@ def test_no_request_is_lost_when_a_device_call_fails(pair, paged, monkeypatch, c
     monkeypatch.setattr(engine, "turn_hook", None)  # (the module's engine: undone after)
     monkeypatch.setattr(engine.runner, "check", False)
     errors = _checked_every_turn(engine)
-    if call == "sync":  # K = 0 with one live row, 3 with more: the draft syncs as a second row starts
-        monkeypatch.setattr(engine.policy, "table", (0, 3, 3))
     long_prompt = [int(t) for t in np.random.default_rng(11).integers(3, 97, 40)]  # 3 chunks of 16
     asked = [(REQUESTS[5][0], 44), (long_prompt, 6), (REQUESTS[2][0], 10), (REQUESTS[3][0], 9)]
+    if call == "sync":  # K = 0 with one live row, 3 with more: the draft syncs as a second row joins
+        monkeypatch.setattr(engine.policy, "table", (0, 3, 3))
+        asked = [(REQUESTS[2][0], 12), (REQUESTS[5][0], 8), (REQUESTS[3][0], 6)]  # (they fit the pool together)
     failures = engine.failures
     outputs = []
     with engine:
         submitted = []
-        for prompt, budget in asked:  # (the release: the first request cancelled at its first tokens)
+        if call == "sync":  # the first runs alone (K = 0); at its first tokens, on the engine's thread, the rest come
+            rest = lambda tokens: tokens and len(submitted) == 1 and submitted.extend(  # noqa: E731
+                engine.submit(p, max_new_tokens=b) for p, b in asked[1:])
+            submitted.append(engine.submit(asked[0][0], max_new_tokens=asked[0][1], listener=rest))
+            while len(submitted) < len(asked):
+                time.sleep(0.01)
+        for prompt, budget in asked if call != "sync" else ():  # (release: the first cancelled at its first tokens)
             cancel = (lambda tokens: tokens and submitted[0].cancel()) if call == "release" and not submitted else None
             submitted.append(engine.submit(prompt, max_new_tokens=budget, listener=cancel))
             time.sleep(0.02)

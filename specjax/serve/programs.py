@@ -236,8 +236,9 @@ def run_steps(target, drafter, state_drafter, full, threshold, limit, *, steps: 
                                                                  state.features)
     held = held if own is None else jnp.minimum(held, own)
     full = written_back(full, state, width, in_place, axes)
-    return full if table is None else loop.with_pages(full, table), Emitted(tokens, counts, taken, state.done, held,
-                                                                             scored)
+    if table is not None:  # (laid out again: the table's rows over data, as every call leaves it)
+        full = loop.place(loop.with_pages(full, table), state_drafter, mesh, rules)
+    return full, Emitted(tokens, counts, taken, state.done, held, scored)
 
 
 def _done_rows_write_nowhere(state):
