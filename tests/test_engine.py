@@ -355,14 +355,17 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engines):
     other long requests still run. A request cancelled while waiting ends at once."""
     engine = engines("plain")
     budget = MAX_LEN - 1  # a one-token prompt's longest
+    first = []  # the first long request, cancelled at its first chunk (its slot live), on the engine's thread
     with engine:
-        long = [engine.submit(REQUESTS[5][0], max_new_tokens=budget) for _ in range(SLOTS)]
-        waiting = engine.submit(REQUESTS[0][0], max_new_tokens=5)
-        queued = engine.submit(REQUESTS[1][0], max_new_tokens=5)
-        queued.cancel()  # still waiting: finished at once
-        assert queued.finish_reason == "cancelled" and queued.result() == []
-        next(iter(long[0]))  # its first chunk has come: the slot is live
-        long[0].cancel()
+        with engine._lock:  # (none admitted before all are in)
+            long = [engine.submit(REQUESTS[5][0], max_new_tokens=budget,
+                                  listener=(lambda tokens: tokens and first[0].cancel()) if i == 0 else None)
+                    for i in range(SLOTS)]
+            first.append(long[0])
+            waiting = engine.submit(REQUESTS[0][0], max_new_tokens=5)
+            queued = engine.submit(REQUESTS[1][0], max_new_tokens=5)
+            queued.cancel()  # still waiting: finished at once
+            assert queued.finish_reason == "cancelled" and queued.result() == []
         assert len(waiting.result(timeout=300)) == 5 and waiting.finish_reason == "length"
         assert not long[1].finished and not long[2].finished  # the cancelled slot served it
         assert long[0].finish_reason == "cancelled" and len(long[0].tokens) < budget

@@ -453,6 +453,12 @@ def test_echo_with_logprobs_scores_the_prompt_too(engine, servers, monkeypatch):
         model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True) if c.choices]
     assert sum((s.token_logprobs for s in streamed if s is not None), []) == lp.token_logprobs
     assert scored_on == ["specjax-engine"] * 2
+    failures = engine.failures  # a scoring pass that fails fails its request alone (503), nothing in the state
+    monkeypatch.setattr(engine.runner, "score", lambda *a: (_ for _ in ()).throw(RuntimeError("injected score")))
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "logprobs": 1,
+                                                       "echo": True}, timeout=60)
+    assert r.status_code == 503 and "injected score" in r.text and engine.failures == failures
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
 
 
 def test_bad_chat_requests_and_routes(servers):
