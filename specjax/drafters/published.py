@@ -143,8 +143,8 @@ class PublishedEagle3(Eagle3):
 
     def layer_input(self, params: dict, token_states, g):
         """-> (the residual: g, or hidden_norm(g) where norm_before_residual; what attention
-        reads: [input_layernorm(embedding), hidden_norm(g)] [B, T, 2E]) at g [B, T, F] (the
-        target's states, F = nEt, fused first; or its own outputs)."""
+        reads: input_layernorm(embedding) then hidden_norm(g), joined on the last axis,
+        [B, T, 2E]) at g [B, T, F] (the target's states, F = nEt, fused first; or its own outputs)."""
         g = g if g.shape[-1] == self.config.hidden_size else self.fused(g, params)
         h = _norm(self.config, params["norms"]["feature"]["scale"], g)
         return (h if self.layout.norm_before_residual else g), jnp.concatenate([token_states, h], axis=-1)
