@@ -17,6 +17,7 @@ from specjax import loop
 from specjax.drafters import Eagle3
 from specjax.sampling import Settings
 from specjax.serve.pages import page_keys
+from specjax.serve.programs import insert_rows
 from tests.test_engine import MAX_LEN, REQUESTS, SLOTS, _alone, _staggered
 
 PAGE = 8
@@ -451,6 +452,15 @@ def test_a_64_slot_engine_s_programs_do_not_grow_with_its_groups_and_it_serves(p
         return text.count("dynamic_update_slice") + text.count("scatter")
 
     assert (64, 16) in programs.sizes and updates(64) == updates(8)
+    dense = specjax.Engine(target, slots=64, max_len=MAX_LEN).programs  # unpaged: an insert, likewise (not a TPU's)
+
+    def inserts(n):
+        rows = jax.eval_shape(lambda: dense.prefill(*dense.dummy_prompts(n, 16)))
+        text = insert_rows.lower(dense.state_shapes(), jax.ShapeDtypeStruct((n,), np.int32), rows, dense.deepest,
+                                 None, mesh=None, rules=None, unrolled=dense.unrolled_inserts).as_text()
+        return text.count("dynamic_update_slice") + text.count("scatter")
+
+    assert not dense.unrolled_inserts and inserts(64) == inserts(8)
     rng = np.random.default_rng(13)
     prompts = [[int(t) for t in rng.integers(3, 97, 3 + i % 9)] for i in range(64)]
     with engine:

@@ -85,7 +85,7 @@ def _prefill(target, drafter, prompt, length, limit, sampling, stop_ids, seed, p
     uint32 [n], settings [n] each, stop ids [n, M], where their outputs begin int32 [n]
     (a resumed request's prompt holds output already), their grammars (an `Automaton` of n
     rows, or None) and states there; row i's key is generate's row 0 of key(seed[i]), as if
-    it were prefilled alone. backend: unsharded (its rows are placed by `_insert`)."""
+    it were prefilled alone. backend: unsharded (its rows are placed by `insert_rows`)."""
     target, drafter = loop.bound(backend, target, drafter)
     return loop.prefill(target, drafter, prompt, length, cache_len=cache_len, limit=limit, sampling=sampling,
                         stop_ids=stop_ids, key=_seed_keys(seed), prompt_lengths=prompt_length, grammar=grammar,
@@ -109,15 +109,20 @@ def _prefill_into(target, drafter, state, slots, prompts, start, length, table, 
                                  resume=Resume(draft_cache, start, width), **settings)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules"))
-def _insert(state, slots, rows, state_drafter, table=None, *, mesh, rules):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "rules", "unrolled"))
+def insert_rows(state, slots, rows, state_drafter, table=None, *, mesh, rules, unrolled: bool = True):
     """`state` with rows i (of `prefill`'s n) written into its rows slots[i] (int32 [n]).
-    Unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
-    cache.write: around a scatter XLA copies the whole buffer). Each array's rows lie on
-    the axis its declared axes name (`loop.state_axes`). table: a paged target cache's whole
-    page table int32 [slots, M], as the host holds it (the rows' pages, every other row's,
-    a free row's null pages): a row's prefilled entries go to its pages, and the state's
-    table becomes this one."""
+    unrolled: n dynamic_update_slices per leaf, the form a TPU writes in place (see
+    cache.write: around a scatter XLA copies the whole buffer); else (a CPU's, a GPU's,
+    unpaged) one scatter a leaf (`loop.scatter_rows`): the program does not grow with n.
+    Each array's rows lie on the axis its declared axes name (`loop.state_axes`). table: a
+    paged target cache's whole page table int32 [slots, M], as the host holds it (the rows'
+    pages, every other row's, a free row's null pages): a row's prefilled entries go to its
+    pages, and the state's table becomes this one."""
+    if not unrolled and table is None:
+        state = jax.tree.map(lambda b, s, a: b if a.row_axis is None else loop.scatter_rows(b, s, a, slots), state,
+                             rows, loop.state_axes(state, state_drafter))
+        return loop.place(state, state_drafter, mesh, rules)
     axes = loop.state_axes(rows, state_drafter)
     for i in range(slots.shape[0]):
         row = jax.tree.map(lambda x, a: loop.take_rows(x, a, i, i + 1), rows, axes)
@@ -322,7 +327,7 @@ class Programs:
         self.call_tokens = self.most_tokens = float(max(n * b for n, b in self.sizes))
         # Where its programs run: the mesh's devices, else the default backend's.
         self.backend = Backend.of(None, mesh)
-        # A prefill runs unsharded, its rows then placed by `_insert`; on a mesh it attends
+        # A prefill runs unsharded, its rows then placed by `insert_rows`; on a mesh it attends
         # portably, as the sharded programs' cuDNN and splash do (one kernel would run per call).
         self.prefill_backend = Backend(self.backend.platform, portable=mesh is not None)
         self._compiled = {}  # {("admit" or "insert", n, bucket): `compile_group`'s executable}
@@ -459,6 +464,11 @@ class Programs:
         return -(-longest // self.paging[1])
 
     @property
+    def unrolled_inserts(self) -> bool:
+        """Whether an insert writes its rows one update a row (a TPU's form, `insert_rows`)."""
+        return self.backend.platform == "tpu"
+
+    @property
     def _paging(self) -> tuple | None:
         """`_empty`'s paging: (pages, page size, table width), or None."""
         return None if self.paging is None else (*self.paging, self.table_width)
@@ -471,7 +481,8 @@ class Programs:
             table = np.zeros((self.slots, self.table_width), np.int32)
         args = (state, np.array(slots, np.int32), rows, self.deepest, table)
         compiled = self._compiled.get(("insert", len(slots), rows.tokens.shape[1]))
-        return compiled(*args) if compiled else _insert(*args, mesh=self.mesh, rules=self.rules)
+        return compiled(*args) if compiled else insert_rows(*args, mesh=self.mesh, rules=self.rules,
+                                                        unrolled=self.unrolled_inserts)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
               seeds: list, table=None, prompt_lengths: list | None = None, grammars: list | None = None):
@@ -649,8 +660,8 @@ class Programs:
             first = (self.target, self.deepest, layout, np.arange(n, dtype=np.int32), *args)
         else:
             rows = self._dummy_rows(n, b)
-            name, run = "insert", _insert.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh,
-                                                rules=self.rules).compile()
+            name, run = "insert", insert_rows.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh,
+                                                rules=self.rules, unrolled=self.unrolled_inserts).compile()
             first = (layout, np.arange(n, dtype=np.int32), rows, self.deepest, None)
         if self.backend.platform == "cpu":  # once, on a state of zeros
             jax.block_until_ready(run(*(_zeros(x) if x is layout else x for x in first)))
