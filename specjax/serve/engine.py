@@ -38,7 +38,7 @@ import numpy as np
 from specjax import sharding
 from specjax.drafters import DraftModel, Eagle, EarlyExit, Lookahead, Medusa, PromptLookup, Retrieval
 from specjax.drafters.base import Drafter
-from specjax.models import Model, check_token_ids
+from specjax.models import Model
 from specjax.request import deterministic_target, logprobs_setting
 from specjax.sampling import FILTERED, MAX_LOGIT_BIAS, kind_of_rows
 from specjax.serve import sizing, timing
@@ -64,6 +64,11 @@ class Call:
     owners: dict  # slot -> Request, the live rows as the call started
     K: int
     emitted: Emitted
+
+
+def _failure(error: BaseException) -> RuntimeError:
+    """What a request that a failed device call takes with it learns."""
+    return RuntimeError(f"the engine's device call failed: {error!r}")
 
 
 def _supported(draft):
@@ -275,22 +280,14 @@ class Engine:
         the device thread in its turn (a pass of its own; counted in `Programs.temporaries`):
         a future of (each token's given those before it [P], 0 at position 0; the `top`
         likeliest ids there and theirs [P, top]). ValueError: what it cannot score."""
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError("prompt_ids must be a non-empty list of token ids")
-        check_token_ids(prompt, self.target.config.vocab_size)
+        prompt, top = self.limits.prompt(prompt_ids), self.limits.top_logprobs(top)
         if prompt.size > self.max_len:
             raise ValueError(f"a prompt of {prompt.size} tokens exceeds the engine's max_len ({self.max_len})")
-        most = self.limits.logprobs
-        if most is None or not isinstance(top, (int, np.integer)) or isinstance(top, bool) or not 0 <= top <= most:
-            raise ValueError(f"this engine scores prompts with 0 to {most} alternatives (Engine(max_logprobs=...)), "
-                             f"not {top!r}" if most is not None else "this engine scores no tokens: "
-                             "Engine(max_logprobs=...) (specjax serve --max-logprobs)")
         future = concurrent.futures.Future()
         with self._lock:
             if self._thread is None or self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is not running: use `with engine:` (or engine.start())")
-            self.scheduler.score(Scoring(tuple(int(t) for t in prompt), int(top), future))
+            self.scheduler.score(Scoring(tuple(int(t) for t in prompt), top, future))
             self._lock.notify()
         return future
 
@@ -481,7 +478,7 @@ class Engine:
             jobs = list(self.scheduler.scoring) if scoring else []
             if scoring:
                 self.scheduler.scoring.clear()
-        failure = RuntimeError(f"the engine's device call failed: {error!r}")
+        failure = _failure(error)
         for request in requests:
             request._finish(None, failure)
         for job in jobs:
@@ -498,7 +495,7 @@ class Engine:
         with self._lock:
             gone = self.scheduler.recover(not_started)
         for request in gone:
-            request._finish(None, RuntimeError(f"the engine's device call failed: {error!r}"))
+            request._finish(None, _failure(error))
         try:
             self.runner.reset()
         except Exception:

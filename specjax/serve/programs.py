@@ -14,7 +14,6 @@ This module knows shapes and the step's arguments; nothing of requests, queues o
 from __future__ import annotations
 
 import functools
-import time
 from typing import NamedTuple
 
 import jax
@@ -134,7 +133,7 @@ def insert_rows(state, slots, rows, state_drafter, table=None, *, mesh, rules, u
 
 @functools.partial(jax.jit, donate_argnums=2, static_argnames=("width", "backend", "rules"))
 def admit_rows(target, drafter, state, slots, prompts, start, length, limit, sampling, stop_ids, seed, prompt_length,
-           grammar, grammar_state, table, *, width: int, backend: Backend, rules):
+               grammar, grammar_state, table, *, width: int, backend: Backend, rules):
     """A paged state with n waiting requests prefilled straight into its pages and placed in
     its rows slots int32 [n]: prompts int32 [n, S] (each request's tokens, S the state's
     token buffer), of which positions start[i] .. start[i] + width - 1 are computed (its
@@ -188,7 +187,7 @@ def _release(state, free):
 @functools.partial(jax.jit, static_argnames=("steps", "open_steps", "width", "kind", "backend", "rules", "logprobs"),
                    donate_argnums=3)
 def run_steps(target, drafter, state_drafter, full, threshold, limit, *, steps: int, open_steps: int, width: int,
-         kind: str, backend: Backend, rules, logprobs: tuple[int, str] | None = None):
+              kind: str, backend: Backend, rules, logprobs: tuple[int, str] | None = None):
     """Up to `limit` (int32 [], at most `steps`) steps of the state's first `width` rows
     (every live row lies among them; a step costs by its rows, so one live request does not
     pay for eight), and at most `open_steps` when a slot is free as the call starts; fewer
@@ -386,17 +385,14 @@ class Programs:
         most = 0
         for K in self.drafters:
             run = run_steps.lower(self.target, self.drafters[K], self.deepest, state, self.threshold, np.int32(1),
-                             steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
-                             kind=KINDS[-1], backend=self.backend, rules=self.rules)
+                                  steps=self.steps_per_call, open_steps=self.open_steps, width=self.slots,
+                                  kind=KINDS[-1], backend=self.backend, rules=self.rules)
             most = max(most, run.compile().memory_analysis().temp_size_in_bytes)
         most = max(most, score_bytes(self))  # a prompt's own pass (echo with logprobs), between calls
-        args, b = self.largest_prefill()
         if self.paging is not None:  # the admission of the most tokens: its rows are the state's
-            n = args[0].shape[0]
-            admit = admit_rows.lower(self.target, self.deepest, state, np.arange(n, dtype=np.int32), *args,
-                                 np.zeros((self.slots, self.table_width), np.int32), width=b,
-                                 backend=self.backend, rules=self.rules).compile().memory_analysis()
+            admit = self.lower_admission(state, *self._largest_size())[0].compile().memory_analysis()
             return int(max(most, admit.temp_size_in_bytes))
+        args, b = self.largest_prefill()
         prefill = _prefill.lower(self.target, self.deepest, *args, cache_len=b,
                                  backend=self.prefill_backend).compile().memory_analysis()
         return int(max(most, prefill.temp_size_in_bytes + prefill.output_size_in_bytes))
@@ -482,7 +478,7 @@ class Programs:
         args = (state, np.array(slots, np.int32), rows, self.deepest, table)
         compiled = self._compiled.get(("insert", len(slots), rows.tokens.shape[1]))
         return compiled(*args) if compiled else insert_rows(*args, mesh=self.mesh, rules=self.rules,
-                                                        unrolled=self.unrolled_inserts)
+                                                            unrolled=self.unrolled_inserts)
 
     def admit(self, state, slots: list, prompts: list, starts: list, limits: list, samplings: list, stop_ids,
               seeds: list, table=None, prompt_lengths: list | None = None, grammars: list | None = None):
@@ -661,7 +657,7 @@ class Programs:
         else:
             rows = self._dummy_rows(n, b)
             name, run = "insert", insert_rows.lower(layout, slots, rows, self.deepest, None, mesh=self.mesh,
-                                                rules=self.rules, unrolled=self.unrolled_inserts).compile()
+                                                    rules=self.rules, unrolled=self.unrolled_inserts).compile()
             first = (layout, np.arange(n, dtype=np.int32), rows, self.deepest, None)
         if self.backend.platform == "cpu":  # once, on a state of zeros
             jax.block_until_ready(run(*(_zeros(x) if x is layout else x for x in first)))

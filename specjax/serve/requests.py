@@ -30,6 +30,22 @@ class Limits(NamedTuple):
     logprobs: int | None  # top alternatives a token's logprobs may list (None: no logprobs)
     grammar: tuple | None = None  # (states, exceptional moves) a row's grammar may hold (None: no grammars)
 
+    def prompt(self, prompt_ids) -> np.ndarray:
+        """The prompt's ids as an array, checked: a non-empty list of ids in the vocabulary."""
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        check_token_ids(prompt, self.vocab_size)
+        return prompt
+
+    def top_logprobs(self, n) -> int:
+        """n checked as a count of top alternatives a token's logprobs may list."""
+        most = self.logprobs
+        if most is None or not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= most:
+            raise ValueError(f"logprobs must be None or an int in [0, {most}]" if most is not None else
+                             "this engine scores no tokens: Engine(max_logprobs=...) (specjax serve --max-logprobs)")
+        return int(n)
+
     def check(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, stop_token_ids, seed,
               logprobs, penalties=(0.0, 0.0, 1.0), grammar=None) -> tuple[tuple, Settings, tuple, int]:
         """`Engine.submit`'s arguments checked (ValueError names what is wrong): (prompt,
@@ -47,22 +63,16 @@ class Limits(NamedTuple):
                                  f"exceptional moves over {ids} ids; this engine's rows "
                                  f"hold {states} and {moves} over {self.vocab_size} (Engine(max_grammar_states=..., "
                                  f"max_grammar_edges=...))")
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        prompt = self.prompt(prompt_ids)
         V = self.vocab_size
-        check_token_ids(prompt, V)
         if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if prompt.size + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"engine's max_len ({self.max_len})")
         validate(temperature, top_k, top_p, min_p)
-        most = self.logprobs
-        if logprobs is not None and (most is None or not isinstance(logprobs, (int, np.integer))
-                                     or isinstance(logprobs, bool) or not 0 <= logprobs <= most):
-            raise ValueError(f"logprobs must be None or an int in [0, {most}]" if most is not None else
-                             "this engine scores no tokens: Engine(max_logprobs=...) (specjax serve --max-logprobs)")
+        if logprobs is not None:
+            self.top_logprobs(logprobs)
         bias = check_logit_bias(logit_bias, V, self.bias_width)
         stops = tuple(int(i) for i in np.asarray(stop_token_ids, np.int64).reshape(-1))
         if len(stops) > self.stop_width:

@@ -87,9 +87,9 @@ class Constraints:
     def _compile(self, key, kind: str, spec, whitespace, param: str) -> Grammar:
         """In the worker: the grammar, cached; or an ApiError naming why not."""
         try:
-            with self._lock:
-                if self._vocabulary is None:
-                    self._vocabulary = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos)
+            if self._vocabulary is None:  # (seconds, once; one worker: no other compile races it, and
+                # the event loop, which takes the lock, is not held up meanwhile)
+                self._vocabulary = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos)
             states = self.capacity[0]
             try:
                 if kind == "regex":
