@@ -401,8 +401,9 @@ def _checked_every_turn(engine):
 def test_chunked_prompts_beside_running_and_finishing_rows_equal_generate_alone(pair):
     """Issue 77's load: 3 slots, pages of 8, prompts over 16 tokens prefilled 16 a call;
     short requests, requests sharing a cached prefix and 60-100 token prompts arriving with
-    random gaps while others run and finish; greedy, logprobs on. Each request's tokens and
-    log-probabilities are `generate`'s on it alone. Before the runner sent the table before
+    random gaps while others run, finish and are cancelled; greedy, logprobs on. Each
+    request's tokens and log-probabilities are `generate`'s on it alone (a cancelled one's,
+    those it got). Before the runner sent the table before
     every run (and a done row wrote only to the null page), a slot whose request had
     finished still named its pages on the device, and its frozen row wrote into them after
     a chunk of another prompt had (19 of 22 equal at 53bdaf5)."""
@@ -419,19 +420,33 @@ def test_chunked_prompts_beside_running_and_finishing_rows_equal_generate_alone(
                   shared + [int(t) for t in rng.integers(3, 97, rng.integers(1, 8))] if kind == 1 else
                   [int(t) for t in rng.integers(3, 97, rng.integers(60, 100))])
         asked.append((prompt, int(rng.integers(4, 20)), float(rng.uniform(0, 0.05))))
+    submitted = []
+
+    def cancelled_at_its_second_chunk(i):  # (a listener: on the engine's thread)
+        chunks = []
+
+        def listener(tokens):
+            if tokens:
+                chunks.append(tokens)
+                if len(chunks) == 2:
+                    submitted[i].cancel()
+        return listener
+
     with engine:
-        submitted = []
-        for prompt, budget, gap in asked:
-            submitted.append(engine.submit(prompt, max_new_tokens=budget, logprobs=0))
+        for i, (prompt, budget, gap) in enumerate(asked):  # every fifth cancelled
+            listener = cancelled_at_its_second_chunk(i) if i % 5 == 3 else None
+            submitted.append(engine.submit(prompt, max_new_tokens=budget, logprobs=0, listener=listener))
             time.sleep(gap)
         outputs = [r.result(timeout=300) for r in submitted]
     wrong = []
     for (prompt, budget, _), request, got in zip(asked, submitted, outputs):
         tokens, chosen = _alone_scored(target, prompt, budget)
+        n = len(got) if request.finish_reason == "cancelled" else len(tokens)  # a cancelled one: what it got
         scores = np.array([score for score, _ in request.scores])
-        if got != tokens or not np.allclose(scores, chosen, atol=1e-4):
+        if got != tokens[:n] or len(scores) != n or not np.allclose(scores, chosen[:n], atol=1e-4):
             wrong.append(len(prompt))
     assert wrong == [] and errors == [], (wrong, errors)
+    assert sum(r.finish_reason == "cancelled" for r in submitted) >= 2
     assert engine.stats()["free_pages"] == 40 and engine.pages.owners() == []
     assert engine.pages.stats()["prefix_cache_hits"] > 0  # the shared prefix was found
 
