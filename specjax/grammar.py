@@ -73,9 +73,14 @@ class Vocabulary:
         eos = tokenizer.eos_token_id if eos is None else eos
         if eos is None:
             raise GrammarError("the tokenizer names no EOS token: give the id that ends a constrained reply")
+        return cls.from_texts(cls.texts(tokenizer), eos, vocab_size)
+
+    @staticmethod
+    def texts(tokenizer) -> dict[int, bytes]:
+        """{token id: its bytes} of a transformers tokenizer, special tokens left out (`of`'s
+        input to `from_texts`)."""
         special = set(tokenizer.all_special_ids)
-        return cls.from_texts({i: _token_bytes(tokenizer, token) for token, i in tokenizer.get_vocab().items()
-                               if i not in special}, eos, vocab_size)
+        return {i: _token_bytes(tokenizer, token) for token, i in tokenizer.get_vocab().items() if i not in special}
 
 
 def _byte_decoder() -> dict[str, int]:

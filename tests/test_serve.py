@@ -634,42 +634,56 @@ def test_a_stop_string_ends_the_reply_s_tokens_at_the_one_that_completed_it():
         assert choice.detokenizer.text == "def add(a, b):\n    " and choice.tokens == through < len(ids)
 
 
-def test_constraints_are_bounded_in_states_and_time_and_compiled_once(folder, monkeypatch):
+def test_constraints_are_bounded_in_states_time_and_memory_and_compiled_once(folder):
     """A constraint with more states than a row holds is refused before any array is built
     (at 53bdaf5: after compiling, by the engine); one whose compile outlasts the limit is
-    answered 400 naming it, and refused at once after; identical ones asked together share
-    one compile, in the server's own worker (not asyncio's shared pool)."""
-    from specjax.grammar import Grammar
+    answered 400 naming it, its process killed (a thread's compile ran on at 66d040c), and
+    refused at once after; one that needs more memory than a compile may add ends its
+    process, answered 400 naming the limit; the next compile starts a new process;
+    identical ones asked together share one compile; too many distinct ones waiting: 503."""
+    from specjax.serve import structured
     from specjax.serve.protocol import ApiError
     from specjax.serve.structured import Constraints
 
     tokenizer = specjax.load_tokenizer(folder)
-    constraints = Constraints(tokenizer, 4096, EOS, (4, 1000), timeout=2.0)
-    regex = ("regex", "[0-9]{12}", None, "guided_regex")
-    with pytest.raises(ApiError, match=r"guided_regex: the regex .* compiles to 1[34] states; at most 4 are held"):
-        asyncio.run(constraints.grammar(regex))
-    compiled, real = [], Grammar.regex
+    constraints = Constraints(tokenizer, 4096, EOS, (300_000, 10_000_000), timeout=3.0, memory=200 << 20)
 
-    def slow(pattern, *a, **k):
-        compiled.append(threading.current_thread().name)
-        time.sleep(0.5 if pattern == "ab" else 3.0)
-        return real(pattern, *a, **k)
+    def ask(*patterns, of=constraints):
+        async def together():
+            return await asyncio.gather(*[of.grammar(("regex", p, None, "guided_regex")) for p in patterns],
+                                        return_exceptions=True)
+        return asyncio.run(together())
 
-    monkeypatch.setattr(Grammar, "regex", slow)
-
-    async def together(pattern, n):
-        return await asyncio.gather(*[constraints.grammar(("regex", pattern, None, "guided_regex"))
-                                      for _ in range(n)], return_exceptions=True)
-
-    grammars = asyncio.run(together("ab", 3))
-    assert grammars[0] is grammars[1] is grammars[2] and compiled == ["specjax-grammar_0"]
-    errors = asyncio.run(together("abc", 2))
-    assert all(isinstance(e, ApiError) and "takes longer than the 2 s" in e.message for e in errors), errors
+    grammars = ask("[0-9]{3}", "[0-9]{3}", "[0-9]{3}")
+    assert grammars[0] is grammars[1] is grammars[2] and grammars[0].num_states == 4, grammars
+    worker = constraints.worker
+    assert worker.starts == 1 and Path(f"/proc/{worker.pid}").exists()
+    # (a|b)*a(a|b){16}: 2^18 states, about 22 s and 350 MB more here (its masks alone 128 MiB)
+    slow, large = "(a|b)*a(a|b){16}", "(a|b)*b(a|b){16}"
+    pid, start = worker.pid, time.perf_counter()
+    [error] = ask(slow)
+    assert isinstance(error, ApiError) and "takes longer than the 3 s" in error.message, error
+    assert time.perf_counter() - start < 6 and not Path(f"/proc/{pid}").exists()
     start = time.perf_counter()
-    with pytest.raises(ApiError, match="takes longer than the 2 s"):
-        asyncio.run(constraints.grammar(("regex", "abc", None, "guided_regex")))
-    assert time.perf_counter() - start < 0.5 and len(compiled) == 2
+    [again] = ask(slow)
+    assert time.perf_counter() - start < 0.1 and again.message == error.message
+    constraints.timeout = 60.0
+    [error] = ask(large)
+    assert isinstance(error, ApiError) and "more than the 200 MiB of memory" in error.message, error
+    [error] = ask("[0-9]{12}")
+    assert worker.starts == 3 and error.num_states == 13, error  # a new process after each end
+    constraints.capacity = (4, 1000)
+    [error] = ask("[0-9]{5}")
+    assert isinstance(error, ApiError) and re.search(r"compiles to 6 states; at most 4 are held", error.message)
     constraints.close()
+
+    waiting = Constraints(tokenizer, 4096, EOS, (4, 1000))
+    release = threading.Event()
+    waiting._pool.submit(release.wait)  # the compiler busy for a second
+    threading.Timer(1.0, release.set).start()
+    errors = ask(*[f"[0-9]{{{n}}}" for n in range(1, structured.PENDING + 2)], of=waiting)
+    assert [getattr(e, "status", 200) for e in errors] == [200] * 3 + [400] * 5 + [503], errors  # (4 states held)
+    waiting.close()
 
 
 def test_a_compilation_cache_others_can_write_is_refused(tmp_path):

@@ -1,17 +1,17 @@
 """The server's structured output: a request's constraint (protocol.constraint) compiled into
 a `specjax.Grammar` over the served tokenizer's vocabulary, once per distinct constraint
 (the most recent `CACHED` kept; requests asking for one being compiled wait for that
-compile), in a worker of its own (`WORKERS` threads, off the event loop and off asyncio's
-shared pool: compiling a large vocabulary's automaton takes seconds). What a request may
-make the server do is bounded before anything is built: the constraint's text
-(`MAX_CONSTRAINT_CHARS`), the states its automaton may have (the engine's rows' capacity,
-checked before any array is made), and the time its compile may take (`COMPILE_SECONDS`:
-then a 400 naming the limit; a thread cannot be stopped, so the compile ends in its worker
-and the constraint is refused at once from then on). The grammar's EOS is the server's
-first stop id.
+compile; one refused is refused at once after), in a process of its own (`CompileWorker`:
+compiling a large vocabulary's automaton takes seconds, and outlines-core cannot be stopped
+from inside). What a request may make the server do is bounded: the constraint's text
+(`MAX_CONSTRAINT_CHARS`), the time its compile may take (`COMPILE_SECONDS`: the process is
+killed, and a 400 names the limit), the memory it may add (`compile_worker.MEMORY_BYTES`),
+the states its automaton may have (the engine's rows' capacity, checked before any array is
+made), and the distinct constraints waiting at once (`PENDING`: then a 503). The grammar's
+EOS is the server's first stop id.
 
-It knows the grammar module and OpenAI's errors; nothing of HTTP routes or the engine's
-thread.
+It knows the grammar module, the compile worker and OpenAI's errors; nothing of HTTP routes
+or the engine's thread.
 """
 
 from __future__ import annotations
@@ -23,32 +23,35 @@ import json
 import threading
 
 from specjax.grammar import Grammar, GrammarError, Vocabulary
+from specjax.serve.compile_worker import MEMORY_BYTES, CompileTimeout, CompileWorker
 from specjax.serve.protocol import ApiError
 
-CACHED = 64  # compiled grammars kept (vLLM caches them likewise)
+CACHED = 64  # compiled grammars kept, and refused constraints remembered (vLLM caches them likewise)
 MAX_CONSTRAINT_CHARS = 32 << 10  # a regex, the choices joined, or a schema's JSON text, at most
-COMPILE_SECONDS = 30.0  # the longest a request waits for its constraint's compile
-WORKERS = 1  # compiles at once (each holds a core while it runs)
+COMPILE_SECONDS = 30.0  # the longest one constraint's compile may run
+PENDING = 8  # distinct constraints compiling or waiting to, at most
 
 
 class Constraints:
     """Compiles and caches the grammars of one server's requests."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: int | None, capacity: tuple | None,
-                 timeout: float = COMPILE_SECONDS):
+                 timeout: float = COMPILE_SECONDS, memory: int = MEMORY_BYTES):
         self.tokenizer, self.vocab_size, self.eos, self.capacity = tokenizer, vocab_size, eos, capacity
-        self.timeout = timeout
-        self._vocabulary: Vocabulary | None = None
-        self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._compiling: dict = {}  # key -> the Future of its compile in the worker
-        self._slow: collections.OrderedDict = collections.OrderedDict()  # keys whose compile ran out of time
+        self.timeout, self.memory = timeout, memory
+        self.worker: CompileWorker | None = None  # started at the first compile
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # key -> Grammar
+        self._refused: collections.OrderedDict = collections.OrderedDict()  # key -> why (a 400's reason)
+        self._compiling: dict = {}  # key -> the Future of its compile
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="specjax-grammar")
+        # One thread drives the worker: compiles run one at a time, each holding a core.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-grammar")
 
     async def grammar(self, constraint) -> Grammar | None:
         """The Grammar of `protocol.constraint`'s answer (None: none), or an ApiError naming
         the field: the engine holds none, it is too long, too large for a row, takes too
-        long to compile, or the library cannot compile it (its reason)."""
+        long or too much memory to compile, the library cannot compile it (its reason), or
+        too many others are waiting (503)."""
         if constraint is None:
             return None
         kind, spec, whitespace, param = constraint
@@ -66,49 +69,49 @@ class Constraints:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            if key in self._slow:
-                raise self._too_slow(param)
+            if key in self._refused:
+                raise _refusal(param, self._refused[key])
             future = self._compiling.get(key)
             if future is None:
+                if len(self._compiling) >= PENDING:
+                    raise ApiError(503, f"{param}: {PENDING} constraints are being compiled or waiting to be; "
+                                        f"retry later", param=param, headers={"Retry-After": "5"})
                 future = self._compiling[key] = self._pool.submit(self._compile, key, kind, spec, whitespace, param)
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout)
-        except asyncio.TimeoutError:
-            with self._lock:
-                self._slow[key] = None
-                while len(self._slow) > CACHED:
-                    self._slow.popitem(last=False)
-            raise self._too_slow(param) from None
-
-    def _too_slow(self, param: str) -> ApiError:
-        return ApiError(400, f"{param}: compiling it takes longer than the {self.timeout:.0f} s this server allows",
-                        param=param, code="invalid_value")
+        # (each compile ends within its time, so the wait is bounded by those ahead of it)
+        return await asyncio.shield(asyncio.wrap_future(future))
 
     def _compile(self, key, kind: str, spec, whitespace, param: str) -> Grammar:
-        """In the worker: the grammar, cached; or an ApiError naming why not."""
+        """In the thread: the grammar, cached; or an ApiError naming why not, remembered."""
         try:
-            if self._vocabulary is None:  # (seconds, once; one worker: no other compile races it, and
-                # the event loop, which takes the lock, is not held up meanwhile)
-                self._vocabulary = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos)
-            states = self.capacity[0]
+            if self.worker is None:  # (the vocabulary's texts: a second, once)
+                self.worker = CompileWorker(Vocabulary.texts(self.tokenizer), self.eos, self.vocab_size, self.memory)
             try:
-                if kind == "regex":
-                    grammar = Grammar.regex(spec, self._vocabulary, max_states=states)
-                elif kind == "choice":
-                    grammar = Grammar.choice(spec, self._vocabulary, max_states=states)
-                else:
-                    grammar = Grammar.json_schema(spec, self._vocabulary, whitespace, max_states=states)
+                grammar = self.worker.compile(kind, spec, whitespace, self.capacity[0], self.timeout)
             except GrammarError as e:
-                raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+                reason = str(e)
+            except CompileTimeout:
+                reason = f"compiling it takes longer than the {self.timeout:g} s this server allows"
+            else:
+                with self._lock:
+                    self._cache[key] = grammar
+                    while len(self._cache) > CACHED:
+                        self._cache.popitem(last=False)
+                return grammar
             with self._lock:
-                self._cache[key] = grammar
-                while len(self._cache) > CACHED:
-                    self._cache.popitem(last=False)
-            return grammar
+                self._refused[key] = reason
+                while len(self._refused) > CACHED:
+                    self._refused.popitem(last=False)
+            raise _refusal(param, reason)
         finally:
             with self._lock:
                 self._compiling.pop(key, None)
 
     def close(self):
-        """Stops taking compiles (one running ends in its worker)."""
+        """Stops taking compiles and ends the worker's process (a compile in it with it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.worker is not None:
+            self.worker.kill()
+
+
+def _refusal(param: str, reason: str) -> ApiError:
+    return ApiError(400, f"{param}: {reason}", param=param, code="invalid_value")
