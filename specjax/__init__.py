@@ -21,6 +21,7 @@ from specjax.memory import InsufficientMemoryError
 from specjax.models import Model, forward
 from specjax.quant import Int8, quantize
 from specjax.serve import Engine, Request
+from specjax.shipped import shipped_checkpoint
 from specjax.sharding import gather, make_mesh, shard_model
 from specjax.theory import CostProfile
 from specjax.tree import Tree
@@ -33,5 +34,5 @@ __all__ = [
     "Request", "Retrieval", "Stats",
     "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "Vocabulary", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",
-    "pad_prompts", "quantize", "save_model", "shard_model",
+    "pad_prompts", "quantize", "save_model", "shard_model", "shipped_checkpoint",
 ]

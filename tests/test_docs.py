@@ -89,3 +89,52 @@ def test_docs_site_builds_without_warnings(tmp_path):
     assert "usage: specjax serve" in cli_page and "--max-model-len" in cli_page
     api_page = (tmp_path / "site/reference/api/index.html").read_text()
     assert "Generates up to max_new_tokens per row" in api_page
+
+
+NOT_RUN = re.compile(r"<!-- not run here: (.+?) -->\s*$")
+
+
+def python_blocks() -> list[tuple[str, int, str, str | None]]:
+    """(file, line, code, why it is not run or None) of every python block of the README and
+    the docs site."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = path.read_text()
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+            before = text[:m.start()].rstrip("\n").splitlines()
+            why = NOT_RUN.search(before[-1]) if before else None
+            found.append((str(path.relative_to(ROOT)), text[:m.start()].count("\n") + 1, m.group(1),
+                          why and why.group(1)))
+    return found
+
+
+def test_every_python_block_of_the_readme_and_guides_runs_from_anywhere(tmp_path, monkeypatch, capsys):
+    """Each block runs as written, from a folder that is not the repository's, after the
+    quickstart's names (target, draft, tokenizer, prompts, lengths on the shipped pair) and
+    the few a guide's text names (token_lists, path, draft_path); a block that cannot run
+    here says why just above it (`<!-- not run here: ... -->`), naming the test that does."""
+    import jax
+
+    blocks = python_blocks()
+    assert len(blocks) >= 15
+    monkeypatch.chdir(tmp_path)
+    target = specjax.load_model(specjax.shipped_checkpoint("target"))
+    tokenizer = specjax.load_tokenizer(specjax.shipped_checkpoint("target"))
+    prompts, lengths = specjax.pad_prompts([tokenizer.encode(t) for t in ["def add(a, b):", "import os\n"]])
+    names = dict(jax=jax, specjax=specjax, target=target, tokenizer=tokenizer, prompts=prompts, lengths=lengths,
+                 draft=specjax.load_drafter(specjax.shipped_checkpoint("draft")),
+                 token_lists=[tokenizer.encode(t) for t in ["def add(a, b):\n    return a + b\n", "import os\n"]],
+                 path=specjax.shipped_checkpoint("target"), draft_path=specjax.shipped_checkpoint("draft"))
+    skipped = []
+    for file, line, code, why in blocks:
+        if why is not None:
+            assert len(why) > 20, (file, line, why)
+            skipped.append((file, line))
+            continue
+        try:
+            exec(compile(code, f"{file}:{line}", "exec"), dict(names))
+        except Exception as e:  # noqa: BLE001 - named with its block
+            pytest.fail(f"{file}:{line}: {type(e).__name__}: {e}")
+    assert len(skipped) <= 4, skipped
+    clients = {code for file, _, code, why in blocks if why is not None and "OpenAI(" in code}
+    assert len(clients) == 1  # the serving guide's is the README's, which tests/test_serve.py runs

@@ -67,6 +67,11 @@ class DraftModel(Drafter):
     vocab: jax.Array | None = None
     head: jax.Array | None = None
 
+    def __post_init__(self):
+        if isinstance(self.model, Drafter):
+            raise TypeError(f"DraftModel takes a draft specjax.Model, got a {type(self.model).__name__}: "
+                            f"`drafter.replace(tree=...)` gives a drafter another tree")
+
     @classmethod
     def load(cls, path, tree: Tree | None = None, **kwargs) -> "DraftModel":
         """The draft model in a folder (`specjax.load_model(path, **kwargs)`) as a drafter of

@@ -52,6 +52,9 @@ from specjax.serve.warmup import Warmup
 # Steps a call runs at most when a slot is free as it starts: a request that arrives during a
 # call waits for its end before it is prefilled (docs/bench/open_steps.txt).
 OPEN_STEPS = 2
+# A slot's positions unless max_len says otherwise: the target's, at most this many (a 128k-position
+# model's 8 slots would otherwise hold a dense cache of a million positions).
+DEFAULT_MAX_LEN = 2048
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa reads
 # the target's features, kept per row; Retrieval each row's text; Lookahead's state is per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
@@ -88,7 +91,7 @@ def _supported(draft):
 class Engine:
     """Serves requests that arrive one at a time from `slots` rows of `max_len` positions.
 
-        engine = specjax.Engine(target, draft=draft, slots=8, max_len=2048)
+        engine = specjax.Engine(target, draft=draft, slots=8)   # max_len: the target's, at most 2,048
         with engine:                      # starts the device thread; drains and stops on exit
             req = engine.submit(prompt_ids, max_new_tokens=64, temperature=0.0, stop_token_ids=(eos,))
             for chunk in req: ...         # lists of new token ids
@@ -98,6 +101,8 @@ class Engine:
         if loaded with `DraftModel.load`), or a drafter: DraftModel, PromptLookup, Eagle, Eagle3,
         EarlyExit, Medusa, Retrieval, Lookahead (each tested against `generate`); a drafter of
         another class is refused by name.
+    max_len: a slot's positions, prompt and reply together (None: the target's
+        max_position_embeddings, at most `DEFAULT_MAX_LEN`).
     num_draft_tokens: K for every step (an int); K by the number of live rows (a sequence of
         `slots` ints, the n-th for n live rows; 0: speculation off); or None: that table from
         `cost_profile` (a CostProfile, a path, or None: the profile shipped for this backend;
@@ -149,7 +154,7 @@ class Engine:
         live rows' calls, which go on streaming, and is placed with its last.
     """
 
-    def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int = 2048, *,
+    def __init__(self, target: Model, draft=None, slots: int = 8, max_len: int | None = None, *,
                  num_draft_tokens: int | None = None, cost_profile=None, mesh=None, deterministic: bool = False,
                  steps_per_call: int = 8, max_stop_ids: int = 8, draft_threshold: float = 0.0,
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
@@ -163,6 +168,8 @@ class Engine:
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_len is None:
+            max_len = min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
         if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
         grammar = sizing.grammar_capacity(max_grammar_states, max_grammar_edges, target.config.vocab_size)
