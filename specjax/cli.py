@@ -602,26 +602,6 @@ def main(argv=None):
     return args.run(args)
 
 
-def _without_absent_tpu():
-    """libtpu installed (`pip install -e '.[tpu]'`, for `specjax plan`) on a machine with no
-    TPU and no other accelerator plugin: JAX would try the TPU first and print libtpu's
-    INVALID_ARGUMENT block on every command; it runs on the CPU at once instead (programs
-    are still compiled for TPU slices through libtpu). JAX_PLATFORMS, when set, decides."""
-    import glob
-    import importlib.metadata
-    import importlib.util
-    import os
-
-    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
-        return
-    google = any(Path(f).read_text().strip() == "0x1ae0" for f in glob.glob("/sys/bus/pci/devices/*/vendor"))
-    plugins = importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
-    if not google and not plugins and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
-
-
 def entry(argv=None):
     """The `specjax` command: `main`, with a user's error (a missing or refused checkpoint, a
     bad value, a file that cannot be read, a request too large for the memory: ValueError,
@@ -630,7 +610,6 @@ def entry(argv=None):
     SPECJAX_TRACEBACK=1 shows the traceback instead; `main` itself raises (for programs)."""
     import os
 
-    _without_absent_tpu()
     try:
         return main(argv)
     except KeyboardInterrupt:

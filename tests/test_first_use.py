@@ -35,15 +35,19 @@ def test_no_torch_advisory_without_torch():
     assert "PyTorch" not in done.stderr and "another warning" in done.stderr, done.stderr
 
 
-def test_a_command_on_a_machine_without_a_tpu_prints_no_libtpu_block():
+@pytest.mark.parametrize("session", ["command", "python"])
+def test_a_session_on_a_machine_without_a_tpu_prints_no_libtpu_block(session):
     """With libtpu installed (the test extra's jax[tpu]) and JAX_PLATFORMS unset, a CPU
-    command prints none of libtpu's INVALID_ARGUMENT block and runs on the CPU."""
+    command, and a Python session that imports specjax (at c925357 the second printed it),
+    print none of libtpu's INVALID_ARGUMENT block and run on the CPU."""
     pytest.importorskip("libtpu")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    code = ("import sys, jax; from specjax.cli import entry\n"
-            f"code = entry(['info', {str(ROOT / 'checkpoints' / 'target')!r}])\n"
-            "print(jax.default_backend()); sys.exit(code)")
+    target = str(ROOT / "checkpoints" / "target")
+    code = (f"import sys, jax; from specjax.cli import entry\ncode = entry(['info', {target!r}])\n"
+            if session == "command" else
+            f"import sys, jax, specjax\ncode = int(specjax.forward(specjax.load_model({target!r}), [[1, 2]]).ndim != 3)\n")
+    code += "print(jax.default_backend()); sys.exit(code)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "INVALID_ARGUMENT" not in done.stderr and "TPU" not in done.stderr, done.stderr
