@@ -333,23 +333,41 @@ def _plan(args):
     draft = None if args.draft in (None, "none") else args.draft
     if args.draft is None and args.early_exit is None and args.target == default_checkpoint("target"):
         draft = default_checkpoint("draft")  # the shipped pair
+    serving = {"--slots": args.slots, "--page-size": args.page_size, "--mean-tokens": args.mean_tokens,
+               "--compile-limit": args.compile_limit}
     if args.serve:
         from specjax.tools.serve_plan import serve_plan
 
-        if args.early_exit is not None or args.tree is not None or args.mesh is not None:
-            raise ValueError("plan --serve plans a draft model's chain on one chip: --early-exit, --tree and --mesh "
-                             "are not taken")
-        print(serve_plan(args.target, draft, topology=args.topology, slots=args.slots, max_len=args.max_len,
-                         page_size=args.page_size, num_draft_tokens=args.num_draft_tokens,
-                         mean_tokens=args.mean_tokens, quantize=args.quantize,
-                         log=lambda line: print(line, file=sys.stderr, flush=True)))
+        given = _given_flags({"--early-exit": args.early_exit, "--tree": args.tree, "--mesh": args.mesh,
+                              "--batch": args.batch, "--prompt-len": args.prompt_len})
+        if given:
+            raise ValueError(f"plan --serve plans `specjax serve`'s engine (a draft model's chain, on one chip): "
+                             f"{given} not taken")
+        print(serve_plan(args.target, draft, topology=args.topology, max_len=args.max_len,
+                         num_draft_tokens=args.num_draft_tokens, quantize=args.quantize,
+                         log=lambda line: print(line, file=sys.stderr, flush=True),
+                         **_given_values(serving)))
         return 0
-    result = plan.plan(args.target, draft, topology=args.topology, batch=args.batch, prompt_len=args.prompt_len,
-                       max_len=args.max_len, num_draft_tokens=args.num_draft_tokens, tree=_parse_tree(args.tree),
-                       mesh=args.mesh, quantize=args.quantize, early_exit=args.early_exit,
-                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    if _given_flags(serving):
+        raise ValueError(f"{_given_flags(serving)}: these plan a server; add --serve")
+    result = plan.plan(args.target, draft, topology=args.topology, max_len=args.max_len,
+                       num_draft_tokens=args.num_draft_tokens, tree=_parse_tree(args.tree), mesh=args.mesh,
+                       quantize=args.quantize, early_exit=args.early_exit,
+                       log=lambda line: print(line, file=sys.stderr, flush=True),
+                       **_given_values({"--batch": args.batch, "--prompt-len": args.prompt_len}))
     print(result)
     return 0 if result.fits else 1
+
+
+def _given_flags(values: dict) -> str:
+    """The flags of `values` ({flag: value, None where not given}) that were given, in words."""
+    return ", ".join(flag for flag, value in values.items() if value is not None)
+
+
+def _given_values(values: dict) -> dict:
+    """{flag: value} as keyword arguments ("--page-size" -> page_size), those given only: the
+    library's defaults stand for the rest."""
+    return {flag.removeprefix("--").replace("-", "_"): value for flag, value in values.items() if value is not None}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -568,8 +586,8 @@ def main(argv=None):
     p.add_argument("--topology", required=True, metavar="GEN:AxB",
                    help="the TPU slice: v4, v5e, v5p or v6e and its chips, e.g. v5e:1x1, v5e:2x4, v6e:4x4; or one "
                         "host's GPUs: h100, h200, h100x8 (needs jax's CUDA plugin, no GPU)")
-    p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
-    p.add_argument("--prompt-len", type=int, default=128, help="the prompts' padded length (default 128)")
+    p.add_argument("--batch", type=int, default=None, help="rows decoded together (default 1)")
+    p.add_argument("--prompt-len", type=int, default=None, help="the prompts' padded length (default 128)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per row, prompt included (default 2048, or the target's max_position_embeddings "
                         "where that is less)")
@@ -582,10 +600,13 @@ def main(argv=None):
     serving.add_argument("--serve", action="store_true",
                          help="plan `specjax serve` instead: the tokens of KV pages that fit beside the weights and the "
                               "engine's compiled programs, and the requests they hold against --max-len slots")
-    serving.add_argument("--slots", type=int, default=64, help="the engine's slots (default 64)")
-    serving.add_argument("--page-size", type=int, default=16, help="positions per page (default 16)")
-    serving.add_argument("--mean-tokens", type=int, default=1500,
-                         help="a request's mean prompt + output tokens (default 1500)")
+    serving.add_argument("--slots", type=int, default=None, help="the engine's slots (default 8, `specjax serve`'s)")
+    serving.add_argument("--page-size", type=int, default=None, help="positions per page (default 16)")
+    serving.add_argument("--mean-tokens", type=int, default=None,
+                         help="a request's mean prompt + output tokens, at most --max-len (default half of it)")
+    serving.add_argument("--compile-limit", type=float, default=None, metavar="SECONDS",
+                         help="the most seconds each of its three programs may take to compile here (default 60); "
+                              "the plan names one stopped and what it leaves out")
     p.set_defaults(run=_plan)
 
     commands.add_commands(sub)

@@ -94,6 +94,15 @@ def test_plan_refuses_a_nine_b_model_on_one_v5e_chip_and_says_what_to_change(tmp
     (("--topology", "a100:2x2"), "'a100:2x2' is a GPU: the GPUs programs compile for here are ['h100', 'h200']"),
     (("--topology", "v5e:2x2", "--mesh", "3,1"), "mesh 3x1 needs 3 chips"),
     (("--topology", "v5e:1x1", "--max-len", "64", "--prompt-len", "128"), "must exceed prompt_len"),
+    (("--topology", "v5e:1x1", "--serve", "--max-len", "256", "--mean-tokens", "1500"),
+     "--mean-tokens 1500 exceeds --max-len 256"),
+    (("--topology", "v5e:1x1", "--serve", "--max-len", "200000"),
+     "--max-len 200000 exceeds the target's max_position_embeddings (131072)"),
+    (("--topology", "v5e:1x1", "--serve", "--slots", "0"), "--slots must be an int above 0, got 0"),
+    (("--topology", "v5e:1x1", "--serve", "--compile-limit", "-1"), "--compile-limit must be a number above 0"),
+    (("--topology", "v5e:1x1", "--serve", "--batch", "2", "--mesh", "1,1"), "--mesh, --batch not taken"),
+    (("--topology", "v5e:1x1", "--slots", "4", "--mean-tokens", "100"),
+     "--slots, --mean-tokens: these plan a server; add --serve"),
 ])
 def test_plan_usage_errors_exit_2_in_one_line(tmp_path, args, words):
     target = _folder(tmp_path, "target", real_configs.with_layers(real_configs.LLAMA_3_2_1B, 1))
@@ -122,21 +131,88 @@ def test_real_pairs_plan_on_a_v5e_2x2(pair, batch, max_len, fits):
         assert "exceeds available HBM" in str(result) and "smaller --batch" in result.advice
 
 
-@pytest.mark.slow  # the suite's time on 2 cores: five programs compiled for a v5e (-m slow runs it)
+@pytest.mark.slow  # the suite's time on 2 cores: an admission of 1,024 tokens compiled for a v5e (-m slow runs it)
 def test_plan_serve_counts_pages_beside_the_weights_and_compiled_programs(tmp_path):
-    """`plan --serve`: a tiny pair's engine on one v5e chip, its paged calls and largest
+    """`plan --serve`: a tiny pair's engine on one v5e chip, its paged call and largest
     admission compiled: the pages that fit are the chip less the weights, the rows and the
     programs' temporaries over a page of every cache (target and draft), at most every slot
     at max_len; the dense engine at the same slots compiles and fits."""
     target = _folder(tmp_path, "target", TINY)
     draft = _folder(tmp_path, "draft", dict(TINY, num_hidden_layers=1))
     code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:1x1", "--serve", "--slots", "4",
-                          "--max-len", "256", "--mean-tokens", "100")
+                          "--max-len", "256", "--mean-tokens", "100", "--compile-limit", "590")
     assert code == 0, (out, err)
     page = 16 * 2 * (2 + 1) * 2 * 32 * 2  # 16 positions, K and V, 3 layers, 2 kv heads of 32, bf16
     assert f"pages of 16: 64 ({page / 2 ** 20:.1f} MiB each, every cache) = 1024 tokens: 4 requests" in out, out
     assert "dense slots of 256: 4 at once in the same memory (at most 4; compiled: fits)" in out, out
-    assert "draft chain K=4; 4 slots of max_len 256" in out
+    assert "draft chain K=4; 4 slots of max_len 256" in out and "not counted" not in out
+
+
+def test_plan_serve_says_what_it_compiles_as_it_goes(tmp_path):
+    """`plan --serve` on a tiny pair, one slot of 32: each of its three programs named on
+    stderr as it starts and timed as it ends; the plan on stdout, its requests of half of
+    max_len by default."""
+    target = _folder(tmp_path, "target", TINY)
+    draft = _folder(tmp_path, "draft", dict(TINY, num_hidden_layers=1))
+    code, out, err = _cli(target, "--draft", draft, "--topology", "v5e:1x1", "--serve", "--slots", "1",
+                          "--max-len", "32")
+    assert code == 0, (out, err)
+    progress = [line for line in err.splitlines() if line.startswith(("compiling", "compiled"))]
+    assert [line.split(":")[0].split(" in ")[0] for line in progress] == [
+        "compiling 1 of 3", "compiled 1 of 3", "compiling 2 of 3", "compiled 2 of 3", "compiling 3 of 3",
+        "compiled 3 of 3"], err
+    assert progress[0] == "compiling 1 of 3: engine call K=4, 1 slots, 1 pages of 16 (at most 60 s)"
+    assert progress[2].startswith("compiling 2 of 3: admission [1, 32]")
+    assert progress[4].startswith("compiling 3 of 3: engine call K=4, 1 slots (at most")
+    assert re.fullmatch(r"compiled 1 of 3 in \d+\.\d s", progress[1])
+    assert "1 requests of 16 tokens at once (of 1 slots)" in out and "not counted" not in out
+
+
+def test_plan_serve_stops_at_its_compile_limit_and_at_ctrl_c(tmp_path):
+    """A compile past --compile-limit is stopped (the engine's call: the plan cannot stand
+    without it, one line, exit 2); Ctrl-C during a compile ends the command within seconds,
+    exit 130, one line, its compiling process gone."""
+    import os
+    import signal
+    import time
+
+    target = _folder(tmp_path, "target", TINY)
+    code, out, err = _cli(target, "--topology", "v5e:1x1", "--serve", "--compile-limit", "0.1")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("specjax: error: the engine's call (engine call K=0, 8 slots") and (
+        "did not compile within 0.1 s" in last), err
+    run = subprocess.Popen([sys.executable, "-m", "specjax.cli", "plan", str(target), "--topology", "v5e:1x1",
+                            "--serve"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in run.stderr:
+        lines.append(line)
+        if line.startswith("compiling 1 of 3"):
+            break
+    os.killpg(run.pid, signal.SIGINT)  # (a terminal's Ctrl-C: the whole group)
+    start = time.monotonic()
+    rest = run.stderr.read()
+    assert run.wait(timeout=30) == 130 and time.monotonic() - start < 10, (lines, rest)
+    assert rest == "specjax: interrupted\n", rest
+    ended = time.monotonic() + 5  # (multiprocessing's resource tracker ends as it sees its parent's end)
+    while _running_in_group(run.pid) and time.monotonic() < ended:
+        time.sleep(0.1)
+    assert _running_in_group(run.pid) == [], "a process of the command outlived it"
+
+
+def _running_in_group(group: int) -> list[int]:
+    """The processes of a process group that still run (those ended but not yet reaped aside),
+    from /proc (Linux)."""
+    from pathlib import Path
+
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except OSError:  # (ended meanwhile)
+            continue
+        if int(pgrp) == group and state != "Z":
+            running.append(int(stat.parent.name))
+    return running
 
 
 def test_plan_serve_arithmetic_and_refusal(tmp_path):
