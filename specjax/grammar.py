@@ -11,11 +11,12 @@ grammars with a pushdown stack the host advances token by token, which each spec
 step would wait on for every path of every row. The price: a JSON schema must be one a
 regex can express (outlines-core's `build_regex_from_schema`: no unbounded recursion).
 
-`Automaton` is a grammar per row on the device: per state a bitmask of the allowed tokens
-([Q, V/32] uint32), the state they lead to, and the few that lead elsewhere in compressed
-rows (per state their tokens, increasing, and targets), found by a fixed number of
-bisection steps (`step`); an engine holds one of fixed capacity per slot, written at
-admission like the rest of a row. A row's state is an int32: FREE (no grammar:
+`Automaton` is a grammar per row on the device: tokens in classes (those that move alike in
+every state), per state a bitmask of the allowed tokens (one of the grammar's distinct
+masks, [M, V/32] uint32), the state they lead to, and the classes that lead elsewhere in
+compressed rows (per state their classes, increasing, and targets), found by a fixed number
+of bisection steps (`step`); an engine holds one of fixed capacity per slot (`Capacity`),
+written at admission like the rest of a row. A row's state is an int32: FREE (no grammar:
 everything allowed, it stays FREE), a state of the automaton, or DEAD (a draft token its
 state did not allow: everything allowed, since the target gives that token probability 0
 and nothing is ever drawn from a dead node's distribution).
@@ -29,6 +30,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,18 +111,55 @@ def _token_bytes(tokenizer, token: str) -> bytes:
 MAX_GRAMMAR_BYTES = 256 << 20  # a grammar's arrays on the device, at most
 
 
+class Capacity(NamedTuple):
+    """What one row's automaton holds (an engine's slot: `Engine(max_grammar_states=,
+    max_grammar_masks=, max_grammar_edges=)`): states, distinct token masks, exceptional moves."""
+
+    states: int
+    masks: int
+    edges: int
+
+    def bytes(self, vocab_size: int) -> int:
+        """A row's arrays at this capacity: per state its default, mask and start (12 bytes),
+        per mask V/8 bytes, per move 8 bytes, and each token's class (4 bytes a token)."""
+        W = -(-vocab_size // 32)
+        return 12 * self.states + 4 + 4 * W * self.masks + 8 * self.edges + 4 * 32 * W
+
+    def refusal(self, source: str, states: int, masks: int = 0, edges: int = 0, names=None) -> str | None:
+        """Why a grammar of these sizes does not fit (None: it does), naming how to hold more:
+        names: the three settings (default `Engine`'s arguments, `ENGINE_NAMES`; a server's
+        flags). masks and edges 0: not yet counted (states are counted first)."""
+        over = [(most, what, name) for have, most, what, name in
+                zip((states, masks, edges), self, ("states", "token masks", "exceptional moves"), names or ENGINE_NAMES)
+                if have > most]
+        if not over:
+            return None
+        sizes = f"{states} states" + (f", {masks} distinct token masks and {edges} exceptional moves" if masks else "")
+        return f"{source} compiles to {sizes}; a row holds " + ", ".join(f"{m} {w} ({n})" for m, w, n in over)
+
+
+ENGINE_NAMES = ("Engine(max_grammar_states=...)", "Engine(max_grammar_masks=...)", "Engine(max_grammar_edges=...)")
+
+
 @dataclass(frozen=True, eq=False)
 class Grammar:
-    """One constraint compiled on the host: states 0..Q-1 (`initial` the start), per state
-    its allowed tokens as bits (allowed uint32 [Q, W], W = ceil(V/32)), the state most of
-    them lead to (default int32 [Q]), and the others as exceptions (starts int32 [Q+1];
-    tokens, targets int32 [E], increasing tokens within a state): a JSON string's state
-    leads back to itself for almost every token, so E stays near the tokens that matter."""
+    """One constraint compiled on the host: states 0..Q-1 (`initial` the start), and tokens in
+    classes (token_class int32 [W*32], W = ceil(V/32)): tokens that every state allows alike
+    and sends to the same state share one (class 0: tokens no state allows). Per state its
+    allowed tokens as bits (masks uint32 [M, W] the distinct sets, mask int32 [Q] each state's
+    row of them), the state most of its allowed classes lead to (default int32 [Q]), and the
+    other classes as exceptions (starts int32 [Q+1]; classes, targets int32 [E], increasing
+    classes within a state). In a JSON string of bounded length a state's tokens lead to as
+    many states as there are token lengths, and states differ little in what they allow:
+    moves by class and distinct masks hold that in a few classes a state and a few masks,
+    where moves by token took most of the vocabulary a state, and a mask each state."""
 
-    allowed: np.ndarray
+    masks: np.ndarray
+    mask: np.ndarray
+    token_class: np.ndarray
     default: np.ndarray
     starts: np.ndarray
-    tokens: np.ndarray
+    classes: np.ndarray
     targets: np.ndarray
     initial: int
     finals: frozenset
@@ -128,10 +167,11 @@ class Grammar:
 
     @classmethod
     def regex(cls, pattern: str, vocabulary: Vocabulary, source: str | None = None,
-              max_states: int | None = None) -> "Grammar":
+              capacity: Capacity | None = None, names=None) -> "Grammar":
         """The constraint that the reply's text matches `pattern` (a whole match), then EOS.
-        max_states: refused (GrammarError naming it) where it compiles to more states, before
-        any of its arrays is built (an engine's rows hold so many: `Engine(max_grammar_states=)`)."""
+        capacity: refused (GrammarError, `Capacity.refusal` naming `names`) where it does not
+        fit, its states counted before anything else is built, its masks and moves before
+        any mask is (an engine's rows hold so many)."""
         from outlines_core import Index
 
         if not isinstance(pattern, str):
@@ -142,43 +182,78 @@ class Grammar:
         except Exception as e:  # noqa: BLE001 - the library's own reason, named
             raise GrammarError(f"{source} cannot be compiled: {' '.join(str(e).split())[:300]}") from None
         moves = index.get_transitions()  # {state: {token: next state}}
-        states = sorted(set(moves) | {t for edges in moves.values() for t in edges.values()})
-        number = {s: i for i, s in enumerate(states)}
+        states = np.array(sorted(set(moves) | {t for edges in moves.values() for t in edges.values()}), np.int64)
         Q, V = len(states), vocabulary.vocab_size
         W = -(-V // 32)
-        if max_states is not None and Q > max_states:
-            raise GrammarError(f"{source} compiles to {Q} states; at most {max_states} are held")
-        if Q * W * 4 > MAX_GRAMMAR_BYTES:
-            raise GrammarError(f"{source} compiles to {Q} states over {V} tokens: {Q * W * 4 / 2**20:.0f} MiB of "
-                               f"masks, over the {MAX_GRAMMAR_BYTES >> 20} MiB allowed")
-        allowed = np.zeros((Q, W), np.uint32)  # (bits set in place: no array larger than the masks)
-        default = np.zeros(Q, np.int32)
-        starts, tokens, targets = [0], [], []
+        if capacity is not None and Q > capacity.states:
+            raise GrammarError(capacity.refusal(source, Q, names=names))
+
+        def moves_of(s):  # (tokens, next states) int64 of state s's moves, the model's tokens only
+            edges = moves.get(s) or {}
+            t = np.fromiter(edges.keys(), np.int64, len(edges))
+            n = np.searchsorted(states, np.fromiter(edges.values(), np.int64, len(edges)))
+            return t[t < V], n[t < V]
+
+        # Token classes by refinement, a state at a time: tokens alike so far that this state
+        # sends apart (or allows one and not the other) part; what is left of a class keeps it.
+        token_class = np.zeros(32 * W, np.int64)  # 0: allowed nowhere (so far)
+        fresh = 1
         for s in states:
-            edges = sorted((t, number[n]) for t, n in moves.get(s, {}).items() if t < V)
-            ids = np.array([t for t, _ in edges], np.int64)
-            np.bitwise_or.at(allowed[number[s]], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
-            if edges:
-                default[number[s]] = most = np.bincount([n for _, n in edges]).argmax()
-                edges = [(t, n) for t, n in edges if n != most]
-            tokens += [t for t, _ in edges]
-            targets += [n for _, n in edges]
-            starts.append(len(tokens))
-        return cls(allowed, default, np.array(starts, np.int32), np.array(tokens, np.int32),
-                   np.array(targets, np.int32), number[index.get_initial_state()],
-                   frozenset(number[s] for s in index.get_final_states()), source)
+            t, n = moves_of(s)
+            pairs, inverse = np.unique(token_class[t] * Q + n, return_inverse=True)
+            token_class[t] = fresh + inverse
+            fresh += len(pairs)
+        kinds, first, token_class = np.unique(token_class, return_index=True, return_inverse=True)
+        held = np.flatnonzero(kinds != 0)  # classes numbered 1, 2, ... by their first token (0 stays 0)
+        number = np.zeros(len(kinds), np.int64)
+        number[held[np.argsort(first[held])]] = np.arange(1, len(held) + 1)
+        token_class = number[token_class.reshape(-1)].astype(np.int32)
+        # Per state: its classes, each one's next state, the default (the one most classes lead
+        # to; the smallest of a tie), the others as exceptions, and its set of classes' mask.
+        default, mask = np.zeros(Q, np.int32), np.zeros(Q, np.int32)
+        starts, classes, targets, sets = [0], [], [], {}
+        for i, s in enumerate(states):
+            t, n = moves_of(s)
+            c, at = np.unique(token_class[t], return_index=True)
+            n = n[at]
+            if len(n):
+                counts = np.bincount(n)
+                default[i] = counts.argmax()
+                classes.append(c[n != default[i]])
+                targets.append(n[n != default[i]])
+                starts.append(starts[-1] + len(classes[-1]))
+            else:
+                starts.append(starts[-1])
+            mask[i] = sets.setdefault(c.astype(np.int32).tobytes(), len(sets))
+        M, E = len(sets), starts[-1]
+        if capacity is not None and capacity.refusal(source, Q, M, E, names):
+            raise GrammarError(capacity.refusal(source, Q, M, E, names))
+        if M * W * 4 > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"{source} compiles to {M} distinct token masks over {V} tokens: "
+                               f"{M * W * 4 / 2**20:.0f} MiB, over the {MAX_GRAMMAR_BYTES >> 20} MiB allowed")
+        masks = np.zeros((M, W), np.uint32)
+        member = np.zeros(len(held) + 1, bool)
+        for row, held in enumerate(sets):
+            member[:] = False
+            member[np.frombuffer(held, np.int32)] = True
+            masks[row] = np.packbits(member[token_class], bitorder="little").view("<u4")
+        join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
+        return cls(masks, mask, token_class, default, np.array(starts, np.int32), join(classes), join(targets),
+                   int(np.searchsorted(states, index.get_initial_state())),
+                   frozenset(int(i) for i in np.searchsorted(states, sorted(index.get_final_states()))), source)
+
 
     @classmethod
-    def choice(cls, choices, vocabulary: Vocabulary, max_states: int | None = None) -> "Grammar":
+    def choice(cls, choices, vocabulary: Vocabulary, capacity: Capacity | None = None, names=None) -> "Grammar":
         """The reply is one of `choices` (strings), exactly (vLLM's guided_choice)."""
         if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("a choice constraint is a non-empty list of strings")
         return cls.regex("(" + "|".join(re.escape(c) for c in choices) + ")", vocabulary,
-                         f"the choice among {len(choices)} strings", max_states)
+                         f"the choice among {len(choices)} strings", capacity, names)
 
     @classmethod
     def json_schema(cls, schema, vocabulary: Vocabulary, whitespace: str | None = None,
-                    max_states: int | None = None) -> "Grammar":
+                    capacity: Capacity | None = None, names=None) -> "Grammar":
         """The reply is JSON that validates against `schema` (a dict, or its JSON text), as
         outlines-core's regex for it says (whitespace: a regex, default theirs). A keyword
         that regex does not express (outlines-core passes over `maximum`, `multipleOf`,
@@ -196,7 +271,7 @@ class Grammar:
             pattern = build_regex_from_schema(text, whitespace)
         except Exception as e:  # noqa: BLE001 - the library's reason names the part it cannot express
             raise GrammarError(f"the JSON schema cannot be compiled: {' '.join(str(e).split())[:300]}") from None
-        return cls.regex(pattern, vocabulary, "the JSON schema", max_states)
+        return cls.regex(pattern, vocabulary, "the JSON schema", capacity, names)
 
     @property
     def num_states(self) -> int:
@@ -207,17 +282,27 @@ class Grammar:
         request resumes there): DEAD once one was not allowed."""
         state = self.initial
         for token in tokens:
-            known = 0 <= token < self.allowed.shape[1] * 32
-            if not known or not (self.allowed[state, token // 32] >> (token % 32)) & 1:
+            known = 0 <= token < self.masks.shape[1] * 32
+            if not known or not (self.masks[self.mask[state], token // 32] >> (token % 32)) & 1:
                 return DEAD
             lo, hi = self.starts[state], self.starts[state + 1]
-            at = lo + int(np.searchsorted(self.tokens[lo:hi], token))
-            state = int(self.targets[at]) if at < hi and self.tokens[at] == token else int(self.default[state])
+            c = self.token_class[token]
+            at = lo + int(np.searchsorted(self.classes[lo:hi], c))
+            state = int(self.targets[at]) if at < hi and self.classes[at] == c else int(self.default[state])
         return state
 
     @property
+    def num_masks(self) -> int:
+        return self.masks.shape[0]
+
+    @property
     def num_edges(self) -> int:
-        return self.tokens.shape[0]
+        return self.classes.shape[0]
+
+    @property
+    def vocab_ids(self) -> int:
+        """The ids its masks cover (its vocabulary's size, rounded up to 32)."""
+        return self.masks.shape[1] * 32
 
 
 # JSON Schema keywords outlines-core's regex does not express (it passes over them, so output
@@ -257,65 +342,71 @@ def _check_expressed(schema, path: str):
 
 @struct.dataclass
 class Automaton:
-    """One grammar per row on the device (its own states and exceptions, padded to the
-    batch's largest, or to an engine's capacity: `of`); a row's state indexes its own."""
+    """One grammar per row on the device (its own states, masks, classes and exceptions,
+    padded to the batch's largest, or to an engine's capacity: `of`); a row's state indexes
+    its own."""
 
-    allowed: jax.Array  # uint32 [B, Q, W]: bit v % 32 of word v // 32: token v is allowed in that state
+    masks: jax.Array  # uint32 [B, M, W]: bit v % 32 of word v // 32: token v is allowed by that mask
+    mask: jax.Array  # int32 [B, Q]: each state's mask
+    token_class: jax.Array  # int32 [B, W*32]: each token's class (`Grammar`)
     default: jax.Array  # int32 [B, Q]: where an allowed token leads unless an exception says otherwise
     starts: jax.Array  # int32 [B, Q+1]: state q's exceptions are starts[q] .. starts[q+1] - 1
-    tokens: jax.Array  # int32 [B, E]: each exception's token, increasing within a state
-    targets: jax.Array  # int32 [B, E]: the state it leads to
+    classes: jax.Array  # int32 [B, E]: each exception's class, increasing within a state
+    targets: jax.Array  # int32 [B, E]: the state its tokens lead to
 
-    AXES = {"allowed": ("batch", None, None), "default": ("batch", None), "starts": ("batch", None),
-            "tokens": ("batch", None), "targets": ("batch", None)}  # sharding.declared_axes: rows over data
+    AXES = {"masks": ("batch", None, None), "mask": ("batch", None), "token_class": ("batch", None),
+            "default": ("batch", None), "starts": ("batch", None), "classes": ("batch", None),
+            "targets": ("batch", None)}  # sharding.declared_axes: rows over data
 
     @staticmethod
-    def arrays(grammars, vocab_size: int, states: int | None = None, edges: int | None = None) -> tuple:
+    def arrays(grammars, vocab_size: int, capacity: Capacity | None = None) -> tuple:
         """Host arrays of an `Automaton` for rows of these grammars (None: a free row) and each
-        row's initial state int32 [B] (FREE for None): padded to `states` and `edges` (default
-        the largest, rounded up to a power of two so that similar grammars share programs)."""
+        row's initial state int32 [B] (FREE for None): padded to `capacity` (default the
+        largest of each, rounded up to a power of two so that similar grammars share programs)."""
         held = [g for g in grammars if g is not None]
         for g in held:
-            if g.allowed.shape[1] * 32 < vocab_size:
+            if g.vocab_ids < vocab_size:
                 raise GrammarError(f"{g.source} was compiled for a smaller vocabulary than the model's {vocab_size}")
-        Q = states or 1 << max([g.num_states - 1 for g in held] + [0]).bit_length()
-        E = edges or 1 << max([g.num_edges - 1 for g in held] + [0]).bit_length()
+        if capacity is None:
+            capacity = Capacity(*(1 << max([size(g) - 1 for g in held] + [0]).bit_length() for size in
+                                  (lambda g: g.num_states, lambda g: g.num_masks, lambda g: g.num_edges)))
         for g in held:
-            if g.num_states > Q or g.num_edges > E:
-                raise GrammarError(f"{g.source} compiles to {g.num_states} states and {g.num_edges} exceptional moves; "
-                                   f"this engine holds up to {Q} and {E} a row")
-        out = Automaton._zeros(np, len(grammars), vocab_size, Q, E)
-        W = out[0].shape[2]  # words of a state's allowed-token bits
+            why = capacity.refusal(g.source, g.num_states, g.num_masks, g.num_edges)
+            if why:
+                raise GrammarError(why)
+        out = Automaton._zeros(np, len(grammars), vocab_size, capacity)
+        W = out[0].shape[2]  # words of a mask
         for b, g in enumerate(grammars):
             if g is not None:
-                n, e = g.num_states, g.num_edges
-                out[0][b, :n], out[1][b, :n] = g.allowed[:, :W], g.default
-                out[2][b, :n + 1], out[2][b, n + 1:] = g.starts, e
-                out[3][b, :e], out[4][b, :e] = g.tokens, g.targets
+                n, m, e = g.num_states, g.num_masks, g.num_edges
+                out[0][b, :m], out[1][b, :n], out[2][b] = g.masks[:, :W], g.mask, g.token_class[:W * 32]
+                out[3][b, :n], out[4][b, :n + 1], out[4][b, n + 1:] = g.default, g.starts, e
+                out[5][b, :e], out[6][b, :e] = g.classes, g.targets
         initial = np.array([FREE if g is None else g.initial for g in grammars], np.int32)
         return out, initial
 
     @staticmethod
-    def _zeros(xp, rows: int, vocab_size: int, states: int, edges: int) -> tuple:
-        """The fields' arrays for `rows` free rows at capacity (states, edges), all zeros, of
-        xp (numpy on the host, jax.numpy in a program)."""
+    def _zeros(xp, rows: int, vocab_size: int, capacity: Capacity) -> tuple:
+        """The fields' arrays for `rows` free rows at capacity, all zeros, of xp (numpy on the
+        host, jax.numpy in a program)."""
         W = -(-vocab_size // 32)
-        return (xp.zeros((rows, states, W), np.uint32), xp.zeros((rows, states), np.int32),
-                xp.zeros((rows, states + 1), np.int32), xp.zeros((rows, edges), np.int32),
-                xp.zeros((rows, edges), np.int32))
+        Q, M, E = capacity
+        return (xp.zeros((rows, M, W), np.uint32), xp.zeros((rows, Q), np.int32), xp.zeros((rows, W * 32), np.int32),
+                xp.zeros((rows, Q), np.int32), xp.zeros((rows, Q + 1), np.int32), xp.zeros((rows, E), np.int32),
+                xp.zeros((rows, E), np.int32))
 
     @classmethod
-    def free(cls, rows: int, vocab_size: int, states: int, edges: int) -> "Automaton":
-        """An automaton of `rows` free rows at capacity (states, edges): zeros, built in the
-        program (an engine's empty state: nothing as large is made on the host)."""
-        return cls(*cls._zeros(jnp, rows, vocab_size, states, edges))
+    def free(cls, rows: int, vocab_size: int, capacity: Capacity) -> "Automaton":
+        """An automaton of `rows` free rows at capacity: zeros, built in the program (an
+        engine's empty state: nothing as large is made on the host)."""
+        return cls(*cls._zeros(jnp, rows, vocab_size, capacity))
 
     @classmethod
-    def resumed(cls, rows, vocab_size: int, capacity: tuple) -> tuple["Automaton", np.ndarray]:
-        """(host arrays of an Automaton at capacity (states, exceptional moves), each row's
-        state) for rows of (a Grammar or None, the tokens it has emitted so far): a resumed
-        row (an engine's preempted request) starts where its output left it."""
-        arrays, states = cls.arrays([g for g, _ in rows], vocab_size, *capacity)
+    def resumed(cls, rows, vocab_size: int, capacity: Capacity) -> tuple["Automaton", np.ndarray]:
+        """(host arrays of an Automaton at capacity, each row's state) for rows of (a Grammar
+        or None, the tokens it has emitted so far): a resumed row (an engine's preempted
+        request) starts where its output left it."""
+        arrays, states = cls.arrays([g for g, _ in rows], vocab_size, capacity)
         for i, (g, emitted) in enumerate(rows):
             if g is not None:
                 states[i] = g.state_after(emitted)
@@ -329,36 +420,38 @@ class Automaton:
 
     @property
     def vocab_size(self) -> int:
-        return self.allowed.shape[-1] * 32
+        return self.masks.shape[-1] * 32
 
     def _bit(self, rows, state, token):
-        words = self.allowed[rows, jnp.maximum(state, 0), token // 32]
+        words = self.masks[rows, self.mask[rows, jnp.maximum(state, 0)], token // 32]
         return ((words >> (token % 32).astype(jnp.uint32)) & 1) == 1
 
     def step(self, state: jax.Array, token: jax.Array) -> jax.Array:
         """int32 [B, ...]: each row's states after `token` int32 [B, ...] in `state` int32 [B,
-        ...] (FREE and DEAD stay; a token the state does not allow: DEAD). An exception is
-        found by a bisection of the state's in ceil(log2(E + 1)) fixed steps."""
-        B, E = self.tokens.shape
+        ...] (FREE and DEAD stay; a token the state does not allow: DEAD). The token's class's
+        exception is found by a bisection of the state's in ceil(log2(E + 1)) fixed steps."""
+        B, E = self.classes.shape
         state, token = jnp.broadcast_arrays(state, token)
         rows = jnp.arange(B).reshape((B,) + (1,) * (state.ndim - 1))
         q = jnp.maximum(state, 0)
+        known = jnp.clip(token, 0, self.vocab_size - 1)
+        kind = self.token_class[rows, known]
         lo, end = self.starts[rows, q], self.starts[rows, q + 1]
 
         def halve(_, bounds):
             lo, hi = bounds
             mid = (lo + hi) // 2
-            right = self.tokens[rows, jnp.minimum(mid, E - 1)] < token
+            right = self.classes[rows, jnp.minimum(mid, E - 1)] < kind
             going = lo < hi
             return jnp.where(going & right, mid + 1, lo), jnp.where(going & ~right, mid, hi)
 
         if E:
             lo, _ = jax.lax.fori_loop(0, math.ceil(math.log2(E + 1)), halve, (lo, end))
         at = jnp.minimum(lo, max(E - 1, 0))
-        found = (lo < end) & (self.tokens[rows, at] == token) if E else jnp.zeros(state.shape, bool)
+        found = (lo < end) & (self.classes[rows, at] == kind) if E else jnp.zeros(state.shape, bool)
         moved = jnp.where(found, self.targets[rows, at] if E else 0, self.default[rows, q])
         token_ok = (token >= 0) & (token < self.vocab_size)
-        allowed = self._bit(rows, state, jnp.clip(token, 0, self.vocab_size - 1)) & token_ok
+        allowed = self._bit(rows, state, known) & token_ok
         return jnp.where(state < 0, state, jnp.where(allowed, moved, DEAD))
 
     def allows(self, state: jax.Array, vocab_size: int) -> jax.Array:
@@ -366,7 +459,7 @@ class Automaton:
         and DEAD: all)."""
         B = state.shape[0]
         rows = jnp.arange(B).reshape((B,) + (1,) * (state.ndim - 1))
-        words = self.allowed[rows, jnp.maximum(state, 0)]  # [B, ..., W]
+        words = self.masks[rows, self.mask[rows, jnp.maximum(state, 0)]]  # [B, ..., W]
         # Each word's 32 bits by a broadcast shift, not a gather over the vocabulary: on a TPU
         # that gather's [V, B] layout pads B to 128 lanes (16x a row's mask at 8 rows).
         bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [B, ..., W, 32]

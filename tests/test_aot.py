@@ -186,7 +186,7 @@ def test_a_paged_engine_call_writes_its_pools_in_place_on_a_tpu():
 
 @pytest.mark.slow  # the suite's time on 2 cores (docs/bench/sampling_aot.py shows it at Llama-3.2-1B's size)
 def test_a_grammar_costs_a_tpu_call_about_one_mask_of_its_scored_positions():
-    """A filtered engine call whose rows hold room for a grammar (64 states) against one
+    """A filtered engine call whose rows hold room for a grammar (64 states and masks) against one
     that holds none, compiled for one v5e chip at a 32,000-token vocabulary, 8 slots, K=4:
     the difference in temporaries stays within two float32 [B, K+1, V] (the nodes' masks and
     the drafter's). A gather over the vocabulary (`jnp.take(words, v // 32)`) laid its
@@ -197,7 +197,7 @@ def test_a_grammar_costs_a_tpu_call_about_one_mask_of_its_scored_positions():
     where = aot.on_device(aot.tpu_slice("v5e:1x1").devices[0])
     temps = [aot.compile_spec(aot.engine_program(target, draft, where, slots=8, max_len=64, K=4, steps=1,
                                                  kind="filtered", grammar=grammar)).temporaries
-             for grammar in (None, (64, 512))]
+             for grammar in (None, (64, 64, 512))]
     mask = 8 * 5 * 32000 * 4
     assert temps[1] - temps[0] <= 2 * mask, (temps, mask)
 

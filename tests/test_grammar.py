@@ -44,7 +44,8 @@ def test_the_device_automaton_moves_as_outlines_core_s_index(vocabulary):
     pattern = "a(b|cd)*e"
     grammar = Grammar.regex(pattern, vocabulary)
     other = Grammar.choice(["bad", "gee"], vocabulary)
-    assert grammar.num_edges < sum(bin(int(w)).count("1") for w in grammar.allowed[:, 0])  # defaults carry most moves
+    bits = sum(bin(int(w)).count("1") for w in grammar.masks[grammar.mask, 0])
+    assert grammar.num_edges < bits  # defaults carry most moves
     automaton, initial = Automaton.of([grammar, None, other], V)
     assert list(initial) == [grammar.initial, FREE, other.initial]
     index = Index(pattern, vocabulary.index_vocabulary)
@@ -193,6 +194,65 @@ def test_the_shipped_tokenizer_s_vocabulary_compiles_a_schema():
     assert len(allowed) > 0 and all(tokenizer.decode([int(i)]).startswith("{") for i in allowed)
 
 
+def _string(n):
+    return {"type": "string", "maxLength": n}
+
+
+EVERYDAY = {  # schemas a server should take at its default capacity (issue 78: the first was refused)
+    "two strings": {"type": "object", "properties": {"name": _string(10), "city": _string(10)},
+                    "required": ["name", "city"]},
+    "an enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    "an integer and a boolean": {"type": "object", "required": ["age", "ok"],
+                                 "properties": {"age": {"type": "integer"}, "ok": {"type": "boolean"}}},
+    "a nested object": {"type": "object", "required": ["user"], "properties": {"user": {
+        "type": "object", "properties": {"first": _string(20), "last": _string(20), "email": _string(50),
+                                         "city": _string(30), "country": _string(20)},
+        "required": ["first", "last", "email", "city", "country"]}}},
+    "an array of short strings": {"type": "object", "properties": {"tags": {"type": "array", "items": _string(10),
+                                                                            "maxItems": 5}}, "required": ["tags"]},
+}
+
+
+def test_everyday_schemas_fit_an_engine_s_default_room_and_move_as_outlines_core_s_index():
+    """Over the shipped tokenizer's 4,096 ids, each schema fits the room an engine's slot
+    holds by default (at 49c56b6 two strings of up to 10 characters took 40,895 exceptional
+    moves by token, over the 16,384 held: a bounded string's state sends each token length
+    elsewhere; by class they take 987); the device automaton of the two strings' moves, for
+    every (state, token), as the library's transitions, and allows what they allow."""
+    from outlines_core import Index
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from specjax.serve.requests import Limits
+    from specjax.serve.sizing import grammar_capacity
+
+    tokenizer = specjax.load_tokenizer("checkpoints/target")
+    V = len(tokenizer)
+    vocabulary = Vocabulary.of(tokenizer, V)
+    room = grammar_capacity(None, None, V)
+    limits = Limits(V, 64, 1, 0, None, room)
+    for name, schema in EVERYDAY.items():
+        grammar = Grammar.json_schema(schema, vocabulary, capacity=room)
+        limits.check([1], 4, 0.0, 0, 1.0, 0.0, {}, [EOS], 0, None, grammar=grammar)  # (raises where it does not fit)
+        assert room.refusal(name, grammar.num_states, grammar.num_masks, grammar.num_edges) is None
+    grammar = Grammar.json_schema(EVERYDAY["two strings"], vocabulary)
+    assert grammar.num_edges < 2000 and grammar.num_masks < 100, (grammar.num_edges, grammar.num_masks)
+    index = Index(build_regex_from_schema(json.dumps(EVERYDAY["two strings"])), vocabulary.index_vocabulary)
+    moves = index.get_transitions()
+    states = sorted(set(moves) | {t for e in moves.values() for t in e.values()})
+    number = {s: i for i, s in enumerate(states)}
+    want = np.full((len(states), V), DEAD)
+    for s, edges in moves.items():
+        for token, to in edges.items():
+            want[number[s], token] = number[to]
+    automaton, initial = Automaton.of([None, grammar], V)
+    Q = grammar.num_states
+    q = jnp.broadcast_to(jnp.repeat(jnp.arange(Q), V), (2, Q * V))
+    t = jnp.broadcast_to(jnp.tile(jnp.arange(V), Q), (2, Q * V))
+    assert (np.asarray(automaton.step(q, t))[1].reshape(Q, V) == want).all()
+    allows = np.asarray(automaton.allows(jnp.broadcast_to(jnp.arange(Q), (2, Q)), V))[1]
+    assert (allows == (want != DEAD)).all() and initial[1] == number[index.get_initial_state()]
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda v: Grammar.regex("(", v), r"the regex '\(' cannot be compiled"),
     (lambda v: Grammar.regex(5, v), "a regex must be a string"),
@@ -230,7 +290,7 @@ def test_the_engine_holds_a_grammar_per_slot_and_resumes_it_after_preemption(tin
         with engine._lock:
             requests = [engine.submit(p, 14, stop_token_ids=[EOS], grammar=g, **s) for p, g, s in jobs]
         results = [r.result(timeout=300) for r in requests]
-        with pytest.raises(ValueError, match="this engine's rows hold 16 and 32"):
+        with pytest.raises(ValueError, match=r"a row holds 16 states \(Engine\(max_grammar_states=\.\.\.\)\)"):
             engine.submit(PROMPT, 4, grammar=Grammar.regex("[a-f]{20}", vocabulary))
         preemptions = engine.stats()["preemptions"]
     for (prompt, g, s), result in zip(jobs, results):

@@ -636,17 +636,20 @@ def test_a_stop_string_ends_the_reply_s_tokens_at_the_one_that_completed_it():
 
 def test_constraints_are_bounded_in_states_time_and_memory_and_compiled_once(folder):
     """A constraint with more states than a row holds is refused before any array is built
-    (at 53bdaf5: after compiling, by the engine); one whose compile outlasts the limit is
+    (at 53bdaf5: after compiling, by the engine), one with more masks or moves before any
+    mask is, each naming the server's flags (Engine's arguments at 49c56b6); one whose compile outlasts the limit is
     answered 400 naming it, its process killed (a thread's compile ran on at 66d040c), and
     refused at once after; one that needs more memory than a compile may add ends its
     process, answered 400 naming the limit; the next compile starts a new process;
     identical ones asked together share one compile; too many distinct ones waiting: 503."""
     from specjax.serve import structured
     from specjax.serve.protocol import ApiError
+    from specjax.grammar import Capacity
     from specjax.serve.structured import Constraints
 
     tokenizer = specjax.load_tokenizer(folder)
-    constraints = Constraints(tokenizer, 4096, EOS, (300_000, 10_000_000), timeout=3.0, memory=200 << 20)
+    constraints = Constraints(tokenizer, 4096, EOS, Capacity(300_000, 300_000, 10_000_000), timeout=3.0,
+                              memory=200 << 20)
 
     def ask(*patterns, of=constraints):
         async def together():
@@ -672,12 +675,19 @@ def test_constraints_are_bounded_in_states_time_and_memory_and_compiled_once(fol
     assert isinstance(error, ApiError) and "more than the 200 MiB of memory" in error.message, error
     [error] = ask("[0-9]{12}")
     assert worker.starts == 3 and error.num_states == 13, error  # a new process after each end
-    constraints.capacity = (4, 1000)
+    constraints.capacity = Capacity(4, 1000, 1000)  # (a refusal names the server's flags, not Engine's arguments)
     [error] = ask("[0-9]{5}")
-    assert isinstance(error, ApiError) and re.search(r"compiles to 6 states; at most 4 are held", error.message)
+    assert isinstance(error, ApiError) and error.message.endswith(
+        "compiles to 6 states; a row holds 4 states (--max-grammar-states)"), error.message
+    constraints.capacity = Capacity(1000, 1, 0)
+    [error] = ask("[0-9]{2}(a|bb)")
+    assert isinstance(error, ApiError) and re.search(
+        r"compiles to \d+ states, \d+ distinct token masks and \d+ exceptional moves; a row holds 1 token masks "
+        r"\(--max-grammar-masks\), 0 exceptional moves \(--max-grammar-edges\)$", error.message), error.message
+    assert "Engine" not in error.message
     constraints.close()
 
-    waiting = Constraints(tokenizer, 4096, EOS, (4, 1000))
+    waiting = Constraints(tokenizer, 4096, EOS, Capacity(4, 1000, 1000))
     release = threading.Event()
     waiting._pool.submit(release.wait)  # the compiler busy for a second
     threading.Timer(1.0, release.set).start()

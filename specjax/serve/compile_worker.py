@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-from specjax.grammar import Grammar, GrammarError, Vocabulary
+from specjax.grammar import Capacity, Grammar, GrammarError, Vocabulary
 
 START_SECONDS = 300.0  # the longest a start (imports, the vocabulary) may take
 MEMORY_BYTES = 4 << 30  # the address space a compile may add to the process's own at its start
@@ -37,10 +37,13 @@ class CompileWorker:
         self._process = self._connection = None
         self.starts = 0  # processes started (tests)
 
-    def compile(self, kind: str, spec, whitespace: str | None, max_states: int, timeout: float) -> Grammar:
+    def compile(self, kind: str, spec, whitespace: str | None, capacity: Capacity, timeout: float,
+                names=None) -> Grammar:
+        """The Grammar (refused where it does not fit `capacity`, `Capacity.refusal` naming
+        `names`), or GrammarError, or CompileTimeout."""
         if self._process is None or not self._process.is_alive():
             self._start()
-        self._connection.send((kind, spec, whitespace, max_states))
+        self._connection.send((kind, spec, whitespace, tuple(capacity), names))
         if not self._connection.poll(timeout):
             self.close()
             raise CompileTimeout
@@ -103,16 +106,17 @@ def _serve(connection, texts: dict, eos: int, vocab_size: int, memory: int):
     connection.send("ready")
     while True:
         try:
-            kind, spec, whitespace, states = connection.recv()
+            kind, spec, whitespace, capacity, names = connection.recv()
         except EOFError:
             return
+        capacity = Capacity(*capacity)
         try:
             if kind == "regex":
-                grammar = Grammar.regex(spec, vocabulary, max_states=states)
+                grammar = Grammar.regex(spec, vocabulary, capacity=capacity, names=names)
             elif kind == "choice":
-                grammar = Grammar.choice(spec, vocabulary, max_states=states)
+                grammar = Grammar.choice(spec, vocabulary, capacity, names)
             else:
-                grammar = Grammar.json_schema(spec, vocabulary, whitespace, max_states=states)
+                grammar = Grammar.json_schema(spec, vocabulary, whitespace, capacity, names)
         except GrammarError as e:
             connection.send((False, str(e), False))
         except MemoryError:  # (then the process ends: what the failed compile left is not trusted)

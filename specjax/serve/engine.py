@@ -121,9 +121,13 @@ class Engine:
         then a call with a row that asks for logprobs runs a filtered program that also
         scores its tokens (`generate`'s logprobs, of `logprobs_mode`: "raw" or "processed"),
         one more run program per K and width; `Request.logprobs` holds them.
-    max_grammar_states, max_grammar_edges: each slot holds a grammar (specjax.grammar) of up to
-        this many states and exceptional moves, written with its row (0: none; larger: refused;
-        None: `sizing.grammar_capacity`, about 8 MiB a slot).
+    max_grammar_states, max_grammar_masks, max_grammar_edges: each slot holds a grammar
+        (specjax.grammar) of up to this many states, distinct token masks (V/8 bytes each)
+        and exceptional moves, written with its row (states 0: none; larger: refused at
+        submit, naming the argument; None: `sizing.grammar_capacity`: 8,192 states, the masks
+        4 MiB hold (256-1,024) and 65,536 moves, 1.1 MiB a slot at 4k tokens, 5.1 MiB at
+        128k; a JSON object of five strings of up to 20-50 characters fits), counted in the
+        state's bytes (`stats()`'s state_bytes, which the memory check weighs).
     kv_pages: None (each slot holds max_len positions of keys and values), or every cache (the
         target's, and a draft model's or an EAGLE layer's: one page id a page of each) in pools
         of this many pages of `page_size` positions that the rows share (PagedAttention): a
@@ -160,7 +164,8 @@ class Engine:
                  kv_pages: int | None = None, kv_cache_bytes: int | str | None = None, page_size: int = 16,
                  prefix_caching: bool | None = None, prefill_chunk: int | None = None,
                  max_logit_bias: int = MAX_LOGIT_BIAS, max_logprobs: int | None = None, logprobs_mode: str = "raw",
-                 max_grammar_states: int | None = None, max_grammar_edges: int | None = None):
+                 max_grammar_states: int | None = None, max_grammar_edges: int | None = None,
+                 max_grammar_masks: int | None = None):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
@@ -172,7 +177,8 @@ class Engine:
             max_len = min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
         if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
-        grammar = sizing.grammar_capacity(max_grammar_states, max_grammar_edges, target.config.vocab_size)
+        grammar = sizing.grammar_capacity(max_grammar_states, max_grammar_edges, target.config.vocab_size,
+                                          max_grammar_masks)
         scoring = logprobs_setting(max_logprobs, logprobs_mode, "max_logprobs")  # (top, mode) or None
         if max_len > target.config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the target's max_position_embeddings "

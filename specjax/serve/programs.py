@@ -23,7 +23,7 @@ import numpy as np
 from specjax import loop
 from specjax.backend import Backend
 from specjax.drafters.base import Resume, grow_cache_length, verify_room
-from specjax.grammar import FREE, Automaton
+from specjax.grammar import FREE, Automaton, Capacity
 from specjax.serve import timing
 from specjax.serve.pages import NULL_PAGE
 from specjax.serve.rows import first_rows, written_back
@@ -59,14 +59,14 @@ def _as_kind(sampling: Sampling, kind: str = FILTERED) -> Sampling:
 @functools.partial(jax.jit, static_argnames=("slots", "cache_len", "stop_width", "bias_width", "backend", "rules",
                                              "paging", "grammar"))
 def _empty(target, drafter, *, slots: int, cache_len: int, stop_width: int, bias_width: int, backend: Backend, rules,
-           paging: tuple | None = None, grammar: tuple | None = None):
+           paging: tuple | None = None, grammar: Capacity | None = None):
     """A state of `slots` empty rows (done, so no step touches them): a prefill of one token
     per row, so that its structure is exactly what `prefill` gives an inserted row.
     paging: None, or (pages, page size, table width): every cache of the state (the target's,
     the drafter's) in a pool of pages, every row's table the null page (serve/pages.py).
-    grammar: None, or (states, exceptional moves) each row's grammar may hold (all free)."""
+    grammar: None, or the `Capacity` each row's grammar may hold (all free)."""
     target, drafter = loop.bound(backend, target, drafter)
-    automaton = None if grammar is None else Automaton.free(slots, target.config.vocab_size, *grammar)
+    automaton = None if grammar is None else Automaton.free(slots, target.config.vocab_size, grammar)
     state = loop.prefill(
         target, drafter, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32),
         cache_len=cache_len, limit=jnp.ones((slots,), jnp.int32), sampling=stack([Settings()] * slots, bias_width),
@@ -283,9 +283,10 @@ class Programs:
     def __init__(self, target, drafters: dict, slots: int, max_len: int, stop_width: int,
                  steps_per_call: int, threshold: float, mesh=None, rules=None, deterministic: bool = False,
                  open_steps: int | None = None, paging: tuple | None = None, prefill_chunk: int | None = None,
-                 bias_width: int = 0, logprobs: tuple[int, str] | None = None, grammar: tuple | None = None):
+                 bias_width: int = 0, logprobs: tuple[int, str] | None = None, grammar: Capacity | None = None):
         self.target, self.drafters, self.slots, self.max_len = target, drafters, slots, max_len
-        self.grammar = grammar  # None, or (states, exceptional moves) a row's grammar may hold
+        # None, or the Capacity (states, token masks, exceptional moves) a row's grammar may hold
+        self.grammar = None if grammar is None else Capacity(*grammar)
         self.bias_width = bias_width  # entries of a row's logit bias the state holds
         # None, or (top, mode): the run programs that also score the tokens they emit
         # (`loop.step`'s logprobs), one per K and width, of the filtered kind (which serves every row).

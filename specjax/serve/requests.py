@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from specjax.grammar import Grammar
+from specjax.grammar import Capacity, Grammar
 from specjax.models import check_token_ids
 from specjax.request import fresh_seed
 from specjax.sampling import Settings, check_logit_bias, check_penalties, validate
@@ -28,7 +28,7 @@ class Limits(NamedTuple):
     stop_width: int  # stop ids
     bias_width: int  # logit bias entries
     logprobs: int | None  # top alternatives a token's logprobs may list (None: no logprobs)
-    grammar: tuple | None = None  # (states, exceptional moves) a row's grammar may hold (None: no grammars)
+    grammar: Capacity | None = None  # what a row's grammar may hold (None: no grammars)
 
     def prompt(self, prompt_ids) -> np.ndarray:
         """The prompt's ids as an array, checked: a non-empty list of ids in the vocabulary."""
@@ -56,13 +56,12 @@ class Limits(NamedTuple):
                 raise ValueError("this engine holds no grammars: Engine(max_grammar_states=...)")
             if not isinstance(grammar, Grammar):
                 raise ValueError(f"grammar must be a specjax.Grammar, got {type(grammar).__name__}")
-            states, moves = self.grammar
-            ids = grammar.allowed.shape[1] * 32
-            if grammar.num_states > states or grammar.num_edges > moves or ids < self.vocab_size:
-                raise ValueError(f"{grammar.source} compiles to {grammar.num_states} states and {grammar.num_edges} "
-                                 f"exceptional moves over {ids} ids; this engine's rows "
-                                 f"hold {states} and {moves} over {self.vocab_size} (Engine(max_grammar_states=..., "
-                                 f"max_grammar_edges=...))")
+            if grammar.vocab_ids < self.vocab_size:
+                raise ValueError(f"{grammar.source} was compiled over {grammar.vocab_ids} ids; this engine's model "
+                                 f"has {self.vocab_size}")
+            why = self.grammar.refusal(grammar.source, grammar.num_states, grammar.num_masks, grammar.num_edges)
+            if why:
+                raise ValueError(why)
         prompt = self.prompt(prompt_ids)
         V = self.vocab_size
         if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:

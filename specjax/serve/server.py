@@ -65,11 +65,12 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True,
           prefill_chunk: int | None = None, dense_kv_cache: bool = False, max_logprobs: int | None = 20,
           logprobs_mode: str = "raw", max_grammar_states: int | None = None,
-          max_grammar_edges: int | None = None) -> int:
+          max_grammar_edges: int | None = None, max_grammar_masks: int | None = None) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
     target's own folder's). max_logprobs, logprobs_mode: the Engine's (None: no request may
-    ask for logprobs, and no program scores tokens). max_grammar_states, max_grammar_edges:
-    the Engine's (each slot's room for a structured-output grammar; 0 states: none). kv_pages, kv_cache_bytes, page_size,
+    ask for logprobs, and no program scores tokens). max_grammar_states, max_grammar_masks,
+    max_grammar_edges: the Engine's (each slot's room for a structured-output grammar; 0
+    states: none). kv_pages, kv_cache_bytes, page_size,
     prefix_caching, prefill_chunk: the engine's page pool, whether it shares cached prefixes
     and the most prompt tokens a call prefills (Engine's; the last two only where paged).
     Without kv_pages or kv_cache_bytes the caches are paged all the same (`default_pool`)
@@ -103,7 +104,8 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
                             prefix_caching=None if prefix_caching else False, prefill_chunk=prefill_chunk,
                             max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
-                            max_grammar_states=max_grammar_states, max_grammar_edges=max_grammar_edges)
+                            max_grammar_states=max_grammar_states, max_grammar_edges=max_grammar_edges,
+                            max_grammar_masks=max_grammar_masks)
     name = served_model_name or Path(target_path).name
     server = Server(engine, tokenizer, name, max_model_len=length, api_key=api_key, max_queue=max_queue,
                     stop_ids=stop_ids(target, tokenizer) or ())

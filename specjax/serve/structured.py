@@ -6,9 +6,10 @@ compiling a large vocabulary's automaton takes seconds, and outlines-core cannot
 from inside). What a request may make the server do is bounded: the constraint's text
 (`MAX_CONSTRAINT_CHARS`), the time its compile may take (`COMPILE_SECONDS`: the process is
 killed, and a 400 names the limit), the memory it may add (`compile_worker.MEMORY_BYTES`),
-the states its automaton may have (the engine's rows' capacity, checked before any array is
-made), and the distinct constraints waiting at once (`PENDING`: then a 503). The grammar's
-EOS is the server's first stop id.
+the states, token masks and exceptional moves its automaton may have (the engine's rows'
+capacity, checked before any mask is made; a refusal names the server's flags), and the
+distinct constraints waiting at once (`PENDING`: then a 503). The grammar's EOS is the
+server's first stop id.
 
 It knows the grammar module, the compile worker and OpenAI's errors; nothing of HTTP routes
 or the engine's thread.
@@ -22,7 +23,7 @@ import concurrent.futures
 import json
 import threading
 
-from specjax.grammar import Grammar, GrammarError, Vocabulary
+from specjax.grammar import Capacity, Grammar, GrammarError, Vocabulary
 from specjax.serve.compile_worker import MEMORY_BYTES, CompileTimeout, CompileWorker
 from specjax.serve.protocol import ApiError
 
@@ -30,14 +31,19 @@ CACHED = 64  # compiled grammars kept, and refused constraints remembered (vLLM 
 MAX_CONSTRAINT_CHARS = 32 << 10  # a regex, the choices joined, or a schema's JSON text, at most
 COMPILE_SECONDS = 30.0  # the longest one constraint's compile may run
 PENDING = 8  # distinct constraints compiling or waiting to, at most
+# How a server's rows come to hold more (`Capacity.refusal`): its flags, not the Engine's arguments.
+FLAGS = ("--max-grammar-states", "--max-grammar-masks", "--max-grammar-edges")
 
 
 class Constraints:
     """Compiles and caches the grammars of one server's requests."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos: int | None, capacity: tuple | None,
-                 timeout: float = COMPILE_SECONDS, memory: int = MEMORY_BYTES):
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None, capacity: Capacity | None,
+                 timeout: float = COMPILE_SECONDS, memory: int = MEMORY_BYTES, names=FLAGS):
+        """capacity: what the engine's rows hold (`Engine.limits.grammar`); a constraint that
+        does not fit is refused naming `names` (the server's flags)."""
         self.tokenizer, self.vocab_size, self.eos, self.capacity = tokenizer, vocab_size, eos, capacity
+        self.names = names
         self.timeout, self.memory = timeout, memory
         self.worker: CompileWorker | None = None  # started at the first compile
         self._cache: collections.OrderedDict = collections.OrderedDict()  # key -> Grammar
@@ -86,7 +92,7 @@ class Constraints:
             if self.worker is None:  # (the vocabulary's texts: a second, once)
                 self.worker = CompileWorker(Vocabulary.texts(self.tokenizer), self.eos, self.vocab_size, self.memory)
             try:
-                grammar = self.worker.compile(kind, spec, whitespace, self.capacity[0], self.timeout)
+                grammar = self.worker.compile(kind, spec, whitespace, self.capacity, self.timeout, self.names)
             except GrammarError as e:
                 reason = str(e)
             except CompileTimeout:

@@ -357,8 +357,9 @@ def engine_program(target: Model, draft: Model | None, where: Placement, slots: 
     kv_pages: a paged engine's (Engine(kv_pages=, page_size=)): every cache in pools of
     kv_pages pages (and the null page) of page_size slots, each row's table as wide as its
     longest cache needs: the state is the engine's own (`Programs`: its cache length and
-    table width). grammar: None, or (states, exceptional moves): each row's room for a grammar
-    (Engine(max_grammar_states=, max_grammar_edges=)), the call of a kind that walks it."""
+    table width). grammar: None, or (states, token masks, exceptional moves): each row's room
+    for a grammar (`specjax.grammar.Capacity`: Engine(max_grammar_states=, max_grammar_masks=,
+    max_grammar_edges=)), the call of a kind that walks it."""
     from specjax.serve import programs
     from specjax.serve.engine import OPEN_STEPS
 
