@@ -322,7 +322,7 @@ def _serve(args):
                  prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk,
                  dense_kv_cache=args.dense_kv_cache, max_logprobs=None if args.no_logprobs else args.max_logprobs,
                  logprobs_mode=args.logprobs_mode, max_grammar_states=args.max_grammar_states,
-                 max_grammar_edges=args.max_grammar_edges)
+                 max_grammar_edges=args.max_grammar_edges, max_grammar_masks=args.max_grammar_masks)
 
 
 def _plan(args):
@@ -564,10 +564,14 @@ def main(argv=None):
                         "sampled from (logit bias, temperature, top-k, top-p, min-p applied)")
     p.add_argument("--max-grammar-states", type=int, default=None, metavar="N",
                    help="each slot's room for a structured-output grammar (response_format, guided_json, "
-                        "guided_regex, guided_choice), in automaton states (default: what 8 MiB of masks hold, "
-                        "64-2048; a JSON object's takes ~1,600; 0 refuses them)")
+                        "guided_regex, guided_choice), in automaton states, 12 bytes each (default 8192; a JSON "
+                        "object of five strings of up to 20-50 characters takes ~1,500; 0 refuses them)")
+    p.add_argument("--max-grammar-masks", type=int, default=None, metavar="N",
+                   help="and in distinct sets of allowed tokens, vocabulary/8 bytes each (default: what 4 MiB "
+                        "holds, 256-1024; that object takes ~100 at 4k tokens, ~200 at 128k)")
     p.add_argument("--max-grammar-edges", type=int, default=None, metavar="N",
-                   help="and in moves that leave a state other than by its usual one (default 8 a state)")
+                   help="and in moves that leave a state other than by its usual one, 8 bytes each (default "
+                        "65536; that object takes ~13,000 at 4k tokens, ~33,000 at 128k)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
                         "chunk a call while the running requests stream (default 64 on a CPU, 512 elsewhere)")

@@ -847,13 +847,15 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(server_module, "serve", lambda *args, **kwargs: seen.append(kwargs) or 0)
     assert entry(["serve", "t", "--kv-pages", "64", "--page-size", "32", "--prefill-chunk", "256"]) == 0
     assert entry(["serve", "t", "--kv-cache-memory", "4GiB", "--no-prefix-caching"]) == 0
-    assert entry(["serve", "t", "--dense-kv-cache", "--no-logprobs", "--max-grammar-states", "0"]) == 0
+    assert entry(["serve", "t", "--dense-kv-cache", "--no-logprobs", "--max-grammar-states", "0",
+                  "--max-grammar-masks", "7", "--max-grammar-edges", "9"]) == 0
     assert [(s["kv_pages"], s["kv_cache_bytes"], s["page_size"], s["prefix_caching"], s["prefill_chunk"],
              s["dense_kv_cache"]) for s in seen] == [(64, None, 32, True, 256, False),
                                                      (None, "4GiB", 16, False, None, False),
                                                      (None, None, 16, True, None, True)]
     assert [(s["max_logprobs"], s["logprobs_mode"]) for s in seen] == [(20, "raw"), (20, "raw"), (None, "raw")]
-    assert [(s["max_grammar_states"], s["max_grammar_edges"]) for s in seen] == [(None, None)] * 2 + [(0, None)]
+    assert [(s["max_grammar_states"], s["max_grammar_masks"], s["max_grammar_edges"]) for s in seen] == \
+        [(None, None, None)] * 2 + [(0, 7, 9)]
     with pytest.raises(SystemExit):  # dense rows or a pool, not both
         entry(["serve", "t", "--dense-kv-cache", "--kv-pages", "8"])
     # Given neither, a server's caches are paged: on a CPU (no memory reported), the pages of its rows.
