@@ -128,11 +128,11 @@ def _generate(args):
 
 
 def _summary(stats: dict) -> str:
-    """generate's last line. A chain's: its acceptance rate and K. A tree's (and lookahead's):
-    the mean accepted length (tokens per step), its shape being in the drafter's name; a
-    rate over all its nodes, most of them siblings that cannot all be kept, says nothing."""
+    """generate's last line: tokens per target pass (one name, chain or tree), and a chain's
+    acceptance rate and K. A tree's (and lookahead's) shape is in the drafter's name; a rate
+    over all its nodes, most of them siblings that cannot all be kept, says nothing."""
     if stats["tree"] is not None:
-        speculation = f"mean accepted length {stats['tokens_per_target_pass']:.2f} tokens per step"
+        speculation = f"{stats['tokens_per_target_pass']:.2f} tokens per target pass"
         drafter = stats["drafter"]
     else:
         acc = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
@@ -322,7 +322,8 @@ def _serve(args):
                  prefix_caching=not args.no_prefix_caching, prefill_chunk=args.prefill_chunk,
                  dense_kv_cache=args.dense_kv_cache, max_logprobs=None if args.no_logprobs else args.max_logprobs,
                  logprobs_mode=args.logprobs_mode, max_grammar_states=args.max_grammar_states,
-                 max_grammar_edges=args.max_grammar_edges, max_grammar_masks=args.max_grammar_masks)
+                 max_grammar_edges=args.max_grammar_edges, max_grammar_masks=args.max_grammar_masks,
+                 access_log=not args.no_access_log)
 
 
 def _plan(args):
@@ -495,7 +496,8 @@ def main(argv=None):
                    help="instead of files: the shipped pair's training corpus (specjax.train.data.split_corpus)")
     p.set_defaults(run=_datastore_build)
 
-    p = sub.add_parser("bench", help="autoregressive vs speculative, side by side, with plots")
+    p = sub.add_parser("bench", help="autoregressive vs speculative, side by side in interleaved rounds (--sweep: "
+                                     "every section, with plots)")
     from specjax.tools import bench
 
     bench.add_arguments(p)
@@ -533,6 +535,8 @@ def main(argv=None):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="compile programs as requests first need them")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no line on stderr per request (default: one, uvicorn's: client, request line, status)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--compilation-cache", default="default", metavar="DIR",
                        help="keep compiled programs in DIR, so that a second start compiles nothing (default: "
@@ -576,7 +580,7 @@ def main(argv=None):
                    help="with pages, the most prompt tokens one device call prefills: a longer prompt is prefilled a "
                         "chunk a call while the running requests stream (default 64 on a CPU, 512 elsewhere)")
     flags.add_attention_arg(p)
-    flags.add_mesh_args(p, "; the draft model is replicated")
+    flags.add_mesh_args(p, "; the draft model is replicated", one_host=True)
     p.set_defaults(run=_serve, one_host="specjax serve")
 
     p = sub.add_parser("plan", help="before you rent a TPU or a GPU: compile the program for it here and see if it "

@@ -33,11 +33,13 @@ def mesh(args):
     return specjax.make_mesh(data=data, model=model)
 
 
-def add_mesh_args(p, more: str = ""):
+def add_mesh_args(p, more: str = "", one_host: bool = False):
+    """--mesh, and the flags of a job of several processes (one_host: taken, to be refused
+    by `refuse_distributed` in one line, but not listed in --help)."""
     p.add_argument("--mesh", type=ints(2, "--mesh", "2,4"), metavar="DATA,MODEL",
-                   help="shard the model over a (data, model) mesh of every process's devices (rows over data, "
-                        "heads over model)" + more)
-    add_distributed_args(p)
+                   help="shard the model over a (data, model) mesh of " + ("this host's devices" if one_host else
+                        "every process's devices") + " (rows over data, heads over model)" + more)
+    add_distributed_args(p, hidden=one_host)
 
 
 def add_attention_arg(p):
@@ -48,15 +50,19 @@ def add_attention_arg(p):
                         "backend")
 
 
-def add_distributed_args(p):
+def add_distributed_args(p, hidden: bool = False):
+    def shown(text: str) -> str:
+        return argparse.SUPPRESS if hidden else text
+
     p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="join a jax.distributed job of several processes (one per host) at this coordinator; "
-                        "with --num-processes and --process-id (on TPU pods and SLURM, --distributed finds all three)")
-    p.add_argument("--num-processes", type=int, metavar="N", help="the job's processes (with --coordinator)")
+                   help=shown("join a jax.distributed job of several processes (one per host) at this coordinator; "
+                              "with --num-processes and --process-id (on TPU pods and SLURM, --distributed finds all "
+                              "three)"))
+    p.add_argument("--num-processes", type=int, metavar="N", help=shown("the job's processes (with --coordinator)"))
     p.add_argument("--process-id", type=int, metavar="I",
-                   help="this process's index in the job, 0..N-1 (with --coordinator)")
+                   help=shown("this process's index in the job, 0..N-1 (with --coordinator)"))
     p.add_argument("--distributed", action="store_true",
-                   help="jax.distributed.initialize() with JAX's own detection of the job (TPU pods, SLURM)")
+                   help=shown("jax.distributed.initialize() with JAX's own detection of the job (TPU pods, SLURM)"))
 
 
 def start_distributed(args) -> bool:

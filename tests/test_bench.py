@@ -146,17 +146,23 @@ def test_measure_profile_writes_what_its_runs_measured(tmp_path):
 
 @pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_specjax_bench_with_no_flags_is_a_quick_side_by_side(tmp_path, capsys):
-    """`specjax bench` alone: plain vs the draft's chain, greedy, batch 1, a line per pair
-    printed as measured and quick.json written (here on two prompts at K = 2, briefly)."""
+    """`specjax bench` alone: plain vs the draft's chain, greedy, batch 1, in interleaved
+    rounds, a line per pair printed as measured (the median speedup and the rounds' spread)
+    and quick.json written (here on two prompts at K = 2, three rounds, briefly)."""
     import json
 
     from specjax.cli import main
 
-    main(["bench", "--num-prompts", "2", "--prompt-tokens", "16", "--max-new-tokens", "8", "--repeats", "1",
+    main(["bench", "--num-prompts", "2", "--prompt-tokens", "16", "--max-new-tokens", "8", "--repeats", "3",
           "-k", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     lines = [line.split() for line in out.splitlines() if line.startswith(" 0.0")]
     assert [(line[2], line[-1]) for line in lines] == [("2", "yes")], out
     report = json.loads((tmp_path / "quick.json").read_text())
     assert [r["speculative"]["K"] for r in report["runs"]] == [2]
+    ratios = report["runs"][0]["speculative"]["ratios"]
+    assert len(ratios) == 3 and ratios == sorted(ratios) and report["runs"][0]["speculative"]["speedup"] == ratios[1]
+    assert lines[0][6] == f"{ratios[0]:.2f}-{ratios[-1]:.2f}", out
+    noisy = ratios[-1] - ratios[0] > 0.15 * ratios[1]
+    assert ("too noisy to tell" in out) == noisy, out
     assert all(r["plain"]["drafter"] == "none" and r["speculative"]["exact"] for r in report["runs"])

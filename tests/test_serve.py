@@ -772,7 +772,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(folder, xla_cache):
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 24
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
-        assert "compiling:" in proc.stdout.read()  # the count while compiling
+        printed = proc.stdout.read()
+        assert "compiling:" in printed  # the count while compiling
+        assert re.search(r'127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200', printed), printed  # access log
     finally:
         if proc.poll() is None:
             proc.kill()

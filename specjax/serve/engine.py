@@ -168,13 +168,13 @@ class Engine:
                  max_grammar_masks: int | None = None):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
+        if max_len is None:
+            max_len = min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                  ("max_stop_ids", max_stop_ids), ("page_size", page_size))
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if max_len is None:
-            max_len = min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
         if not isinstance(max_logit_bias, (int, np.integer)) or isinstance(max_logit_bias, bool) or max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an int >= 0, got {max_logit_bias!r}")
         grammar = sizing.grammar_capacity(max_grammar_states, max_grammar_edges, target.config.vocab_size,

@@ -11,6 +11,7 @@ nothing of routes (api.py) or of what the engine computes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import stat
@@ -65,7 +66,8 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
           page_size: int = 16, compilation_cache: str | None = "default", prefix_caching: bool = True,
           prefill_chunk: int | None = None, dense_kv_cache: bool = False, max_logprobs: int | None = 20,
           logprobs_mode: str = "raw", max_grammar_states: int | None = None,
-          max_grammar_edges: int | None = None, max_grammar_masks: int | None = None) -> int:
+          max_grammar_edges: int | None = None, max_grammar_masks: int | None = None,
+          access_log: bool = True) -> int:
     """Serves until SIGTERM. tokenizer: the target's tokenizer's folder or hub id (None: the
     target's own folder's). max_logprobs, logprobs_mode: the Engine's (None: no request may
     ask for logprobs, and no program scores tokens). max_grammar_states, max_grammar_masks,
@@ -76,13 +78,15 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
     Without kv_pages or kv_cache_bytes the caches are paged all the same (`default_pool`)
     unless dense_kv_cache: then each slot holds max_model_len positions of its own.
     compilation_cache: a folder for JAX's persistent compilation cache, where a second start
-    finds every program compiled ("default": `default_compilation_cache()`; None: none)."""
+    finds every program compiled ("default": `default_compilation_cache()`; None: none).
+    access_log: a line on stderr per request (uvicorn's access log; its other messages stay
+    at warnings)."""
     import uvicorn
 
     import specjax
     from specjax.serve.api import Server, create_app
-    from specjax.text import stop_ids, target_tokenizer
     from specjax.serve.engine import DEFAULT_MAX_LEN
+    from specjax.text import stop_ids, target_tokenizer
 
     if compilation_cache is not None:
         folder = use_compilation_cache(default_compilation_cache() if compilation_cache == "default"
@@ -119,7 +123,9 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
               file=sys.stderr, flush=True)
     print(f"specjax serve: {name} on http://{host}:{port}/v1 (draft: {draft})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server, owns_engine=True), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=drain_timeout)
+                            timeout_graceful_shutdown=drain_timeout, access_log=access_log)
+    if access_log:  # (Config set every uvicorn logger to log_level)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     _server_class()(config).run()
     return 0
 

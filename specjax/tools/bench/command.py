@@ -55,8 +55,9 @@ def add_arguments(parser):
                         help="held-out prompts (default 8; 16 with a section flag or --sweep)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, the median "
-                                                                 "reported (default 3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per configuration, the median reported (default 3; without a section "
+                             "flag: 5 interleaved rounds of plain and speculative, their speedups' spread shown)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help=f"folder for the JSON reports and the plots (default {DEFAULT_OUT}; with --synthetic: "
                              f"synthetic.json, written only when --out is given)")
@@ -153,6 +154,10 @@ def run_from_args(args):
         args.batches = [1] if quick else [1, 4, 16]
     if args.temperatures is None:
         args.temperatures = [0.0] if quick else [0.0, 1.0]
+    if args.repeats is None:
+        args.repeats = 5 if quick else 3
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: at least 1")
     if quick:
         run_quick(args.target, args.draft, args.out, ks=tuple(args.ks or (4,)),
                   temperatures=tuple(args.temperatures), batches=tuple(args.batches),

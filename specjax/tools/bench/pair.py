@@ -32,39 +32,67 @@ from specjax.tree import Tree
 
 
 def run_quick(target_path: str, draft_path: str, out_dir: str | None = "bench", ks=(4,), temperatures=(0.0,),
-              batches=(1,), num_prompts=8, prompt_tokens=64, max_new_tokens=64, repeats=3,
+              batches=(1,), num_prompts=8, prompt_tokens=64, max_new_tokens=64, repeats=5,
               tokenizer: str | None = None, log=print) -> dict:
     """`specjax bench` with no section flag: plain decoding against the draft model's chain
-    at each K, side by side on the same held-out prompts, for each temperature and batch
-    size (a minute or two for the shipped pair on a 2-core CPU). Each pair of runs is
-    printed as it is measured and quick.json rewritten after it, so an interrupt keeps what
-    was measured; `--sweep` is the whole bench."""
+    at each K on the same held-out prompts, for each temperature and batch size (a minute or
+    two for the shipped pair on a 2-core CPU), in `repeats` interleaved rounds (plain, then
+    each K, then plain again ...), so that a machine's drift weighs on both sides alike:
+    the speedup is the median of the rounds' ratios, with their spread, and a line says
+    when the spread is too wide to tell (`NOISE`). Each result is printed as measured and
+    quick.json rewritten after it, so an interrupt keeps what was measured; `--sweep` is
+    the whole bench."""
     from specjax.hf import load_model
 
     target, draft = load_model(target_path), load_model(draft_path)
     prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens)
     log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.config.num_params() / 1e6:.2f}M; "
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
-        f"{max_new_tokens} new tokens each; median of {repeats} timed runs after one that compiles")
+        f"{max_new_tokens} new tokens each; {repeats} interleaved rounds after one that compiles, medians")
     log(f"{'temp':>4} {'batch':>5} {'K':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
-        f"{'accept':>6} {'tok/pass':>8} exact")
+        f"{'spread':>11} {'accept':>6} {'tok/pass':>8} exact")
     report = {"backend": jax.default_backend(), "num_prompts": len(prompts), "prompt_tokens": prompt_tokens,
               "max_new_tokens": max_new_tokens, "repeats": repeats, "runs": []}
+    noisy = []
     for temperature, batch in itertools.product(temperatures, batches):
-        plain, plain_rows = time_generate(target, prompts, batch, repeats, None, 0, "none", temperature,
-                                          max_new_tokens)
+        def timed(K: int, warm: bool):
+            return time_generate(target, prompts, batch, 1, draft if K else None, K, "draft" if K else "none",
+                                 temperature, max_new_tokens, warm=warm)
+
+        first = {K: timed(K, warm=True) for K in (0, *ks)}  # (compiles, then one timed round)
+        rounds = [{K: run for K, (run, _) in first.items()}]
+        for _ in range(repeats - 1):
+            rounds.append({K: timed(K, warm=False)[0] for K in (0, *ks)})
+        plain_rows = first[0][1]
+        plain = _median_run(r[0] for r in rounds)
         for K in ks:
-            run, rows = time_generate(target, prompts, batch, repeats, draft, K, "draft", temperature, max_new_tokens)
-            run.speedup = run.tokens_per_s / plain.tokens_per_s
-            run.exact = rows == plain_rows if temperature == 0 else None
+            ratios = sorted(r[K].tokens_per_s / r[0].tokens_per_s for r in rounds)
+            run = _median_run(r[K] for r in rounds)
+            run.speedup = statistics.median(ratios)
+            run.exact = first[K][1] == plain_rows if temperature == 0 else None
+            spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
             log(f"{temperature:>4.1f} {batch:>5} {K:>2} {plain.tokens_per_s:>11.1f} {run.tokens_per_s:>10.1f} "
-                f"{run.speedup:>6.2f}x {fmt(run.acceptance):>6} {run.tokens_per_pass:>8.2f} "
+                f"{run.speedup:>6.2f}x {spread:>11} {fmt(run.acceptance):>6} {run.tokens_per_pass:>8.2f} "
                 f"{ {True: 'yes', False: 'NO'}.get(run.exact, '-')}")
-            report["runs"].append({"plain": _brief(plain), "speculative": _brief(run)})
+            if ratios[-1] - ratios[0] > NOISE * run.speedup:
+                noisy.append(f"K={K} at temperature {temperature:g}, batch {batch}: {spread}")
+            report["runs"].append({"plain": _brief(plain), "speculative": {**_brief(run), "ratios": ratios}})
             _write(report, out_dir, "quick.json", lambda line: None)
+    if noisy:
+        log(f"too noisy to tell: the rounds' speedups spread over more than {NOISE:.0%} of their median "
+            f"({'; '.join(noisy)}): other work shares this machine; rerun idle, or with --repeats 9")
     if out_dir:
         log(f"wrote {Path(out_dir) / 'quick.json'}")
     return report
+
+
+NOISE = 0.15  # a spread of the rounds' speedups wider than this share of their median: too noisy to tell
+
+
+def _median_run(runs) -> Run:
+    """The run of median tokens/s among one configuration's rounds."""
+    runs = sorted(runs, key=lambda run: run.tokens_per_s)
+    return runs[(len(runs) - 1) // 2]
 
 
 def _brief(run: Run) -> dict:
