@@ -187,6 +187,27 @@ def test_a_burst_is_prefilled_together_and_equals_generate_alone(pair, engines, 
         assert got == _alone(pair[0], prompt, budget, stops)
 
 
+def test_an_engine_serves_while_every_program_compiles_in_the_background(pair):
+    """compile_all(background=True) (`specjax serve` on a CPU) returns before any program is
+    compiled, and requests are served meanwhile, each as it is alone (compiling what it needs
+    on the engine's thread); the thread compiles every program, times the steps, then the
+    grouped prefills, and says how many are left as it goes."""
+    target = pair[0]
+    engine = specjax.Engine(target, slots=SLOTS, max_len=MAX_LEN, steps_per_call=4)
+    started = time.perf_counter()
+    engine.compile_all(background=True)
+    assert time.perf_counter() - started < 1 and engine.warming and engine.step_ms is None
+    assert 0 < engine.stats()["programs_compiling"] <= len(engine.stats()["programs"])
+    with engine:
+        got = [engine.submit(p, max_new_tokens=b, stop_token_ids=s) for p, b, s in REQUESTS[:4]]
+        assert [r.result(timeout=600) for r in got] == [_alone(target, *r) for r in REQUESTS[:4]]
+        assert engine.wait_warm(600) and engine.compile_error is None
+        assert engine.stats()["programs_compiling"] == engine.stats()["compiling"] == 0
+        assert set(engine.step_ms) == {0} and set(engine.step_ms[0]) == set(engine.programs.widths)
+        got = engine.submit(REQUESTS[5][0], max_new_tokens=REQUESTS[5][1], stop_token_ids=REQUESTS[5][2])
+        assert got.result(timeout=600) == _alone(target, *REQUESTS[5])
+
+
 @pytest.mark.slow  # the suite's time on 2 cores (-m slow runs it)
 def test_grouped_prefills_compile_in_the_background(pair, engines, monkeypatch):
     """compile_all(groups_later=True) returns before the prefills of several requests are

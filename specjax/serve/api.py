@@ -252,8 +252,10 @@ def create_app(server: Server, owns_engine: bool = False) -> FastAPI:
         engine = server.engine
         if not engine.running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
-        if engine.warming:  # it serves; grouped prefills are still compiling in the background
-            return JSONResponse({"status": "warming", "compiling": engine.stats()["compiling"]})
+        if engine.warming:  # it serves; programs are still compiling in the background
+            stats = engine.stats()
+            return JSONResponse({"status": "warming", "compiling": stats["compiling"],
+                                 "programs_compiling": stats["programs_compiling"]})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -316,7 +316,7 @@ class Engine:
 
     # ---- the device thread --------------------------------------------------------------
 
-    def compile_all(self, groups_later: bool = False, progress=None) -> "Engine":
+    def compile_all(self, groups_later: bool = False, progress=None, background: bool = False) -> "Engine":
         """Compiles every program the engine may run (`stats()["programs"]`) now, so that no
         request waits for a compile; seconds to minutes, once per process and shape.
 
@@ -329,13 +329,29 @@ class Engine:
         progress: None, or a function called with the number of programs just compiled,
         after each (from the background thread too).
 
+        background: every program compiles in that thread, the engine serving at once: a
+        request meanwhile compiles the programs it needs itself (jit's own path, on the
+        engine's thread), most of all a first request's few, so that a cold server answers
+        in seconds where compiling all takes minutes (docs/bench/serve_first_answer.txt).
+        The thread runs each program once on a state of its own beside the engine's, so
+        only where memory is the host's (a CPU); elsewhere it is `groups_later`.
+
         Then each K's step at each width is timed over live rows (`timing.step_costs`,
         about a second; `stats()["step_ms"]`): calls run the steps that last about
         policy.CALL_MS at those costs (`KPolicy.call_steps`), and a table the cost profile
         chose is chosen again at them (the profile timed generate's loop, maybe elsewhere)."""
         self.wait_warm()  # an earlier call's background compile ends first
-        later = self.programs.groups() if groups_later else []
+        later = self.programs.groups() if groups_later or background else []
         self.warmup.pending = set(later)
+        if background and self.programs.backend.platform == "cpu":
+            def everything_else(tick):
+                layout = self.programs.compile_all(skip=self.warmup.pending, progress=tick)
+                self.policy.price(timing.step_costs(self.programs), self.programs.widths)
+                return layout
+
+            first = len(self.programs.listing()) - len(later) * len(self.programs.admissions)
+            self.warmup.start(self.programs, later, everything_else, progress, programs_first=first)
+            return self
         layout = self.programs.compile_all(skip=self.warmup.pending, progress=progress)
         self.policy.price(timing.step_costs(self.programs), self.programs.widths)
         if later:
@@ -616,6 +632,7 @@ class Engine:
                 "failures": self.failures, "preemptions": self.scheduler.preemptions,
                 "prefix_caching": self.prefix_caching,
                 "programs": self.programs.listing(), "step_ms": self.step_ms,
-                "compiling": len(self.warmup.pending), "prefill_call_tokens": self.programs.call_tokens,
+                "compiling": len(self.warmup.pending), "programs_compiling": self.warmup.left if self.warming else 0,
+                "prefill_call_tokens": self.programs.call_tokens,
                 **({} if self.pages is None else {**self.pages.stats(), **self.kv_budget}), **self.memory}
 

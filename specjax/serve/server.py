@@ -180,40 +180,50 @@ def check_private(folder: Path):
 
 
 def _compile(engine, slots: int, length: int):
-    """The programs needed to serve, compiled now with a count on stderr; the rest (grouped
-    prefills) in the background, with a line when they are done (/health says "warming"
-    until then)."""
+    """On a CPU: every program compiled in the background while the server serves at once (a
+    request compiles what it needs first; `Engine.compile_all(background=True)`). Elsewhere
+    (a state of the thread's own beside the engine's would not fit an accelerator): the
+    programs needed to serve compiled now with a count on stderr, the rest (grouped
+    prefills) in the background. Either way a line says when they are all done (/health
+    says "warming" until then)."""
     from tqdm import tqdm
 
     programs = len(engine.stats()["programs"])
-    later = len(engine.programs.admissions) * len(engine.programs.groups())
-    print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
-          f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
-          f"compile in the background once serving", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    with tqdm(total=programs - later, desc="specjax serve: compiling", unit="program", file=sys.stderr,
-              mininterval=1.0) as bar:
-        background = {"done": 0}
+    background = {"done": 0}
+    if engine.programs.backend.platform == "cpu":
+        print(f"specjax serve: serving at once; its {programs} programs ({slots} slots x {length} tokens, K by "
+              f"live rows {list(engine.k_table)}) compile in the background, and a request compiles those it "
+              f"needs first", file=sys.stderr, flush=True)
+        engine.compile_all(background=True, progress=lambda n: background.update(done=background["done"] + n))
+    else:
+        later = len(engine.programs.admissions) * len(engine.programs.groups())
+        print(f"specjax serve: compiling {programs - later} of {programs} programs ({slots} slots x {length} tokens, "
+              f"K by live rows {list(engine.k_table)}); the {later} that prefill several requests at once "
+              f"compile in the background once serving", file=sys.stderr, flush=True)
+        with tqdm(total=programs - later, desc="specjax serve: compiling", unit="program", file=sys.stderr,
+                  mininterval=1.0) as bar:
 
-        def progress(n):
-            if threading.current_thread() is threading.main_thread():
-                bar.update(n)
-            else:
-                background["done"] += n
+            def progress(n):
+                if threading.current_thread() is threading.main_thread():
+                    bar.update(n)
+                else:
+                    background["done"] += n
 
-        engine.compile_all(groups_later=True, progress=progress)
-    if engine.step_ms is not None:
-        print(f"specjax serve: K by live rows {list(engine.k_table)} at the steps timed here", file=sys.stderr,
-              flush=True)
+            engine.compile_all(groups_later=True, progress=progress)
+        if engine.step_ms is not None:
+            print(f"specjax serve: K by live rows {list(engine.k_table)} at the steps timed here", file=sys.stderr,
+                  flush=True)
 
     def announce():
         engine.wait_warm()
         if engine.compile_error is not None:
-            print(f"specjax serve: the background compile stopped ({engine.compile_error!r}); requests are "
-                  f"prefilled in the sizes compiled", file=sys.stderr, flush=True)
+            print(f"specjax serve: the background compile stopped ({engine.compile_error!r}); requests compile the "
+                  f"programs they need, and are prefilled in the group sizes compiled", file=sys.stderr, flush=True)
         elif not engine.stats()["compiling"]:
             print(f"specjax serve: fully warm: {programs} programs compiled in {time.perf_counter() - start:.0f} s "
-                  f"({background['done']} in the background)", file=sys.stderr, flush=True)
+                  f"({background['done']} in the background); K by live rows {list(engine.k_table)}",
+                  file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, name="specjax-warm", daemon=True).start()
 
