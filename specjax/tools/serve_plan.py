@@ -10,7 +10,7 @@ memory holds, to show it fits. From XLA's figures (`memory_analysis()`), the chi
 less the weights, the state's rows (tokens, page tables, settings) and the most either paged
 program needs beside its arguments is what pages may hold.
 
-The compiles run in a process of their own (compile_process.py), each for at most
+The compiles run in a process of their own (specjax/compile_process.py), each for at most
 compile_limit seconds: one that runs past it is stopped and the plan says what it leaves out.
 A TPU program writes pages one token at a time, unrolled (docs/rough-edges.md), so the
 admission's compile grows with its tokens: the 4,096 of a full prefill group take many
@@ -36,7 +36,7 @@ from specjax.memory import GB, MB, nbytes
 from specjax.serve import programs
 from specjax.serve.engine import DEFAULT_MAX_LEN
 from specjax.tools import aot
-from specjax.tools.compile_process import Compiler
+from specjax.compile_process import Compiler
 from specjax.tools.plan import read_config
 
 SLOTS = 8  # `specjax serve`'s

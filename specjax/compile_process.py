@@ -8,7 +8,9 @@ with Ctrl-C ignored: the parent, which Ctrl-C interrupts at once, kills it. It e
 the parent dies without killing it (a SIGTERM). It runs JAX on the parent's platforms
 (`jax_platforms`, which `specjax.cli` may have set to the CPU).
 
-It knows processes and time; what is compiled, and how, is the caller's (`prepare`).
+It knows processes and time; what is compiled, and how, is the caller's (`prepare`): XLA's
+programs for `specjax plan --serve` (tools/serve_plan.py), structured output's grammars for
+`specjax serve` (serve/compile_worker.py).
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ class Compiler:
         seconds = time.monotonic() - begun
         self._log(f"compiled {self.count}{of} in {seconds:.1f} s")
         return Outcome(name, seconds, value)
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's, or None."""
+        process = self._process
+        return None if process is None else process.pid
+
+    def kill(self):
+        """Ends the process now, from any thread (a compile waiting on it sees it end)."""
+        process = self._process
+        if process is not None:
+            process.kill()
 
     def close(self):
         """Ends the process, a compile in it with it."""
