@@ -40,8 +40,7 @@ class CompileWorker:
         """The Grammar (refused where it does not fit `capacity`, `Capacity.refusal` naming
         `names`), or GrammarError, or CompileTimeout."""
         compiler = self._compiler
-        if compiler.pid is None:
-            self.starts += 1
+        self.start()
         compiler.limit = timeout
         try:
             outcome = compiler.compile(kind, spec, whitespace, tuple(capacity), names)
@@ -56,6 +55,16 @@ class CompileWorker:
         if outcome.stopped:
             raise CompileTimeout
         return outcome.value
+
+    def start(self):
+        """Starts the process if none runs (imports and the vocabulary, outside any compile's
+        time); a compile starts it too."""
+        if self._compiler.pid is None:
+            self.starts += 1
+            try:
+                self._compiler.start()
+            except ChildProcessError as e:
+                raise GrammarError(f"the grammar compiler did not start: {e}") from None
 
     @property
     def pid(self) -> int | None:

@@ -45,13 +45,15 @@ class Constraints:
         self.tokenizer, self.vocab_size, self.eos, self.capacity = tokenizer, vocab_size, eos, capacity
         self.names = names
         self.timeout, self.memory = timeout, memory
-        self.worker: CompileWorker | None = None  # started at the first compile
+        self.worker: CompileWorker | None = None  # started with the server, in the thread below
         self._cache: collections.OrderedDict = collections.OrderedDict()  # key -> Grammar
         self._refused: collections.OrderedDict = collections.OrderedDict()  # key -> why (a 400's reason)
         self._compiling: dict = {}  # key -> the Future of its compile
         self._lock = threading.Lock()
         # One thread drives the worker: compiles run one at a time, each holding a core.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-grammar")
+        if capacity is not None and eos is not None:  # (its ~2 s start, once, not a first request's)
+            self._pool.submit(self._started)
 
     async def grammar(self, constraint) -> Grammar | None:
         """The Grammar of `protocol.constraint`'s answer (None: none), or an ApiError naming
@@ -89,10 +91,8 @@ class Constraints:
     def _compile(self, key, kind: str, spec, whitespace, param: str) -> Grammar:
         """In the thread: the grammar, cached; or an ApiError naming why not, remembered."""
         try:
-            if self.worker is None:  # (the vocabulary's texts: a second, once)
-                self.worker = CompileWorker(Vocabulary.texts(self.tokenizer), self.eos, self.vocab_size, self.memory)
             try:
-                grammar = self.worker.compile(kind, spec, whitespace, self.capacity, self.timeout, self.names)
+                grammar = self._started().compile(kind, spec, whitespace, self.capacity, self.timeout, self.names)
             except GrammarError as e:
                 reason = str(e)
             except CompileTimeout:
@@ -111,6 +111,14 @@ class Constraints:
         finally:
             with self._lock:
                 self._compiling.pop(key, None)
+
+    def _started(self) -> CompileWorker:
+        """In the thread: the worker, its process started (the vocabulary's texts: a second,
+        once; a start that fails is tried again by the next compile)."""
+        if self.worker is None:
+            self.worker = CompileWorker(Vocabulary.texts(self.tokenizer), self.eos, self.vocab_size, self.memory)
+        self.worker.start()
+        return self.worker
 
     def close(self):
         """Stops taking compiles and ends the worker's process (a compile in it with it)."""
