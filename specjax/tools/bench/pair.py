@@ -35,7 +35,8 @@ def run_quick(target_path: str, draft_path: str, out_dir: str | None = "bench", 
               batches=(1,), num_prompts=8, prompt_tokens=64, max_new_tokens=64, repeats=5,
               tokenizer: str | None = None, log=print) -> dict:
     """`specjax bench` with no section flag: plain decoding against the draft model's chain
-    at each K on the same held-out prompts, for each temperature and batch size (a minute or
+    at each K (drafting from the vocabulary saved beside it, as `specjax generate` does) on
+    the same held-out prompts, for each temperature and batch size (a minute or
     two for the shipped pair on a 2-core CPU), in `repeats` interleaved rounds (plain, then
     each K, then plain again ...), so that a machine's drift weighs on both sides alike:
     the speedup is the median of the rounds' ratios, with their spread, and a line says
@@ -44,9 +45,10 @@ def run_quick(target_path: str, draft_path: str, out_dir: str | None = "bench", 
     the whole bench."""
     from specjax.hf import load_model
 
-    target, draft = load_model(target_path), load_model(draft_path)
+    target, draft = load_model(target_path), DraftModel.load(draft_path)  # (its saved vocabulary, as generate's)
     prompts = held_out_prompts(target_tokenizer(target_path, tokenizer), num_prompts, prompt_tokens)
-    log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.config.num_params() / 1e6:.2f}M; "
+    log(f"target {target.config.num_params() / 1e6:.2f}M params, draft {draft.model.config.num_params() / 1e6:.2f}M"
+        f"{'' if draft.vocab is None else f' drafting from {draft.vocab.shape[0]} ids'}; "
         f"{jax.default_backend()} {target.dtype}; {len(prompts)} held-out prompts of {prompt_tokens} tokens, "
         f"{max_new_tokens} new tokens each; {repeats} interleaved rounds after one that compiles, medians")
     log(f"{'temp':>4} {'batch':>5} {'K':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
@@ -80,7 +82,8 @@ def run_quick(target_path: str, draft_path: str, out_dir: str | None = "bench", 
             _write(report, out_dir, "quick.json", lambda line: None)
     if noisy:
         log(f"too noisy to tell: the rounds' speedups spread over more than {NOISE:.0%} of their median "
-            f"({'; '.join(noisy)}): other work shares this machine; rerun idle, or with --repeats 9")
+            f"({'; '.join(noisy)}): the machine's speed moved during the run (other work?); rerun when it is idle, "
+            f"or with more --repeats")
     if out_dir:
         log(f"wrote {Path(out_dir) / 'quick.json'}")
     return report
