@@ -182,7 +182,9 @@ def test_plan_serve_stops_at_its_compile_limit_and_at_ctrl_c(tmp_path):
     assert code == 2 and last.startswith("specjax: error: the engine's call (engine call K=0, 8 slots") and (
         "did not compile within 0.1 s" in last), err
     run = subprocess.Popen([sys.executable, "-m", "specjax.cli", "plan", str(target), "--topology", "v5e:1x1",
-                            "--serve"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            "--serve"], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           # (a terminal's disposition: an xdist worker ignores SIGINT, and its children would)
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in run.stderr:
         lines.append(line)
