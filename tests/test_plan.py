@@ -181,10 +181,12 @@ def test_plan_serve_stops_at_its_compile_limit_and_at_ctrl_c(tmp_path):
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("specjax: error: the engine's call (engine call K=0, 8 slots") and (
         "did not compile within 0.1 s" in last), err
-    run = subprocess.Popen([sys.executable, "-m", "specjax.cli", "plan", str(target), "--topology", "v5e:1x1",
-                            "--serve"], stderr=subprocess.PIPE, text=True, start_new_session=True,
-                           # (a terminal's disposition: an xdist worker ignores SIGINT, and its children would)
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # SIGINT raising KeyboardInterrupt, as under a terminal, whatever the disposition this worker passes on
+    # (in the full suite the command once ran on to its end, the signal not raised)
+    command = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "sys.argv[0] = 'specjax'; runpy.run_module('specjax.cli', run_name='__main__')")
+    run = subprocess.Popen([sys.executable, "-c", command, "plan", str(target), "--topology", "v5e:1x1", "--serve"],
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines = []
     for line in run.stderr:
         lines.append(line)
