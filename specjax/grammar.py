@@ -226,22 +226,22 @@ class Grammar:
                 starts.append(starts[-1])
             mask[i] = sets.setdefault(c.astype(np.int32).tobytes(), len(sets))
         M, E = len(sets), starts[-1]
-        if capacity is not None and capacity.refusal(source, Q, M, E, names):
-            raise GrammarError(capacity.refusal(source, Q, M, E, names))
+        why = capacity and capacity.refusal(source, Q, M, E, names)
+        if why:
+            raise GrammarError(why)
         if M * W * 4 > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"{source} compiles to {M} distinct token masks over {V} tokens: "
                                f"{M * W * 4 / 2**20:.0f} MiB, over the {MAX_GRAMMAR_BYTES >> 20} MiB allowed")
         masks = np.zeros((M, W), np.uint32)
         member = np.zeros(len(held) + 1, bool)
-        for row, held in enumerate(sets):
+        for row, key in enumerate(sets):
             member[:] = False
-            member[np.frombuffer(held, np.int32)] = True
+            member[np.frombuffer(key, np.int32)] = True
             masks[row] = np.packbits(member[token_class], bitorder="little").view("<u4")
         join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return cls(masks, mask, token_class, default, np.array(starts, np.int32), join(classes), join(targets),
                    int(np.searchsorted(states, index.get_initial_state())),
                    frozenset(int(i) for i in np.searchsorted(states, sorted(index.get_final_states()))), source)
-
 
     @classmethod
     def choice(cls, choices, vocabulary: Vocabulary, capacity: Capacity | None = None, names=None) -> "Grammar":

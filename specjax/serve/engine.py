@@ -343,7 +343,7 @@ class Engine:
         self.wait_warm()  # an earlier call's background compile ends first
         later = self.programs.groups() if groups_later or background else []
         self.warmup.pending = set(later)
-        if background and self.programs.backend.platform == "cpu":
+        if background and self.compiles_while_serving:
             def everything_else(tick):
                 layout = self.programs.compile_all(skip=self.warmup.pending, progress=tick)
                 self.policy.price(timing.step_costs(self.programs), self.programs.widths)
@@ -357,6 +357,12 @@ class Engine:
         if later:
             self.warmup.start(self.programs, later, layout, progress)
         return self
+
+    @property
+    def compiles_while_serving(self) -> bool:
+        """Whether `compile_all(background=True)` compiles every program while serving (a CPU:
+        its thread's state of its own fits beside the engine's), or only grouped prefills."""
+        return self.programs.backend.platform == "cpu"
 
     @property
     def warming(self) -> bool:

@@ -191,7 +191,7 @@ def _compile(engine, slots: int, length: int):
     programs = len(engine.stats()["programs"])
     start = time.perf_counter()
     background = {"done": 0}
-    if engine.programs.backend.platform == "cpu":
+    if engine.compiles_while_serving:
         print(f"specjax serve: serving at once; its {programs} programs ({slots} slots x {length} tokens, K by "
               f"live rows {list(engine.k_table)}) compile in the background, and a request compiles those it "
               f"needs first", file=sys.stderr, flush=True)
