@@ -55,6 +55,14 @@ OPEN_STEPS = 2
 # A slot's positions unless max_len says otherwise: the target's, at most this many (a 128k-position
 # model's 8 slots would otherwise hold a dense cache of a million positions).
 DEFAULT_MAX_LEN = 2048
+
+
+def default_max_len(config) -> int:
+    """A slot's positions where none are given: the model's (a ModelConfig's), at most
+    `DEFAULT_MAX_LEN` (Engine, `specjax serve`, `specjax plan --serve`)."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+
+
 # Drafters whose state the engine can hold per row and refill (Eagle covers Eagle3; Medusa reads
 # the target's features, kept per row; Retrieval each row's text; Lookahead's state is per row).
 SUPPORTED_DRAFTERS = (DraftModel, PromptLookup, Eagle, EarlyExit, Medusa, Retrieval, Lookahead)
@@ -169,7 +177,7 @@ class Engine:
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.Model, got {type(target).__name__}")
         if max_len is None:
-            max_len = min(target.config.max_position_embeddings, DEFAULT_MAX_LEN)
+            max_len = default_max_len(target.config)
         sizes = (("slots", slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                  ("max_stop_ids", max_stop_ids), ("page_size", page_size))
         for name, value in sizes + ((("kv_pages", kv_pages),) if kv_pages is not None else ()):

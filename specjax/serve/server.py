@@ -85,7 +85,7 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
 
     import specjax
     from specjax.serve.api import Server, create_app
-    from specjax.serve.engine import DEFAULT_MAX_LEN
+    from specjax.serve.engine import default_max_len
     from specjax.text import stop_ids, target_tokenizer
 
     if compilation_cache is not None:
@@ -100,7 +100,7 @@ def serve(target_path: str, draft: str, *, host: str = "127.0.0.1", port: int = 
         raise ValueError("--mesh shards the target and a draft model; other drafters run on one device")
     if mesh is not None and drafter is not None:  # small: a copy on every device, rows over data
         drafter = drafter.replace(model=specjax.shard_model(drafter.model, mesh, rules=(("batch", "data"),)))
-    length = int(max_model_len or min(target.config.max_position_embeddings, DEFAULT_MAX_LEN))
+    length = int(max_model_len or default_max_len(target.config))
     if kv_pages is None and kv_cache_bytes is None and not dense_kv_cache:
         kv_pages, kv_cache_bytes = default_pool(slots, length, page_size, mesh)
     engine = specjax.Engine(target, draft=drafter, slots=slots, max_len=length, mesh=mesh,

@@ -34,7 +34,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import DraftModel
 from specjax.memory import GB, MB, nbytes
 from specjax.serve import programs
-from specjax.serve.engine import DEFAULT_MAX_LEN
+from specjax.serve.engine import default_max_len
 from specjax.tools import aot
 from specjax.compile_process import Compiler
 from specjax.tools.plan import read_config
@@ -134,7 +134,7 @@ def serve_plan(target, draft=None, *, topology: str, slots: int = SLOTS, max_len
     stopped at the limit raises TimeoutError."""
     config = read_config(target)
     draft_config = None if draft is None else read_config(draft)
-    max_len = min(DEFAULT_MAX_LEN, config.max_position_embeddings) if max_len is None else max_len
+    max_len = default_max_len(config) if max_len is None else max_len
     mean_tokens = max(1, max_len // 2) if mean_tokens is None else mean_tokens
     _check(config, slots=slots, max_len=max_len, page_size=page_size, mean_tokens=mean_tokens,
            num_draft_tokens=num_draft_tokens, steps=steps, compile_limit=compile_limit)
