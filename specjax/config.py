@@ -21,8 +21,8 @@ from specjax.hf_config import ROPE_TYPES, InvalidConfigError, UnsupportedConfigE
 Family = Literal["gpt2", "llama", "gemma"]
 
 # model_type -> family. Within the Llama family models differ only in flags this config
-# carries (biases, q/k norms, windows); Phi-3 differs only in how its checkpoint fuses
-# weights (hf.py). Gemma differs by more than a flag: see `Gemma` below.
+# carries (biases, q/k norms, windows, experts: `Moe`); Phi-3 differs only in how its
+# checkpoint fuses weights (hf.py). Gemma differs by more than a flag: see `Gemma` below.
 SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "gpt2": "gpt2",
     "llama": "llama",
@@ -30,6 +30,9 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "phi3": "llama",
+    "qwen2_moe": "llama",
+    "qwen3_moe": "llama",
+    "mixtral": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
 }
@@ -60,6 +63,41 @@ class Gemma:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
 
+ROUTERS = ("softmax",)  # how a token's experts and their weights are chosen (see `Moe.router`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moe:
+    """A mixture of experts in place of the dense MLP (SwiGLU) on every layer but `dense_layers`.
+
+    Each token's router logits (x . router, [X]) choose its top_k experts and their weights;
+    the layer's output is the weighted sum of those experts' SwiGLU MLPs (each I wide), plus
+    a shared expert's where `shared_size` is set. No token is ever dropped: every expert a
+    token chose computes it (models/moe.py)."""
+
+    num_experts: int  # X
+    top_k: int  # k experts per token
+    expert_size: int  # I, each expert's MLP width
+    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral)
+    router: str = "softmax"
+    norm_topk: bool = False  # the k weights renormalised to sum to 1 (Mixtral always; Qwen's norm_topk_prob)
+    shared_size: int = 0  # a shared expert's MLP width, which every token runs (0: none)
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size wide) instead
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise InvalidConfigError(f"num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
+        if self.router not in ROUTERS:
+            raise UnsupportedConfigError(f"unsupported router {self.router!r}; specjax supports {ROUTERS}")
+        if not isinstance(self.shared_size, int) or self.shared_size < 0:
+            raise InvalidConfigError(f"shared expert width must be an int >= 0, got {self.shared_size!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer of the GPT-2, Llama or Gemma family. Frozen and hashable:
@@ -86,6 +124,7 @@ class ModelConfig:
     sliding_window: int | None = None  # keys further back than this are not attended
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
     gemma: Gemma | None = None  # the Gemma family's own computation (see `Gemma`)
+    moe: Moe | None = None  # experts in place of the MLP (see `Moe`); None: dense
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -148,6 +187,12 @@ class ModelConfig:
                 raise UnsupportedConfigError(f"unsupported layer types {sorted(unknown)}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types names sliding_attention but sliding_window is None")
+        if self.moe is not None:
+            if self.family != "llama":
+                raise ValueError(f"experts (moe) are supported in the Llama family, not {self.family}")
+            outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise InvalidConfigError(f"dense (mlp_only) layers {outside} lie outside the {self.num_layers} layers")
 
     @property
     def family(self) -> Family:
@@ -159,6 +204,10 @@ class ModelConfig:
             return (self.sliding_window,) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None
                      for t in self.layer_types)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts (`Moe`) rather than dense."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def num_params(self) -> int:
         """Parameter count (a tied head counted once)."""
@@ -173,10 +222,26 @@ class ModelConfig:
             attn = (qkv + out + (D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
                     + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0))
             norms = (4 if self.family == "gemma" else 2) * E
-            layer = attn + 3 * E * F + (2 * F + E if self.mlp_bias else 0) + norms
-            extra = E
+            layer = attn + norms
+            extra = E + sum(self.mlp_params(i) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else E * self.vocab_size
         return self.vocab_size * E + self.num_layers * layer + extra + head
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """The parameters of a rotary-family layer's MLP (dense, or router, experts and shared
+        expert); active: only those one token reads (its top_k experts, not all X)."""
+        E, F = self.hidden_size, self.intermediate_size
+        if not self.sparse(layer):
+            return 3 * E * F + (2 * F + E if self.mlp_bias else 0)
+        m = self.moe
+        experts = (m.top_k if active else m.num_experts) * 3 * E * m.expert_size
+        return E * m.num_experts + experts + 3 * E * m.shared_size + (E if m.shared_gate else 0)
+
+    def num_active_params(self) -> int:
+        """Parameters one token's pass reads (a dense model's: all; a MoE's: its top_k experts
+        of each sparse layer, the embedding as a head only when tied)."""
+        inactive = sum(self.mlp_params(i) - self.mlp_params(i, active=True) for i in range(self.num_layers))
+        return self.num_params() - inactive
 
     # ---- Hugging Face config.json -------------------------------------------------------
 
@@ -259,19 +324,22 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf_config.DEFAULT_HEAD_DIM.get(model_type) or E // H
         sliding_window, layer_types = hf_config.read_windows(hf)
         attention_bias = bool(hf.get("attention_bias", False))
+        moe = hf_config.read_moe(hf)
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             rope_theta=theta, rope_scaling=RopeScaling(**scaling), local_rope_theta=local_theta,
-            # Qwen2 always has q/k/v biases; elsewhere attention_bias covers q, k, v and o.
-            qkv_bias=model_type == "qwen2" or (model_type in hf_config.ATTENTION_BIAS and attention_bias),
+            # Qwen2 always has q/k/v biases (Qwen2-MoE: qkv_bias); elsewhere attention_bias covers q, k, v and o.
+            qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+                      or (model_type in hf_config.ATTENTION_BIAS and attention_bias)),
             out_bias=model_type in hf_config.ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            moe=None if moe is None else Moe(**moe),
             sliding_window=sliding_window, layer_types=layer_types,
             gemma=Gemma(
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
@@ -332,11 +400,15 @@ class ModelConfig:
                        use_bidirectional_attention=False)
             return out
         out["hidden_act"] = "silu"
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = self.qkv_bias
+        if self.model_type == "qwen2_moe":
+            out["qkv_bias"] = self.qkv_bias
+        if self.moe is not None:
+            out.update(hf_config.write_moe(self.model_type, dataclasses.asdict(self.moe), self.num_layers))
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("mistral", "phi3"):
+        if self.model_type in ("mistral", "phi3", "mixtral"):
             out["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None

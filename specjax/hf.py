@@ -283,7 +283,7 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, qu
     dtype = np.dtype(dtype)
     stats["elements_read"] = 0
     specs = layout(config)
-    jobs = [(w, i) for w in specs for i in (range(config.num_layers) if w.per_layer else [None])]
+    jobs = [(w, i) for w in specs for i in w.indices(config.num_layers)]
     total = sum(sources[n].nbytes for w, i in jobs for n in w.names(i))
     bar = None
     if progress or (progress is None and total >= PROGRESS_BYTES):
@@ -463,7 +463,7 @@ def tensors_from_params(model: Model) -> dict[str, np.ndarray]:
                           is_leaf=lambda x: isinstance(x, quant.Int8))
     out = {}
     for w in layout(c):
-        for i in range(c.num_layers) if w.per_layer else [None]:
+        for i in w.indices(c.num_layers):
             tree = params if i is None else params["layers"][i]
             out.update(zip(w.names(i), w.to_hf(tuple(_get(tree, p) for p in w.paths))))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -33,10 +33,12 @@ class InvalidConfigError(ValueError):
 # Where a config.json omits head_dim, transformers' class default (else E // H).
 DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
 # The model types whose attention_bias puts biases on q, k, v and o.
-ATTENTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3_text")
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM"}
 
 
@@ -92,8 +94,12 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
 def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as transformers reads them for each model_type."""
     model_type, L = hf["model_type"], hf["num_hidden_layers"]
-    if model_type in ("mistral", "phi3"):  # one window for every layer, if any
+    if model_type in ("mistral", "phi3", "mixtral"):  # one window for every layer, if any
         return hf.get("sliding_window", 4096 if model_type == "mistral" else None), None
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        if hf.get("use_sliding_window"):  # no released checkpoint sets it
+            raise UnsupportedConfigError(f"{model_type} with use_sliding_window=true is not supported")
+        return None, None
     if model_type in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window"):
             return None, None
@@ -112,6 +118,53 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
     if "sliding_attention" not in layer_types:
         return None, None
     return hf.get("sliding_window", 4096), layer_types
+
+
+# model_type -> (its key for the number of experts, whether all its layers are sparse and
+# its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
+# as num_local_experts; the released checkpoints say num_experts.
+MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+
+
+def read_moe(hf) -> dict[str, Any] | None:
+    """`config.Moe`'s fields from config.json (None for a dense model_type). Which layers are
+    sparse follows transformers: a layer not in mlp_only_layers whose number + 1 is a
+    multiple of decoder_sparse_step (Qwen); every layer (Mixtral)."""
+    model_type = hf["model_type"]
+    if model_type not in MOE_TYPES:
+        return None
+    L = hf["num_hidden_layers"]
+    count = hf.get(MOE_TYPES[model_type], hf.get("num_local_experts", hf.get("num_experts")))
+    if count is None:
+        raise InvalidConfigError(f"config.json ({model_type}) lacks {MOE_TYPES[model_type]}, the number of experts")
+    if model_type == "mixtral":
+        return {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 2),
+                "expert_size": hf["intermediate_size"], "norm_topk": True}
+    step = hf.get("decoder_sparse_step", 1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise InvalidConfigError(f"config.json: decoder_sparse_step={step!r} must be a positive integer")
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise InvalidConfigError(f"config.json: mlp_only_layers={only!r} must be a list of layer numbers")
+    dense = tuple(i for i in range(L) if i in only or (i + 1) % step)
+    out = {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 8 if model_type == "qwen3_moe" else 4),
+           "expert_size": hf.get("moe_intermediate_size", 768 if model_type == "qwen3_moe" else 1408),
+           "norm_topk": bool(hf.get("norm_topk_prob", False)), "dense_layers": dense}
+    if model_type == "qwen2_moe":
+        out.update(shared_size=hf.get("shared_expert_intermediate_size", 5632), shared_gate=True)
+    return out
+
+
+def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """config.json's keys for `config.Moe`'s fields (`read_moe` backwards)."""
+    if model_type == "mixtral":
+        return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"]}
+    out = {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+           "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
+           "decoder_sparse_step": 1, "mlp_only_layers": list(moe["dense_layers"])}
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = moe["shared_size"]
+    return out
 
 
 def int_if_whole(x: float):
@@ -148,10 +201,12 @@ ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
 # int when present (None means "not given" for the optional ones: head_dim, n_inner, ...).
 SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
-             "intermediate_size", "n_inner", "max_position_embeddings", "n_positions")
+             "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
+             "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "shared_expert_intermediate_size")
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-             "use_bidirectional_attention")
+             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias")
 # Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
 OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
@@ -186,6 +241,8 @@ def _check_types(hf: dict[str, Any]) -> None:
         v = hf.get(key)
         if v is None and key in hf and key != "sliding_window":  # a null window: none
             bad(key, f"an integer in [{least}, 2**31)")
+        if key == "sliding_window" and v == 0 and hf.get("use_sliding_window") is False:
+            continue  # Qwen2-MoE writes 0 for "no window"
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**31):
             bad(key, f"an integer in [{least}, 2**31)")
     for key in MAPPING_KEYS:

@@ -69,10 +69,17 @@ class Weights:
     paths: tuple[tuple[str, ...], ...]
     to_ours: Callable  # tuple of hf arrays -> tuple of ours (views or Concats), one per path
     to_hf: Callable  # tuple of our arrays -> tuple of hf arrays, one per name
+    layers: tuple[int, ...] | None = None  # the layers a per-layer entry covers (None: every one)
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf[0][0]
+
+    def indices(self, num_layers: int) -> list:
+        """The layer numbers i its names are formatted with ([None]: not per layer)."""
+        if not self.per_layer:
+            return [None]
+        return list(range(num_layers)) if self.layers is None else list(self.layers)
 
     def names(self, i: int | None = None) -> tuple[str, ...]:
         return tuple(name.format(i=i) for name, _ in self.hf)
@@ -140,6 +147,59 @@ def _gate_up(c: ModelConfig, names: tuple[str, ...], bias: bool = False) -> Weig
                    to_ours, to_hf)
 
 
+def _experts(c: ModelConfig, prefix: str, names: tuple[str, str, str]) -> list[Weights]:
+    """Each expert's gate, up and down Linear weights (prefix + f"{j}.{name}.weight", [I, E]
+    and [E, I]) -> experts_gate, experts_up [X, E, I] and experts_down [X, I, E], each the
+    transposed weights stacked (a lazy Concat of views)."""
+    E, X, I = c.hidden_size, c.moe.num_experts, c.moe.expert_size
+
+    def stacked(path, name, shape):
+        def to_ours(ws):
+            return (Concat([w.T[None] for w in ws], axis=0),)
+
+        def to_hf(ps):
+            return tuple(ps[0][j].T for j in range(X))
+
+        return Weights(tuple((f"{prefix}{j}.{name}.weight", shape) for j in range(X)), (("moe", path),),
+                       to_ours, to_hf, sparse_layers(c))
+
+    gate, up, down = names
+    return [stacked("experts_gate", gate, (I, E)), stacked("experts_up", up, (I, E)),
+            stacked("experts_down", down, (E, I))]
+
+
+def sparse_layers(c: ModelConfig) -> tuple[int, ...]:
+    return tuple(i for i in range(c.num_layers) if c.sparse(i))
+
+
+def _dense_layers(c: ModelConfig) -> tuple[int, ...] | None:
+    return None if c.moe is None else tuple(i for i in range(c.num_layers) if not c.sparse(i))
+
+
+def moe_layout(c: ModelConfig) -> list[Weights]:
+    """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's mlp.*, Mixtral's
+    block_sparse_moe.*)."""
+    E, X, L = c.hidden_size, c.moe.num_experts, "model.layers.{i}."
+    on_sparse = sparse_layers(c)
+    if c.model_type == "mixtral":
+        base = L + "block_sparse_moe."
+        out = _experts(c, base + "experts.", ("w1", "w3", "w2"))
+    else:
+        base = L + "mlp."
+        out = _experts(c, base + "experts.", ("gate_proj", "up_proj", "down_proj"))
+    out.append(dataclasses.replace(_linear(("moe", "router"), base + "gate.weight", E, (X,)), layers=on_sparse))
+    if c.moe.shared_size:
+        shared = dataclasses.replace(c, intermediate_size=c.moe.shared_size)
+        s = base + "shared_expert."
+        out += [dataclasses.replace(w, paths=tuple(("moe", "shared") + p[1:] for p in w.paths), layers=on_sparse)
+                for w in (_gate_up(shared, (s + "gate_proj.weight", s + "up_proj.weight")),
+                          _linear(("mlp", "down_kernel"), s + "down_proj.weight", c.moe.shared_size, (E,)))]
+    if c.moe.shared_gate:
+        out.append(Weights(((base + "shared_expert_gate.weight", (1, E)),), (("moe", "shared_gate"),),
+                           lambda ws: (ws[0][0],), lambda ps: (ps[0][None],), on_sparse))
+    return out
+
+
 def llama_layout(c: ModelConfig) -> list[Weights]:
     """The Llama and Gemma families: one Linear per projection, except Phi-3, which fuses
     q, k, v into qkv_proj and gate, up into gate_up_proj (concatenated along the output)."""
@@ -156,13 +216,16 @@ def llama_layout(c: ModelConfig) -> list[Weights]:
                 _same(("mlp", "post_norm", "scale"), L + "post_feedforward_layernorm.weight", (E,))]
     else:
         out.append(_same(("mlp_norm", "scale"), L + "post_attention_layernorm.weight", (E,)))
+    dense = _dense_layers(c)  # the layers with a dense MLP (None: every one)
     if c.model_type == "phi3":
         out += [_qkv(c, (L + "self_attn.qkv_proj.weight",)), _gate_up(c, (L + "mlp.gate_up_proj.weight",))]
     else:
         out += [_qkv(c, tuple(L + f"self_attn.{n}_proj.weight" for n in "qkv")),
-                _gate_up(c, (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"))]
+                dataclasses.replace(_gate_up(c, (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight")), layers=dense)]
     out += [_linear_out(("attn", "o_kernel"), L + "self_attn.o_proj.weight", (H, D), E),
-            _linear(("mlp", "down_kernel"), L + "mlp.down_proj.weight", F, (E,))]
+            dataclasses.replace(_linear(("mlp", "down_kernel"), L + "mlp.down_proj.weight", F, (E,)), layers=dense)]
+    if c.moe is not None:
+        out += moe_layout(c)
     if c.qk_norm:
         out += [_same(("attn", "q_norm", "scale"), L + "self_attn.q_norm.weight", (D,)),
                 _same(("attn", "k_norm", "scale"), L + "self_attn.k_norm.weight", (D,))]
@@ -219,7 +282,7 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name the config implies, with its shape."""
     out = {}
     for w in layout(c):
-        for i in range(c.num_layers) if w.per_layer else [None]:
+        for i in w.indices(c.num_layers):
             out.update((name.format(i=i), shape) for name, shape in w.hf)
     return out
 

@@ -78,13 +78,34 @@ CONFIGS = {
                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
                                   sliding_window=6, max_position_embeddings=128,
                                   bos_token_id=0, eos_token_id=1, pad_token_id=None),
+    # Qwen3-MoE: 8 experts, top 2 renormalised, q/k norms, a dense middle layer (mlp_only_layers).
+    "qwen3_moe": lambda: tr.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           intermediate_size=40, moe_intermediate_size=16, num_experts=8,
+                                           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                           max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Qwen2-MoE: top 3 of 6 unnormalised, a gated shared expert, q/k/v biases, tied head.
+    "qwen2_moe": lambda: tr.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+                                           moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                           num_experts=6, num_experts_per_tok=3, tie_word_embeddings=True,
+                                           max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # Mixtral: top 2 of 4, a sliding window of 5 on every layer.
+    "mixtral": lambda: tr.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, intermediate_size=16,
+                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                                        max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
 }
 CLASSES = {"gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
            "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
            "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
            "qwen2_sliding": tr.Qwen2ForCausalLM, "gemma2": tr.Gemma2ForCausalLM,
            "gemma3": tr.Gemma3ForCausalLM, "qwen3": tr.Qwen3ForCausalLM,
-           "qwen3_tied": tr.Qwen3ForCausalLM, "phi3": tr.Phi3ForCausalLM}
+           "qwen3_tied": tr.Qwen3ForCausalLM, "phi3": tr.Phi3ForCausalLM,
+           "qwen3_moe": tr.Qwen3MoeForCausalLM, "qwen2_moe": tr.Qwen2MoeForCausalLM,
+           "mixtral": tr.MixtralForCausalLM}
+# Mixtures of experts (models/moe.py), each checked against transformers.
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 # The families added with Gemma, Qwen3 and Phi-3 (each checked end to end, with int8 too).
 NEW_FAMILIES = ["gemma2", "gemma3", "qwen3", "qwen3_tied", "phi3"]
 

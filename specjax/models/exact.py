@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from specjax.cache import KVCache, Pending, Placement, join, write
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
+from specjax.models.moe import MoE
 from specjax.models.transformer import embed_tokens, read_out
 
 ROWS = 16  # tokens per fixed-shape body (a pass of fewer is padded to it): docs/bench/exact.txt
@@ -197,9 +198,11 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i],
             (tree_k[i], tree_v[i]) if held else None, pages)), (q, rows, where, flat_positions))
 
-        def finish(x, heads, p=p):  # the residual stream after attention and MLP, [ROWS, E]
+        def finish(x, heads, p=p, i=i):  # the residual stream after attention and MLP, [ROWS, E]
             x = x + attn.apply({"params": p["attn"]}, heads[None], method=Attention.project_out)[0]
             h = Norm(c).apply({"params": p["mlp_norm"]}, x)
+            if c.sparse(i):  # each assignment by its own expert's weights: independent of the others
+                return x + MoE(c).apply({"params": p["moe"]}, h[None], form="gathered")[0]
             return x + MLP(c).apply({"params": p["mlp"]}, h[None])[0]
 
         x = rowwise(finish, x, heads)

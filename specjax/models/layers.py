@@ -217,11 +217,12 @@ class MLP(nn.Module):
     keep a relaid copy through a speculative loop; XLA's CPU backend multiplies it as it lies)."""
 
     config: ModelConfig
+    width: int | None = None  # F (None: the config's intermediate_size; a MoE's shared expert's own)
 
     @nn.compact
     def __call__(self, x):  # [B, T, E] -> [B, T, E]
         c = self.config
-        E, F = c.hidden_size, c.intermediate_size
+        E, F = c.hidden_size, self.width or c.intermediate_size
         zeros = nn.initializers.zeros
         if c.family == "gpt2":
             h = matmul("bte,ef->btf", x, self.param("fc_kernel", init, (E, F)))

@@ -38,6 +38,7 @@ from specjax.cache import KVCache, Pending, Placement, attention_mask, join, wri
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.attention import attention, cached_attention, choose
 from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
+from specjax.models.moe import MoE
 from specjax.quant import Int8
 
 
@@ -50,6 +51,7 @@ class Block(nn.Module):
     config: ModelConfig
     attn_norm: bool = True
     attn_in_size: int | None = None
+    sparse: bool = False  # its MLP is the config's mixture of experts (models/moe.py)
 
     @nn.compact
     def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None, tree_kv=None, attn_input=None):
@@ -84,7 +86,9 @@ class Block(nn.Module):
                                        attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules,
                                        pages=view.pages)
         x = x + attn.project_out(out)
-        x = x + MLP(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
+        h = Norm(self.config, name="mlp_norm")(x)
+        x = x + (MoE(self.config, name="moe")(h, platform=backend.platform) if self.sparse
+                 else MLP(self.config, name="mlp")(h))
         return x, cache_kv, fresh
 
 
@@ -125,8 +129,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         sliding = c.layer_windows()[i] is not None
         kv = None if cache is None else (k[i], v[i])
         held = None if tree is None else (tree.k[i], tree.v[i])
-        x, kv, (fresh_k_i, fresh_v_i) = Block(c).apply({"params": params["layers"][i]}, x, angles[sliding], view,
-                                                       sliding, kv, held)
+        x, kv, (fresh_k_i, fresh_v_i) = Block(c, sparse=c.sparse(i)).apply(
+            {"params": params["layers"][i]}, x, angles[sliding], view, sliding, kv, held)
         fresh_k.append(fresh_k_i)
         fresh_v.append(fresh_v_i)
         if cache is not None:
@@ -159,7 +163,7 @@ def init_params(c: ModelConfig, key: jax.Array) -> dict:
     keys = jax.random.split(key, c.num_layers + 3)
     E = c.hidden_size
     params = {"embedding": init(keys[0], (c.vocab_size, E), jnp.float32),
-              "layers": [init_layer(c, k) for k in keys[3:]],
+              "layers": [init_layer(c, k, c.sparse(i)) for i, k in enumerate(keys[3:])],
               "final_norm": Norm(c).init(keys[1], jnp.zeros((1, 1, E)))["params"]}
     if c.family == "gpt2":
         params["pos_embedding"] = init(keys[2], (c.max_position_embeddings, E), jnp.float32)
@@ -168,14 +172,14 @@ def init_params(c: ModelConfig, key: jax.Array) -> dict:
     return params
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def init_layer(c: ModelConfig, key: jax.Array) -> dict:
-    """One layer's random params (compiled once per config, run once per layer)."""
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_layer(c: ModelConfig, key: jax.Array, sparse: bool = False) -> dict:
+    """One layer's random params (compiled once per config and kind of MLP, run once per layer)."""
     x = jnp.zeros((1, 1, c.hidden_size), jnp.float32)
     positions = jnp.zeros((1, 1), jnp.int32)
     angles = rotary_tables(c, positions)
     view = pass_view(c, positions, None, None, Backend("cpu"))  # (shapes alone: any platform's)
-    return Block(c).init(key, x, angles[False], view, False)["params"]
+    return Block(c, sparse=sparse).init(key, x, angles[False], view, False)["params"]
 
 
 def embed_tokens(c: ModelConfig, embedding, tokens):
