@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from specjax.cache import KVCache
 from specjax.quant import Int8, path_names
 
-DATA, MODEL = "data", "model"
+DATA, MODEL, EXPERT = "data", "model", "expert"
 
 # Logical axes of each parameter by its name (or "module/name" where the name alone is
 # ambiguous). An int8 weight's scale has the weight's axes (its contracted ones of size 1)
@@ -65,26 +65,40 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "fc_bias": ("mlp",),
     "down_bias": ("embed",),
     "proj_bias": ("embed",),
+    # a mixture of experts (models/moe.py): whole experts over `expert`, each one's width over
+    # `model`, never E (their matmuls run by hand, models/moe.split_experts_out: no fallback to E)
+    "router": ("embed", "routes"),  # small: every device holds it whole, and routes its tokens itself
+    "experts_gate": ("experts", "expert_embed", "expert_mlp"),
+    "experts_up": ("experts", "expert_embed", "expert_mlp"),
+    "experts_down": ("experts", "expert_mlp", "expert_embed"),
+    "shared_gate": ("embed",),
 }
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's k and v buffer
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
-    ("batch", DATA), ("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
+    ("batch", DATA), ("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL),
+    ("experts", EXPERT), ("expert_mlp", MODEL))
 # Where a tensor's `model` sharding goes when its preferred dimension does not divide.
 MODEL_FALLBACK = ("head_dim", "embed")
 
 
-def make_mesh(data: int | None = None, model: int | None = None, devices: Sequence | None = None) -> Mesh:
+def make_mesh(data: int | None = None, model: int | None = None, devices: Sequence | None = None,
+              expert: int | None = None) -> Mesh:
     """A (data, model) mesh over all devices (or those given) with automatic sharding
-    propagation. Defaults: model=1, data=the rest."""
+    propagation; with expert > 1 a (data, expert, model) mesh, a mixture of experts' experts
+    split over `expert` (expert parallelism: models/moe.py). Defaults: model=1, expert=1,
+    data=the rest."""
     devices = list(jax.devices() if devices is None else devices)
-    model = model or 1
-    data = data or len(devices) // model
-    if data * model != len(devices):
-        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices; "
-                         f"there are {len(devices)}")
-    grid = np.array(devices).reshape(data, model)
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    model, expert = model or 1, expert or 1
+    data = data or len(devices) // (model * expert)
+    if data * model * expert != len(devices):
+        asked = f"data={data} x model={model}" + (f" x expert={expert}" if expert > 1 else "")
+        raise ValueError(f"mesh {asked} needs {data * model * expert} devices; there are {len(devices)}")
+    if expert == 1:
+        grid = np.array(devices).reshape(data, model)
+        return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.array(devices).reshape(data, expert, model)
+    return Mesh(grid, (DATA, EXPERT, MODEL), axis_types=(AxisType.Auto,) * 3)
 
 
 def spec(shape: Sequence[int], logical: Sequence[str], mesh: Mesh,

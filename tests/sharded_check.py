@@ -25,6 +25,7 @@ import specjax  # noqa: E402
 from specjax.budget import compile_loop  # noqa: E402
 from specjax.generate import _prepared, _run  # noqa: E402
 from specjax.loop import cache_length  # noqa: E402
+from specjax.tools.hlo import collectives  # noqa: E402
 from tests.axes_drafter import Tabled  # noqa: E402
 
 ASKED = sys.argv[1] if len(sys.argv) > 1 else "1x8,2x4,8x1"
@@ -45,17 +46,6 @@ def random_model(seed, base=None, std=0.1, config=CONFIG):
     params = jax.tree.map(lambda b, x: np.asarray(b) + std * rng.randn(*x.shape).astype(np.float32)
                           if x.ndim > 1 else np.asarray(b), ref, model.params)
     return specjax.Model(config, jax.tree.map(jnp.asarray, params))
-
-
-def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(op, element type, result shape) of every collective in compiled HLO text, each
-    result of a combined one (XLA joins collectives into one of a tuple) on its own."""
-    ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
-    found = []
-    for results, op in re.findall(rf"= (\(?[\w\[\]{{}},\d ]*?\)?) ({ops})(?:-start)?\(", hlo):
-        found += [(op, dtype, tuple(int(d) for d in dims.split(",") if d))
-                  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", results)]
-    return found
 
 
 def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:

@@ -2,17 +2,21 @@
 
 Every token goes to each of the top_k experts its router chose, none dropped: a speculative
 verification must score exactly what plain decoding would, so there is no capacity factor.
-Assignments (token, expert) are computed in one of two forms, chosen by the pass's shape:
+Assignments (token, expert) are computed in one of these forms, chosen by the pass's shape
+(`choose_form`):
 
-- `gathered`: each assignment multiplies its token by its own expert's weights, taken by
-  index ([A, E] x [A, E, I]): a pass of few tokens (a decode step, a verification pass at a
-  small batch) reads only the experts it routed to, and each assignment's result depends
-  on that assignment alone (models/exact.py computes MoE layers this way);
+- `sliced`: each assignment multiplies its token by its own expert's weights, each taken by
+  a dynamic slice of its own (unrolled: up to SLICED assignments, a decode step or a small
+  verification pass), which compilers read in place: the pass reads only the experts it
+  routed to (docs/bench/moe_reads.txt measures the bytes a compiled pass moves);
+- `gathered`: the same by one gather of the weights ([A, E] x [A, E, I]); each assignment's
+  result depends on that assignment alone, which is what models/exact.py needs;
 - `grouped`: assignments sorted by expert into tiles of TILE rows, each tile all one
-  expert's, padded (a grouped matmul, as megablox's): `jax.lax.ragged_dot` on a TPU, which
-  lowers it natively; elsewhere a loop over the used tiles, each reading its expert's
-  weights once (XLA's CPU and GPU lower `ragged_dot` densely, every expert times every
-  token). Compute is the routed tokens' plus at most a tile per expert.
+  expert's, padded (a grouped matmul, as megablox's), a loop over the used tiles, each
+  reading its expert's weights once; compute is the routed tokens' plus at most a tile per
+  expert (XLA's CPU and GPU lower `ragged_dot` densely, every expert times every token);
+- `ragged_dot`: the sorted assignments through `jax.lax.ragged_dot`, which a TPU lowers
+  to its grouped matmul.
 
 Expert weights are three [X, ...] arrays (`experts_gate`, `experts_up` [X, E, I],
 `experts_down` [X, I, E]): gate and up apart, so that a mesh splits I (or X) without
@@ -34,7 +38,8 @@ from specjax.config import ModelConfig
 from specjax.models.layers import MLP, init, matmul
 
 TILE = 8  # rows of a grouped tile: compute wasted is < one tile per expert used
-FORMS = ("gathered", "grouped", "ragged_dot")
+SLICED = 16  # at most this many assignments a pass are computed `sliced` (unrolled)
+FORMS = ("gathered", "sliced", "grouped", "ragged_dot")
 
 
 def route(c: ModelConfig, logits):
@@ -47,12 +52,11 @@ def route(c: ModelConfig, logits):
     return weights, experts.astype(jnp.int32)
 
 
-def choose_form(platform: str, assignments: int, num_experts: int) -> str:
+def choose_form(platform: str, assignments: int) -> str:
     """How a pass of `assignments` (token, expert) pairs computes them (see the module
-    docstring): gathered when there are no more than a quarter as many as experts, grouped
-    otherwise (ragged_dot on a TPU)."""
-    if 4 * assignments <= num_experts:
-        return "gathered"
+    docstring): sliced up to SLICED of them, else grouped (ragged_dot on a TPU)."""
+    if assignments <= SLICED:
+        return "sliced"
     return "ragged_dot" if platform == "tpu" else "grouped"
 
 
@@ -70,6 +74,20 @@ def gathered(x, experts, gate, up, down):
     u = jnp.einsum("ae,aei->ai", x, up[e])
     y = jnp.einsum("ai,aie->ae", swiglu(g, u), down[e])
     return jnp.where(held[:, None], y, 0)
+
+
+def sliced(x, experts, gate, up, down):
+    """`gathered`'s result with each assignment's expert weights taken by a dynamic slice
+    of its own (an unrolled loop: few assignments only), which every compiler reads in place."""
+    X = gate.shape[0]
+    held = (experts >= 0) & (experts < X)
+    e = jnp.where(held, experts, 0)
+    out = []
+    for a in range(x.shape[0]):
+        take = lambda w: jax.lax.dynamic_index_in_dim(w, e[a], keepdims=False)  # noqa: E731
+        h = swiglu(matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up)))
+        out.append(matmul("i,ie->e", h, take(down)))
+    return jnp.where(held[:, None], jnp.stack(out), 0)
 
 
 def _sorted(experts, X: int):
@@ -111,12 +129,12 @@ def _tiled(xs, sizes, gate, up, down):
     row_start = jnp.cumsum(sizes) - sizes  # [X] first sorted row of each expert
     n = -(-A // m) + min(A, X)  # tiles at most (static): each used expert pads less than one
     j = jnp.arange(A, dtype=jnp.int32)
-    expert_of = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), j, side="right"), 0, X - 1)  # [A]
+    expert_of = jnp.minimum(_count_at_most(jnp.cumsum(sizes), j), X - 1)  # [A]
     padded = tile_start[expert_of] * m + j - row_start[expert_of]  # [A]: row in the tiled buffer
     valid = j < sizes.sum()
     padded = jnp.where(valid, padded, n * m)  # rows of no held expert: dropped
     buf = jnp.zeros((n * m, E), xs.dtype).at[padded].set(xs, mode="drop")
-    tile_expert = jnp.clip(jnp.searchsorted(tile_end, jnp.arange(n), side="right"), 0, X - 1)  # [n]
+    tile_expert = jnp.minimum(_count_at_most(tile_end, jnp.arange(n, dtype=jnp.int32)), X - 1)  # [n]
 
     def body(t, out):
         e = tile_expert[t]
@@ -130,21 +148,59 @@ def _tiled(xs, sizes, gate, up, down):
     return jnp.where(valid[:, None], out[jnp.minimum(padded, n * m - 1)], 0)
 
 
-def experts_out(x, weights, experts, gate, up, down, form: str, first: int = 0):
+def _count_at_most(ends, j):
+    """searchsorted(ends, j, side="right") for sorted ends [X] and j [M], as a comparison
+    count (jnp.searchsorted fails inside shard_map in jax 0.10)."""
+    return (ends[None, :] <= j[:, None]).sum(-1).astype(jnp.int32)
+
+
+def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dtype=None):
     """The routed experts' weighted sum: x [N, E], weights float32 [N, k], experts int32
-    [N, k] -> [N, E]. first: the index of the first expert this device holds (gate etc. are
-    its experts [X', ...]); assignments to experts it does not hold add nothing here."""
+    [N, k] -> [N, E] (in out_dtype, default x's). first: the index of the first expert this
+    device holds (gate etc. are its experts [X', ...]); assignments to experts it does not
+    hold add nothing here."""
     N, k = experts.shape
     local = (experts - first).reshape(N * k)
     rows = jnp.repeat(x, k, axis=0)  # [N k, E]
     if form == "gathered":
         y = gathered(rows, local, gate, up, down)
+    elif form == "sliced":
+        y = sliced(rows, local, gate, up, down)
     elif form in ("grouped", "ragged_dot"):
         y = grouped(rows, local, gate, up, down, ragged=form == "ragged_dot")
     else:
         raise ValueError(f"unknown expert form {form!r}; one of {FORMS}")
     y = y.reshape(N, k, -1).astype(jnp.float32) * weights[..., None]
-    return y.sum(1).astype(x.dtype)
+    return y.sum(1).astype(out_dtype or x.dtype)
+
+
+def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh):
+    """`experts_out` on a mesh, each device computing by hand (a fully manual shard_map, so
+    that no collective of XLA's choosing lands inside the grouped form's loop, whose trip
+    count differs between devices): its rows (over `data`), its experts (X / n over
+    `expert`: `first` is its first) and its slice of each expert's width (I / m over
+    `model`); the float32 shares are summed over `expert` and `model`, one all-reduce of
+    its rows [N', E] a layer. No weight moves. An axis a size does not divide leaves that
+    size whole (its work then repeated on that axis's devices)."""
+    from jax.sharding import PartitionSpec as P
+
+    from specjax.sharding import DATA, EXPERT, MODEL
+
+    sizes = dict(mesh.shape)
+    N, X, I = x.shape[0], gate.shape[0], gate.shape[2]
+    over = lambda axis, n: axis if sizes.get(axis, 1) > 1 and n % sizes[axis] == 0 else None  # noqa: E731
+    rows, held, width = P(over(DATA, N)), over(EXPERT, X), over(MODEL, I)
+    summed = tuple(a for a in (held, width) if a is not None)
+
+    def local(x, weights, experts, gate, up, down):
+        first = 0 if held is None else jax.lax.axis_index(EXPERT) * gate.shape[0]
+        share = experts_out(x, weights, experts, gate, up, down, form, first, out_dtype=jnp.float32)
+        return jax.lax.psum(share, summed) if summed else share
+
+    specs = (rows, rows, rows, P(held, None, width), P(held, None, width), P(held, width, None))
+    out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(
+        x, weights, experts, gate, up, down)
+    return out.astype(x.dtype)
 
 
 class MoE(nn.Module):
@@ -155,8 +211,9 @@ class MoE(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, form: str | None = None, platform: str = "cpu"):
-        """form: one of FORMS, or None: `choose_form` for the pass's shape on `platform`."""
+    def __call__(self, x, form: str | None = None, platform: str = "cpu", mesh=None):
+        """form: one of FORMS, or None: `choose_form` for the pass's shape on `platform`.
+        mesh: the program's, whose `expert` axis (if any, and > 1) splits the experts."""
         c = self.config
         m = c.moe
         E, X, I = c.hidden_size, m.num_experts, m.expert_size
@@ -167,7 +224,11 @@ class MoE(nn.Module):
         gate = self.param("experts_gate", init, (X, E, I))
         up = self.param("experts_up", init, (X, E, I))
         down = self.param("experts_down", init, (X, I, E))
-        out = experts_out(rows, weights, chosen, gate, up, down, form or choose_form(platform, B * T * m.top_k, X))
+        form = form or choose_form(platform, B * T * m.top_k)
+        if mesh is not None and mesh.size > 1:
+            out = split_experts_out(rows, weights, chosen, gate, up, down, form, mesh)
+        else:
+            out = experts_out(rows, weights, chosen, gate, up, down, form)
         out = out.reshape(B, T, E)
         if m.shared_size:
             shared = MLP(c, width=m.shared_size, name="shared")(x)

@@ -87,7 +87,7 @@ class Block(nn.Module):
                                        pages=view.pages)
         x = x + attn.project_out(out)
         h = Norm(self.config, name="mlp_norm")(x)
-        x = x + (MoE(self.config, name="moe")(h, platform=backend.platform) if self.sparse
+        x = x + (MoE(self.config, name="moe")(h, platform=backend.platform, mesh=backend.mesh) if self.sparse
                  else MLP(self.config, name="mlp")(h))
         return x, cache_kv, fresh
 

@@ -301,3 +301,14 @@ def kernels(hlo: str) -> list[Kernel]:
         return found
 
     return sorted(walk(entry, 1), key=lambda k: -k.bytes) if entry else []
+
+
+def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(op, element type, result shape) of every collective in compiled HLO text, each
+    result of a combined one (XLA joins collectives into one of a tuple) on its own."""
+    ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
+    found = []
+    for results, op in re.findall(rf"= (\(?[\w\[\]{{}},\d ]*?\)?) ({ops})(?:-start)?\(", hlo):
+        found += [(op, dtype, tuple(int(d) for d in dims.split(",") if d))
+                  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", results)]
+    return found

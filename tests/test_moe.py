@@ -1,0 +1,124 @@
+"""Mixtures of experts (models/moe.py): every form of the experts' computation against a
+per-token reference, speculative decoding over MoE targets equal to transformers' greedy
+decoding, the deterministic mode's bits, the paged engine, and experts split over devices.
+(Parity of each family's logits is tests/test_models.py's.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.models import moe
+from tests import children, tiny
+from tests.test_engine import _alone, _staggered
+
+MAX_NEW = 12
+
+
+def _reference(x, weights, experts, gate, up, down):
+    """Each token, each of its experts, one after another (float64)."""
+    x, weights, gate, up, down = (np.asarray(a, np.float64) for a in (x, weights, gate, up, down))
+    out = np.zeros_like(x)
+    for n, (row, chosen) in enumerate(zip(x, np.asarray(experts))):
+        for j, e in enumerate(chosen):
+            g, u = row @ gate[e], row @ up[e]
+            out[n] += weights[n, j] * ((g / (1 + np.exp(-g))) * u) @ down[e]
+    return out
+
+
+@pytest.mark.parametrize("form", moe.FORMS)
+def test_every_form_computes_each_token_s_experts(form):
+    """17 tokens, top 3 of 6 experts (some experts chosen by none): each form equals the
+    per-token sum, on one device and as the sum of two devices' halves of the experts."""
+    rng = np.random.RandomState(0)
+    N, k, E, X, I = 17, 3, 8, 6, 5
+    x = jnp.asarray(rng.randn(N, E), jnp.float32)
+    gate, up = (jnp.asarray(rng.randn(X, E, I) * 0.5, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.randn(X, I, E) * 0.5, jnp.float32)
+    weights = jnp.asarray(rng.rand(N, k), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice([0, 1, 3, 4], k, replace=False) for _ in range(N)]), jnp.int32)
+    expected = _reference(x, weights, experts, gate, up, down)
+    whole = jax.jit(lambda *a: moe.experts_out(*a, form=form))(x, weights, experts, gate, up, down)
+    np.testing.assert_allclose(np.asarray(whole), expected, rtol=1e-5, atol=1e-4)
+    halves = sum(moe.experts_out(x, weights, experts, gate[s:s + 3], up[s:s + 3], down[s:s + 3], form, first=s)
+                 for s in (0, 3))
+    np.testing.assert_allclose(np.asarray(halves), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_form_follows_the_pass():
+    assert moe.choose_form("cpu", 8) == moe.choose_form("tpu", moe.SLICED) == "sliced"
+    assert moe.choose_form("gpu", moe.SLICED + 1) == "grouped"
+    assert moe.choose_form("tpu", 512) == "ragged_dot"
+
+
+def test_router_renormalises_only_where_the_config_says(hf_folder):
+    """Qwen3-MoE (norm_topk_prob) sums its k weights to one; Qwen2-MoE does not."""
+    logits = jnp.asarray(np.random.RandomState(1).randn(5, 6), jnp.float32)
+    for arch, normed in (("qwen3_moe", True), ("qwen2_moe", False)):
+        config = specjax.load_model(hf_folder(arch)[0]).config
+        weights, experts = moe.route(config, logits[:, :config.moe.num_experts])
+        assert weights.shape == experts.shape == (5, config.moe.top_k)
+        assert np.allclose(np.asarray(weights.sum(-1)), 1.0) == normed
+
+
+@pytest.mark.parametrize("arch,tree", [("qwen3_moe", None), ("mixtral", specjax.Tree(3, 2, 6)),
+                                       pytest.param("qwen2_moe", None, marks=pytest.mark.slow)])
+def test_speculative_greedy_over_a_moe_target_equals_transformers(arch, tree, hf_folder):
+    """A noisy copy drafting a chain (K=3) or a tree for a MoE target: transformers' greedy rows."""
+    folder, torch_model = hf_folder(arch)
+    target = specjax.load_model(folder)
+    rng = np.random.RandomState(8)
+    prompts = [list(rng.randint(2, tiny.VOCAB, n)) for n in (11, 4, 8)]
+    padded, lengths = specjax.pad_prompts(prompts, bucket=16)
+    draft = tiny.noisy(target, 0.015, 1)
+    out = specjax.generate(target, padded, lengths, draft=draft if tree is None else specjax.DraftModel(draft, tree),
+                           max_new_tokens=MAX_NEW, num_draft_tokens=3 if tree is None else None)
+    rows = [out.tokens[b, :out.num_tokens[b]].tolist() for b in range(len(prompts))]
+    assert rows == [tiny.transformers_greedy(torch_model, p, MAX_NEW) for p in prompts]
+    assert 0 < out.stats.accepted.sum() < out.stats.drafted.sum()  # both paths ran
+
+
+def test_a_moe_token_gets_the_same_bits_from_every_pass(hf_folder):
+    """deterministic=True over a MoE target in bfloat16: a step, a verification pass, a row
+    alone, a full pass and a longer cache give the same bits (test_exact's check)."""
+    from tests.test_exact import test_a_token_gets_the_same_bits_from_every_pass as check
+
+    check(specjax.load_model(hf_folder("qwen3_moe")[0], dtype=jnp.bfloat16))
+
+
+def test_the_paged_engine_over_a_moe_target_equals_generate_alone(hf_folder):
+    """Staggered requests through the paged engine (prefix caching, chunked prefill, a draft
+    model): each row what `generate` gives the prompt alone."""
+    target = specjax.load_model(hf_folder("qwen3_moe")[0])
+    requests = [(list(np.random.RandomState(n).randint(3, 97, n)), budget, ())
+                for n, budget in ((5, 12), (17, 6), (30, 15), (9, 9))]
+    engine = specjax.Engine(target, draft=tiny.noisy(target, 0.015, 1), slots=3, max_len=64, num_draft_tokens=2,
+                            steps_per_call=4, kv_pages=7, page_size=8, prefill_chunk=16)
+    outputs, _ = _staggered(engine, requests)
+    for (prompt, budget, stops), got in zip(requests, outputs):
+        assert got == _alone(target, prompt, budget, stops)
+    assert engine.stats()["free_pages"] == 7
+
+
+def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folder):
+    """On 8 emulated devices, meshes with 8, 2 and 4 expert devices (beside data and model):
+    logits equal one device's, each device holds its share of the experts, and no
+    collective moves anything a weight's size (the shares are summed: one [N, E] a layer)."""
+    folder = hf_folder("qwen3_moe")[0]
+    child = Path(__file__).parent / "moe_sharded_check.py"
+    result = subprocess.run([sys.executable, str(child), str(folder)], capture_output=True, text=True, timeout=600,
+                            env=children.env(PYTHONPATH=str(Path(__file__).parent.parent)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    findings = json.loads(result.stdout.strip().splitlines()[-1])
+    X = 8
+    for mesh, found in findings.items():
+        experts = int(mesh.split("x")[1])
+        assert found["max_diff"] < 1e-5, (mesh, found)
+        assert found["experts_per_device"] == X // experts, (mesh, found)
+        assert found["largest_collective"] < found["largest_weight"], (mesh, found)
