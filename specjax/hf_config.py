@@ -34,7 +34,9 @@ class InvalidConfigError(ValueError):
 DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
 # The model types whose attention_bias puts biases on q, k, v and o.
 ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+# Where a config.json omits max_position_embeddings, transformers' class default (else 2048).
+DEFAULT_POSITIONS = {"deepseek_v3": 4096}
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -89,6 +91,24 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
             f"rope scaling of sliding-window layers ({local_scaling['rope_type']!r}) is not supported; "
             f"specjax scales only the full-attention layers' rope, as Gemma 3 checkpoints do")
     return theta, scaling, local_theta
+
+
+def read_mla(hf) -> dict[str, Any]:
+    """Latent attention's fields (config.Mla) of a deepseek_v3 config.json, with
+    DeepseekV3Config's defaults; refuses what specjax does not compute: mixture-of-experts
+    layers (first_k_dense_replace below the layers), attention biases."""
+    L = hf["num_hidden_layers"]
+    dense = hf.get("first_k_dense_replace", 3)
+    if dense is None or dense < L:
+        raise UnsupportedConfigError(
+            f"deepseek_v3 with mixture-of-experts layers (first_k_dense_replace={dense!r} of "
+            f"num_hidden_layers={L}: layers {dense or 0} .. {L - 1} route to experts) is not supported yet: "
+            f"specjax runs deepseek_v3 with dense layers only (first_k_dense_replace >= num_hidden_layers)")
+    if hf.get("attention_bias"):
+        raise UnsupportedConfigError("deepseek_v3 with attention_bias=true is not supported")
+    return {"q_lora_rank": hf.get("q_lora_rank", 1536), "kv_lora_rank": hf.get("kv_lora_rank", 512),
+            "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128), "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+            "v_head_dim": hf.get("v_head_dim", 128), "rope_interleave": hf.get("rope_interleave", True)}
 
 
 def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
@@ -203,12 +223,13 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_laye
              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
              "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
              "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-             "shared_expert_intermediate_size")
+             "shared_expert_intermediate_size",
+             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias")
+             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias", "rope_interleave")
 # Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
-OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner")
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "q_lora_rank")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
 # a corrupt or hostile file asking for a giant embedding table.
 MAX_VOCAB_SIZE = 2**24
@@ -220,7 +241,8 @@ NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_at
                "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
                "partial_rotary_factor")
 COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
-              "_sliding_window_pattern": 1, "pretraining_tp": 1}  # key -> least value
+              "_sliding_window_pattern": 1, "pretraining_tp": 1, "first_k_dense_replace": 0,
+              "num_nextn_predict_layers": 0}  # key -> least value
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -296,7 +318,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
     if H is not None and G is not None and H % G:
         raise InvalidConfigError(f"config.json: num_key_value_heads={G} does not divide "
                                  f"{H_key}={H} (each kv head serves a whole group of heads)")
-    if E is not None and H is not None and hf.get("head_dim") is None and E % H:
+    latent = hf.get("model_type") == "deepseek_v3"  # its heads' sizes are its own keys'
+    if E is not None and H is not None and hf.get("head_dim") is None and E % H and not latent:
         raise InvalidConfigError(f"config.json: {H_key}={H} does not divide {E_key}={E}, and "
                                  f"there is no head_dim to say the size of a head")
 
