@@ -64,7 +64,7 @@ class Gemma:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
 
-ROUTERS = ("softmax",)  # how a token's experts and their weights are chosen (see `Moe.router`)
+ROUTERS = ("softmax", "sigmoid_grouped")  # how a token's experts and their weights are chosen (see `Moe.router`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +79,19 @@ class Moe:
     num_experts: int  # X
     top_k: int  # k experts per token
     expert_size: int  # I, each expert's MLP width
-    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral)
+    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral);
+    # "sigmoid_grouped" (DeepSeek-V3): sigmoid scores in float32; the experts chosen by the
+    # scores plus a per-expert bias (`router_bias`), among the top_groups of `groups` groups
+    # (a group ranked by its two best), weighted by their unbiased scores (renormalised where
+    # norm_topk) times routed_scale
     router: str = "softmax"
     norm_topk: bool = False  # the k weights renormalised to sum to 1 (Mixtral always; Qwen's norm_topk_prob)
     shared_size: int = 0  # a shared expert's MLP width, which every token runs (0: none)
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size wide) instead
+    groups: int = 1  # sigmoid_grouped: the experts' groups (n_group)
+    top_groups: int = 1  # sigmoid_grouped: the groups a token's experts may come from (topk_group)
+    routed_scale: float = 1.0  # sigmoid_grouped: the routed experts' weights' factor (routed_scaling_factor)
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_size"):
@@ -97,6 +104,17 @@ class Moe:
             raise UnsupportedConfigError(f"unsupported router {self.router!r}; specjax supports {ROUTERS}")
         if not isinstance(self.shared_size, int) or self.shared_size < 0:
             raise InvalidConfigError(f"shared expert width must be an int >= 0, got {self.shared_size!r}")
+        if self.router == "sigmoid_grouped":
+            if not (isinstance(self.groups, int) and isinstance(self.top_groups, int)
+                    and 1 <= self.top_groups <= self.groups and self.num_experts % self.groups == 0
+                    and self.num_experts // self.groups >= 2):
+                raise InvalidConfigError(
+                    f"n_group={self.groups!r} must divide the {self.num_experts} experts into groups of at least 2 "
+                    f"(a group is ranked by its two best), and topk_group={self.top_groups!r} lie in [1, n_group]")
+            if self.top_k > self.top_groups * (self.num_experts // self.groups):
+                raise InvalidConfigError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
+                                         f"{self.top_groups} groups")
+            _check_positive("routed_scaling_factor", self.routed_scale)
 
 
 @dataclasses.dataclass(frozen=True)

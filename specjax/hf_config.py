@@ -95,15 +95,7 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
 
 def read_mla(hf) -> dict[str, Any]:
     """Latent attention's fields (config.Mla) of a deepseek_v3 config.json, with
-    DeepseekV3Config's defaults; refuses what specjax does not compute: mixture-of-experts
-    layers (first_k_dense_replace below the layers), attention biases."""
-    L = hf["num_hidden_layers"]
-    dense = hf.get("first_k_dense_replace", 3)
-    if dense is None or dense < L:
-        raise UnsupportedConfigError(
-            f"deepseek_v3 with mixture-of-experts layers (first_k_dense_replace={dense!r} of "
-            f"num_hidden_layers={L}: layers {dense or 0} .. {L - 1} route to experts) is not supported yet: "
-            f"specjax runs deepseek_v3 with dense layers only (first_k_dense_replace >= num_hidden_layers)")
+    DeepseekV3Config's defaults; refuses attention biases (its experts: `read_moe`)."""
     if hf.get("attention_bias"):
         raise UnsupportedConfigError("deepseek_v3 with attention_bias=true is not supported")
     return {"q_lora_rank": hf.get("q_lora_rank", 1536), "kv_lora_rank": hf.get("kv_lora_rank", 512),
@@ -143,7 +135,8 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
 # model_type -> (its key for the number of experts, whether all its layers are sparse and
 # its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
 # as num_local_experts; the released checkpoints say num_experts.
-MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+             "deepseek_v3": "n_routed_experts"}
 
 
 def read_moe(hf) -> dict[str, Any] | None:
@@ -154,6 +147,16 @@ def read_moe(hf) -> dict[str, Any] | None:
     if model_type not in MOE_TYPES:
         return None
     L = hf["num_hidden_layers"]
+    if model_type == "deepseek_v3":  # layers from first_k_dense_replace on are sparse
+        dense = hf.get("first_k_dense_replace", 3)
+        if dense >= L:
+            return None
+        size = hf.get("moe_intermediate_size", 2048)
+        return {"num_experts": hf.get("n_routed_experts", 256), "top_k": hf.get("num_experts_per_tok", 8),
+                "expert_size": size, "norm_topk": bool(hf.get("norm_topk_prob", True)),
+                "router": "sigmoid_grouped", "groups": hf.get("n_group", 8), "top_groups": hf.get("topk_group", 4),
+                "routed_scale": float(hf.get("routed_scaling_factor", 2.5)),
+                "shared_size": size * (hf.get("n_shared_experts", 1) or 0), "dense_layers": tuple(range(dense))}
     count = hf.get(MOE_TYPES[model_type], hf.get("num_local_experts", hf.get("num_experts")))
     if count is None:
         raise InvalidConfigError(f"config.json ({model_type}) lacks {MOE_TYPES[model_type]}, the number of experts")
@@ -179,6 +182,13 @@ def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str
     """config.json's keys for `config.Moe`'s fields (`read_moe` backwards)."""
     if model_type == "mixtral":
         return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"]}
+    if model_type == "deepseek_v3":
+        return {"n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
+                "n_group": moe["groups"], "topk_group": moe["top_groups"],
+                "routed_scaling_factor": moe["routed_scale"],
+                "n_shared_experts": moe["shared_size"] // moe["expert_size"],
+                "first_k_dense_replace": len(moe["dense_layers"])}
     out = {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
            "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
            "decoder_sparse_step": 1, "mlp_only_layers": list(moe["dense_layers"])}
@@ -224,7 +234,8 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_laye
              "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
              "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
              "shared_expert_intermediate_size",
-             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "n_routed_experts", "n_group", "topk_group")
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
              "use_bidirectional_attention", "norm_topk_prob", "qkv_bias", "rope_interleave")
@@ -239,10 +250,10 @@ MAX_VOCAB_SIZE = 2**24
 # is read, so that a wrong one is named by its key.
 NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
                "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-               "partial_rotary_factor")
+               "partial_rotary_factor", "routed_scaling_factor")
 COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
               "_sliding_window_pattern": 1, "pretraining_tp": 1, "first_k_dense_replace": 0,
-              "num_nextn_predict_layers": 0}  # key -> least value
+              "num_nextn_predict_layers": 0, "n_shared_experts": 0}  # key -> least value
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")

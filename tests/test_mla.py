@@ -1,8 +1,9 @@
 """DeepSeek-V3's latent attention (models/mla.py): its cache holds the latent and the rotary
 key a token a layer, and nothing else; every way specjax decodes (a draft model's chain, a
 token tree, the deterministic passes, the paged engine with cached prefixes and chunked
-prefill) gives what plain greedy decoding gives. (Parity with transformers' logits and
-cached decoding against a full pass: test_models.py, whose tiny configs include it.)"""
+prefill) gives what plain greedy decoding gives; with its experts (models/moe.py) too.
+(Parity with transformers' logits and cached decoding against a full pass: test_models.py,
+whose tiny configs include it.)"""
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +40,15 @@ def test_the_cache_holds_the_latent_and_the_rope_key_a_token(target):
 
 
 def test_refused_by_name(hf_folder):
+    from specjax.hf_config import InvalidConfigError
+
     hf = tiny.CONFIGS["deepseek_v3"]().to_dict()
-    with pytest.raises(UnsupportedConfigError, match="mixture-of-experts layers .*first_k_dense_replace=1"):
-        ModelConfig.from_hf_config({**hf, "first_k_dense_replace": 1})
+    moe = tiny.CONFIGS["deepseek_v3_moe"]().to_dict()
+    assert ModelConfig.from_hf_config(hf).moe is None  # first_k_dense_replace = every layer: dense
+    with pytest.raises(InvalidConfigError, match="n_group=3 must divide the 8 experts"):
+        ModelConfig.from_hf_config({**moe, "n_group": 3})
+    with pytest.raises(InvalidConfigError, match="num_experts_per_tok=5 exceeds the experts of topk_group=2"):
+        ModelConfig.from_hf_config({**moe, "num_experts_per_tok": 5})
     with pytest.raises(UnsupportedConfigError, match="deepseek_v3 with attention_bias"):
         ModelConfig.from_hf_config({**hf, "attention_bias": True})
     with pytest.raises(UnsupportedConfigError, match="rope_type 'linear'"):
@@ -71,6 +78,22 @@ def test_greedy_with_a_draft_and_a_tree_equals_plain_greedy(target, hf_folder):
         spec = specjax.generate(target, padded, lengths, draft=draft, num_draft_tokens=K, max_new_tokens=12)
         assert tiny.rows(spec) == tiny.rows(plain), draft
         assert int(np.sum(spec.stats.accepted)) > 0
+
+
+@pytest.mark.slow  # the suite's time on 2 cores (test_models holds its logits against transformers')
+def test_greedy_with_experts_equals_plain_greedy(hf_folder):
+    """DeepSeek-V3's experts (group-limited sigmoid router, a shared expert) under latent
+    attention: a draft model's chain gives plain greedy decoding's tokens, transformers'."""
+    folder, torch_model = hf_folder("deepseek_v3_moe")
+    target = specjax.load_model(folder, dtype=jnp.float32)
+    rng = np.random.RandomState(3)
+    prompts = [list(rng.randint(2, tiny.VOCAB, n)) for n in (6, 11)]
+    padded, lengths = specjax.pad_prompts(prompts)
+    plain = specjax.generate(target, padded, lengths, max_new_tokens=10)
+    assert tiny.rows(plain)[1] == tiny.transformers_greedy(torch_model, prompts[1], 10)
+    spec = specjax.generate(target, padded, lengths, draft=tiny.noisy(target, 0.002, 1), num_draft_tokens=3,
+                            max_new_tokens=10)
+    assert tiny.rows(spec) == tiny.rows(plain)
 
 
 def test_deterministic_passes(target):
