@@ -27,6 +27,12 @@ one XLA gives a token-major [B, S, G, D] buffer inside a program, relaying the w
 in and out at every program's edge otherwise: docs/bench/gpu_compiled.txt). A pass's own
 keys come token-major, [B, T, G, D], and are written in place.
 
+Latent attention's cache (DeepSeek-V3: models/mla.py) holds one key a token a layer, the
+latent and the rotary key ([B, 1, S, r + rope]), and value buffers of zero width
+[B, 1, S, 0]: its values are its keys (`latent`), which attention reads from the key
+buffer (attention.values). Every write, page, tree and commit below treats the empty
+value buffers as it treats any other: they cost nothing and move nothing.
+
 A paged cache (PagedAttention) holds each layer's keys in a pool of pages shared by its
 rows, [P, G, page, D] (a kv head's slots of one page together), and a page table per row,
 `pages` int32 [B, M]: row b's slot s lies at slot s % page of page pages[b, s // page].
@@ -64,11 +70,16 @@ class KVCache:
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        G, D_k, D_v = config.cache_dims()
         layers = range(config.num_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+        return cls(k=tuple(jnp.zeros((batch, G, max_len, D_k), dtype) for _ in layers),
+                   v=tuple(jnp.zeros((batch, G, max_len, D_v), dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def latent(self) -> bool:
+        """Whether its values are its keys (zero-width value buffers: latent attention's)."""
+        return self.v[0].shape[-1] == 0
 
     @classmethod
     def init_paged(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, table_width: int,
@@ -90,7 +101,8 @@ class KVCache:
     def nbytes(config: ModelConfig, batch: int, slots: int, dtype) -> int:
         """Bytes of the keys and values of `slots` positions of `batch` rows, every layer: what
         `init` allocates for max_len=slots, or what a pass reads of a cache that long."""
-        return 2 * config.num_layers * batch * slots * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+        G, D_k, D_v = config.cache_dims()
+        return config.num_layers * batch * slots * G * (D_k + D_v) * jnp.dtype(dtype).itemsize
 
     @property
     def max_len(self) -> int:

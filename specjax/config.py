@@ -35,6 +35,7 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "mixtral": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "deepseek_v3": "llama",  # RMSNorm and SwiGLU; its attention is latent (see `Mla`)
 }
 
 
@@ -63,7 +64,7 @@ class Gemma:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
 
-ROUTERS = ("softmax",)  # how a token's experts and their weights are chosen (see `Moe.router`)
+ROUTERS = ("softmax", "sigmoid_grouped")  # how a token's experts and their weights are chosen (see `Moe.router`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +79,19 @@ class Moe:
     num_experts: int  # X
     top_k: int  # k experts per token
     expert_size: int  # I, each expert's MLP width
-    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral)
+    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral);
+    # "sigmoid_grouped" (DeepSeek-V3): sigmoid scores in float32; the experts chosen by the
+    # scores plus a per-expert bias (`router_bias`), among the top_groups of `groups` groups
+    # (a group ranked by its two best), weighted by their unbiased scores (renormalised where
+    # norm_topk) times routed_scale
     router: str = "softmax"
     norm_topk: bool = False  # the k weights renormalised to sum to 1 (Mixtral always; Qwen's norm_topk_prob)
     shared_size: int = 0  # a shared expert's MLP width, which every token runs (0: none)
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size wide) instead
+    groups: int = 1  # sigmoid_grouped: the experts' groups (n_group)
+    top_groups: int = 1  # sigmoid_grouped: the groups a token's experts may come from (topk_group)
+    routed_scale: float = 1.0  # sigmoid_grouped: the routed experts' weights' factor (routed_scaling_factor)
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_size"):
@@ -96,6 +104,43 @@ class Moe:
             raise UnsupportedConfigError(f"unsupported router {self.router!r}; specjax supports {ROUTERS}")
         if not isinstance(self.shared_size, int) or self.shared_size < 0:
             raise InvalidConfigError(f"shared expert width must be an int >= 0, got {self.shared_size!r}")
+        if self.router == "sigmoid_grouped":
+            if not (isinstance(self.groups, int) and isinstance(self.top_groups, int)
+                    and 1 <= self.top_groups <= self.groups and self.num_experts % self.groups == 0
+                    and self.num_experts // self.groups >= 2):
+                raise InvalidConfigError(
+                    f"n_group={self.groups!r} must divide the {self.num_experts} experts into groups of at least 2 "
+                    f"(a group is ranked by its two best), and topk_group={self.top_groups!r} lie in [1, n_group]")
+            if self.top_k > self.top_groups * (self.num_experts // self.groups):
+                raise InvalidConfigError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
+                                         f"{self.top_groups} groups")
+            _check_positive("routed_scaling_factor", self.routed_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (DeepSeek-V2/V3): present exactly when model_type is
+    deepseek_v3. Each token's keys and values are one shared latent of `kv_lora_rank`
+    numbers (normed) and one shared rotary key of `qk_rope_head_dim`, from which every head's
+    key and value are projected (kv_b_proj). A cache holds only those (models/mla.py says
+    how the heads attend to them without expanding them). ModelConfig's head_dim is the
+    rotary part's (`qk_rope_head_dim`), num_kv_heads 1."""
+
+    q_lora_rank: int | None  # None: one q_proj [E -> H (nope + rope)]; else q_a_proj, its norm, q_b_proj
+    kv_lora_rank: int  # r: the latent's width
+    qk_nope_head_dim: int  # the part of a head's query and key without rotary
+    qk_rope_head_dim: int  # the rotary part (one rotary key shared by every head)
+    v_head_dim: int  # a head's value
+    rope_interleave: bool = True  # the rotary lanes come in pairs (x0, x1), (x2, x3), ... (transformers')
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What a cache holds a token a layer: the latent and the rotary key, r + rope."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +170,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
     gemma: Gemma | None = None  # the Gemma family's own computation (see `Gemma`)
     moe: Moe | None = None  # experts in place of the MLP (see `Moe`); None: dense
+    mla: Mla | None = None  # latent attention (DeepSeek-V3), in place of q/k/v heads (see `Mla`)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -174,6 +220,28 @@ class ModelConfig:
         if (self.family == "gemma") != (self.gemma is not None):
             raise ValueError(f"model_type {self.model_type!r} needs gemma=Gemma(...) exactly when "
                              f"its family is gemma")
+        if (self.model_type == "deepseek_v3") != (self.mla is not None):
+            raise ValueError(f"model_type {self.model_type!r} needs mla=Mla(...) exactly when it is deepseek_v3")
+        if self.mla is not None:
+            m = self.mla
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                value = getattr(m, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
+            if m.q_lora_rank is not None and (isinstance(m.q_lora_rank, bool) or not isinstance(m.q_lora_rank, int)
+                                              or m.q_lora_rank < 1):
+                raise InvalidConfigError(f"q_lora_rank must be a positive int or null, got {m.q_lora_rank!r}")
+            if self.num_kv_heads != 1 or self.head_dim != m.qk_rope_head_dim:
+                raise ValueError("latent attention has one shared key head (num_kv_heads=1) whose rotary part is "
+                                 "head_dim (= qk_rope_head_dim)")
+            if self.qkv_bias or self.out_bias or self.qk_norm or self.sliding_window is not None:
+                raise UnsupportedConfigError("latent attention with biases, q/k norms or sliding windows is not "
+                                             "supported")
+            if self.rope_scaling.rope_type != "default":
+                raise UnsupportedConfigError(
+                    f"deepseek_v3 with rope_type {self.rope_scaling.rope_type!r} is not supported yet (its yarn "
+                    f"scaling and the softmax scale's mscale are not implemented for latent attention): only "
+                    f"rope_type 'default'")
         if self.family == "gpt2" and (self.qk_norm or self.local_rope_theta is not None):
             raise ValueError("GPT-2 has no rotary embedding and no q/k norms")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -209,11 +277,25 @@ class ModelConfig:
         """Whether the layer's MLP is a mixture of experts (`Moe`) rather than dense."""
         return self.moe is not None and layer not in self.moe.dense_layers
 
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(G, D_k, D_v): a layer's cache buffers' heads and widths, keys [B, G, S, D_k] and
+        values [B, G, S, D_v]. Latent attention's: (1, r + rope, 0), its keys the latent and
+        the rotary key, and no value buffer (its values are its keys: cache.py)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def num_params(self) -> int:
         """Parameter count (a tied head counted once)."""
         E, F, D = self.hidden_size, self.intermediate_size, self.head_dim
         qkv = E * D * (self.num_heads + 2 * self.num_kv_heads)
         out = self.num_heads * D * E
+        if self.mla is not None:
+            m, H = self.mla, self.num_heads
+            q = (E * H * m.qk_head_dim if m.q_lora_rank is None
+                 else E * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim)
+            kv = E * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+            qkv, out = q + kv, H * m.v_head_dim * E
         if self.family == "gpt2":
             attn = qkv + out + D * (self.num_heads + 2 * self.num_kv_heads) + E
             layer = attn + 2 * E * F + F + E + 4 * E
@@ -322,6 +404,10 @@ class ModelConfig:
         E, H = hf["hidden_size"], hf["num_attention_heads"]
         G = hf.get("num_key_value_heads") or H
         head_dim = hf.get("head_dim") or hf_config.DEFAULT_HEAD_DIM.get(model_type) or E // H
+        mla = None
+        if model_type == "deepseek_v3":
+            mla = Mla(**hf_config.read_mla(hf))
+            G, head_dim = 1, mla.qk_rope_head_dim  # one shared key head; rotary over its rope part
         sliding_window, layer_types = hf_config.read_windows(hf)
         attention_bias = bool(hf.get("attention_bias", False))
         moe = hf_config.read_moe(hf)
@@ -329,7 +415,8 @@ class ModelConfig:
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
             intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get("max_position_embeddings",
+                                           hf_config.DEFAULT_POSITIONS.get(model_type, 2048)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             rope_theta=theta, rope_scaling=RopeScaling(**scaling), local_rope_theta=local_theta,
@@ -340,7 +427,7 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             moe=None if moe is None else Moe(**moe),
-            sliding_window=sliding_window, layer_types=layer_types,
+            sliding_window=sliding_window, layer_types=layer_types, mla=mla,
             gemma=Gemma(
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                 # transformers' Gemma 3 reads attn_logit_softcapping but never applies it.
@@ -400,6 +487,15 @@ class ModelConfig:
                        use_bidirectional_attention=False)
             return out
         out["hidden_act"] = "silu"
+        if self.mla is not None:
+            m = self.mla
+            out.update(
+                # transformers' latent attention expands every head's key itself: its kv heads
+                # must be the query heads (it would repeat fewer)
+                num_key_value_heads=self.num_heads, head_dim=m.qk_rope_head_dim,
+                q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
+                attention_bias=False, first_k_dense_replace=self.num_layers, num_nextn_predict_layers=0)
         if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "qwen2_moe":

@@ -526,7 +526,16 @@ def _canonical(name: str, config: ModelConfig) -> str:
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
-    return name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+            or _mtp_layer(name, config))
+
+
+def _mtp_layer(name: str, config: ModelConfig) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction modules (num_nextn_predict_layers)
+    are layers past its decoder's, which transformers does not load either."""
+    parts = name.split(".")
+    return (config.model_type == "deepseek_v3" and parts[:2] == ["model", "layers"] and len(parts) > 2
+            and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 
 def _set(tree: dict, path: tuple[str, ...], value):

@@ -34,7 +34,9 @@ class InvalidConfigError(ValueError):
 DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
 # The model types whose attention_bias puts biases on q, k, v and o.
 ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+# Where a config.json omits max_position_embeddings, transformers' class default (else 2048).
+DEFAULT_POSITIONS = {"deepseek_v3": 4096}
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -91,6 +93,16 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     return theta, scaling, local_theta
 
 
+def read_mla(hf) -> dict[str, Any]:
+    """Latent attention's fields (config.Mla) of a deepseek_v3 config.json, with
+    DeepseekV3Config's defaults; refuses attention biases (its experts: `read_moe`)."""
+    if hf.get("attention_bias"):
+        raise UnsupportedConfigError("deepseek_v3 with attention_bias=true is not supported")
+    return {"q_lora_rank": hf.get("q_lora_rank", 1536), "kv_lora_rank": hf.get("kv_lora_rank", 512),
+            "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128), "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+            "v_head_dim": hf.get("v_head_dim", 128), "rope_interleave": hf.get("rope_interleave", True)}
+
+
 def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as transformers reads them for each model_type."""
     model_type, L = hf["model_type"], hf["num_hidden_layers"]
@@ -123,7 +135,8 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
 # model_type -> (its key for the number of experts, whether all its layers are sparse and
 # its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
 # as num_local_experts; the released checkpoints say num_experts.
-MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+             "deepseek_v3": "n_routed_experts"}
 
 
 def read_moe(hf) -> dict[str, Any] | None:
@@ -134,6 +147,16 @@ def read_moe(hf) -> dict[str, Any] | None:
     if model_type not in MOE_TYPES:
         return None
     L = hf["num_hidden_layers"]
+    if model_type == "deepseek_v3":  # layers from first_k_dense_replace on are sparse
+        dense = hf.get("first_k_dense_replace", 3)
+        if dense >= L:
+            return None
+        size = hf.get("moe_intermediate_size", 2048)
+        return {"num_experts": hf.get("n_routed_experts", 256), "top_k": hf.get("num_experts_per_tok", 8),
+                "expert_size": size, "norm_topk": bool(hf.get("norm_topk_prob", True)),
+                "router": "sigmoid_grouped", "groups": hf.get("n_group", 8), "top_groups": hf.get("topk_group", 4),
+                "routed_scale": float(hf.get("routed_scaling_factor", 2.5)),
+                "shared_size": size * (hf.get("n_shared_experts", 1) or 0), "dense_layers": tuple(range(dense))}
     count = hf.get(MOE_TYPES[model_type], hf.get("num_local_experts", hf.get("num_experts")))
     if count is None:
         raise InvalidConfigError(f"config.json ({model_type}) lacks {MOE_TYPES[model_type]}, the number of experts")
@@ -159,6 +182,13 @@ def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str
     """config.json's keys for `config.Moe`'s fields (`read_moe` backwards)."""
     if model_type == "mixtral":
         return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"]}
+    if model_type == "deepseek_v3":
+        return {"n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
+                "n_group": moe["groups"], "topk_group": moe["top_groups"],
+                "routed_scaling_factor": moe["routed_scale"],
+                "n_shared_experts": moe["shared_size"] // moe["expert_size"],
+                "first_k_dense_replace": len(moe["dense_layers"])}
     out = {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
            "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
            "decoder_sparse_step": 1, "mlp_only_layers": list(moe["dense_layers"])}
@@ -203,12 +233,14 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_laye
              "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
              "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
              "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-             "shared_expert_intermediate_size")
+             "shared_expert_intermediate_size",
+             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "n_routed_experts", "n_group", "topk_group")
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias")
+             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias", "rope_interleave")
 # Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
-OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner")
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "q_lora_rank")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
 # a corrupt or hostile file asking for a giant embedding table.
 MAX_VOCAB_SIZE = 2**24
@@ -218,9 +250,10 @@ MAX_VOCAB_SIZE = 2**24
 # is read, so that a wrong one is named by its key.
 NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
                "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-               "partial_rotary_factor")
+               "partial_rotary_factor", "routed_scaling_factor")
 COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
-              "_sliding_window_pattern": 1, "pretraining_tp": 1}  # key -> least value
+              "_sliding_window_pattern": 1, "pretraining_tp": 1, "first_k_dense_replace": 0,
+              "num_nextn_predict_layers": 0, "n_shared_experts": 0}  # key -> least value
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -296,7 +329,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
     if H is not None and G is not None and H % G:
         raise InvalidConfigError(f"config.json: num_key_value_heads={G} does not divide "
                                  f"{H_key}={H} (each kv head serves a whole group of heads)")
-    if E is not None and H is not None and hf.get("head_dim") is None and E % H:
+    latent = hf.get("model_type") == "deepseek_v3"  # its heads' sizes are its own keys'
+    if E is not None and H is not None and hf.get("head_dim") is None and E % H and not latent:
         raise InvalidConfigError(f"config.json: {H_key}={H} does not divide {E_key}={E}, and "
                                  f"there is no head_dim to say the size of a head")
 

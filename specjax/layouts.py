@@ -177,8 +177,8 @@ def _dense_layers(c: ModelConfig) -> tuple[int, ...] | None:
 
 
 def moe_layout(c: ModelConfig) -> list[Weights]:
-    """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's mlp.*, Mixtral's
-    block_sparse_moe.*)."""
+    """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's and DeepSeek-V3's
+    mlp.*, Mixtral's block_sparse_moe.*)."""
     E, X, L = c.hidden_size, c.moe.num_experts, "model.layers.{i}."
     on_sparse = sparse_layers(c)
     if c.model_type == "mixtral":
@@ -188,9 +188,12 @@ def moe_layout(c: ModelConfig) -> list[Weights]:
         base = L + "mlp."
         out = _experts(c, base + "experts.", ("gate_proj", "up_proj", "down_proj"))
     out.append(dataclasses.replace(_linear(("moe", "router"), base + "gate.weight", E, (X,)), layers=on_sparse))
+    if c.moe.router == "sigmoid_grouped":  # DeepSeek-V3's
+        out.append(dataclasses.replace(_same(("moe", "router_bias"), base + "gate.e_score_correction_bias", (X,)),
+                                       layers=on_sparse))
     if c.moe.shared_size:
         shared = dataclasses.replace(c, intermediate_size=c.moe.shared_size)
-        s = base + "shared_expert."
+        s = base + ("shared_experts." if c.model_type == "deepseek_v3" else "shared_expert.")
         out += [dataclasses.replace(w, paths=tuple(("moe", "shared") + p[1:] for p in w.paths), layers=on_sparse)
                 for w in (_gate_up(shared, (s + "gate_proj.weight", s + "up_proj.weight")),
                           _linear(("mlp", "down_kernel"), s + "down_proj.weight", c.moe.shared_size, (E,)))]
@@ -241,6 +244,45 @@ def llama_layout(c: ModelConfig) -> list[Weights]:
     return out
 
 
+def deepseek_layout(c: ModelConfig) -> list[Weights]:
+    """DeepSeek-V3: Llama's norms, MLP (or experts: `moe_layout`) and head around latent attention
+    (models/mla.py): q_proj, or q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa and
+    kv_a_layernorm; kv_b_proj [H (n + v), r], whose heads' key rows become k_b_kernel
+    [H, n, r] and value rows v_b_kernel [H, v, r] (views); o_proj."""
+    m = c.mla
+    E, H, F, V = c.hidden_size, c.num_heads, c.intermediate_size, c.vocab_size
+    n, r, Dv, Dq = m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim, m.qk_head_dim
+    L, A = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    out = [
+        _same(("embedding",), "model.embed_tokens.weight", (V, E)),
+        _same(("final_norm", "scale"), "model.norm.weight", (E,)),
+        _same(("attn_norm", "scale"), L + "input_layernorm.weight", (E,)),
+        _same(("mlp_norm", "scale"), L + "post_attention_layernorm.weight", (E,)),
+        dataclasses.replace(_gate_up(c, (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight")),
+                            layers=_dense_layers(c)),
+        dataclasses.replace(_linear(("mlp", "down_kernel"), L + "mlp.down_proj.weight", F, (E,)),
+                            layers=_dense_layers(c)),
+        _linear(("attn", "kv_a_kernel"), A + "kv_a_proj_with_mqa.weight", E, (m.latent_dim,)),
+        _same(("attn", "kv_a_norm", "scale"), A + "kv_a_layernorm.weight", (r,)),
+        Weights(((A + "kv_b_proj.weight", (H * (n + Dv), r)),), (("attn", "k_b_kernel"), ("attn", "v_b_kernel")),
+                lambda ws: tuple(np.split(ws[0].reshape(H, n + Dv, r), [n], axis=1)),
+                lambda ps: (np.concatenate(ps, axis=1).reshape(H * (n + Dv), r),)),
+        _linear_out(("attn", "o_kernel"), A + "o_proj.weight", (H, Dv), E),
+    ]
+    if m.q_lora_rank is None:
+        out.append(_linear(("attn", "q_kernel"), A + "q_proj.weight", E, (H, Dq)))
+    else:
+        Q = m.q_lora_rank
+        out += [_linear(("attn", "q_a_kernel"), A + "q_a_proj.weight", E, (Q,)),
+                _same(("attn", "q_a_norm", "scale"), A + "q_a_layernorm.weight", (Q,)),
+                _linear(("attn", "q_b_kernel"), A + "q_b_proj.weight", Q, (H, Dq))]
+    if c.moe is not None:
+        out += moe_layout(c)
+    if not c.tie_word_embeddings:
+        out.append(_linear(("lm_head",), "lm_head.weight", E, (V,)))
+    return out
+
+
 def gpt2_layout(c: ModelConfig) -> list[Weights]:
     """GPT-2 stores Conv1D weights as [in, out] and fuses q, k, v into c_attn [E, 3 H D]."""
     E, H, D, F, V = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size, c.vocab_size
@@ -275,6 +317,8 @@ def gpt2_layout(c: ModelConfig) -> list[Weights]:
 
 
 def layout(c: ModelConfig) -> list[Weights]:
+    if c.mla is not None:
+        return deepseek_layout(c)
     return gpt2_layout(c) if c.family == "gpt2" else llama_layout(c)
 
 

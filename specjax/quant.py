@@ -36,6 +36,13 @@ CONTRACTED: dict[str, tuple[int, ...]] = {
     "proj_kernel": (-2,),  # [F, E]
     "lm_head": (-2,),  # [E, V]
     "embedding": (-1,),  # [V, E]: a scale per token, the tied head's output channel
+    # latent attention (models/mla.py)
+    "q_kernel": (-3,),  # [E, H, n + p]
+    "q_a_kernel": (-2,),  # [E, Q]
+    "q_b_kernel": (-3,),  # [Q, H, n + p]
+    "kv_a_kernel": (-2,),  # [E, r + p]
+    "k_b_kernel": (-2,),  # [H, n, r]: q_nope [n] in, the latent's r out
+    "v_b_kernel": (-1,),  # [H, v, r]: the latent [r] in, v out
 }
 
 

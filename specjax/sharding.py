@@ -72,8 +72,25 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "experts_up": ("experts", "expert_embed", "expert_mlp"),
     "experts_down": ("experts", "expert_mlp", "expert_embed"),
     "shared_gate": ("embed",),
+    "router_bias": ("routes",),
+    # Latent attention (models/mla.py): what projects into the latents (q's and the keys')
+    # is replicated, each whole on every device (r + rope and q_lora_rank are no heads to
+    # split; E x (q_lora_rank + r + rope) is a small share of a layer); what leaves them
+    # is split by heads, as q/k/v heads are.
+    "q_kernel": ("embed", "heads", "head_dim"),
+    "q_a_kernel": ("embed", "q_lora"),
+    "q_a_norm/scale": ("q_lora",),
+    "q_b_kernel": ("q_lora", "heads", "head_dim"),
+    "kv_a_kernel": ("embed", "kv_latent"),
+    "kv_a_norm/scale": ("kv_latent",),
+    "k_b_kernel": ("heads", "head_dim", "kv_latent"),
+    "v_b_kernel": ("heads", "head_dim", "kv_latent"),
 }
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's k and v buffer
+# A latent cache's (cache.py: KVCache.latent): its one key head, [c_kv ; k_rope], is whole on
+# every device of `model`, whose query heads all read it; split on its width, every score
+# would be a sum over devices.
+LATENT_CACHE_AXES = ("batch", None, "cache_seq", None)
 
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("batch", DATA), ("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL),
@@ -189,8 +206,10 @@ def param_shardings(params: Mapping, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules=DEFAULT_RULES) -> KVCache:
+    axes = LATENT_CACHE_AXES if cache.latent else CACHE_AXES
+
     def one(a):
-        return NamedSharding(mesh, spec(a.shape, CACHE_AXES, mesh, rules))
+        return NamedSharding(mesh, spec(a.shape, axes, mesh, rules))
 
     return KVCache(k=tuple(map(one, cache.k)), v=tuple(map(one, cache.v)),
                    lengths=NamedSharding(mesh, spec(cache.lengths.shape, ("batch",), mesh, rules)))
@@ -238,12 +257,13 @@ def rows_first(x) -> Axes:
 
 
 def cache_axes(cache: KVCache) -> KVCache:
-    """A KVCache's logical axes (a KVCache of `Axes`): each layer's k and v by CACHE_AXES, its
-    lengths rows; a tree in flight [B, R, G, D] rows and heads. A paged cache's pools [P, G,
-    page, D] belong to no row (their pages are shared), its page table [B, M] is rows."""
-    kv = Axes(*CACHE_AXES) if cache.pages is None else Axes(None, "kv_heads", None, "head_dim")
-    tree = None if cache.tree is None else jax.tree.map(
-        lambda _: Axes("batch", None, "kv_heads", "head_dim"), cache.tree)
+    """A KVCache's logical axes (a KVCache of `Axes`): each layer's k and v by CACHE_AXES (a
+    latent cache's by LATENT_CACHE_AXES: whole but for its rows and slots), its lengths rows;
+    a tree in flight [B, R, G, D] rows and heads. A paged cache's pools [P, G, page, D] belong
+    to no row (their pages are shared), its page table [B, M] is rows."""
+    heads, dims = ("kv_heads", "head_dim") if not cache.latent else (None, None)  # a latent cache's: whole
+    kv = Axes("batch", heads, "cache_seq", dims) if cache.pages is None else Axes(None, heads, None, dims)
+    tree = None if cache.tree is None else jax.tree.map(lambda _: Axes("batch", None, heads, dims), cache.tree)
     return cache.replace(k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v), lengths=Axes("batch"), tree=tree,
                          pages=None if cache.pages is None else Axes("batch", None))
 
@@ -389,6 +409,8 @@ def kv_repeat(config, mesh: Mesh, rules: Sequence[tuple[str, str]] = DEFAULT_RUL
     axis = table.get("kv_heads")
     n = mesh.shape.get(axis, 1) if axis is not None else 1
     G, H = config.num_kv_heads, config.num_heads
+    if config.mla is not None:  # latent attention's one key head is whole on every device
+        return 1
     if n <= 1 or G % n == 0 or table.get("heads") != axis or H % n:
         return 1
     return math.lcm(G, n) // G  # divides H/G, since both G and n divide H

@@ -39,7 +39,8 @@ def test_ragged_batch_matches_each_row_alone(arch, hf_folder):
         np.testing.assert_allclose(out[b, :n], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3",
+                                  "deepseek_v3_q"])
 def test_cached_decoding_equals_full_pass(arch, hf_folder):
     """Prefill ragged rows, then feed one token at a time at each row's own offset."""
     folder, _ = hf_folder(arch)

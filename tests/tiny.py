@@ -95,8 +95,37 @@ CONFIGS = {
                                         num_attention_heads=4, num_key_value_heads=1, intermediate_size=16,
                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                                         max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # DeepSeek-V3, every layer dense: latent attention with a low-rank query (q_a_proj, its
+    # norm, q_b_proj), interleaved rope lanes, a latent of 16 + 8 numbers a token.
+    "deepseek_v3": lambda: tr.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=3, num_nextn_predict_layers=0, n_routed_experts=4, n_group=1, topk_group=1,
+        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=128,
+        bos_token_id=0, eos_token_id=1),
+    # DeepSeek-V3 with one q_proj (q_lora_rank null), rope lanes in halves, v_head_dim != nope,
+    # a tied head.
+    "deepseek_v3_q": lambda: tr.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+        v_head_dim=10,
+        rope_interleave=False, first_k_dense_replace=2, num_nextn_predict_layers=0, n_routed_experts=4,
+        n_group=1, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=True,
+        max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # DeepSeek-V3 with experts from its second layer on: 8 routed experts in 4 groups, a token's
+    # 3 from its 2 best groups (by a router bias, e_score_correction_bias), a shared expert,
+    # weights renormalised and scaled by 2.5.
+    "deepseek_v3_moe": lambda: tr.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, first_k_dense_replace=1, num_nextn_predict_layers=0, n_routed_experts=8, n_group=4,
+        topk_group=2, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
 }
-CLASSES = {"gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
+CLASSES = {"deepseek_v3": tr.DeepseekV3ForCausalLM, "deepseek_v3_q": tr.DeepseekV3ForCausalLM,
+           "deepseek_v3_moe": tr.DeepseekV3ForCausalLM,
+           "gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
            "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
            "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
            "qwen2_sliding": tr.Qwen2ForCausalLM, "gemma2": tr.Gemma2ForCausalLM,
@@ -126,6 +155,9 @@ def randomized(model, std: float = 0.15):
             if "norm" in pname or ".ln_" in pname:
                 if pname.endswith("weight"):
                     p.add_(offset)
+        for bname, b in model.named_buffers():  # DeepSeek-V3's router bias: a buffer, saved
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, std)
     return model
 
 

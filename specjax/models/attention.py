@@ -57,6 +57,8 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     pass's own keys; heads_first: [B, G, S, D], a cache's layout), mask bool [B, T, S]
     (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
     Scores are float32 and scaled by `scale`, then soft-capped by `cap` if given (Gemma 2).
+    Zero-width values (latent attention's) mean the values are the keys (`values`): the
+    output is then [B, T, H, D] of k's D.
 
     Up to `block` (default ATTENTION_BLOCK) key slots, the scores [B, H, T, S] are
     materialised (the reference computation). Beyond, keys are visited in blocks of `block`
@@ -76,6 +78,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     It knows nothing about caches or positions: what is visible is the mask's business."""
     B, T, H, D = q.shape
     G, S = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
+    v = values(k, v)
     kernel = choose(backend, q.dtype, T, S, D, cap) if kernels else "portable"
     if kernel == "cudnn":
         return dot_product_attention(q, k, v, mask, scale, kv_limit, heads_first=heads_first)
@@ -113,6 +116,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     up to the longest row's prefix: blocks outside are not read (on a GPU, where a loop's
     data-dependent predicate would wait on the host, the loop is fixed-length and re-reads
     the last live block instead, masked). The platform is `backend`'s, the program's.
+    Zero-width values (v and cache_v [..., 0]: latent attention's) mean the values are the
+    keys (`values`).
 
     kernels=True (`takes_kernels` of the model's Model.attention): on a GPU or a TPU, where it
     applies (`_prefix_kernel`), the prefix goes through that platform's Pallas kernel
@@ -127,6 +132,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
     G, S, N = cache_k.shape[1], cache_k.shape[2], k.shape[1]
+    v, cache_v = values(k, v), values(cache_k, cache_v)
     block = block or ATTENTION_BLOCK
     if pages is not None:  # pools [P, G, page, D]: S slots a row, read page by page
         page, S = S, S * pages.shape[1]
@@ -175,6 +181,13 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first, layout,
                           fixed_length=backend.platform == "gpu", pages=pages)
     return _normalise(state, v.dtype)
+
+
+def values(keys, values):
+    """The values attention averages: `values`, or, where they have zero width (latent
+    attention's: models/mla.py, cache.py), the keys themselves (the same array, read in
+    place: no copy)."""
+    return keys if values.shape[-1] == 0 else values
 
 
 def _whole_cache_on_gpu(backend: Backend, rows: int, head_dim: int) -> bool:

@@ -34,9 +34,10 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache, Pending, Placement, join, write
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
+from specjax.models.attention import values
+from specjax.models.layers import MLP, Norm, rotary_angles, softcap
 from specjax.models.moe import MoE
-from specjax.models.transformer import embed_tokens, read_out
+from specjax.models.transformer import attention_layer, embed_tokens, read_out
 
 ROWS = 16  # tokens per fixed-shape body (a pass of fewer is padded to it): docs/bench/exact.txt
 BLOCK = 128  # key slots per attention block
@@ -86,7 +87,10 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None, p
     """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache; with a page
     table pages int32 [B, M], pools [P, G, page, D] read through row b's); b its row; where
     int32 [S'] (`_slot_of_position`); position its position; tree_kv: None, or the layer's
-    held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]."""
+    held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]. Zero-width
+    values (latent attention's) are the keys (`attention.values`)."""
+    v = values(k, v)
+    tree_kv = None if tree_kv is None else (tree_kv[0], values(*tree_kv))
     G, D = k.shape[1], k.shape[3]
     S = k.shape[2] * (1 if pages is None else pages.shape[1])
     H = q.shape[0]
@@ -162,7 +166,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     where = _slot_of_position(positions, length, placement).reshape(N, -1)  # [N, S']
     rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)  # [N]
     windows = c.layer_windows()
-    attn = Attention(c)
+    attn = attention_layer(c)
 
     def angles(pos, local):  # [ROWS] -> this pass's rotary (cos, sin), each [ROWS, 1, D]
         cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32))
@@ -182,7 +186,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
         def project(x, *cos_sin, p=p):  # [ROWS, E] -> q [ROWS, H, D], k, v [ROWS, G, D]
             h = Norm(c).apply({"params": p["attn_norm"]}, x[None])
             rotation = tuple(a[None] for a in cos_sin) or None
-            q, k, v = attn.apply({"params": p["attn"]}, h, rotation, flat, method=Attention.project_qkv)
+            q, k, v = attn.apply({"params": p["attn"]}, h, rotation, flat, method="project_qkv")
             return q[0], k[0], v[0]
 
         q, k, v = rowwise(project, x, *rotations.get(sliding, ()))
@@ -199,7 +203,7 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             (tree_k[i], tree_v[i]) if held else None, pages)), (q, rows, where, flat_positions))
 
         def finish(x, heads, p=p, i=i):  # the residual stream after attention and MLP, [ROWS, E]
-            x = x + attn.apply({"params": p["attn"]}, heads[None], method=Attention.project_out)[0]
+            x = x + attn.apply({"params": p["attn"]}, heads[None], method="project_out")[0]
             h = Norm(c).apply({"params": p["mlp_norm"]}, x)
             if c.sparse(i):  # each assignment by its own expert's weights: independent of the others
                 return x + MoE(c).apply({"params": p["moe"]}, h[None], form="gathered")[0]

@@ -42,14 +42,36 @@ SLICED = 16  # at most this many assignments a pass are computed `sliced` (unrol
 FORMS = ("gathered", "sliced", "grouped", "ragged_dot")
 
 
-def route(c: ModelConfig, logits):
-    """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k])."""
+def route(c: ModelConfig, logits, bias=None):
+    """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k]).
+    bias: the sigmoid_grouped router's per-expert bias [X] (`Moe.router`)."""
     m = c.moe
+    if m.router == "sigmoid_grouped":
+        return _route_grouped(m, logits, bias)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, m.top_k)
     if m.norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def _route_grouped(m, logits, bias):
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; experts
+    chosen by score + bias within the top_groups groups whose two best biased scores sum
+    highest; weighted by their unbiased scores, renormalised where norm_topk, times
+    routed_scale."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [N, X]
+    choice = scores + bias.astype(jnp.float32)
+    N, X = choice.shape
+    grouped = choice.reshape(N, m.groups, X // m.groups)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, groups]
+    kept = jax.nn.one_hot(jax.lax.top_k(group_scores, m.top_groups)[1], m.groups, dtype=bool).any(1)  # [N, groups]
+    choice = jnp.where(jnp.repeat(kept, X // m.groups, axis=1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, m.top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if m.norm_topk:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * m.routed_scale, experts.astype(jnp.int32)
 
 
 def choose_form(platform: str, assignments: int) -> str:
@@ -204,7 +226,8 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh):
 
 
 class MoE(nn.Module):
-    """The experts' MLP of a sparse layer: [B, T, E] -> [B, T, E]. Params: `router` [E, X],
+    """The experts' MLP of a sparse layer: [B, T, E] -> [B, T, E]. Params: `router` [E, X]
+    (and DeepSeek-V3's `router_bias` [X]: `Moe.router`),
     `experts_gate`, `experts_up` [X, E, I], `experts_down` [X, I, E]; with a shared expert a
     dense MLP `shared` (I_s wide) and, gated, `shared_gate` [E]."""
 
@@ -219,8 +242,14 @@ class MoE(nn.Module):
         E, X, I = c.hidden_size, m.num_experts, m.expert_size
         B, T, _ = x.shape
         rows = x.reshape(B * T, E)
-        logits = matmul("ne,ex->nx", rows, self.param("router", init, (E, X)))
-        weights, chosen = route(c, logits)
+        router = self.param("router", init, (E, X))
+        bias = None
+        if m.router == "sigmoid_grouped":  # in float32, as transformers keeps it
+            logits = matmul("ne,ex->nx", rows.astype(jnp.float32), router.astype(jnp.float32))
+            bias = self.param("router_bias", nn.initializers.zeros, (X,))
+        else:
+            logits = matmul("ne,ex->nx", rows, router)
+        weights, chosen = route(c, logits, bias)
         gate = self.param("experts_gate", init, (X, E, I))
         up = self.param("experts_up", init, (X, E, I))
         down = self.param("experts_down", init, (X, I, E))

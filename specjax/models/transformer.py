@@ -1,7 +1,8 @@
-"""One decoder for GPT-2, the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and the
-Gemma family (Gemma 2, Gemma 3 text). Where families differ, the difference is a named
-piece of layers.py (norms, activation, soft-caps, q/k norms, post-norms) or, here, the
-embedding scale and final soft-cap of Gemma and each layer's rotary frequencies.
+"""One decoder for GPT-2, the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, and
+DeepSeek-V3's dense layers) and the Gemma family (Gemma 2, Gemma 3 text). Where families
+differ, the difference is a named piece of layers.py (norms, activation, soft-caps, q/k
+norms, post-norms), DeepSeek-V3's latent attention (mla.py, `attention_layer`) or, here,
+the embedding scale and final soft-cap of Gemma and each layer's rotary frequencies.
 
 `decode` is a pure function of (config, params, tokens [B, T], positions [B, T], cache)
 returning (logits [B, T, V] float32, hidden [B, T, E], cache). Each layer's weights are
@@ -38,8 +39,19 @@ from specjax.cache import KVCache, Pending, Placement, attention_mask, join, wri
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax.models.attention import attention, cached_attention, choose
 from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
+from specjax.models.mla import LatentAttention
 from specjax.models.moe import MoE
 from specjax.quant import Int8
+
+
+def attention_layer(c: ModelConfig, in_size: int | None = None, name: str | None = None):
+    """A layer's attention projections: latent attention's (DeepSeek-V3: models/mla.py),
+    else q/k/v heads (layers.Attention). Both give what attention.py's paths take."""
+    if c.mla is not None:
+        if in_size is not None:
+            raise ValueError("latent attention reads the residual stream: it has no input of its own")
+        return LatentAttention(c, name=name)
+    return Attention(c, in_size, name=name)
 
 
 class Block(nn.Module):
@@ -63,7 +75,7 @@ class Block(nn.Module):
         unless view.writes is False, the new (k, v) [B, T, G, D], or the held tree with them).
         attn_input: None (the attention reads x, normed where attn_norm), or what it reads
         [B, T, attn_in_size]."""
-        attn = Attention(self.config, self.attn_in_size, name="attn")
+        attn = attention_layer(self.config, self.attn_in_size, name="attn")
         backend = view.backend
         if attn_input is None:
             attn_input = Norm(self.config, name="attn_norm")(x) if self.attn_norm else x
@@ -116,6 +128,9 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     exit; the cache's other layers are returned untouched).
     taps: None, or layer numbers i (1..L): `hidden` is then the residual stream after each
     of those layers, concatenated ([B, T, len(taps) E]), instead of the final-normed states."""
+    # No fused kernel takes latent attention's keys (D_k = r + rope, zero-width values):
+    # its passes attend portably (models/mla.py).
+    kernels = kernels and c.mla is None
     x = embed_tokens(c, params["embedding"], tokens)  # [B, T, E]
     if c.family == "gpt2":
         x = x + params["pos_embedding"][jnp.minimum(positions, c.max_position_embeddings - 1)]
