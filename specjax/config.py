@@ -43,10 +43,43 @@ class RopeScaling:
     """Rotary frequency scaling (`rope_parameters` minus `rope_theta`)."""
 
     rope_type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0  # linear and llama3
+    factor: float = 1.0  # linear, llama3 and yarn
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn: the ramp's bounds, in rotations over the original length
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn: with mscale_all_dim, the attention factor's numerator ...
+    mscale_all_dim: float | None = None  # ... and denominator (DeepSeek-V3; see `attention_scale`)
+    attention_factor: float | None = None  # yarn: cos and sin scaled by this (None: from factor, mscales)
+    truncate: bool = True  # yarn: the ramp's bounds rounded outwards to whole dimensions
+
+    def cos_sin_factor(self) -> float:
+        """What the rotary tables' cos and sin are multiplied by (transformers'
+        attention_scaling): 1 but for yarn, whose attention_factor it is, or where a config
+        gives none, 0.1 log(factor) + 1 (with mscale and mscale_all_dim: the ratio of
+        that formula at each)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def attention_scale(self) -> float:
+        """What multiplies a DeepSeek-style (MLA) attention's score scale besides head_dim ** -0.5:
+        yarn_mscale(factor, mscale_all_dim) squared where mscale_all_dim is given and nonzero
+        (transformers' `yarn_apply_mscale`, which DeepSeek-V3 applies for every rope type
+        but default), else 1. The decoders of this module's other families do not apply it."""
+        if self.rope_type == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 mscale log(scale) + 1 (1 for scale <= 1): transformers' yarn_get_mscale."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +188,15 @@ class ModelConfig:
             r = self.rope_scaling
             if r.rope_type != "default":
                 _check_positive("rope scaling factor", r.factor)
+            if r.rope_type == "yarn":
+                for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+                    _check_positive(f"rope scaling {name}", getattr(r, name))
+                if r.attention_factor is not None:
+                    _check_positive("rope scaling attention_factor", r.attention_factor)
+                elif not 0 < r.cos_sin_factor() <= FLOAT32_MAX:  # mscale and mscale_all_dim's ratio
+                    raise InvalidConfigError(
+                        f"rope_parameters' mscale={r.mscale!r} and mscale_all_dim={r.mscale_all_dim!r} give the "
+                        f"attention factor {r.cos_sin_factor()!r}, which must be a finite number > 0")
             if r.rope_type == "llama3":
                 for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     _check_positive(f"rope scaling {name}", getattr(r, name))
@@ -368,9 +410,9 @@ class ModelConfig:
         rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type == "linear":
             rope["factor"] = self.rope_scaling.factor
-        elif self.rope_scaling.rope_type == "llama3":
-            rope.update({k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
-                         if k != "rope_type"})
+        elif self.rope_scaling.rope_type in ("llama3", "yarn"):
+            rope.update({k: getattr(self.rope_scaling, k) for k in hf_config.ROPE_KEYS[self.rope_scaling.rope_type]
+                         if getattr(self.rope_scaling, k) is not None})
         out = {
             "model_type": self.model_type, "architectures": [hf_config.ARCHITECTURES[self.model_type]],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -446,7 +488,29 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled)
+    if s.rope_type == "yarn":  # transformers' _compute_yarn_parameters
+        def correction_dim(rotations):  # the dimension that turns `rotations` times over the original length
+            return D * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(config.rope_theta))
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, D - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp  # the share of each frequency left unscaled
+        return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
     return inv_freq
+
+
+def rope_cos_sin_factor(config: ModelConfig, local: bool = False) -> float:
+    """What the rotary tables' cos and sin are multiplied by (RopeScaling.cos_sin_factor) for
+    the full-attention layers, or (local=True) the sliding-window layers (Gemma 3's unscaled
+    local rope: 1)."""
+    if local and config.local_rope_theta is not None:
+        return 1.0
+    return config.rope_scaling.cos_sin_factor()
 
 
 FLOAT32_MAX = 3.4028234663852886e38

@@ -15,7 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope_parameters' keys each rope type reads beside rope_theta (yarn's optional ones may be null).
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                      "mscale_all_dim", "attention_factor", "truncate")}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # names transformers gives the tanh-approximated gelu
 
 
@@ -42,9 +47,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM"}
 
 
-def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, dict[str, Any]]:
+def _rope_entry(rope: dict, default_theta: float, where: str, max_positions: int,
+                original: int | None = None) -> tuple[float, dict[str, Any]]:
     """One rope_parameters dict -> (theta, RopeScaling's fields); refuses what specjax
-    cannot compute."""
+    cannot compute. max_positions: config.json's max_position_embeddings, and original: its
+    top-level original_max_position_embeddings (Phi-3 keeps it there), which transformers puts
+    in a llama3 or yarn rope's place, else the rope's own, else max_positions; yarn's factor,
+    where null, is max_positions / original (as transformers derives it for DeepSeek-V3)."""
     rope = dict(rope)
     theta = float(rope.pop("rope_theta", default_theta))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
@@ -58,9 +67,25 @@ def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, di
     if rope_type not in ROPE_TYPES:
         raise UnsupportedConfigError(
             f"unsupported rope_type {rope_type!r} ({where}); specjax supports {ROPE_TYPES}")
-    return theta, {"rope_type": rope_type, **{
-        k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                             "original_max_position_embeddings") if k in rope}}
+    if rope_type in ("llama3", "yarn"):
+        given = rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = (original if original is not None else
+                                                    given if given is not None else max_positions)
+    fields = {k: rope[k] for k in ROPE_KEYS.get(rope_type, ()) if k in rope}
+    if rope_type == "yarn":
+        if "factor" not in rope:
+            raise InvalidConfigError(f"config.json: a yarn rope ({where}) needs rope_parameters.factor")
+        if fields["factor"] is None:  # (a bad original length is refused by ModelConfig's checks)
+            original = fields["original_max_position_embeddings"]
+            fields["factor"] = max_positions / original if isinstance(original, int) and original > 0 else 1.0
+        fields = {k: v for k, v in fields.items() if v is not None}  # null: the default (None, 32, 1, True)
+        if not isinstance(fields.get("truncate", True), bool):
+            raise InvalidConfigError(f"config.json: rope_parameters.truncate={fields['truncate']!r} ({where}) "
+                                     f"must be true or false")
+        for k in ("beta_fast", "beta_slow"):  # transformers: `or 32`, `or 1`
+            if fields.get(k) == 0:
+                del fields[k]
+    return theta, {"rope_type": rope_type, **fields}
 
 
 def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
@@ -73,17 +98,19 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
     params = dict(hf.get("rope_parameters") or {})
+    max_positions = hf.get("max_position_embeddings", 2048)
     if model_type != "gemma3_text":
         legacy = hf.get("rope_scaling") or {}
-        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters")
+        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters",
+                                     max_positions, hf.get("original_max_position_embeddings"))
         return theta, scaling, None
     if "full_attention" in params or "sliding_attention" in params:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     else:  # the 4.x layout: rope_scaling applies to the global layers only
         full = {**(hf.get("rope_scaling") or {}), **params}
         local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers")
-    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers")
+    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers", max_positions)
+    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers", max_positions)
     if local_scaling["rope_type"] != "default":
         raise UnsupportedConfigError(
             f"rope scaling of sliding-window layers ({local_scaling['rope_type']!r}) is not supported; "
@@ -191,7 +218,8 @@ ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
                "local_rope_theta": "rope_local_base_freq (or rope_parameters.sliding_attention.rope_theta)",
                "rope scaling factor": "rope_parameters.factor (or rope_scaling.factor)",
                **{f"rope scaling {k}": f"rope_parameters.{k} (or rope_scaling.{k})"
-                  for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+                  for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                            "beta_slow", "attention_factor")},
                "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
 
 
@@ -224,7 +252,10 @@ COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_patte
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+# Those a yarn rope may give as null (transformers' default, or for its factor: derived).
+YARN_NULLABLE = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
 def _check_types(hf: dict[str, Any]) -> None:
@@ -254,8 +285,10 @@ def _check_types(hf: dict[str, Any]) -> None:
     for key in MAPPING_KEYS:  # the rope values inside (Gemma 3: one mapping per layer type)
         rope = hf.get(key) or {}
         for entry in [rope] + [v for v in rope.values() if isinstance(v, dict)]:
+            yarn = entry.get("rope_type", entry.get("type")) == "yarn"
             for name in ROPE_NUMBERS:
-                if name in entry and not number(entry[name]):
+                if name in entry and not number(entry[name]) and not (
+                        yarn and entry[name] is None and name in YARN_NULLABLE):
                     raise InvalidConfigError(f"config.json: {key} holds {name}={entry[name]!r}, which must be a number")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = hf.get(key)

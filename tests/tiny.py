@@ -28,6 +28,16 @@ CONFIGS = {
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 16},
                                      rope_theta=500.0, bos_token_id=0, eos_token_id=1),
+    # YaRN rope over an original length of 8 (the tests' sequences run past it), its ramp
+    # spanning a few of the 8 frequencies (beta_fast 4, beta_slow 0.25, base 100), truncated,
+    # and the attention factor scaling cos and sin derived from the factor.
+    "llama_yarn": lambda: tr.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         intermediate_size=48, max_position_embeddings=32,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 8,
+                                                          "beta_fast": 4.0, "beta_slow": 0.25},
+                                         bos_token_id=0, eos_token_id=1),
     # Mistral: GQA down to one kv head, a sliding window shorter than the test sequences.
     "mistral": lambda: tr.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=1,
@@ -97,7 +107,7 @@ CONFIGS = {
                                         max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
 }
 CLASSES = {"gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
-           "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
+           "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM, "llama_yarn": tr.LlamaForCausalLM,
            "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
            "qwen2_sliding": tr.Qwen2ForCausalLM, "gemma2": tr.Gemma2ForCausalLM,
            "gemma3": tr.Gemma3ForCausalLM, "qwen3": tr.Qwen3ForCausalLM,

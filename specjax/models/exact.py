@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, Pending, Placement, join, write
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
 from specjax.models.layers import MLP, Attention, Norm, rotary_angles, softcap
 from specjax.models.moe import MoE
 from specjax.models.transformer import embed_tokens, read_out
@@ -165,7 +165,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     attn = Attention(c)
 
     def angles(pos, local):  # [ROWS] -> this pass's rotary (cos, sin), each [ROWS, 1, D]
-        cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32))
+        cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32),
+                                 rope_cos_sin_factor(c, local=local))
         return cos[0], sin[0]
 
     # Once per pass, by fenced bodies like the rest (None for GPT-2): {sliding: (cos, sin)}

@@ -116,12 +116,15 @@ class Norm(nn.Module):
         return (y * scale + bias).astype(x.dtype)
 
 
-def rotary_angles(positions, inv_freq):
+def rotary_angles(positions, inv_freq, factor: float = 1.0):
     """(cos, sin) float32 [B, T, 1, D] of the rotary angles at positions int32 [B, T] for
-    inverse frequencies float32 [D/2]: computed once per pass and shared by its layers."""
+    inverse frequencies float32 [D/2], both multiplied by factor (YaRN's attention factor:
+    `RopeScaling.cos_sin_factor`): computed once per pass and shared by its layers."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    return jnp.cos(angles), jnp.sin(angles)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def rotary(x, cos_sin):

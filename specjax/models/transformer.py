@@ -35,7 +35,7 @@ from flax import linen as nn
 
 from specjax.backend import Backend
 from specjax.cache import KVCache, Pending, Placement, attention_mask, join, write
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
 from specjax.models.attention import attention, cached_attention, choose
 from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
 from specjax.models.moe import MoE
@@ -193,13 +193,16 @@ def embed_tokens(c: ModelConfig, embedding, tokens):
 
 def rotary_tables(c: ModelConfig, positions) -> dict:
     """{sliding: (cos, sin)}: the rotary angles of full-attention layers (False) and of
-    sliding-window layers (True), each computed once per pass; None for GPT-2."""
+    sliding-window layers (True), each computed once per pass; None for GPT-2. (YaRN's
+    attention factor scales both cos and sin: `rope_cos_sin_factor`.)"""
     if c.family == "gpt2":
         return {False: None, True: None}
-    full = rotary_angles(positions, jnp.asarray(rope_inv_freq(c), jnp.float32))
-    if c.local_rope_theta is None:
-        return {False: full, True: full}
-    return {False: full, True: rotary_angles(positions, jnp.asarray(rope_inv_freq(c, local=True), jnp.float32))}
+
+    def angles(local):
+        inv_freq = jnp.asarray(rope_inv_freq(c, local=local), jnp.float32)
+        return rotary_angles(positions, inv_freq, rope_cos_sin_factor(c, local=local))
+    full = angles(False)
+    return {False: full, True: full if c.local_rope_theta is None else angles(True)}
 
 
 class View(NamedTuple):
