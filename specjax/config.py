@@ -156,6 +156,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over D of each query and key head, before rotary (Qwen3, Gemma 3)
     sliding_window: int | None = None  # keys further back than this are not attended
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    attn_sinks: bool = False  # a learned logit per query head joins its softmax (gpt-oss: `sinks` [H])
     gemma: Gemma | None = None  # the Gemma family's own computation (see `Gemma`)
     moe: Moe | None = None  # experts in place of the MLP (see `Moe`); None: dense
     bos_token_id: int | None = None
@@ -262,7 +263,8 @@ class ModelConfig:
             extra = self.max_position_embeddings * E + 2 * E
         else:
             attn = (qkv + out + (D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
-                    + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0))
+                    + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0)
+                    + (self.num_heads if self.attn_sinks else 0))
             norms = (4 if self.family == "gemma" else 2) * E
             layer = attn + norms
             extra = E + sum(self.mlp_params(i) for i in range(self.num_layers))

@@ -233,6 +233,8 @@ def llama_layout(c: ModelConfig) -> list[Weights]:
         out.append(_qkv(c, tuple(L + f"self_attn.{n}_proj.bias" for n in "qkv"), bias=True))
     if c.out_bias:
         out.append(_same(("attn", "o_bias"), L + "self_attn.o_proj.bias", (E,)))
+    if c.attn_sinks:
+        out.append(_same(("attn", "sinks"), L + "self_attn.sinks", (H,)))
     if c.mlp_bias:
         out += [_gate_up(c, (L + "mlp.gate_proj.bias", L + "mlp.up_proj.bias"), bias=True),
                 _same(("mlp", "down_bias"), L + "mlp.down_proj.bias", (E,))]

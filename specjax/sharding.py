@@ -57,6 +57,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "qkv_bias": ("kv_heads", "qkv", "head_dim"),
     "o_kernel": ("heads", "head_dim", "embed"),
     "o_bias": ("embed",),
+    "sinks": ("heads",),
     "gate_up_kernel": ("gate_up", "embed", "mlp"),
     "fc_kernel": ("embed", "mlp"),
     "down_kernel": ("mlp", "embed"),

@@ -163,6 +163,8 @@ class Attention(nn.Module):
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros, (G, H // G + 2, D))
         if c.out_bias:
             self.o_bias = self.param("o_bias", nn.initializers.zeros, (E,))
+        if c.attn_sinks:  # gpt-oss: one logit per query head in its queries' softmax (attention.py)
+            self.sinks = self.param("sinks", nn.initializers.zeros, (H,))
         if c.qk_norm:
             self.q_norm = Norm(c, dim=D)
             self.k_norm = Norm(c, dim=D)
@@ -194,6 +196,10 @@ class Attention(nn.Module):
     @property
     def cap(self) -> float | None:
         return self.config.gemma.attn_softcap if self.config.gemma else None
+
+    def sink_logits(self):
+        """The attention sinks [H] (ModelConfig.attn_sinks), or None: what attention's `sinks` takes."""
+        return self.sinks if self.config.attn_sinks else None
 
     def project_out(self, out):
         """Attention's per-head output [B, T, H, D] -> [B, T, E] (Gemma's normed)."""

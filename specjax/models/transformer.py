@@ -71,8 +71,10 @@ class Block(nn.Module):
         if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
             k, v = (join(held, new, view.offset) for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v
+        sinks = attn.sink_logits()
         if cache_kv is None:  # a full pass: its own keys, causal
-            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels)
+            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels,
+                            sinks=sinks)
         else:
             if view.writes:  # a row's slots are consecutive
                 cache_kv = tuple(write(buf, x, view.slots, backend.consecutive_writes, view.pages)
@@ -80,11 +82,11 @@ class Block(nn.Module):
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
-                                view.kv_limit, backend=backend, kernels=True, heads_first=True)
+                                view.kv_limit, backend=backend, kernels=True, heads_first=True, sinks=sinks)
             else:
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
                                        attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules,
-                                       pages=view.pages)
+                                       pages=view.pages, sinks=sinks)
         x = x + attn.project_out(out)
         h = Norm(self.config, name="mlp_norm")(x)
         x = x + (MoE(self.config, name="moe")(h, platform=backend.platform) if self.sparse
@@ -258,7 +260,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
     if (dtype is not None and offset is None and cache.pages is None
-            and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim, cap) != "portable"):
+            and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim, cap, c.attn_sinks) != "portable"):
         if placement is None:
             kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
             visible = attention_mask(positions, kv_positions)
