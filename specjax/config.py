@@ -33,6 +33,7 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "qwen2_moe": "llama",
     "qwen3_moe": "llama",
     "mixtral": "llama",
+    "gpt_oss": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
 }
@@ -96,7 +97,7 @@ class Gemma:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
 
-ROUTERS = ("softmax",)  # how a token's experts and their weights are chosen (see `Moe.router`)
+ROUTERS = ("softmax", "topk_softmax")  # how a token's experts and their weights are chosen (see `Moe.router`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +112,19 @@ class Moe:
     num_experts: int  # X
     top_k: int  # k experts per token
     expert_size: int  # I, each expert's MLP width
-    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral)
+    # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral);
+    # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss)
     router: str = "softmax"
     norm_topk: bool = False  # the k weights renormalised to sum to 1 (Mixtral always; Qwen's norm_topk_prob)
     shared_size: int = 0  # a shared expert's MLP width, which every token runs (0: none)
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size wide) instead
+    router_bias: bool = False  # a bias [X] on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
+    # gpt-oss's clamped activation (models/moe.py `clamped_swiglu`): gate <= limit, up in
+    # [-limit, limit], (up + 1) * gate * sigmoid(alpha gate). None: SwiGLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_size"):
@@ -129,6 +137,11 @@ class Moe:
             raise UnsupportedConfigError(f"unsupported router {self.router!r}; specjax supports {ROUTERS}")
         if not isinstance(self.shared_size, int) or self.shared_size < 0:
             raise InvalidConfigError(f"shared expert width must be an int >= 0, got {self.shared_size!r}")
+        if self.swiglu_limit is not None:
+            _check_positive("swiglu_limit", self.swiglu_limit)
+            if isinstance(self.swiglu_alpha, bool) or not isinstance(self.swiglu_alpha, (int, float)) or not (
+                    abs(self.swiglu_alpha) <= FLOAT32_MAX):
+                raise InvalidConfigError(f"swiglu_alpha must be a finite number, got {self.swiglu_alpha!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +291,10 @@ class ModelConfig:
         if not self.sparse(layer):
             return 3 * E * F + (2 * F + E if self.mlp_bias else 0)
         m = self.moe
-        experts = (m.top_k if active else m.num_experts) * 3 * E * m.expert_size
-        return E * m.num_experts + experts + 3 * E * m.shared_size + (E if m.shared_gate else 0)
+        n = m.top_k if active else m.num_experts
+        experts = n * 3 * E * m.expert_size + (n * (2 * m.expert_size + E) if m.expert_bias else 0)
+        return ((E + m.router_bias) * m.num_experts + experts + 3 * E * m.shared_size
+                + (E if m.shared_gate else 0))
 
     def num_active_params(self) -> int:
         """Parameters one token's pass reads (a dense model's: all; a MoE's: its top_k experts
@@ -301,6 +316,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
                 f"supports {sorted(SUPPORTED_MODEL_TYPES)}{hint}")
         hf_config.check_hf_config(hf)
+        hf_config.check_quantization(hf)
         gpt2 = SUPPORTED_MODEL_TYPES[model_type] == "gpt2"
         try:
             return cls._from_gpt2(hf) if gpt2 else cls._from_rotary(hf)
@@ -367,7 +383,7 @@ class ModelConfig:
         G = hf.get("num_key_value_heads") or H
         head_dim = hf.get("head_dim") or hf_config.DEFAULT_HEAD_DIM.get(model_type) or E // H
         sliding_window, layer_types = hf_config.read_windows(hf)
-        attention_bias = bool(hf.get("attention_bias", False))
+        attention_bias = bool(hf.get("attention_bias", model_type == "gpt_oss"))
         moe = hf_config.read_moe(hf)
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
@@ -383,6 +399,7 @@ class ModelConfig:
             out_bias=model_type in hf_config.ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            attn_sinks=model_type == "gpt_oss",
             moe=None if moe is None else Moe(**moe),
             sliding_window=sliding_window, layer_types=layer_types,
             gemma=Gemma(
@@ -444,7 +461,7 @@ class ModelConfig:
                        use_bidirectional_attention=False)
             return out
         out["hidden_act"] = "silu"
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "qwen2_moe":
             out["qkv_bias"] = self.qkv_bias
@@ -454,6 +471,9 @@ class ModelConfig:
             out["mlp_bias"] = self.mlp_bias
         if self.model_type in ("mistral", "phi3", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "gpt_oss":  # (its class alternates windows where layer_types is absent)
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_layers)
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window

@@ -36,14 +36,14 @@ class InvalidConfigError(ValueError):
 # ---- config.json ----------------------------------------------------------------------
 
 # Where a config.json omits head_dim, transformers' class default (else E // H).
-DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
 # The model types whose attention_bias puts biases on q, k, v and o.
-ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM"}
 
 
@@ -88,6 +88,13 @@ def _rope_entry(rope: dict, default_theta: float, where: str, max_positions: int
     return theta, {"rope_type": rope_type, **fields}
 
 
+# Where a config.json gives no rope_theta, its class's default (else 10000).
+DEFAULT_THETA = {"gpt_oss": 150000.0}
+# GptOssConfig's rope where config.json gives none.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
 def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     """(theta, RopeScaling's fields) of full-attention layers and the base of sliding ones
     (Gemma 3 only).
@@ -101,8 +108,11 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     max_positions = hf.get("max_position_embeddings", 2048)
     if model_type != "gemma3_text":
         legacy = hf.get("rope_scaling") or {}
-        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters",
-                                     max_positions, hf.get("original_max_position_embeddings"))
+        if model_type == "gpt_oss" and not (legacy or params):  # its class's default rope
+            params = dict(GPT_OSS_ROPE)
+        theta = hf.get("rope_theta", DEFAULT_THETA.get(model_type, 10000.0))
+        theta, scaling = _rope_entry({**legacy, **params}, theta, "rope_parameters", max_positions,
+                                     hf.get("original_max_position_embeddings"))
         return theta, scaling, None
     if "full_attention" in params or "sliding_attention" in params:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
@@ -127,6 +137,12 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
         if hf.get("use_sliding_window"):  # no released checkpoint sets it
             raise UnsupportedConfigError(f"{model_type} with use_sliding_window=true is not supported")
         return None, None
+    if model_type == "gpt_oss":  # sliding and full layers alternating unless layer_types says
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)))
+        if "sliding_attention" not in layer_types:
+            return None, None
+        return hf.get("sliding_window", 128), layer_types
     if model_type in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window"):
             return None, None
@@ -150,7 +166,8 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
 # model_type -> (its key for the number of experts, whether all its layers are sparse and
 # its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
 # as num_local_experts; the released checkpoints say num_experts.
-MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+             "gpt_oss": "num_local_experts"}
 
 
 def read_moe(hf) -> dict[str, Any] | None:
@@ -167,6 +184,11 @@ def read_moe(hf) -> dict[str, Any] | None:
     if model_type == "mixtral":
         return {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 2),
                 "expert_size": hf["intermediate_size"], "norm_topk": True}
+    if model_type == "gpt_oss":  # every layer sparse; biases everywhere; the clamped activation
+        return {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 4),
+                "expert_size": hf.get("intermediate_size", 2880), "router": "topk_softmax",
+                "router_bias": True, "expert_bias": True, "swiglu_limit": hf.get("swiglu_limit", 7.0),
+                "swiglu_alpha": hf.get("swiglu_alpha", 1.702)}
     step = hf.get("decoder_sparse_step", 1)
     only = hf.get("mlp_only_layers") or []
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
@@ -186,12 +208,33 @@ def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str
     """config.json's keys for `config.Moe`'s fields (`read_moe` backwards)."""
     if model_type == "mixtral":
         return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"]}
+    if model_type == "gpt_oss":
+        return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                "swiglu_limit": moe["swiglu_limit"], "swiglu_alpha": moe["swiglu_alpha"]}
     out = {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
            "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
            "decoder_sparse_step": 1, "mlp_only_layers": list(moe["dense_layers"])}
     if model_type == "qwen2_moe":
         out["shared_expert_intermediate_size"] = moe["shared_size"]
     return out
+
+
+def check_quantization(hf) -> None:
+    """Refuses a quantized checkpoint (config.json's quantization_config): its tensors are not
+    the float weights specjax reads. gpt-oss's own release is MXFP4 (`*_blocks` / `*_scales`
+    expert tensors)."""
+    quant = hf.get("quantization_config")
+    if not isinstance(quant, dict):
+        return
+    method = quant.get("quant_method")
+    if method == "mxfp4":
+        raise UnsupportedConfigError(
+            "this checkpoint's experts are quantized to MXFP4 (quantization_config.quant_method 'mxfp4', "
+            "tensors *_blocks / *_scales), which specjax does not dequantize: use a bfloat16 checkpoint of "
+            "the model, e.g. unsloth/gpt-oss-20b-BF16")
+    raise UnsupportedConfigError(f"quantized checkpoints (quantization_config.quant_method {method!r}) are not "
+                                 f"supported: use the model's float checkpoint (specjax can quantize to int8 "
+                                 f"itself when loading)")
 
 
 def int_if_whole(x: float):
@@ -246,7 +289,7 @@ MAX_VOCAB_SIZE = 2**24
 # is read, so that a wrong one is named by its key.
 NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
                "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-               "partial_rotary_factor")
+               "partial_rotary_factor", "swiglu_limit", "swiglu_alpha")
 COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
               "_sliding_window_pattern": 1, "pretraining_tp": 1}  # key -> least value
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")

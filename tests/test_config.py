@@ -135,6 +135,32 @@ def test_new_families_refuse_what_they_cannot_compute(arch, change, message):
         ModelConfig.from_hf_config({**tiny.CONFIGS[arch]().to_dict(), **change})
 
 
+def test_quantized_checkpoints_are_refused_by_name():
+    """gpt-oss's own release holds MXFP4 experts: refused, pointing at a bfloat16 checkpoint."""
+    hf = tiny.CONFIGS["gpt_oss"]().to_dict()
+    with pytest.raises(UnsupportedConfigError, match="MXFP4.*unsloth/gpt-oss-20b-BF16"):
+        ModelConfig.from_hf_config({**hf, "quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+    with pytest.raises(UnsupportedConfigError, match="quant_method 'gptq'"):
+        ModelConfig.from_hf_config({**LEGACY_LLAMA3, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+def test_gpt_oss_defaults_are_its_class_defaults():
+    """A gpt-oss config.json without rope, windows or activation keys reads as GptOssConfig
+    fills them: yarn (factor 32 over 4,096, truncate false, base 150,000), windows of 128 on
+    alternate layers from the first, the clamp at 7 with alpha 1.702, biased attention."""
+    import transformers as tr
+
+    hf = {k: v for k, v in tiny.CONFIGS["gpt_oss"]().to_dict().items()
+          if k not in ("rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "layer_types",
+                       "swiglu_limit", "swiglu_alpha", "attention_bias")}
+    ours = ModelConfig.from_hf_config(hf)
+    assert ours == ModelConfig.from_hf_config(tr.GptOssConfig(**hf).to_dict())
+    assert ours.layer_windows() == (128, None, 128) and ours.rope_theta == 150000.0
+    assert (ours.rope_scaling.factor, ours.rope_scaling.truncate, ours.moe.swiglu_limit) == (32.0, False, 7.0)
+    assert ours.qkv_bias and ours.out_bias and ours.attn_sinks
+
+
 def test_gpt2_unsupported_options():
     hf = tiny.CONFIGS["gpt2"]().to_dict()
     with pytest.raises(UnsupportedConfigError, match="scale_attn_by_inverse_layer_idx"):

@@ -39,7 +39,7 @@ def test_ragged_batch_matches_each_row_alone(arch, hf_folder):
         np.testing.assert_allclose(out[b, :n], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral", "gemma3", "gpt_oss"])
 def test_cached_decoding_equals_full_pass(arch, hf_folder):
     """Prefill ragged rows, then feed one token at a time at each row's own offset."""
     folder, _ = hf_folder(arch)

@@ -106,6 +106,10 @@ class Norm(nn.Module):
         if c.family == "gemma":
             return gemma_rms_norm(x, self.param("scale", nn.initializers.zeros, (n,)), c.norm_eps)
         scale = self.param("scale", nn.initializers.ones, (n,))
+        if c.model_type == "gpt_oss":  # its norms scale in float32, then cast (transformers' GptOssRMSNorm)
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + c.norm_eps)
+            return (scale.astype(jnp.float32) * y).astype(x.dtype)
         if c.family == "llama":
             return rms_norm(x, scale, c.norm_eps)
         bias = self.param("bias", nn.initializers.zeros, (n,))
