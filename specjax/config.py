@@ -33,6 +33,7 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "qwen2_moe": "llama",
     "qwen3_moe": "llama",
     "mixtral": "llama",
+    "gpt_oss": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
     "deepseek_v3": "llama",  # RMSNorm and SwiGLU; its attention is latent (see `Mla`)
@@ -44,10 +45,43 @@ class RopeScaling:
     """Rotary frequency scaling (`rope_parameters` minus `rope_theta`)."""
 
     rope_type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0  # linear and llama3
+    factor: float = 1.0  # linear, llama3 and yarn
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn: the ramp's bounds, in rotations over the original length
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn: with mscale_all_dim, the attention factor's numerator ...
+    mscale_all_dim: float | None = None  # ... and denominator (DeepSeek-V3; see `attention_scale`)
+    attention_factor: float | None = None  # yarn: cos and sin scaled by this (None: from factor, mscales)
+    truncate: bool = True  # yarn: the ramp's bounds rounded outwards to whole dimensions
+
+    def cos_sin_factor(self) -> float:
+        """What the rotary tables' cos and sin are multiplied by (transformers'
+        attention_scaling): 1 but for yarn, whose attention_factor it is, or where a config
+        gives none, 0.1 log(factor) + 1 (with mscale and mscale_all_dim: the ratio of
+        that formula at each)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def attention_scale(self) -> float:
+        """What multiplies a DeepSeek-style (MLA) attention's score scale besides head_dim ** -0.5:
+        yarn_mscale(factor, mscale_all_dim) squared where mscale_all_dim is given and nonzero
+        (transformers' `yarn_apply_mscale`, which DeepSeek-V3 applies for every rope type
+        but default), else 1. The decoders of this module's other families do not apply it."""
+        if self.rope_type == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 mscale log(scale) + 1 (1 for scale <= 1): transformers' yarn_get_mscale."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +98,7 @@ class Gemma:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
 
-ROUTERS = ("softmax", "sigmoid_grouped")  # how a token's experts and their weights are chosen (see `Moe.router`)
+ROUTERS = ("softmax", "topk_softmax", "sigmoid_grouped")  # how a token's experts and their weights are chosen (see `Moe.router`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +114,7 @@ class Moe:
     top_k: int  # k experts per token
     expert_size: int  # I, each expert's MLP width
     # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral);
+    # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss);
     # "sigmoid_grouped" (DeepSeek-V3): sigmoid scores in float32; the experts chosen by the
     # scores plus a per-expert bias (`router_bias`), among the top_groups of `groups` groups
     # (a group ranked by its two best), weighted by their unbiased scores (renormalised where
@@ -92,6 +127,12 @@ class Moe:
     groups: int = 1  # sigmoid_grouped: the experts' groups (n_group)
     top_groups: int = 1  # sigmoid_grouped: the groups a token's experts may come from (topk_group)
     routed_scale: float = 1.0  # sigmoid_grouped: the routed experts' weights' factor (routed_scaling_factor)
+    router_bias: bool = False  # a bias [X] added to the router's logits (gpt-oss; sigmoid_grouped has its own, which only chooses)
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
+    # gpt-oss's clamped activation (models/moe.py `clamped_swiglu`): gate <= limit, up in
+    # [-limit, limit], (up + 1) * gate * sigmoid(alpha gate). None: SwiGLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_size"):
@@ -104,6 +145,11 @@ class Moe:
             raise UnsupportedConfigError(f"unsupported router {self.router!r}; specjax supports {ROUTERS}")
         if not isinstance(self.shared_size, int) or self.shared_size < 0:
             raise InvalidConfigError(f"shared expert width must be an int >= 0, got {self.shared_size!r}")
+        if self.swiglu_limit is not None:
+            _check_positive("swiglu_limit", self.swiglu_limit)
+            if isinstance(self.swiglu_alpha, bool) or not isinstance(self.swiglu_alpha, (int, float)) or not (
+                    abs(self.swiglu_alpha) <= FLOAT32_MAX):
+                raise InvalidConfigError(f"swiglu_alpha must be a finite number, got {self.swiglu_alpha!r}")
         if self.router == "sigmoid_grouped":
             if not (isinstance(self.groups, int) and isinstance(self.top_groups, int)
                     and 1 <= self.top_groups <= self.groups and self.num_experts % self.groups == 0
@@ -168,6 +214,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over D of each query and key head, before rotary (Qwen3, Gemma 3)
     sliding_window: int | None = None  # keys further back than this are not attended
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    attn_sinks: bool = False  # a learned logit per query head joins its softmax (gpt-oss: `sinks` [H])
     gemma: Gemma | None = None  # the Gemma family's own computation (see `Gemma`)
     moe: Moe | None = None  # experts in place of the MLP (see `Moe`); None: dense
     mla: Mla | None = None  # latent attention (DeepSeek-V3), in place of q/k/v heads (see `Mla`)
@@ -201,6 +248,15 @@ class ModelConfig:
             r = self.rope_scaling
             if r.rope_type != "default":
                 _check_positive("rope scaling factor", r.factor)
+            if r.rope_type == "yarn":
+                for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+                    _check_positive(f"rope scaling {name}", getattr(r, name))
+                if r.attention_factor is not None:
+                    _check_positive("rope scaling attention_factor", r.attention_factor)
+                elif not 0 < r.cos_sin_factor() <= FLOAT32_MAX:  # mscale and mscale_all_dim's ratio
+                    raise InvalidConfigError(
+                        f"rope_parameters' mscale={r.mscale!r} and mscale_all_dim={r.mscale_all_dim!r} give the "
+                        f"attention factor {r.cos_sin_factor()!r}, which must be a finite number > 0")
             if r.rope_type == "llama3":
                 for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     _check_positive(f"rope scaling {name}", getattr(r, name))
@@ -302,7 +358,8 @@ class ModelConfig:
             extra = self.max_position_embeddings * E + 2 * E
         else:
             attn = (qkv + out + (D * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
-                    + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0))
+                    + (E if self.out_bias else 0) + (2 * D if self.qk_norm else 0)
+                    + (self.num_heads if self.attn_sinks else 0))
             norms = (4 if self.family == "gemma" else 2) * E
             layer = attn + norms
             extra = E + sum(self.mlp_params(i) for i in range(self.num_layers))
@@ -316,8 +373,10 @@ class ModelConfig:
         if not self.sparse(layer):
             return 3 * E * F + (2 * F + E if self.mlp_bias else 0)
         m = self.moe
-        experts = (m.top_k if active else m.num_experts) * 3 * E * m.expert_size
-        return E * m.num_experts + experts + 3 * E * m.shared_size + (E if m.shared_gate else 0)
+        n = m.top_k if active else m.num_experts
+        experts = n * 3 * E * m.expert_size + (n * (2 * m.expert_size + E) if m.expert_bias else 0)
+        return ((E + m.router_bias) * m.num_experts + experts + 3 * E * m.shared_size
+                + (E if m.shared_gate else 0))
 
     def num_active_params(self) -> int:
         """Parameters one token's pass reads (a dense model's: all; a MoE's: its top_k experts
@@ -339,6 +398,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (architectures {archs}); specjax "
                 f"supports {sorted(SUPPORTED_MODEL_TYPES)}{hint}")
         hf_config.check_hf_config(hf)
+        hf_config.check_quantization(hf)
         gpt2 = SUPPORTED_MODEL_TYPES[model_type] == "gpt2"
         try:
             return cls._from_gpt2(hf) if gpt2 else cls._from_rotary(hf)
@@ -409,7 +469,7 @@ class ModelConfig:
             mla = Mla(**hf_config.read_mla(hf))
             G, head_dim = 1, mla.qk_rope_head_dim  # one shared key head; rotary over its rope part
         sliding_window, layer_types = hf_config.read_windows(hf)
-        attention_bias = bool(hf.get("attention_bias", False))
+        attention_bias = bool(hf.get("attention_bias", model_type == "gpt_oss"))
         moe = hf_config.read_moe(hf)
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
@@ -426,6 +486,7 @@ class ModelConfig:
             out_bias=model_type in hf_config.ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            attn_sinks=model_type == "gpt_oss",
             moe=None if moe is None else Moe(**moe),
             sliding_window=sliding_window, layer_types=layer_types, mla=mla,
             gemma=Gemma(
@@ -455,9 +516,9 @@ class ModelConfig:
         rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type == "linear":
             rope["factor"] = self.rope_scaling.factor
-        elif self.rope_scaling.rope_type == "llama3":
-            rope.update({k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
-                         if k != "rope_type"})
+        elif self.rope_scaling.rope_type in ("llama3", "yarn"):
+            rope.update({k: getattr(self.rope_scaling, k) for k in hf_config.ROPE_KEYS[self.rope_scaling.rope_type]
+                         if getattr(self.rope_scaling, k) is not None})
         out = {
             "model_type": self.model_type, "architectures": [hf_config.ARCHITECTURES[self.model_type]],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -496,7 +557,7 @@ class ModelConfig:
                 q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                 qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
                 attention_bias=False, first_k_dense_replace=self.num_layers, num_nextn_predict_layers=0)
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "qwen2_moe":
             out["qkv_bias"] = self.qkv_bias
@@ -506,6 +567,9 @@ class ModelConfig:
             out["mlp_bias"] = self.mlp_bias
         if self.model_type in ("mistral", "phi3", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "gpt_oss":  # (its class alternates windows where layer_types is absent)
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_layers)
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window
@@ -542,7 +606,29 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled)
+    if s.rope_type == "yarn":  # transformers' _compute_yarn_parameters
+        def correction_dim(rotations):  # the dimension that turns `rotations` times over the original length
+            return D * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(config.rope_theta))
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, D - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp  # the share of each frequency left unscaled
+        return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
     return inv_freq
+
+
+def rope_cos_sin_factor(config: ModelConfig, local: bool = False) -> float:
+    """What the rotary tables' cos and sin are multiplied by (RopeScaling.cos_sin_factor) for
+    the full-attention layers, or (local=True) the sliding-window layers (Gemma 3's unscaled
+    local rope: 1)."""
+    if local and config.local_rope_theta is not None:
+        return 1.0
+    return config.rope_scaling.cos_sin_factor()
 
 
 FLOAT32_MAX = 3.4028234663852886e38

@@ -15,7 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope_parameters' keys each rope type reads beside rope_theta (yarn's optional ones may be null).
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                      "mscale_all_dim", "attention_factor", "truncate")}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # names transformers gives the tanh-approximated gelu
 
 
@@ -31,22 +36,26 @@ class InvalidConfigError(ValueError):
 # ---- config.json ----------------------------------------------------------------------
 
 # Where a config.json omits head_dim, transformers' class default (else E // H).
-DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
 # The model types whose attention_bias puts biases on q, k, v and o.
-ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # Where a config.json omits max_position_embeddings, transformers' class default (else 2048).
 DEFAULT_POSITIONS = {"deepseek_v3": 4096}
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM"}
 
 
-def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, dict[str, Any]]:
+def _rope_entry(rope: dict, default_theta: float, where: str, max_positions: int,
+                original: int | None = None) -> tuple[float, dict[str, Any]]:
     """One rope_parameters dict -> (theta, RopeScaling's fields); refuses what specjax
-    cannot compute."""
+    cannot compute. max_positions: config.json's max_position_embeddings, and original: its
+    top-level original_max_position_embeddings (Phi-3 keeps it there), which transformers puts
+    in a llama3 or yarn rope's place, else the rope's own, else max_positions; yarn's factor,
+    where null, is max_positions / original (as transformers derives it for DeepSeek-V3)."""
     rope = dict(rope)
     theta = float(rope.pop("rope_theta", default_theta))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
@@ -60,9 +69,32 @@ def _rope_entry(rope: dict, default_theta: float, where: str) -> tuple[float, di
     if rope_type not in ROPE_TYPES:
         raise UnsupportedConfigError(
             f"unsupported rope_type {rope_type!r} ({where}); specjax supports {ROPE_TYPES}")
-    return theta, {"rope_type": rope_type, **{
-        k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                             "original_max_position_embeddings") if k in rope}}
+    if rope_type in ("llama3", "yarn"):
+        given = rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = (original if original is not None else
+                                                    given if given is not None else max_positions)
+    fields = {k: rope[k] for k in ROPE_KEYS.get(rope_type, ()) if k in rope}
+    if rope_type == "yarn":
+        if "factor" not in rope:
+            raise InvalidConfigError(f"config.json: a yarn rope ({where}) needs rope_parameters.factor")
+        if fields["factor"] is None:  # (a bad original length is refused by ModelConfig's checks)
+            original = fields["original_max_position_embeddings"]
+            fields["factor"] = max_positions / original if isinstance(original, int) and original > 0 else 1.0
+        fields = {k: v for k, v in fields.items() if v is not None}  # null: the default (None, 32, 1, True)
+        if not isinstance(fields.get("truncate", True), bool):
+            raise InvalidConfigError(f"config.json: rope_parameters.truncate={fields['truncate']!r} ({where}) "
+                                     f"must be true or false")
+        for k in ("beta_fast", "beta_slow"):  # transformers: `or 32`, `or 1`
+            if fields.get(k) == 0:
+                del fields[k]
+    return theta, {"rope_type": rope_type, **fields}
+
+
+# Where a config.json gives no rope_theta, its class's default (else 10000).
+DEFAULT_THETA = {"gpt_oss": 150000.0}
+# GptOssConfig's rope where config.json gives none.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
@@ -75,17 +107,22 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
     params = dict(hf.get("rope_parameters") or {})
+    max_positions = hf.get("max_position_embeddings", 2048)
     if model_type != "gemma3_text":
         legacy = hf.get("rope_scaling") or {}
-        theta, scaling = _rope_entry({**legacy, **params}, hf.get("rope_theta", 10000.0), "rope_parameters")
+        if model_type == "gpt_oss" and not (legacy or params):  # its class's default rope
+            params = dict(GPT_OSS_ROPE)
+        theta = hf.get("rope_theta", DEFAULT_THETA.get(model_type, 10000.0))
+        theta, scaling = _rope_entry({**legacy, **params}, theta, "rope_parameters", max_positions,
+                                     hf.get("original_max_position_embeddings"))
         return theta, scaling, None
     if "full_attention" in params or "sliding_attention" in params:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     else:  # the 4.x layout: rope_scaling applies to the global layers only
         full = {**(hf.get("rope_scaling") or {}), **params}
         local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers")
-    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers")
+    theta, scaling = _rope_entry(full, hf.get("rope_theta", 1_000_000.0), "full_attention layers", max_positions)
+    local_theta, local_scaling = _rope_entry(local, 10000.0, "sliding_attention layers", max_positions)
     if local_scaling["rope_type"] != "default":
         raise UnsupportedConfigError(
             f"rope scaling of sliding-window layers ({local_scaling['rope_type']!r}) is not supported; "
@@ -112,6 +149,12 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
         if hf.get("use_sliding_window"):  # no released checkpoint sets it
             raise UnsupportedConfigError(f"{model_type} with use_sliding_window=true is not supported")
         return None, None
+    if model_type == "gpt_oss":  # sliding and full layers alternating unless layer_types says
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)))
+        if "sliding_attention" not in layer_types:
+            return None, None
+        return hf.get("sliding_window", 128), layer_types
     if model_type in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window"):
             return None, None
@@ -136,7 +179,7 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
 # its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
 # as num_local_experts; the released checkpoints say num_experts.
 MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts",
-             "deepseek_v3": "n_routed_experts"}
+             "deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts"}
 
 
 def read_moe(hf) -> dict[str, Any] | None:
@@ -163,6 +206,11 @@ def read_moe(hf) -> dict[str, Any] | None:
     if model_type == "mixtral":
         return {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 2),
                 "expert_size": hf["intermediate_size"], "norm_topk": True}
+    if model_type == "gpt_oss":  # every layer sparse; biases everywhere; the clamped activation
+        return {"num_experts": count, "top_k": hf.get("num_experts_per_tok", 4),
+                "expert_size": hf.get("intermediate_size", 2880), "router": "topk_softmax",
+                "router_bias": True, "expert_bias": True, "swiglu_limit": hf.get("swiglu_limit", 7.0),
+                "swiglu_alpha": hf.get("swiglu_alpha", 1.702)}
     step = hf.get("decoder_sparse_step", 1)
     only = hf.get("mlp_only_layers") or []
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
@@ -189,12 +237,33 @@ def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str
                 "routed_scaling_factor": moe["routed_scale"],
                 "n_shared_experts": moe["shared_size"] // moe["expert_size"],
                 "first_k_dense_replace": len(moe["dense_layers"])}
+    if model_type == "gpt_oss":
+        return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                "swiglu_limit": moe["swiglu_limit"], "swiglu_alpha": moe["swiglu_alpha"]}
     out = {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
            "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
            "decoder_sparse_step": 1, "mlp_only_layers": list(moe["dense_layers"])}
     if model_type == "qwen2_moe":
         out["shared_expert_intermediate_size"] = moe["shared_size"]
     return out
+
+
+def check_quantization(hf) -> None:
+    """Refuses a quantized checkpoint (config.json's quantization_config): its tensors are not
+    the float weights specjax reads. gpt-oss's own release is MXFP4 (`*_blocks` / `*_scales`
+    expert tensors)."""
+    quant = hf.get("quantization_config")
+    if not isinstance(quant, dict):
+        return
+    method = quant.get("quant_method")
+    if method == "mxfp4":
+        raise UnsupportedConfigError(
+            "this checkpoint's experts are quantized to MXFP4 (quantization_config.quant_method 'mxfp4', "
+            "tensors *_blocks / *_scales), which specjax does not dequantize: use a bfloat16 checkpoint of "
+            "the model, e.g. unsloth/gpt-oss-20b-BF16")
+    raise UnsupportedConfigError(f"quantized checkpoints (quantization_config.quant_method {method!r}) are not "
+                                 f"supported: use the model's float checkpoint (specjax can quantize to int8 "
+                                 f"itself when loading)")
 
 
 def int_if_whole(x: float):
@@ -221,7 +290,8 @@ ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
                "local_rope_theta": "rope_local_base_freq (or rope_parameters.sliding_attention.rope_theta)",
                "rope scaling factor": "rope_parameters.factor (or rope_scaling.factor)",
                **{f"rope scaling {k}": f"rope_parameters.{k} (or rope_scaling.{k})"
-                  for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")},
+                  for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                            "beta_slow", "attention_factor")},
                "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
 
 
@@ -250,14 +320,17 @@ MAX_VOCAB_SIZE = 2**24
 # is read, so that a wrong one is named by its key.
 NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "query_pre_attn_scalar",
                "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-               "partial_rotary_factor", "routed_scaling_factor")
+               "partial_rotary_factor", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha")
 COUNT_KEYS = {"sliding_window": 1, "max_window_layers": 0, "sliding_window_pattern": 1,
               "_sliding_window_pattern": 1, "pretraining_tp": 1, "first_k_dense_replace": 0,
               "num_nextn_predict_layers": 0, "n_shared_experts": 0}  # key -> least value
 MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+# Those a yarn rope may give as null (transformers' default, or for its factor: derived).
+YARN_NULLABLE = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
 def _check_types(hf: dict[str, Any]) -> None:
@@ -287,8 +360,10 @@ def _check_types(hf: dict[str, Any]) -> None:
     for key in MAPPING_KEYS:  # the rope values inside (Gemma 3: one mapping per layer type)
         rope = hf.get(key) or {}
         for entry in [rope] + [v for v in rope.values() if isinstance(v, dict)]:
+            yarn = entry.get("rope_type", entry.get("type")) == "yarn"
             for name in ROPE_NUMBERS:
-                if name in entry and not number(entry[name]):
+                if name in entry and not number(entry[name]) and not (
+                        yarn and entry[name] is None and name in YARN_NULLABLE):
                     raise InvalidConfigError(f"config.json: {key} holds {name}={entry[name]!r}, which must be a number")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = hf.get(key)

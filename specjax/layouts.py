@@ -176,11 +176,36 @@ def _dense_layers(c: ModelConfig) -> tuple[int, ...] | None:
     return None if c.moe is None else tuple(i for i in range(c.num_layers) if not c.sparse(i))
 
 
+def gpt_oss_experts(c: ModelConfig) -> list[Weights]:
+    """gpt-oss's router (mlp.router.weight [X, E] and bias [X]) and its experts, stored fused:
+    mlp.experts.gate_up_proj [X, E, 2I], gate and up interleaved (gate = [..., ::2], up =
+    [..., 1::2]), gate_up_proj_bias [X, 2I], down_proj [X, I, E], down_proj_bias [X, E]
+    -> experts_gate, experts_up (strided views) and their biases, experts_down as it lies."""
+    E, X, I, L = c.hidden_size, c.moe.num_experts, c.moe.expert_size, "model.layers.{i}.mlp."
+    on = sparse_layers(c)
+
+    def interleaved(name, shape, paths):
+        return Weights(((L + name, shape),), paths, lambda ws: (ws[0][..., ::2], ws[0][..., 1::2]),
+                       lambda ps: (np.stack([np.asarray(p) for p in ps], axis=-1).reshape(shape),), on)
+
+    return [
+        interleaved("experts.gate_up_proj", (X, E, 2 * I), (("moe", "experts_gate"), ("moe", "experts_up"))),
+        interleaved("experts.gate_up_proj_bias", (X, 2 * I),
+                    (("moe", "experts_gate_bias"), ("moe", "experts_up_bias"))),
+        dataclasses.replace(_same(("moe", "experts_down"), L + "experts.down_proj", (X, I, E)), layers=on),
+        dataclasses.replace(_same(("moe", "experts_down_bias"), L + "experts.down_proj_bias", (X, E)), layers=on),
+        dataclasses.replace(_linear(("moe", "router"), L + "router.weight", E, (X,)), layers=on),
+        dataclasses.replace(_same(("moe", "router_bias"), L + "router.bias", (X,)), layers=on),
+    ]
+
+
 def moe_layout(c: ModelConfig) -> list[Weights]:
     """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's and DeepSeek-V3's
-    mlp.*, Mixtral's block_sparse_moe.*)."""
+    mlp.*, Mixtral's block_sparse_moe.*, gpt-oss's fused experts: `gpt_oss_experts`)."""
     E, X, L = c.hidden_size, c.moe.num_experts, "model.layers.{i}."
     on_sparse = sparse_layers(c)
+    if c.model_type == "gpt_oss":
+        return gpt_oss_experts(c)
     if c.model_type == "mixtral":
         base = L + "block_sparse_moe."
         out = _experts(c, base + "experts.", ("w1", "w3", "w2"))
@@ -236,6 +261,8 @@ def llama_layout(c: ModelConfig) -> list[Weights]:
         out.append(_qkv(c, tuple(L + f"self_attn.{n}_proj.bias" for n in "qkv"), bias=True))
     if c.out_bias:
         out.append(_same(("attn", "o_bias"), L + "self_attn.o_proj.bias", (E,)))
+    if c.attn_sinks:
+        out.append(_same(("attn", "sinks"), L + "self_attn.sinks", (H,)))
     if c.mlp_bias:
         out += [_gate_up(c, (L + "mlp.gate_proj.bias", L + "mlp.up_proj.bias"), bias=True),
                 _same(("mlp", "down_bias"), L + "mlp.down_proj.bias", (E,))]

@@ -57,6 +57,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "qkv_bias": ("kv_heads", "qkv", "head_dim"),
     "o_kernel": ("heads", "head_dim", "embed"),
     "o_bias": ("embed",),
+    "sinks": ("heads",),
     "gate_up_kernel": ("gate_up", "embed", "mlp"),
     "fc_kernel": ("embed", "mlp"),
     "down_kernel": ("mlp", "embed"),
@@ -73,6 +74,9 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "experts_down": ("experts", "expert_mlp", "expert_embed"),
     "shared_gate": ("embed",),
     "router_bias": ("routes",),
+    "experts_gate_bias": ("experts", "expert_mlp"),
+    "experts_up_bias": ("experts", "expert_mlp"),
+    "experts_down_bias": ("experts", "expert_embed"),
     # Latent attention (models/mla.py): what projects into the latents (q's and the keys')
     # is replicated, each whole on every device (r + rope and q_lora_rank are no heads to
     # split; E x (q_lora_rank + r + rope) is a small share of a layer); what leaves them

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from specjax.config import ModelConfig, rope_inv_freq
@@ -38,6 +39,34 @@ def test_llama3_scaling_changes_only_low_frequencies():
     plain = rope_inv_freq(ModelConfig.from_hf_config({**LEGACY_LLAMA3, "rope_scaling": None}))
     assert scaled[0] == plain[0]  # highest frequency untouched
     assert scaled[-1] == pytest.approx(plain[-1] / 8.0)  # lowest divided by factor
+
+
+@pytest.mark.parametrize("rope, top", [
+    ({"beta_fast": 4.0, "beta_slow": 0.25}, {}),  # the tiny model's
+    ({"rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+      "beta_slow": 1.0, "truncate": False}, {"head_dim": 64}),  # gpt-oss's
+    ({"rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, {"max_position_embeddings": 163840}),  # DeepSeek-V3's
+    ({"mscale": 0.707, "mscale_all_dim": 1.0}, {}),  # mscales that differ: their ratio scales cos and sin
+    ({"attention_factor": 0.5, "beta_fast": None, "beta_slow": 0}, {}),  # null / 0: transformers' defaults
+    ({"factor": None}, {"max_position_embeddings": 64}),  # the factor derived: 64 / 8
+    ({"original_max_position_embeddings": None}, {"original_max_position_embeddings": 16}),  # top-level first
+])
+def test_yarn_rope_is_transformers(rope, top):
+    """Frequencies and the factor that scales cos and sin as transformers computes them, for
+    the yarn configs of gpt-oss, DeepSeek-V3 and the tiny model, each optional key varied;
+    and the config round trip keeps them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    hf = {**tiny.CONFIGS["llama_yarn"]().to_dict(), **top}
+    hf["rope_parameters"] = {k: v for k, v in {**YARN, **rope}.items() if v is not None or k == "factor"}
+    config = ModelConfig.from_hf_config(hf)
+    theirs = tiny.CONFIGS["llama_yarn"]().__class__(**hf)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    np.testing.assert_allclose(rope_inv_freq(config), inv_freq.numpy(), rtol=1e-6)
+    assert config.rope_scaling.cos_sin_factor() == pytest.approx(factor, rel=1e-12)
+    assert config.rope_scaling.attention_scale() == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 1.0))
+    assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
 
 def test_qwen2_sliding_layers():
@@ -99,11 +128,37 @@ def test_gemma2_defaults_alternate_sliding_and_global_layers():
                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "rope scaling of sliding-window layers"),
     ("gemma3", {"model_type": "gemma3"}, "text-only gemma3_text"),
-    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'dynamic'"),
 ])
 def test_new_families_refuse_what_they_cannot_compute(arch, change, message):
     with pytest.raises(UnsupportedConfigError, match=message):
         ModelConfig.from_hf_config({**tiny.CONFIGS[arch]().to_dict(), **change})
+
+
+def test_quantized_checkpoints_are_refused_by_name():
+    """gpt-oss's own release holds MXFP4 experts: refused, pointing at a bfloat16 checkpoint."""
+    hf = tiny.CONFIGS["gpt_oss"]().to_dict()
+    with pytest.raises(UnsupportedConfigError, match="MXFP4.*unsloth/gpt-oss-20b-BF16"):
+        ModelConfig.from_hf_config({**hf, "quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+    with pytest.raises(UnsupportedConfigError, match="quant_method 'gptq'"):
+        ModelConfig.from_hf_config({**LEGACY_LLAMA3, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+def test_gpt_oss_defaults_are_its_class_defaults():
+    """A gpt-oss config.json without rope, windows or activation keys reads as GptOssConfig
+    fills them: yarn (factor 32 over 4,096, truncate false, base 150,000), windows of 128 on
+    alternate layers from the first, the clamp at 7 with alpha 1.702, biased attention."""
+    import transformers as tr
+
+    hf = {k: v for k, v in tiny.CONFIGS["gpt_oss"]().to_dict().items()
+          if k not in ("rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "layer_types",
+                       "swiglu_limit", "swiglu_alpha", "attention_bias")}
+    ours = ModelConfig.from_hf_config(hf)
+    assert ours == ModelConfig.from_hf_config(tr.GptOssConfig(**hf).to_dict())
+    assert ours.layer_windows() == (128, None, 128) and ours.rope_theta == 150000.0
+    assert (ours.rope_scaling.factor, ours.rope_scaling.truncate, ours.moe.swiglu_limit) == (32.0, False, 7.0)
+    assert ours.qkv_bias and ours.out_bias and ours.attn_sinks
 
 
 def test_gpt2_unsupported_options():
@@ -128,6 +183,7 @@ def test_config_is_frozen():
 
 
 NAN, INF = float("nan"), float("inf")
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8}
 
 
 @pytest.mark.parametrize("arch, change, message", [
@@ -153,12 +209,25 @@ NAN, INF = float("nan"), float("inf")
     ("qwen2_sliding", {"sliding_window": 1.5}, r"sliding_window=1.5 must be an integer in \[1, 2\*\*31\)"),
     ("gpt2", {"layer_norm_epsilon": -1e-5}, "config.json: layer_norm_epsilon must be"),
     ("gemma3", {"rope_local_base_freq": 0.0}, "rope_local_base_freq .* must be"),
+    *(("llama_yarn", {"rope_parameters": {**YARN, **change}}, message) for change, message in [
+        ({"beta_fast": -1.0}, r"rope_parameters.beta_fast \(or rope_scaling.beta_fast\) must be a finite number > 0"),
+        ({"beta_slow": NAN}, "rope_parameters.beta_slow .* must be"),
+        ({"attention_factor": 0.0}, "rope_parameters.attention_factor .* must be"),
+        ({"original_max_position_embeddings": -8}, "rope_parameters.original_max_position_embeddings .* must be"),
+        ({"truncate": "yes"}, "rope_parameters.truncate='yes' .* must be true or false"),
+        ({"mscale": "one"}, "rope_parameters holds mscale='one', which must be a number"),
+        ({"mscale": -20.0, "mscale_all_dim": 1.0}, "mscale=-20.0 and mscale_all_dim=1.0 give the attention factor"),
+        ({"factor": None, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ]),
+    ("llama_yarn", {"rope_parameters": {k: v for k, v in YARN.items() if k != "factor"}}, "yarn rope .* needs"),
 ])
 def test_configs_that_would_compute_garbage_are_refused(arch, change, message):
     """Values that load but give NaN logits or silently wrong ones: refused when read."""
     from specjax.hf_config import InvalidConfigError
 
     base = LEGACY_LLAMA3 if arch == "llama3" else tiny.CONFIGS[arch]().to_dict()
+    if arch == "llama_yarn":
+        base = {k: v for k, v in base.items() if k != "rope_scaling"}
     if arch == "gemma3" and "rope_parameters" in base:  # the local base read from the 5.x layout
         base = {**base, "rope_parameters": {**base["rope_parameters"], "sliding_attention": {
             "rope_type": "default", "rope_theta": 0.0}}}

@@ -86,3 +86,16 @@ def test_sampling_stays_exact_in_distribution_with_the_flag():
     t = np.asarray(out.tokens)
     observed = np.bincount(t[:, 0] * V + t[:, 1], minlength=V * V).reshape(V, V)
     assert _chi_square_p(observed, _exact_joint(target, 1.0, 0, 1.0)) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama_yarn", "gpt_oss"])
+def test_an_exact_pass_matches_transformers(arch, hf_folder):
+    """The deterministic pass computes what transformers does for the families whose
+    attention or rope differ from Llama's by more than a flag (YaRN's cos/sin factor;
+    gpt-oss's sinks and experts)."""
+    folder, torch_model = hf_folder(arch)
+    model = specjax.load_model(folder, dtype=jnp.float32).replace(exact=True)
+    tokens = np.random.RandomState(1).randint(0, tiny.VOCAB, (2, 16))
+    positions = np.broadcast_to(np.arange(16), (2, 16))
+    logits = jax.jit(apply)(model, tokens, positions)[0]
+    np.testing.assert_allclose(np.asarray(logits), tiny.logits(torch_model, tokens), atol=1e-4, rtol=0)

@@ -136,10 +136,10 @@ def test_gpt2_speculative_greedy(hf_folder):
     assert _rows(out) == [_transformers_greedy(torch_model, p, None) for p in prompts]
 
 
-@pytest.mark.parametrize("arch", tiny.NEW_FAMILIES)
+@pytest.mark.parametrize("arch", tiny.NEW_FAMILIES + ["gpt_oss"])
 def test_new_families_speculative_greedy_equals_transformers(arch, hf_folder):
-    """Gemma 2/3, Qwen3, Phi-3 with a noisy copy as draft, decoding past their sliding
-    windows (4 to 6): prompts of up to 11 tokens and 12 new ones."""
+    """Gemma 2/3, Qwen3, Phi-3, gpt-oss with a noisy copy as draft, decoding past their
+    sliding windows (4 to 6): prompts of up to 11 tokens and 12 new ones."""
     folder, torch_model = hf_folder(arch)
     target = specjax.load_model(folder)
     rng = np.random.RandomState(8)

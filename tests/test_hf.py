@@ -18,7 +18,7 @@ def _assert_same_params(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama3", "qwen2", "mistral"] + tiny.NEW_FAMILIES)
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "llama_yarn", "qwen2", "mistral", "gpt_oss"] + tiny.NEW_FAMILIES)
 def test_save_load_round_trip_and_transformers_reads_it(arch, hf_folder, tmp_path):
     folder, torch_model = hf_folder(arch)
     model = specjax.load_model(folder)

@@ -28,6 +28,16 @@ CONFIGS = {
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 16},
                                      rope_theta=500.0, bos_token_id=0, eos_token_id=1),
+    # YaRN rope over an original length of 8 (the tests' sequences run past it), its ramp
+    # spanning a few of the 8 frequencies (beta_fast 4, beta_slow 0.25, base 100), truncated,
+    # and the attention factor scaling cos and sin derived from the factor.
+    "llama_yarn": lambda: tr.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         intermediate_size=48, max_position_embeddings=32,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 8,
+                                                          "beta_fast": 4.0, "beta_slow": 0.25},
+                                         bos_token_id=0, eos_token_id=1),
     # Mistral: GQA down to one kv head, a sliding window shorter than the test sequences.
     "mistral": lambda: tr.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=1,
@@ -95,6 +105,18 @@ CONFIGS = {
                                         num_attention_heads=4, num_key_value_heads=1, intermediate_size=16,
                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                                         max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    # gpt-oss: sliding (window 4) and full layers alternating, attention sinks, q/k/v/o biases,
+    # yarn rope (truncate false) past an original length of 8, 4 experts (top 2 of the router's
+    # biased logits, softmaxed), fused and interleaved gate/up with biases, a clamp limit low
+    # enough to bite.
+    "gpt_oss": lambda: tr.GptOssConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=4, swiglu_limit=0.8, max_position_embeddings=32,
+                                       rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 8, "beta_fast": 4.0,
+                                                        "beta_slow": 0.25, "truncate": False},
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=0),
     # DeepSeek-V3, every layer dense: latent attention with a low-rank query (q_a_proj, its
     # norm, q_b_proj), interleaved rope lanes, a latent of 16 + 8 numbers a token.
     "deepseek_v3": lambda: tr.DeepseekV3Config(
@@ -126,13 +148,13 @@ CONFIGS = {
 CLASSES = {"deepseek_v3": tr.DeepseekV3ForCausalLM, "deepseek_v3_q": tr.DeepseekV3ForCausalLM,
            "deepseek_v3_moe": tr.DeepseekV3ForCausalLM,
            "gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
-           "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM,
+           "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM, "llama_yarn": tr.LlamaForCausalLM,
            "mistral": tr.MistralForCausalLM, "qwen2": tr.Qwen2ForCausalLM,
            "qwen2_sliding": tr.Qwen2ForCausalLM, "gemma2": tr.Gemma2ForCausalLM,
            "gemma3": tr.Gemma3ForCausalLM, "qwen3": tr.Qwen3ForCausalLM,
            "qwen3_tied": tr.Qwen3ForCausalLM, "phi3": tr.Phi3ForCausalLM,
            "qwen3_moe": tr.Qwen3MoeForCausalLM, "qwen2_moe": tr.Qwen2MoeForCausalLM,
-           "mixtral": tr.MixtralForCausalLM}
+           "mixtral": tr.MixtralForCausalLM, "gpt_oss": tr.GptOssForCausalLM}
 # Mixtures of experts (models/moe.py), each checked against transformers.
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 # The families added with Gemma, Qwen3 and Phi-3 (each checked end to end, with int8 too).
@@ -155,6 +177,8 @@ def randomized(model, std: float = 0.15):
             if "norm" in pname or ".ln_" in pname:
                 if pname.endswith("weight"):
                     p.add_(offset)
+            if pname.endswith(".sinks"):  # attention sinks (gpt-oss) of magnitude ~1.5: they matter
+                p.mul_(10.0)
         for bname, b in model.named_buffers():  # DeepSeek-V3's router bias: a buffer, saved
             if bname.endswith("e_score_correction_bias"):
                 b.normal_(0.0, std)

@@ -1,7 +1,8 @@
 """Attention: every path a pass can take, and the rule that chooses among them.
 
 Paths, each with its contract in its docstring, all computing what `attention` computes
-densely (the reference: float32 scores, scaled, soft-capped, masked softmax):
+densely (the reference: float32 scores, scaled, soft-capped, masked softmax, with gpt-oss's
+attention sinks an extra logit per query head in every query's softmax, whose value is zero):
 
 - `attention`: a pass's queries over keys given whole (a full causal pass, or a kernel's
   pass over the whole cache under one mask): dense up to ATTENTION_BLOCK slots, else an
@@ -12,7 +13,10 @@ densely (the reference: float32 scores, scaled, soft-capped, masked softmax):
   (`takes_kernels`): cuDNN (`dot_product_attention`, through jax's public API), Pallas splash
   attention on a TPU (`splash_attention`), and the Pallas prefix kernels of prefix_kernel.py
   (a GPU's Triton and a TPU's Mosaic) for a cached pass's prefix, in row buffers or in pages,
-  under `shard_map` in a sharded program.
+  under `shard_map` in a sharded program. cuDNN and splash return normalised outputs, with
+  no log-sum-exp to add a sink to: a model with sinks never takes them (`choose`). The
+  prefix kernels return the online softmax's state, which the sink joins where it is
+  normalised (`_normalise`), so they take a model with sinks.
 
 Every choice reads the program's `Backend` (backend.py), passed in: nothing here asks which
 platform it runs on. Tested together against the dense reference in
@@ -52,7 +56,7 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=None, block: int | None = None, *,
-              backend: Backend, kernels: bool = False, heads_first: bool = False):
+              backend: Backend, kernels: bool = False, heads_first: bool = False, sinks=None):
     """Softmax attention with grouped key/value heads: q [B, T, H, D], k/v [B, S, G, D] (a
     pass's own keys; heads_first: [B, G, S, D], a cache's layout), mask bool [B, T, S]
     (True: the query sees the slot) -> [B, T, H, D] in v's dtype.
@@ -68,6 +72,10 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     (int32 [B], or None): each row's live key length, which only a kernel reads (the mask
     already hides what lies past it). A query that sees no slot at all gets zeros (the
     dense path's output for it, a uniform average, is equally meaningless).
+    sinks: None, or attention sinks [H] (gpt-oss's `self_attn.sinks`): head h's sink joins
+    each of its queries' softmax as one more logit (unscaled, not soft-capped, never masked)
+    whose value is zero, as transformers' gpt-oss concatenates it to the scores; a query that
+    sees no slot then gets zeros on every path.
 
     backend: the program's (backend.py). With kernels=True (`takes_kernels` of the model's
     Model.attention), where an accelerator kernel of its platform applies (`choose`: cuDNN on
@@ -79,7 +87,7 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     B, T, H, D = q.shape
     G, S = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
     v = values(k, v)
-    kernel = choose(backend, q.dtype, T, S, D, cap) if kernels else "portable"
+    kernel = choose(backend, q.dtype, T, S, D, cap, sinks is not None) if kernels else "portable"
     if kernel == "cudnn":
         return dot_product_attention(q, k, v, mask, scale, kv_limit, heads_first=heads_first)
     if not heads_first:
@@ -89,15 +97,19 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None, kv_limit=No
     block = block or ATTENTION_BLOCK
     qg = q.reshape(B, T, G, H // G, D)  # [B, T, G, R, D], R query heads per kv head
     if S <= block:
-        scores = jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bgrts,bgsd->btgrd", probs, v).reshape(B, T, H, D)
-    return _normalise(_masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block), v.dtype)
+        scores = jnp.where(mask[:, None, None], _scores(qg, k, scale, cap), _NEG)  # [B, G, R, T, S]
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:  # the sink's column joins the softmax, then is dropped
+            sink = jnp.broadcast_to(_sink_logits(sinks, G)[:, :, None, None], (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("bgrts,bgsd->btgrd", probs.astype(v.dtype), v).reshape(B, T, H, D)
+    return _normalise(_masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block), v.dtype, sinks)
 
 
 def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale: float = 1.0,
                      cap: float | None = None, block: int | None = None, *, backend: Backend,
-                     kernels: bool = False, interpret: bool = False, rules=None, pages=None):
+                     kernels: bool = False, interpret: bool = False, rules=None, pages=None, sinks=None):
     """Attention of a cached pass, over two key sets merged by their log-sum-exp (one online
     softmax): the committed prefix, read in place from the cache, and the pass's in-flight
     keys, under their own mask. No [B, T, S] mask is built, nor any key copied but the
@@ -128,6 +140,8 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     computation over the same slots; with kernels=True, where a paged kernel applies
     (`_prefix_kernel`: the page size `prefix_kernel.applies` takes), by that kernel, which
     reads each row's live pages through its table.
+    sinks: None, or attention sinks [H], as `attention` takes them: they join the merged
+    state where it is normalised, on every path (the prefix kernels' included).
 
     It knows nothing about positions: what the in-flight keys see is the mask's business."""
     B, T, H, D = q.shape
@@ -158,10 +172,10 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
         total = p[0].sum(axis=-1) + p[1].sum(axis=-1)  # [B, G, R, T]
         out = sum(jnp.einsum("bgrts,bgsd->bgrtd", pi.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
                   for pi, vi in zip(p, (cache_v, v)))
-        return _normalise((None, total, out), v.dtype)
+        return _normalise((top[..., 0], total, out), v.dtype, sinks)
     if kernel is not None:  # the in-flight keys, then the prefix's state from the kernel, merged
         state = _masked_state(qg, k, v, mask, _empty_state(qg), scale, cap, block)
-        return _normalise(_merge(state, kernel(qg, cache_k, cache_v, prefix, floor)), v.dtype)
+        return _normalise(_merge(state, kernel(qg, cache_k, cache_v, prefix, floor)), v.dtype, sinks)
     # Block by block (a pass of many queries: a prefill chunk), on a GPU with the queries laid
     # out [B, G, R, T, D]: the first matmul's scores then come out [B, G, R, T, n], as the
     # second reads them; from [B, T, G, R, D] queries XLA transposes every float32 score block
@@ -180,7 +194,7 @@ def cached_attention(q, k, v, mask, cache_k, cache_v, prefix, floor=None, scale:
     first = None if floor is None else jnp.clip((jnp.min(floor) + 1) // block, 0, upto)
     state = _visit_blocks(qg, cache_k, cache_v, prefix_seen, state, scale, cap, block, upto, first, layout,
                           fixed_length=backend.platform == "gpu", pages=pages)
-    return _normalise(state, v.dtype)
+    return _normalise(state, v.dtype, sinks)
 
 
 def values(keys, values):
@@ -284,12 +298,22 @@ def _merge(a, b):
     return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
 
 
-def _normalise(state, dtype):
-    """The online softmax's output [B, T, H, D] in dtype (zeros for a query that saw nothing)."""
-    _, l, acc = state
+def _normalise(state, dtype, sinks=None):
+    """The online softmax's output [B, T, H, D] in dtype (zeros for a query that saw nothing).
+    sinks: None, or attention sinks [H]: each head's joins the denominator as exp(sink - max)
+    (a sink far above every score the query saw makes its output ~0, as it should)."""
+    m, l, acc = state
     B, G, R, T, D = acc.shape
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
+    if sinks is None:
+        out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # [B, G, R, T, D]
+    else:
+        out = acc / (l + jnp.exp(_sink_logits(sinks, G)[:, :, None] - m))[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, G * R, D).astype(dtype)
+
+
+def _sink_logits(sinks, G: int):
+    """Attention sinks [H] -> float32 [G, R], as the queries' heads are grouped."""
+    return sinks.astype(jnp.float32).reshape(G, -1)
 
 
 # ---- kernels --------------------------------------------------------------------------
@@ -378,7 +402,7 @@ def _prefix_kernel(backend: Backend, B: int, cache_shape: tuple, rules, scale: f
     return sharded
 
 
-def choose(backend: Backend, dtype, T: int, S: int, D: int, cap: float | None) -> str:
+def choose(backend: Backend, dtype, T: int, S: int, D: int, cap: float | None, sinks: bool = False) -> str:
     """Which implementation attention over q [B, T, H, D] and S key slots takes, for a model
     that takes kernels (`takes_kernels`; every other model's is portable):
 
@@ -392,10 +416,12 @@ def choose(backend: Backend, dtype, T: int, S: int, D: int, cap: float | None) -
       entirely are skipped, so nothing past the highest visible slot is read.
     - "portable": everything else, CPU always (the jnp code in `attention`), and every
       platform in a sharded program (GSPMD partitions plain XLA ops, not a cuDNN or Mosaic
-      custom call) or under backend.portable.
+      custom call) or under backend.portable; and a model with attention sinks (`sinks`:
+      gpt-oss), which neither kernel takes (each returns its output normalised, without the
+      log-sum-exp a sink would join).
     backend: the program's (backend.py)."""
     dtype = jnp.dtype(dtype)
-    if backend.portable or backend.mesh is not None:
+    if backend.portable or backend.mesh is not None or sinks:
         return "portable"
     if (backend.platform == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and D <= 128 and D % 8 == 0
             and cap is None and _cudnn_available()):

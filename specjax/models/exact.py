@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, Pending, Placement, join, write
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
 from specjax.models.attention import values
 from specjax.models.layers import MLP, Norm, rotary_angles, softcap
 from specjax.models.moe import MoE
@@ -83,12 +83,14 @@ def _slot_of_position(positions, cache_len: int, placement: Placement | None):
     return jax.vmap(jax.vmap(one, (0, None)))(stands_for, lies)
 
 
-def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None, pages=None):
+def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None, pages=None, sinks=None):
     """One query's attention: q [H, D]; k, v [B, G, S, D] (the layer's cache; with a page
     table pages int32 [B, M], pools [P, G, page, D] read through row b's); b its row; where
     int32 [S'] (`_slot_of_position`); position its position; tree_kv: None, or the layer's
-    held tree (k, v) [B, R, G, D], whose key r `where` names S + r. -> [H, D]. Zero-width
-    values (latent attention's) are the keys (`attention.values`)."""
+    held tree (k, v) [B, R, G, D], whose key r `where` names S + r; sinks: None, or the
+    layer's attention sinks [H] (one more logit in each head's softmax, of value zero:
+    attention.py). -> [H, D]. Zero-width values (latent attention's) are the keys
+    (`attention.values`)."""
     v = values(k, v)
     tree_kv = None if tree_kv is None else (tree_kv[0], values(*tree_kv))
     G, D = k.shape[1], k.shape[3]
@@ -128,7 +130,9 @@ def _attend_one(q, k, v, b, where, position, scale, cap, window, tree_kv=None, p
     R = H // G
     init = (jnp.full((G, R), -jnp.inf, jnp.float32), jnp.zeros((G, R), jnp.float32),
             jnp.zeros((G, R, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, position // BLOCK + 1, visit, init)
+    m, l, acc = jax.lax.fori_loop(0, position // BLOCK + 1, visit, init)
+    if sinks is not None:  # (a query sees itself: m is finite)
+        l = l + jnp.exp(sinks.astype(jnp.float32).reshape(G, R) - m)
     return (acc / l[..., None]).reshape(H, D).astype(v.dtype)
 
 
@@ -169,7 +173,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
     attn = attention_layer(c)
 
     def angles(pos, local):  # [ROWS] -> this pass's rotary (cos, sin), each [ROWS, 1, D]
-        cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32))
+        cos, sin = rotary_angles(pos[None], jnp.asarray(rope_inv_freq(c, local=local), jnp.float32),
+                                 rope_cos_sin_factor(c, local=local))
         return cos[0], sin[0]
 
     # Once per pass, by fenced bodies like the rest (None for GPT-2): {sliding: (cos, sin)}
@@ -200,7 +205,8 @@ def decode(c: ModelConfig, params: dict, tokens, positions, cache: KVCache | Non
             v_all[i] = write(v_all[i], fresh_v[-1], slots, pages=pages)
         heads = jax.lax.map(_fenced(lambda q, b, w, pos, i=i: _attend_one(
             q, k_all[i], v_all[i], b, w, pos, attn.scale, attn.cap, windows[i],
-            (tree_k[i], tree_v[i]) if held else None, pages)), (q, rows, where, flat_positions))
+            (tree_k[i], tree_v[i]) if held else None, pages, p["attn"].get("sinks") if c.attn_sinks else None)),
+            (q, rows, where, flat_positions))
 
         def finish(x, heads, p=p, i=i):  # the residual stream after attention and MLP, [ROWS, E]
             x = x + attn.apply({"params": p["attn"]}, heads[None], method="project_out")[0]

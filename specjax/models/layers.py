@@ -106,6 +106,10 @@ class Norm(nn.Module):
         if c.family == "gemma":
             return gemma_rms_norm(x, self.param("scale", nn.initializers.zeros, (n,)), c.norm_eps)
         scale = self.param("scale", nn.initializers.ones, (n,))
+        if c.model_type == "gpt_oss":  # its norms scale in float32, then cast (transformers' GptOssRMSNorm)
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + c.norm_eps)
+            return (scale.astype(jnp.float32) * y).astype(x.dtype)
         if c.family == "llama":
             return rms_norm(x, scale, c.norm_eps)
         bias = self.param("bias", nn.initializers.zeros, (n,))
@@ -116,12 +120,15 @@ class Norm(nn.Module):
         return (y * scale + bias).astype(x.dtype)
 
 
-def rotary_angles(positions, inv_freq):
+def rotary_angles(positions, inv_freq, factor: float = 1.0):
     """(cos, sin) float32 [B, T, 1, D] of the rotary angles at positions int32 [B, T] for
-    inverse frequencies float32 [D/2]: computed once per pass and shared by its layers."""
+    inverse frequencies float32 [D/2], both multiplied by factor (YaRN's attention factor:
+    `RopeScaling.cos_sin_factor`): computed once per pass and shared by its layers."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    return jnp.cos(angles), jnp.sin(angles)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def rotary(x, cos_sin):
@@ -160,6 +167,8 @@ class Attention(nn.Module):
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros, (G, H // G + 2, D))
         if c.out_bias:
             self.o_bias = self.param("o_bias", nn.initializers.zeros, (E,))
+        if c.attn_sinks:  # gpt-oss: one logit per query head in its queries' softmax (attention.py)
+            self.sinks = self.param("sinks", nn.initializers.zeros, (H,))
         if c.qk_norm:
             self.q_norm = Norm(c, dim=D)
             self.k_norm = Norm(c, dim=D)
@@ -191,6 +200,10 @@ class Attention(nn.Module):
     @property
     def cap(self) -> float | None:
         return self.config.gemma.attn_softcap if self.config.gemma else None
+
+    def sink_logits(self):
+        """The attention sinks [H] (ModelConfig.attn_sinks), or None: what attention's `sinks` takes."""
+        return self.sinks if self.config.attn_sinks else None
 
     def project_out(self, out):
         """Attention's per-head output [B, T, H, D] -> [B, T, E] (Gemma's normed)."""

@@ -97,6 +97,10 @@ class LatentAttention(nn.Module):
         return (jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1), key,
                 jnp.zeros((B, T, 1, 0), key.dtype))
 
+    def sink_logits(self):
+        """None: latent attention has no attention sinks (`layers.Attention.sink_logits`)."""
+        return None
+
     @property
     def scale(self) -> float:
         return self.config.mla.qk_head_dim ** -0.5

@@ -20,15 +20,21 @@ Assignments (token, expert) are computed in one of these forms, chosen by the pa
 
 Expert weights are three [X, ...] arrays (`experts_gate`, `experts_up` [X, E, I],
 `experts_down` [X, I, E]): gate and up apart, so that a mesh splits I (or X) without
-splitting a fused axis. With an `expert` mesh axis each device holds X / n experts and
-computes its own experts' assignments, summed over the axis (models/transformer.py builds
-that program; this module computes one device's share given which experts it holds).
+splitting a fused axis. gpt-oss adds what each form takes beside them: biases of each
+expert's three projections (`bias`), its clamped activation (`act`: `clamped_swiglu`),
+and a router with a bias whose top k logits are softmaxed (`route`).
+
+With an `expert` mesh axis each device holds X / n experts and computes its own experts'
+assignments, summed over the axis (models/transformer.py builds that program; this module
+computes one device's share given which experts it holds).
 
 It knows nothing of caches, attention, checkpoints or which platform runs it beyond the
 form its caller asks for.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +49,16 @@ FORMS = ("gathered", "sliced", "grouped", "ragged_dot")
 
 
 def route(c: ModelConfig, logits, bias=None):
-    """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k]).
-    bias: the sigmoid_grouped router's per-expert bias [X] (`Moe.router`)."""
+    """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k]):
+    Moe.router's "softmax" (over all X, the top k kept, renormalised where norm_topk says),
+    "topk_softmax" (gpt-oss: the k largest logits, then a softmax over those k) or
+    "sigmoid_grouped" (DeepSeek-V3; bias: its per-expert bias [X], which only chooses)."""
     m = c.moe
     if m.router == "sigmoid_grouped":
         return _route_grouped(m, logits, bias)
+    if m.router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), m.top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, m.top_k)
     if m.norm_topk:
@@ -86,29 +97,54 @@ def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def gathered(x, experts, gate, up, down):
+def clamped_swiglu(gate, up, limit: float, alpha: float):
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate): gate clamped above at
+    limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def activation(c: ModelConfig):
+    """The experts' activation (gate, up) -> [.., I]: SwiGLU, or gpt-oss's clamped one where
+    Moe.swiglu_limit is set."""
+    m = c.moe
+    return swiglu if m.swiglu_limit is None else functools.partial(
+        clamped_swiglu, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
+
+
+def gathered(x, experts, gate, up, down, bias=None, act=swiglu):
     """x [A, E] (each assignment's token), experts int32 [A] (its expert, in [0, X); one
-    outside: a zero result) -> [A, E], each row by its own expert's weights."""
+    outside: a zero result) -> [A, E], each row by its own expert's weights. bias: None, or
+    the experts' (gate [X, I], up [X, I], down [X, E]) biases; act: the activation."""
     X = gate.shape[0]
     held = (experts >= 0) & (experts < X)
     e = jnp.where(held, experts, 0)
     g = jnp.einsum("ae,aei->ai", x, gate[e])
     u = jnp.einsum("ae,aei->ai", x, up[e])
-    y = jnp.einsum("ai,aie->ae", swiglu(g, u), down[e])
+    if bias is not None:
+        g, u = g + bias[0][e], u + bias[1][e]
+    y = jnp.einsum("ai,aie->ae", act(g, u), down[e])
+    if bias is not None:
+        y = y + bias[2][e]
     return jnp.where(held[:, None], y, 0)
 
 
-def sliced(x, experts, gate, up, down):
+def sliced(x, experts, gate, up, down, bias=None, act=swiglu):
     """`gathered`'s result with each assignment's expert weights taken by a dynamic slice
-    of its own (an unrolled loop: few assignments only), which every compiler reads in place."""
+    of its own (an unrolled loop: few assignments only), which every compiler reads in place.
+    bias, act: as `gathered` takes them."""
     X = gate.shape[0]
     held = (experts >= 0) & (experts < X)
     e = jnp.where(held, experts, 0)
     out = []
     for a in range(x.shape[0]):
         take = lambda w: jax.lax.dynamic_index_in_dim(w, e[a], keepdims=False)  # noqa: E731
-        h = swiglu(matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up)))
-        out.append(matmul("i,ie->e", h, take(down)))
+        g, u = matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up))
+        if bias is not None:
+            g, u = g + take(bias[0]), u + take(bias[1])
+        y = matmul("i,ie->e", act(g, u), take(down))
+        out.append(y if bias is None else y + take(bias[2]))
     return jnp.where(held[:, None], jnp.stack(out), 0)
 
 
@@ -122,9 +158,10 @@ def _sorted(experts, X: int):
     return order, sizes
 
 
-def grouped(x, experts, gate, up, down, ragged: bool = False):
+def grouped(x, experts, gate, up, down, ragged: bool = False, bias=None, act=swiglu):
     """`gathered`'s result by a grouped matmul: x [A, E], experts int32 [A] -> [A, E].
-    ragged: by `jax.lax.ragged_dot` (a TPU's); else by a loop over tiles of TILE rows."""
+    ragged: by `jax.lax.ragged_dot` (a TPU's); else by a loop over tiles of TILE rows.
+    bias, act: as `gathered` takes them."""
     A, E = x.shape
     X = gate.shape[0]
     order, sizes = _sorted(experts, X)
@@ -132,16 +169,23 @@ def grouped(x, experts, gate, up, down, ragged: bool = False):
     if ragged:
         g = jax.lax.ragged_dot(xs, gate, sizes)
         u = jax.lax.ragged_dot(xs, up, sizes)
-        ys = jax.lax.ragged_dot(swiglu(g, u), down, sizes)  # [A, E]; rows past sum(sizes): 0
+        if bias is not None:  # each sorted row's expert's (rows of none: any, dropped below)
+            e = jnp.minimum(experts[order], X - 1)
+            e = jnp.where(experts[order] < 0, 0, e)
+            g, u = g + bias[0][e], u + bias[1][e]
+        ys = jax.lax.ragged_dot(act(g, u), down, sizes)  # [A, E]; rows past sum(sizes): 0
+        if bias is not None:
+            ys = ys + bias[2][e]
     else:
-        ys = _tiled(xs, sizes, gate, up, down)
+        ys = _tiled(xs, sizes, gate, up, down, bias, act)
     held = (experts >= 0) & (experts < X)
     return jnp.zeros_like(x).at[order].set(ys) * held[:, None].astype(x.dtype)
 
 
-def _tiled(xs, sizes, gate, up, down):
+def _tiled(xs, sizes, gate, up, down, bias=None, act=swiglu):
     """xs [A, E] sorted by expert, sizes int32 [X] -> [A, E]: each expert's rows padded to
-    whole tiles, and a loop over the tiles used, each one matmul per weight of its expert."""
+    whole tiles, and a loop over the tiles used, each one matmul per weight of its expert
+    (bias, act: as `gathered` takes them)."""
     A, E = xs.shape
     X = gate.shape[0]
     m = TILE
@@ -163,7 +207,11 @@ def _tiled(xs, sizes, gate, up, down):
         rows = jax.lax.dynamic_slice_in_dim(buf, t * m, m)  # [m, E]
         g = matmul("me,ei->mi", rows, gate[e])
         u = matmul("me,ei->mi", rows, up[e])
-        y = matmul("mi,ie->me", swiglu(g, u), down[e])
+        if bias is not None:
+            g, u = g + bias[0][e], u + bias[1][e]
+        y = matmul("mi,ie->me", act(g, u), down[e])
+        if bias is not None:
+            y = y + bias[2][e]
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * m, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(buf))
@@ -176,34 +224,35 @@ def _count_at_most(ends, j):
     return (ends[None, :] <= j[:, None]).sum(-1).astype(jnp.int32)
 
 
-def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dtype=None):
+def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dtype=None, bias=None, act=swiglu):
     """The routed experts' weighted sum: x [N, E], weights float32 [N, k], experts int32
     [N, k] -> [N, E] (in out_dtype, default x's). first: the index of the first expert this
     device holds (gate etc. are its experts [X', ...]); assignments to experts it does not
-    hold add nothing here."""
+    hold add nothing here. bias, act: as `gathered` takes them (the device's experts' biases)."""
     N, k = experts.shape
     local = (experts - first).reshape(N * k)
     rows = jnp.repeat(x, k, axis=0)  # [N k, E]
     if form == "gathered":
-        y = gathered(rows, local, gate, up, down)
+        y = gathered(rows, local, gate, up, down, bias, act)
     elif form == "sliced":
-        y = sliced(rows, local, gate, up, down)
+        y = sliced(rows, local, gate, up, down, bias, act)
     elif form in ("grouped", "ragged_dot"):
-        y = grouped(rows, local, gate, up, down, ragged=form == "ragged_dot")
+        y = grouped(rows, local, gate, up, down, form == "ragged_dot", bias, act)
     else:
         raise ValueError(f"unknown expert form {form!r}; one of {FORMS}")
     y = y.reshape(N, k, -1).astype(jnp.float32) * weights[..., None]
     return y.sum(1).astype(out_dtype or x.dtype)
 
 
-def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh):
+def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias=None, act=swiglu):
     """`experts_out` on a mesh, each device computing by hand (a fully manual shard_map, so
     that no collective of XLA's choosing lands inside the grouped form's loop, whose trip
     count differs between devices): its rows (over `data`), its experts (X / n over
     `expert`: `first` is its first) and its slice of each expert's width (I / m over
     `model`); the float32 shares are summed over `expert` and `model`, one all-reduce of
     its rows [N', E] a layer. No weight moves. An axis a size does not divide leaves that
-    size whole (its work then repeated on that axis's devices)."""
+    size whole (its work then repeated on that axis's devices). bias, act: as `gathered`
+    takes them (the down projection's bias is added by the first device of `model` only)."""
     from jax.sharding import PartitionSpec as P
 
     from specjax.sharding import DATA, EXPERT, MODEL
@@ -214,14 +263,18 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh):
     rows, held, width = P(over(DATA, N)), over(EXPERT, X), over(MODEL, I)
     summed = tuple(a for a in (held, width) if a is not None)
 
-    def local(x, weights, experts, gate, up, down):
+    def local(x, weights, experts, gate, up, down, *bias):
         first = 0 if held is None else jax.lax.axis_index(EXPERT) * gate.shape[0]
-        share = experts_out(x, weights, experts, gate, up, down, form, first, out_dtype=jnp.float32)
+        if bias and width is not None:  # the width's shares sum: one of them adds down's bias
+            bias = bias[:2] + (bias[2] * (jax.lax.axis_index(MODEL) == 0).astype(bias[2].dtype),)
+        share = experts_out(x, weights, experts, gate, up, down, form, first, jnp.float32, bias or None, act)
         return jax.lax.psum(share, summed) if summed else share
 
     specs = (rows, rows, rows, P(held, None, width), P(held, None, width), P(held, width, None))
+    if bias is not None:
+        specs += (P(held, width), P(held, width), P(held, None))
     out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(
-        x, weights, experts, gate, up, down)
+        x, weights, experts, gate, up, down, *(bias or ()))
     return out.astype(x.dtype)
 
 
@@ -229,7 +282,9 @@ class MoE(nn.Module):
     """The experts' MLP of a sparse layer: [B, T, E] -> [B, T, E]. Params: `router` [E, X]
     (and DeepSeek-V3's `router_bias` [X]: `Moe.router`),
     `experts_gate`, `experts_up` [X, E, I], `experts_down` [X, I, E]; with a shared expert a
-    dense MLP `shared` (I_s wide) and, gated, `shared_gate` [E]."""
+    dense MLP `shared` (I_s wide) and, gated, `shared_gate` [E]; gpt-oss's `router_bias` [X]
+    (Moe.router_bias) and the experts' `experts_gate_bias`, `experts_up_bias` [X, I],
+    `experts_down_bias` [X, E] (Moe.expert_bias)."""
 
     config: ModelConfig
 
@@ -249,15 +304,20 @@ class MoE(nn.Module):
             bias = self.param("router_bias", nn.initializers.zeros, (X,))
         else:
             logits = matmul("ne,ex->nx", rows, router)
+            if m.router_bias:
+                logits = logits + self.param("router_bias", nn.initializers.zeros, (X,))
         weights, chosen = route(c, logits, bias)
         gate = self.param("experts_gate", init, (X, E, I))
         up = self.param("experts_up", init, (X, E, I))
         down = self.param("experts_down", init, (X, I, E))
+        biases = None if not m.expert_bias else tuple(
+            self.param(f"experts_{name}_bias", nn.initializers.zeros, shape)
+            for name, shape in (("gate", (X, I)), ("up", (X, I)), ("down", (X, E))))
         form = form or choose_form(platform, B * T * m.top_k)
         if mesh is not None and mesh.size > 1:
-            out = split_experts_out(rows, weights, chosen, gate, up, down, form, mesh)
+            out = split_experts_out(rows, weights, chosen, gate, up, down, form, mesh, biases, activation(c))
         else:
-            out = experts_out(rows, weights, chosen, gate, up, down, form)
+            out = experts_out(rows, weights, chosen, gate, up, down, form, bias=biases, act=activation(c))
         out = out.reshape(B, T, E)
         if m.shared_size:
             shared = MLP(c, width=m.shared_size, name="shared")(x)

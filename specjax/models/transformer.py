@@ -36,7 +36,7 @@ from flax import linen as nn
 
 from specjax.backend import Backend
 from specjax.cache import KVCache, Pending, Placement, attention_mask, join, write
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
 from specjax.models.attention import attention, cached_attention, choose
 from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
 from specjax.models.mla import LatentAttention
@@ -83,8 +83,10 @@ class Block(nn.Module):
         if view.offset is not None:  # a tree in flight: the pass's nodes join the earlier ones
             k, v = (join(held, new, view.offset) for held, new in zip(tree_kv, (k, v)))  # [B, R, G, D]
         fresh = k, v
+        sinks = attn.sink_logits()
         if cache_kv is None:  # a full pass: its own keys, causal
-            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels)
+            out = attention(q, k, v, view.masks[sliding], attn.scale, attn.cap, backend=backend, kernels=view.kernels,
+                            sinks=sinks)
         else:
             if view.writes:  # a row's slots are consecutive
                 cache_kv = tuple(write(buf, x, view.slots, backend.consecutive_writes, view.pages)
@@ -92,11 +94,11 @@ class Block(nn.Module):
             B = q.shape[0]  # the buffers' first B rows are this pass's (cache.py)
             if view.dense is not None:  # a kernel's pass: the whole cache under one mask
                 out = attention(q, *(buf[:B] for buf in cache_kv), view.dense[sliding], attn.scale, attn.cap,
-                                view.kv_limit, backend=backend, kernels=True, heads_first=True)
+                                view.kv_limit, backend=backend, kernels=True, heads_first=True, sinks=sinks)
             else:
                 out = cached_attention(q, k, v, view.masks[sliding], *cache_kv, view.prefix, view.floors[sliding],
                                        attn.scale, attn.cap, backend=backend, kernels=view.kernels, rules=view.rules,
-                                       pages=view.pages)
+                                       pages=view.pages, sinks=sinks)
         x = x + attn.project_out(out)
         h = Norm(self.config, name="mlp_norm")(x)
         x = x + (MoE(self.config, name="moe")(h, platform=backend.platform, mesh=backend.mesh) if self.sparse
@@ -208,13 +210,16 @@ def embed_tokens(c: ModelConfig, embedding, tokens):
 
 def rotary_tables(c: ModelConfig, positions) -> dict:
     """{sliding: (cos, sin)}: the rotary angles of full-attention layers (False) and of
-    sliding-window layers (True), each computed once per pass; None for GPT-2."""
+    sliding-window layers (True), each computed once per pass; None for GPT-2. (YaRN's
+    attention factor scales both cos and sin: `rope_cos_sin_factor`.)"""
     if c.family == "gpt2":
         return {False: None, True: None}
-    full = rotary_angles(positions, jnp.asarray(rope_inv_freq(c), jnp.float32))
-    if c.local_rope_theta is None:
-        return {False: full, True: full}
-    return {False: full, True: rotary_angles(positions, jnp.asarray(rope_inv_freq(c, local=True), jnp.float32))}
+
+    def angles(local):
+        inv_freq = jnp.asarray(rope_inv_freq(c, local=local), jnp.float32)
+        return rotary_angles(positions, inv_freq, rope_cos_sin_factor(c, local=local))
+    full = angles(False)
+    return {False: full, True: full if c.local_rope_theta is None else angles(True)}
 
 
 class View(NamedTuple):
@@ -270,7 +275,7 @@ def pass_view(c: ModelConfig, positions, cache: KVCache | None, placement: Place
     dense, kv_limit = None, None
     cap = c.gemma.attn_softcap if c.gemma else None
     if (dtype is not None and offset is None and cache.pages is None
-            and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim, cap) != "portable"):
+            and choose(backend, dtype, positions.shape[1], cache.max_len, c.head_dim, cap, c.attn_sinks) != "portable"):
         if placement is None:
             kv_positions = jnp.arange(cache.max_len)[None, :]  # [1, S]: slot = position
             visible = attention_mask(positions, kv_positions)
