@@ -293,11 +293,6 @@ class ModelConfig:
             if self.qkv_bias or self.out_bias or self.qk_norm or self.sliding_window is not None:
                 raise UnsupportedConfigError("latent attention with biases, q/k norms or sliding windows is not "
                                              "supported")
-            if self.rope_scaling.rope_type != "default":
-                raise UnsupportedConfigError(
-                    f"deepseek_v3 with rope_type {self.rope_scaling.rope_type!r} is not supported yet (its yarn "
-                    f"scaling and the softmax scale's mscale are not implemented for latent attention): only "
-                    f"rope_type 'default'")
         if self.family == "gpt2" and (self.qk_norm or self.local_rope_theta is not None):
             raise ValueError("GPT-2 has no rotary embedding and no q/k norms")
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -51,9 +51,6 @@ def test_refused_by_name(hf_folder):
         ModelConfig.from_hf_config({**moe, "num_experts_per_tok": 5})
     with pytest.raises(UnsupportedConfigError, match="deepseek_v3 with attention_bias"):
         ModelConfig.from_hf_config({**hf, "attention_bias": True})
-    with pytest.raises(UnsupportedConfigError, match="rope_type 'linear'"):
-        ModelConfig.from_hf_config({**hf, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                              "rope_theta": 10000.0}})
 
 
 def test_save_and_load_round_trip(target, tmp_path):

@@ -137,13 +137,15 @@ CONFIGS = {
         max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
     # DeepSeek-V3 with experts from its second layer on: 8 routed experts in 4 groups, a token's
     # 3 from its 2 best groups (by a router bias, e_score_correction_bias), a shared expert,
-    # weights renormalised and scaled by 2.5.
+    # weights renormalised and scaled by 2.5; yarn rope with mscales (cos, sin and the softmax scale).
     "deepseek_v3_moe": lambda: tr.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
         v_head_dim=8, first_k_dense_replace=1, num_nextn_predict_layers=0, n_routed_experts=8, n_group=4,
         topk_group=2, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True,
-        routed_scaling_factor=2.5, max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+        routed_scaling_factor=2.5, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                         "beta_fast": 4.0, "beta_slow": 0.25, "mscale": 1.0, "mscale_all_dim": 0.8}),
 }
 CLASSES = {"deepseek_v3": tr.DeepseekV3ForCausalLM, "deepseek_v3_q": tr.DeepseekV3ForCausalLM,
            "deepseek_v3_moe": tr.DeepseekV3ForCausalLM,

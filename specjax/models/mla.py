@@ -103,7 +103,9 @@ class LatentAttention(nn.Module):
 
     @property
     def scale(self) -> float:
-        return self.config.mla.qk_head_dim ** -0.5
+        """qk_head_dim ** -0.5, times yarn's mscale squared where the rope says (as
+        transformers' DeepSeek-V3 does: `RopeScaling.attention_scale`)."""
+        return self.config.mla.qk_head_dim ** -0.5 * self.config.rope_scaling.attention_scale()
 
     @property
     def cap(self) -> None:
