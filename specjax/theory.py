@@ -61,6 +61,28 @@ def alpha_from_accepted(accepted_per_step: float, K: int, tol: float = 1e-9) -> 
     return (lo + hi) / 2
 
 
+# ---- a mixture of experts' verification pass ---------------------------------------------
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """E[distinct experts a pass of `tokens` tokens routes to] in a layer of X experts, each
+    token choosing top_k of them, as if uniformly and independently: X (1 - (1 - k/X)^T).
+    One token reads k experts; a verification pass of K+1 tokens per row reads more, up to
+    all X: what makes speculation cost more over a MoE target than over a dense one. Real
+    routers are skewed and a row's consecutive tokens share experts, so this bounds the
+    cost from above."""
+    if not 1 <= top_k <= num_experts or tokens < 0:
+        raise ValueError(f"need 1 <= top_k <= num_experts and tokens >= 0, got {top_k}, {num_experts}, {tokens}")
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def moe_pass_bytes(dense_bytes: float, expert_bytes: float, num_experts: int, top_k: int, tokens: int) -> float:
+    """Weight bytes a memory-bound pass of `tokens` tokens reads: the dense part (attention,
+    norms, head, shared experts: read whatever the tokens) and each expert touched
+    (`expected_experts`, expert_bytes each, all sparse layers together)."""
+    return dense_bytes + expert_bytes * expected_experts(num_experts, top_k, tokens)
+
+
 # ---- choosing K per batch size from a measured cost profile -----------------------------
 
 PROFILE_FORMAT, PROFILE_VERSION = "specjax-cost-profile", 2

@@ -3,6 +3,7 @@ per-token reference, speculative decoding over MoE targets equal to transformers
 decoding, the deterministic mode's bits, the paged engine, and experts split over devices.
 (Parity of each family's logits is tests/test_models.py's.)"""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -122,3 +123,35 @@ def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folde
         assert found["max_diff"] < 1e-5, (mesh, found)
         assert found["experts_per_device"] == X // experts, (mesh, found)
         assert found["largest_collective"] < found["largest_weight"], (mesh, found)
+
+
+def test_a_moe_verification_is_priced_by_the_experts_it_touches():
+    """Qwen3-30B-A3B's shape (128 experts, top 8, 48 layers): one token reads 8 experts a
+    layer, a K=4 verification's 5 tokens about 35 (uniform routing); the engine's K policy
+    prices a profile's steps by those bytes, so it never speculates deeper than over a dense
+    target, and less where the verification's price outruns what acceptance gains."""
+    from specjax import theory
+    from specjax.config import ModelConfig, Moe
+    from specjax.serve.policy import KPolicy, verify_cost
+
+    assert theory.expected_experts(128, 8, 1) == pytest.approx(8)
+    assert theory.expected_experts(128, 8, 5) == pytest.approx(128 * (1 - (120 / 128) ** 5))
+    assert theory.expected_experts(128, 8, 10_000) == pytest.approx(128)
+    moe = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                      num_kv_heads=4, head_dim=128, intermediate_size=6144, max_position_embeddings=40960,
+                      norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+                      moe=Moe(num_experts=128, top_k=8, expert_size=768, norm_topk=True))
+    assert moe.num_active_params() == pytest.approx(3.35e9, rel=0.01)  # "A3B"
+    cost = verify_cost(moe)
+    ratios = [cost(1, K) for K in range(9)]
+    assert ratios[0] == 1.0 and all(b > a for a, b in zip(ratios, ratios[1:])) and 2.5 < ratios[4] < 3.2
+    assert verify_cost(dataclasses.replace(moe, moe=None))(1, 4) == 1.0
+
+    class Chain:  # a drafter as KPolicy sees one
+        tree, fixed_shape, wants_features = None, False, False
+
+    profile = theory.CostProfile(batches=(1, 8), step_ms=((10.0, 11, 12, 13, 14), (12.0, 14, 16, 18, 20)),
+                                 acceptance=(0.8, 0.7, 0.6, 0.5))
+    dense = KPolicy(Chain(), None, profile, 8).table
+    sparse = KPolicy(Chain(), None, profile, 8, moe).table
+    assert all(s <= d for s, d in zip(sparse, dense)) and sparse != dense, (dense, sparse)

@@ -201,7 +201,7 @@ class Engine:
             target = deterministic_target(target, mesh)
         self.target, self.slots, self.max_len = target, int(slots), int(max_len)
         base = _supported(draft)
-        self.policy = KPolicy(base, num_draft_tokens, cost_profile, self.slots)
+        self.policy = KPolicy(base, num_draft_tokens, cost_profile, self.slots, target.config)
         if base is not None:  # bound once: every K's drafter shares its weights (cast once, if at all)
             base = base.bind(target)
             base.check_lengths(1, max_len - 1)

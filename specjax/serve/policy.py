@@ -30,14 +30,34 @@ SEEN = 64
 CALL_MS = 20.0
 
 
+def verify_cost(config):
+    """(n rows, K) -> what a verification pass of K + 1 tokens a row costs over a plain pass
+    of one, beyond a dense target's: for a mixture of experts the weight bytes it reads
+    (`theory.moe_pass_bytes`, experts touched by n (K + 1) tokens against n), else 1."""
+    if config is None or config.moe is None:
+        return lambda n, K: 1.0
+    m = config.moe
+    expert = 3 * config.hidden_size * m.expert_size * sum(map(config.sparse, range(config.num_layers)))  # [every layer]
+    dense = config.num_params() - m.num_experts * expert  # the rest (router, shared experts too): read whatever the tokens
+
+    def reads(tokens):
+        return theory.moe_pass_bytes(dense, expert, m.num_experts, m.top_k, tokens)
+
+    return lambda n, K: reads(n * (K + 1)) / reads(n)
+
+
 class KPolicy:
     """K by live rows (`table[n - 1]` for n live rows) and vLLM's speculation counts: a draft
     is one row's drafted step; accepted tokens are the drafted tokens the target kept (a
     step's emitted tokens but its own one); accepted_per_position[i]: drafts whose (i+1)-th
     drafted token was accepted."""
 
-    def __init__(self, drafter, num_draft_tokens, cost_profile, slots: int):
+    def __init__(self, drafter, num_draft_tokens, cost_profile, slots: int, target_config=None):
+        """target_config: the target's ModelConfig; a mixture of experts' prices the profile's
+        steps (measured over a dense target) the dearer for the experts a verification pass
+        touches beyond one token's (`verify_cost`)."""
         self.slots = slots
+        self.verify_cost = verify_cost(target_config)
         self.profile = None  # the cost profile the table came from (None: given, or none shipped)
         self.least_k = 0  # 1 for a drafter that reads the target's states of every step: it never skips one
         self.step_ms = None  # {K: {width: ms of a step}}, as the engine timed them (`price`)
@@ -95,7 +115,9 @@ class KPolicy:
         profile prices generate's step at batch n. A drafter that reads the target's states
         catches up only from the last pass's: it drafts every step."""
         def cost(n, K):
-            return self.profile.cost(n, K) if self.step_ms is None else self.step_ms[K][self._width(n)]
+            if self.step_ms is not None:
+                return self.step_ms[K][self._width(n)]
+            return self.profile.cost(n, K) + self.profile.cost(n, 0) * (self.verify_cost(n, K) - 1.0)
 
         return tuple(max(theory.choose_slot_k(acceptance, {K: cost(n, K) for K in among}, n), self.least_k)
                      for n in range(1, self.slots + 1))
