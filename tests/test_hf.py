@@ -185,7 +185,7 @@ def test_unexpected_tensor(llama_copy):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "unsupported rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "unsupported rope_type 'dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_unsupported_configs(llama_copy, change, message):
