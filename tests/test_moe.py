@@ -67,7 +67,7 @@ def test_router_renormalises_only_where_the_config_says(hf_folder):
         assert np.allclose(np.asarray(weights.sum(-1)), 1.0) == normed
 
 
-@pytest.mark.parametrize("arch,tree", [("qwen3_moe", None), ("mixtral", specjax.Tree(3, 2, 6)),
+@pytest.mark.parametrize("arch,tree", [("qwen3_moe", None), ("mixtral", specjax.Tree(3, 2, 6)), ("glm4_moe", None),
                                        pytest.param("qwen2_moe", None, marks=pytest.mark.slow)])
 def test_speculative_greedy_over_a_moe_target_equals_transformers(arch, tree, hf_folder):
     """A noisy copy drafting a chain (K=3) or a tree for a MoE target: transformers' greedy rows."""

@@ -52,7 +52,7 @@ def route(c: ModelConfig, logits, bias=None):
     """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k]):
     Moe.router's "softmax" (over all X, the top k kept, renormalised where norm_topk says),
     "topk_softmax" (gpt-oss: the k largest logits, then a softmax over those k) or
-    "sigmoid_grouped" (DeepSeek-V3; bias: its per-expert bias [X], which only chooses)."""
+    "sigmoid_grouped" (DeepSeek-V3, GLM-4.5; bias: its per-expert bias [X], which only chooses)."""
     m = c.moe
     if m.router == "sigmoid_grouped":
         return _route_grouped(m, logits, bias)
@@ -67,7 +67,7 @@ def route(c: ModelConfig, logits, bias=None):
 
 
 def _route_grouped(m, logits, bias):
-    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; experts
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, GLM-4.5's Glm4MoeTopkRouter): sigmoid scores; experts
     chosen by score + bias within the top_groups groups whose two best biased scores sum
     highest; weighted by their unbiased scores, renormalised where norm_topk, times
     routed_scale."""
@@ -280,7 +280,7 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias
 
 class MoE(nn.Module):
     """The experts' MLP of a sparse layer: [B, T, E] -> [B, T, E]. Params: `router` [E, X]
-    (and DeepSeek-V3's `router_bias` [X]: `Moe.router`),
+    (and DeepSeek-V3's and GLM-4.5's `router_bias` [X]: `Moe.router`),
     `experts_gate`, `experts_up` [X, E, I], `experts_down` [X, I, E]; with a shared expert a
     dense MLP `shared` (I_s wide) and, gated, `shared_gate` [E]; gpt-oss's `router_bias` [X]
     (Moe.router_bias) and the experts' `experts_gate_bias`, `experts_up_bias` [X, I],
