@@ -161,8 +161,9 @@ def test_gpt_oss_defaults_are_its_class_defaults():
     assert ours.qkv_bias and ours.out_bias and ours.attn_sinks
 
 
-# GLM-4.5-Air's config.json as its hub repository writes it (transformers 4.x keys: a top-level
-# rope_theta and partial_rotary_factor), with 2 of its 46 layers.
+# GLM-4.5-Air's config.json in the layout its hub repository uses (transformers 4.x keys: a
+# top-level rope_theta and partial_rotary_factor), with 2 of its 46 layers; values written from
+# memory, not fetched (the test compares with transformers reading this same dict).
 GLM_4_5_AIR = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
     "num_hidden_layers": 2, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
