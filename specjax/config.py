@@ -12,11 +12,11 @@ later.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal
 
 from specjax import hf_config
 from specjax.hf_config import ROPE_TYPES, InvalidConfigError, UnsupportedConfigError
+from specjax.rope import rope_cos_sin_factor, rope_inv_freq, yarn_mscale  # noqa: F401 (the first two re-exported)
 
 Family = Literal["gpt2", "llama", "gemma"]
 
@@ -37,6 +37,7 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {
     "gemma2": "gemma",
     "gemma3_text": "gemma",
     "deepseek_v3": "llama",  # RMSNorm and SwiGLU; its attention is latent (see `Mla`)
+    "glm4_moe": "llama",  # DeepSeek-V3's experts under GQA attention with partial rotary
 }
 
 
@@ -79,11 +80,6 @@ class RopeScaling:
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's 0.1 mscale log(scale) + 1 (1 for scale <= 1): transformers' yarn_get_mscale."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 @dataclasses.dataclass(frozen=True)
 class Gemma:
     """What the Gemma family (Gemma 2, Gemma 3 text) computes beyond a Llama decoder.
@@ -115,7 +111,7 @@ class Moe:
     expert_size: int  # I, each expert's MLP width
     # "softmax": softmax over all X logits in float32, the top k kept (Qwen2/3-MoE, Mixtral);
     # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss);
-    # "sigmoid_grouped" (DeepSeek-V3): sigmoid scores in float32; the experts chosen by the
+    # "sigmoid_grouped" (DeepSeek-V3, GLM-4.5): sigmoid scores in float32; the experts chosen by the
     # scores plus a per-expert bias (`router_bias`), among the top_groups of `groups` groups
     # (a group ranked by its two best), weighted by their unbiased scores (renormalised where
     # norm_topk) times routed_scale
@@ -207,6 +203,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_theta: float = 10000.0  # rotary base (not GPT-2); of the full-attention layers
     rope_scaling: RopeScaling = RopeScaling()  # of the full-attention layers
+    # the share of each head's D lanes rotary rotates: the first `rotary_dim` = int(D * this),
+    # halves rotated within them (GLM-4.5's 0.5); the rest pass through (1.0: all of them)
+    partial_rotary_factor: float = 1.0
     local_rope_theta: float | None = None  # rotary base of sliding-window layers, unscaled (Gemma 3)
     qkv_bias: bool = False  # biases on q, k, v (GPT-2, Qwen2, attention_bias)
     out_bias: bool = False  # bias on the attention output projection (GPT-2, attention_bias)
@@ -245,6 +244,13 @@ class ModelConfig:
                 raise InvalidConfigError(f"rope_theta must be > 1, got {self.rope_theta!r}")
             if self.local_rope_theta is not None:
                 _check_positive("local_rope_theta", self.local_rope_theta)
+            p = self.partial_rotary_factor
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+                raise InvalidConfigError(f"partial_rotary_factor must be a number in (0, 1], got {p!r}")
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise InvalidConfigError(
+                    f"partial_rotary_factor={p!r} of head_dim={self.head_dim} rotates int({self.head_dim} * {p!r}) = "
+                    f"{self.rotary_dim} lanes, which must be even and at least 2: rotary embedding rotates halves")
             r = self.rope_scaling
             if r.rope_type != "default":
                 _check_positive("rope scaling factor", r.factor)
@@ -293,6 +299,9 @@ class ModelConfig:
             if self.qkv_bias or self.out_bias or self.qk_norm or self.sliding_window is not None:
                 raise UnsupportedConfigError("latent attention with biases, q/k norms or sliding windows is not "
                                              "supported")
+            if self.partial_rotary_factor != 1:
+                raise UnsupportedConfigError("latent attention with partial_rotary_factor != 1 is not supported "
+                                             "(its rotary part is qk_rope_head_dim)")
         if self.family == "gpt2" and (self.qk_norm or self.local_rope_theta is not None):
             raise ValueError("GPT-2 has no rotary embedding and no q/k norms")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -323,6 +332,12 @@ class ModelConfig:
             return (self.sliding_window,) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None
                      for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The lanes of each query and key head rotary rotates, the first int(D * partial_rotary_factor)
+        (transformers' `dim`: its frequencies are those of a head this wide)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def sparse(self, layer: int) -> bool:
         """Whether the layer's MLP is a mixture of experts (`Moe`) rather than dense."""
@@ -469,18 +484,22 @@ class ModelConfig:
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
-            intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
+            intermediate_size=(hf.get("intermediate_size") or hf_config.DEFAULT_INTERMEDIATE.get(model_type)
+                               or hf["moe_intermediate_size"]),
             max_position_embeddings=hf.get("max_position_embeddings",
                                            hf_config.DEFAULT_POSITIONS.get(model_type, 2048)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            norm_eps=float(hf.get("rms_norm_eps", hf_config.DEFAULT_NORM_EPS.get(model_type, 1e-6))),
             tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             rope_theta=theta, rope_scaling=RopeScaling(**scaling), local_rope_theta=local_theta,
-            # Qwen2 always has q/k/v biases (Qwen2-MoE: qkv_bias); elsewhere attention_bias covers q, k, v and o.
+            partial_rotary_factor=hf_config.read_partial_rotary(hf),
+            # Qwen2 always has q/k/v biases (Qwen2-MoE: qkv_bias); GLM-4.5's attention_bias covers q, k and v;
+            # elsewhere attention_bias covers q, k, v and o.
             qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
-                      or (model_type in hf_config.ATTENTION_BIAS and attention_bias)),
+                      or (model_type in hf_config.ATTENTION_BIAS + ("glm4_moe",) and attention_bias)),
             out_bias=model_type in hf_config.ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                     or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)))),
             attn_sinks=model_type == "gpt_oss",
             moe=None if moe is None else Moe(**moe),
             sliding_window=sliding_window, layer_types=layer_types, mla=mla,
@@ -509,6 +528,8 @@ class ModelConfig:
                 "tie_word_embeddings": self.tie_word_embeddings, **tokens,
             }
         rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
+        if self.model_type in hf_config.PARTIAL_ROTARY:  # (absent, its class's default)
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_scaling.rope_type == "linear":
             rope["factor"] = self.rope_scaling.factor
         elif self.rope_scaling.rope_type in ("llama3", "yarn"):
@@ -552,8 +573,10 @@ class ModelConfig:
                 q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                 qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
                 attention_bias=False, first_k_dense_replace=self.num_layers, num_nextn_predict_layers=0)
-        if self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "glm4_moe"):
             out["attention_bias"] = self.qkv_bias
+        if self.model_type == "glm4_moe":  # (its checkpoints' MTP layers are not loaded: none written)
+            out.update(use_qk_norm=self.qk_norm, first_k_dense_replace=self.num_layers, num_nextn_predict_layers=0)
         if self.model_type == "qwen2_moe":
             out["qkv_bias"] = self.qkv_bias
         if self.moe is not None:
@@ -577,53 +600,6 @@ class ModelConfig:
     def local_theta(self) -> float:
         """The rotary base of sliding-window layers."""
         return self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
-
-
-def rope_inv_freq(config: ModelConfig, local: bool = False):
-    """Rotary inverse frequencies [D/2] as transformers computes them (numpy float64), of
-    the full-attention layers, or (local=True) of the sliding-window layers."""
-    import numpy as np
-
-    D = config.head_dim
-    if local and config.local_rope_theta is not None:  # Gemma 3: its own base, unscaled
-        return 1.0 / (config.local_rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    s = config.rope_scaling
-    if s.rope_type == "linear":
-        return inv_freq / s.factor
-    if s.rope_type == "llama3":
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled)
-    if s.rope_type == "yarn":  # transformers' _compute_yarn_parameters
-        def correction_dim(rotations):  # the dimension that turns `rotations` times over the original length
-            return D * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(config.rope_theta))
-        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
-        if s.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, D - 1)
-        if low == high:
-            high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        extrapolation = 1 - ramp  # the share of each frequency left unscaled
-        return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
-    return inv_freq
-
-
-def rope_cos_sin_factor(config: ModelConfig, local: bool = False) -> float:
-    """What the rotary tables' cos and sin are multiplied by (RopeScaling.cos_sin_factor) for
-    the full-attention layers, or (local=True) the sliding-window layers (Gemma 3's unscaled
-    local rope: 1)."""
-    if local and config.local_rope_theta is not None:
-        return 1.0
-    return config.rope_scaling.cos_sin_factor()
 
 
 FLOAT32_MAX = 3.4028234663852886e38

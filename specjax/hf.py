@@ -530,11 +530,16 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
             or _mtp_layer(name, config))
 
 
+# The model types whose checkpoints may hold multi-token-prediction modules past the decoder.
+MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+
+
 def _mtp_layer(name: str, config: ModelConfig) -> bool:
-    """A DeepSeek-V3 checkpoint's multi-token-prediction modules (num_nextn_predict_layers)
-    are layers past its decoder's, which transformers does not load either."""
+    """A DeepSeek-V3 or GLM-4.5 checkpoint's multi-token-prediction modules
+    (num_nextn_predict_layers) are layers past its decoder's, which transformers does not load
+    either."""
     parts = name.split(".")
-    return (config.model_type == "deepseek_v3" and parts[:2] == ["model", "layers"] and len(parts) > 2
+    return (config.model_type in MTP_MODEL_TYPES and parts[:2] == ["model", "layers"] and len(parts) > 2
             and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 

@@ -40,8 +40,18 @@ DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 
 # The model types whose attention_bias puts biases on q, k, v and o.
 ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # Where a config.json omits max_position_embeddings, transformers' class default (else 2048).
-DEFAULT_POSITIONS = {"deepseek_v3": 4096}
-ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+DEFAULT_POSITIONS = {"deepseek_v3": 4096, "glm4_moe": 131072}
+# Where a config.json omits rms_norm_eps, transformers' class default (else 1e-6).
+DEFAULT_NORM_EPS = {"glm4_moe": 1e-5}
+# Where a config.json omits the dense layers' intermediate_size, transformers' class default.
+DEFAULT_INTERMEDIATE = {"glm4_moe": 10944}
+# The model types whose rotary may rotate part of each head (partial_rotary_factor), as
+# transformers' modeling file of each applies it (the first int(D * factor) lanes, halves
+# rotated within them), with the factor their config class gives where config.json is silent.
+# Every other model type refuses a factor != 1: its modeling file may apply it otherwise
+# (GLM-4's dense model rotates interleaved pairs) or not at all.
+PARTIAL_ROTARY = {"glm4_moe": 0.5}
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -59,8 +69,6 @@ def _rope_entry(rope: dict, default_theta: float, where: str, max_positions: int
     rope = dict(rope)
     theta = float(rope.pop("rope_theta", default_theta))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
     if rope_type in ("longrope", "su"):
         raise UnsupportedConfigError(
             f"rope_type {rope_type!r} (Phi-3's long-context scaling, {where}) is not supported; "
@@ -104,8 +112,6 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
     transformers 5.x writes `rope_parameters` (for Gemma 3: one dict per layer type); 4.x
     wrote top-level `rope_theta` / `rope_scaling` (Gemma 3: and `rope_local_base_freq`)."""
     model_type = hf["model_type"]
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError("partial_rotary_factor != 1 is not supported")
     params = dict(hf.get("rope_parameters") or {})
     max_positions = hf.get("max_position_embeddings", 2048)
     if model_type != "gemma3_text":
@@ -128,6 +134,28 @@ def read_rope(hf) -> tuple[float, dict[str, Any], float | None]:
             f"rope scaling of sliding-window layers ({local_scaling['rope_type']!r}) is not supported; "
             f"specjax scales only the full-attention layers' rope, as Gemma 3 checkpoints do")
     return theta, scaling, local_theta
+
+
+def read_partial_rotary(hf) -> float:
+    """The share of each head's lanes rotary rotates (ModelConfig.partial_rotary_factor), read
+    as transformers reads it: rope_parameters' (or the legacy rope_scaling's), else config.json's
+    top-level key, else the class default (`PARTIAL_ROTARY`; 1 elsewhere). A model type outside
+    PARTIAL_ROTARY whose config gives a factor != 1 anywhere (top level, rope_parameters, each
+    of Gemma 3's per-layer-type entries, rope_scaling) is refused."""
+    model_type = hf["model_type"]
+    ropes = [hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}]
+    ropes += [v for rope in ropes for v in rope.values() if isinstance(v, dict)]  # per layer type
+    given = [rope["partial_rotary_factor"] for rope in ropes if rope.get("partial_rotary_factor") is not None]
+    if model_type not in PARTIAL_ROTARY:
+        factors = given + ([hf["partial_rotary_factor"]] if hf.get("partial_rotary_factor") is not None else [])
+        if any(f != 1 for f in factors):
+            raise UnsupportedConfigError(
+                f"partial_rotary_factor={next(f for f in factors if f != 1)!r} (rotary over part of each head) "
+                f"is not supported for {model_type}; specjax supports it for {sorted(PARTIAL_ROTARY)}")
+        return 1.0
+    factor = {**ropes[0], **ropes[1]}.get("partial_rotary_factor")  # as `read_rope` merges them
+    factor = hf.get("partial_rotary_factor") if factor is None else factor
+    return PARTIAL_ROTARY[model_type] if factor is None else factor
 
 
 def read_mla(hf) -> dict[str, Any]:
@@ -179,7 +207,17 @@ def read_windows(hf) -> tuple[int | None, tuple[str, ...] | None]:
 # its top-k weights always renormalised: Mixtral). transformers 5 writes Qwen3-MoE's count
 # as num_local_experts; the released checkpoints say num_experts.
 MOE_TYPES = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts",
-             "deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts"}
+             "deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "glm4_moe": "n_routed_experts"}
+# DeepSeek-V3's experts ("sigmoid_grouped", shared experts, first_k_dense_replace dense layers
+# first), which GLM-4.5 shares: the keys' defaults of each model type's config class.
+GROUPED_DEFAULTS = {
+    "deepseek_v3": {"first_k_dense_replace": 3, "n_routed_experts": 256, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 2048, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                    "routed_scaling_factor": 2.5, "n_shared_experts": 1},
+    "glm4_moe": {"first_k_dense_replace": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 1408, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "n_shared_experts": 1},
+}
 
 
 def read_moe(hf) -> dict[str, Any] | None:
@@ -190,16 +228,17 @@ def read_moe(hf) -> dict[str, Any] | None:
     if model_type not in MOE_TYPES:
         return None
     L = hf["num_hidden_layers"]
-    if model_type == "deepseek_v3":  # layers from first_k_dense_replace on are sparse
-        dense = hf.get("first_k_dense_replace", 3)
+    if model_type in GROUPED_DEFAULTS:  # layers from first_k_dense_replace on are sparse
+        get = lambda key: hf.get(key, GROUPED_DEFAULTS[model_type][key])  # noqa: E731
+        dense = get("first_k_dense_replace")
         if dense >= L:
             return None
-        size = hf.get("moe_intermediate_size", 2048)
-        return {"num_experts": hf.get("n_routed_experts", 256), "top_k": hf.get("num_experts_per_tok", 8),
-                "expert_size": size, "norm_topk": bool(hf.get("norm_topk_prob", True)),
-                "router": "sigmoid_grouped", "groups": hf.get("n_group", 8), "top_groups": hf.get("topk_group", 4),
-                "routed_scale": float(hf.get("routed_scaling_factor", 2.5)),
-                "shared_size": size * (hf.get("n_shared_experts", 1) or 0), "dense_layers": tuple(range(dense))}
+        size = get("moe_intermediate_size")
+        return {"num_experts": get("n_routed_experts"), "top_k": get("num_experts_per_tok"),
+                "expert_size": size, "norm_topk": bool(get("norm_topk_prob")),
+                "router": "sigmoid_grouped", "groups": get("n_group"), "top_groups": get("topk_group"),
+                "routed_scale": float(get("routed_scaling_factor")),
+                "shared_size": size * (get("n_shared_experts") or 0), "dense_layers": tuple(range(dense))}
     count = hf.get(MOE_TYPES[model_type], hf.get("num_local_experts", hf.get("num_experts")))
     if count is None:
         raise InvalidConfigError(f"config.json ({model_type}) lacks {MOE_TYPES[model_type]}, the number of experts")
@@ -230,7 +269,7 @@ def write_moe(model_type: str, moe: dict[str, Any], num_layers: int) -> dict[str
     """config.json's keys for `config.Moe`'s fields (`read_moe` backwards)."""
     if model_type == "mixtral":
         return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"]}
-    if model_type == "deepseek_v3":
+    if model_type in GROUPED_DEFAULTS:
         return {"n_routed_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
                 "moe_intermediate_size": moe["expert_size"], "norm_topk_prob": moe["norm_topk"],
                 "n_group": moe["groups"], "topk_group": moe["top_groups"],
@@ -292,7 +331,8 @@ ROTARY_KEYS = {"norm_eps": "rms_norm_eps",
                **{f"rope scaling {k}": f"rope_parameters.{k} (or rope_scaling.{k})"
                   for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
                             "beta_slow", "attention_factor")},
-               "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
+               "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping",
+               "partial_rotary_factor": "partial_rotary_factor (rope_parameters' or top-level)"}
 
 
 # ---- config.json sanity ----------------------------------------------------------------
@@ -308,7 +348,7 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_laye
              "n_routed_experts", "n_group", "topk_group")
 # Switches a config.json may give: each must be true or false when present.
 BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias", "rope_interleave")
+             "use_bidirectional_attention", "norm_topk_prob", "qkv_bias", "rope_interleave", "use_qk_norm")
 # Sizes that may be null (then derived: kv heads = heads, head_dim = E / H, n_inner = 4 E).
 OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "q_lora_rank")
 # No tokenizer comes near this (the largest real vocabularies are ~256k); a larger value is
@@ -328,7 +368,7 @@ MAPPING_KEYS = ("rope_parameters", "rope_scaling")
 TEXT_KEYS = ("model_type", "hidden_act", "hidden_activation", "activation_function")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "partial_rotary_factor")
 # Those a yarn rope may give as null (transformers' default, or for its factor: derived).
 YARN_NULLABLE = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 

@@ -200,8 +200,8 @@ def gpt_oss_experts(c: ModelConfig) -> list[Weights]:
 
 
 def moe_layout(c: ModelConfig) -> list[Weights]:
-    """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's and DeepSeek-V3's
-    mlp.*, Mixtral's block_sparse_moe.*, gpt-oss's fused experts: `gpt_oss_experts`)."""
+    """A sparse layer's router, experts and shared expert (Qwen2/3-MoE's, DeepSeek-V3's and
+    GLM-4.5's mlp.*, Mixtral's block_sparse_moe.*, gpt-oss's fused experts: `gpt_oss_experts`)."""
     E, X, L = c.hidden_size, c.moe.num_experts, "model.layers.{i}."
     on_sparse = sparse_layers(c)
     if c.model_type == "gpt_oss":
@@ -213,12 +213,12 @@ def moe_layout(c: ModelConfig) -> list[Weights]:
         base = L + "mlp."
         out = _experts(c, base + "experts.", ("gate_proj", "up_proj", "down_proj"))
     out.append(dataclasses.replace(_linear(("moe", "router"), base + "gate.weight", E, (X,)), layers=on_sparse))
-    if c.moe.router == "sigmoid_grouped":  # DeepSeek-V3's
+    if c.moe.router == "sigmoid_grouped":  # DeepSeek-V3's and GLM-4.5's
         out.append(dataclasses.replace(_same(("moe", "router_bias"), base + "gate.e_score_correction_bias", (X,)),
                                        layers=on_sparse))
     if c.moe.shared_size:
         shared = dataclasses.replace(c, intermediate_size=c.moe.shared_size)
-        s = base + ("shared_experts." if c.model_type == "deepseek_v3" else "shared_expert.")
+        s = base + ("shared_experts." if c.moe.router == "sigmoid_grouped" else "shared_expert.")
         out += [dataclasses.replace(w, paths=tuple(("moe", "shared") + p[1:] for p in w.paths), layers=on_sparse)
                 for w in (_gate_up(shared, (s + "gate_proj.weight", s + "up_proj.weight")),
                           _linear(("mlp", "down_kernel"), s + "down_proj.weight", c.moe.shared_size, (E,)))]

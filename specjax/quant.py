@@ -5,11 +5,13 @@ the float array was; the layers dequantise it on the fly inside the jitted pass 
 `dequantize` in models/layers.py), so activations, caches and logits keep the model's
 float dtype and nothing else changes: the decoding loop does not know.
 
-What is quantised: every matmul weight (q, k, v, o, the MLP's, an untied lm_head), each
-with a scale per output channel, and the embedding, with a scale per row (per token): a
-lookup then dequantises only the rows it reads, and for a tied head a row is exactly the
-head's output channel. Norm scales, biases and GPT-2's position table stay float: they
-are a rounding error in size and are not matmuls.
+What is quantised: every matmul weight (q, k, v, o, the MLP's, latent attention's, an
+untied lm_head), each with a scale per output channel, a mixture of experts' expert weights
+with a scale per expert per output channel (models/moe.py computes every form with them),
+and the embedding, with a scale per row (per token): a lookup then dequantises only the
+rows it reads, and for a tied head a row is exactly the head's output channel. Norm
+scales, biases, routers (small, and their logits choose experts: kept exact) and GPT-2's
+position table stay float: they are a rounding error in size and are not large matmuls.
 
 This module knows parameter names and shapes; it does not know models or files.
 """
@@ -43,6 +45,10 @@ CONTRACTED: dict[str, tuple[int, ...]] = {
     "kv_a_kernel": (-2,),  # [E, r + p]
     "k_b_kernel": (-2,),  # [H, n, r]: q_nope [n] in, the latent's r out
     "v_b_kernel": (-1,),  # [H, v, r]: the latent [r] in, v out
+    # a mixture of experts' (models/moe.py): a scale per expert and output channel, [X, 1, I] / [X, 1, E]
+    "experts_gate": (-2,),  # [X, E, I]
+    "experts_up": (-2,),  # [X, E, I]
+    "experts_down": (-2,),  # [X, I, E]
 }
 
 

@@ -161,6 +161,89 @@ def test_gpt_oss_defaults_are_its_class_defaults():
     assert ours.qkv_bias and ours.out_bias and ours.attn_sinks
 
 
+# GLM-4.5-Air's config.json in the layout its hub repository uses (transformers 4.x keys: a
+# top-level rope_theta and partial_rotary_factor), with 2 of its 46 layers; values written from
+# memory, not fetched (the test compares with transformers reading this same dict).
+GLM_4_5_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+    "num_hidden_layers": 2, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "rope_theta": 1000000, "rope_scaling": None,
+    "attention_bias": True, "use_qk_norm": False, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "hidden_act": "silu", "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "torch_dtype": "bfloat16"}
+
+
+def test_glm4_moe_reads_as_transformers_does():
+    """GLM-4.5-Air's own config.json (partial rotary at the top level), and one that leaves
+    every optional key out (partial rotary 0.5, eps 1e-5, one group, routed scale 1, the
+    first layer dense: Glm4MoeConfig's defaults), read as transformers reads them."""
+    import transformers as tr
+
+    air = ModelConfig.from_hf_config(GLM_4_5_AIR)
+    assert air == ModelConfig.from_hf_config(tr.Glm4MoeConfig(**GLM_4_5_AIR).to_dict())
+    assert (air.partial_rotary_factor, air.rotary_dim, air.rope_theta) == (0.5, 64, 1e6)
+    assert air.qkv_bias and not air.out_bias and not air.qk_norm
+    assert air.moe.router == "sigmoid_grouped" and air.moe.shared_size == 1408 and air.moe.dense_layers == (0,)
+    optional = ("partial_rotary_factor", "rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings",
+                "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor", "n_shared_experts",
+                "attention_bias", "use_qk_norm", "norm_topk_prob", "intermediate_size")
+    bare = {k: v for k, v in GLM_4_5_AIR.items() if k not in optional}
+    ours = ModelConfig.from_hf_config(bare)
+    assert ours == ModelConfig.from_hf_config(tr.Glm4MoeConfig(**bare).to_dict())
+    assert (ours.partial_rotary_factor, ours.norm_eps, ours.max_position_embeddings) == (0.5, 1e-5, 131072)
+    assert (ours.moe.groups, ours.moe.routed_scale, ours.moe.dense_layers, ours.intermediate_size) == (
+        1, 1.0, (0,), 10944)
+    # rope_parameters' factor first (transformers 5.x), over the top-level one
+    moved = {**bare, "partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                         "partial_rotary_factor": 0.25}}
+    assert ModelConfig.from_hf_config(moved).rotary_dim == 32
+
+
+@pytest.mark.parametrize("partial", [0.5, 0.75])
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                   "beta_fast": 4.0, "beta_slow": 0.25}])
+def test_partial_rotary_frequencies_are_transformers(rope, partial):
+    """A partial rotary's frequencies are those of a head rotary_dim wide, for each rope type,
+    as transformers computes them for glm4_moe (and the round trip keeps the factor)."""
+    import transformers as tr
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
+
+    hf = {**tiny.CONFIGS["glm4_moe"]().to_dict(), "partial_rotary_factor": partial,
+          "rope_parameters": {**rope, "rope_theta": 100.0, "partial_rotary_factor": partial}}
+    config = ModelConfig.from_hf_config(hf)
+    theirs = tr.Glm4MoeConfig(**hf)
+    init = ROPE_INIT_FUNCTIONS.get(rope["rope_type"], Glm4MoeRotaryEmbedding.compute_default_rope_parameters)
+    inv_freq, factor = init(theirs)
+    assert config.rotary_dim == int(16 * partial) == 2 * len(inv_freq)
+    np.testing.assert_allclose(rope_inv_freq(config), inv_freq.numpy(), rtol=1e-6)
+    assert config.rope_scaling.cos_sin_factor() == pytest.approx(factor)
+    assert ModelConfig.from_hf_config(config.to_hf_config()) == config
+
+
+@pytest.mark.parametrize("arch, change", [
+    ("qwen3", {"partial_rotary_factor": 0.25}),  # Qwen3-Next's, on a model type that would ignore it
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}),
+    ("qwen2", {"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0,
+                                                         "partial_rotary_factor": 0.5}}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                          "partial_rotary_factor": 0.5}}}),
+    ("deepseek_v3", {"partial_rotary_factor": 0.5}),
+    ("mixtral", {"partial_rotary_factor": 0.5}),
+])
+def test_partial_rotary_is_refused_where_it_is_not_glm4_moe(arch, change):
+    """Only glm4_moe rotates part of each head; anywhere else a factor != 1 (top level, rope
+    parameters, a layer type's rope, legacy rope_scaling) is refused by name, never ignored."""
+    with pytest.raises(UnsupportedConfigError, match=f"partial_rotary_factor=0.(25|5) .*not supported for {arch}"):
+        ModelConfig.from_hf_config({**tiny.CONFIGS[arch]().to_dict(), **change})
+    same = {**tiny.CONFIGS[arch]().to_dict(), "partial_rotary_factor": 1.0}  # 1: the whole head, as without
+    assert ModelConfig.from_hf_config(same) == ModelConfig.from_hf_config(tiny.CONFIGS[arch]().to_dict())
+
+
 def test_gpt2_unsupported_options():
     hf = tiny.CONFIGS["gpt2"]().to_dict()
     with pytest.raises(UnsupportedConfigError, match="scale_attn_by_inverse_layer_idx"):
@@ -220,6 +303,15 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_pos
         ({"factor": None, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
     ]),
     ("llama_yarn", {"rope_parameters": {k: v for k, v in YARN.items() if k != "factor"}}, "yarn rope .* needs"),
+    ("glm4_moe", {"partial_rotary_factor": 1.5, "rope_parameters": None},
+     r"config.json: partial_rotary_factor \(rope_parameters' or top-level\) must be a number in \(0, 1\], got 1.5"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.0}},
+     "partial_rotary_factor .* got 0.0"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+     r"partial_rotary_factor=0.1 of head_dim=16 rotates .* = 1 lanes, which must be even"),
+    ("glm4_moe", {"partial_rotary_factor": "half"}, "config.json: partial_rotary_factor='half' must be a number"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": None}},
+     "rope_parameters holds partial_rotary_factor=None, which must be a number"),
 ])
 def test_configs_that_would_compute_garbage_are_refused(arch, change, message):
     """Values that load but give NaN logits or silently wrong ones: refused when read."""

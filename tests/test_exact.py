@@ -88,11 +88,11 @@ def test_sampling_stays_exact_in_distribution_with_the_flag():
     assert _chi_square_p(observed, _exact_joint(target, 1.0, 0, 1.0)) > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama_yarn", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama_yarn", "gpt_oss", "glm4_moe"])
 def test_an_exact_pass_matches_transformers(arch, hf_folder):
     """The deterministic pass computes what transformers does for the families whose
     attention or rope differ from Llama's by more than a flag (YaRN's cos/sin factor;
-    gpt-oss's sinks and experts)."""
+    gpt-oss's sinks and experts; GLM-4.5's partial rotary and grouped router)."""
     folder, torch_model = hf_folder(arch)
     model = specjax.load_model(folder, dtype=jnp.float32).replace(exact=True)
     tokens = np.random.RandomState(1).randint(0, tiny.VOCAB, (2, 16))

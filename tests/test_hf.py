@@ -18,7 +18,8 @@ def _assert_same_params(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama3", "llama_yarn", "qwen2", "mistral", "gpt_oss"] + tiny.NEW_FAMILIES)
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "llama_yarn", "qwen2", "mistral", "gpt_oss", "glm4_moe"]
+                         + tiny.NEW_FAMILIES)
 def test_save_load_round_trip_and_transformers_reads_it(arch, hf_folder, tmp_path):
     folder, torch_model = hf_folder(arch)
     model = specjax.load_model(folder)
@@ -181,6 +182,27 @@ def test_unexpected_tensor(llama_copy):
     _edit_tensors(llama_copy, add_bias)
     with pytest.raises(CheckpointError, match=r"does not explain.*q_proj.bias"):
         specjax.load_model(llama_copy)
+
+
+def test_multi_token_prediction_layers_past_the_decoder_are_ignored(hf_folder, tmp_path):
+    """A GLM-4.5 checkpoint's MTP layer (num_nextn_predict_layers: model.layers.{L}.*, past its
+    L layers) loads as transformers loads it, left out; the same tensors in a Llama's are refused."""
+    folder, _ = hf_folder("glm4_moe")
+    shutil.copytree(folder, tmp_path / "glm")
+    plain = specjax.load_model(folder)
+
+    def add_mtp(t):
+        t["model.layers.3.eh_proj.weight"] = np.ones((32, 64), np.float32)
+        t["model.layers.3.mlp.experts.0.gate_proj.weight"] = np.ones((16, 32), np.float32)
+    _edit_tensors(tmp_path / "glm", add_mtp)
+    config = json.loads((tmp_path / "glm" / "config.json").read_text())
+    (tmp_path / "glm" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    _assert_same_params(specjax.load_model(tmp_path / "glm").params, plain.params)
+    shutil.copytree(hf_folder("llama")[0], tmp_path / "llama")
+    _edit_tensors(tmp_path / "llama", lambda t: t.update({"model.layers.2.eh_proj.weight": np.ones((32, 64),
+                                                                                                     np.float32)}))
+    with pytest.raises(CheckpointError, match=r"does not explain.*model.layers.2.eh_proj.weight"):
+        specjax.load_model(tmp_path / "llama")
 
 
 @pytest.mark.parametrize("change, message", [

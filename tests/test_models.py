@@ -40,7 +40,7 @@ def test_ragged_batch_matches_each_row_alone(arch, hf_folder):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama3", "mistral", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3",
-                                  "deepseek_v3_q", "gpt_oss"])
+                                  "deepseek_v3_q", "gpt_oss", "glm4_moe"])
 def test_cached_decoding_equals_full_pass(arch, hf_folder):
     """Prefill ragged rows, then feed one token at a time at each row's own offset."""
     folder, _ = hf_folder(arch)

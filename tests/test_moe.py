@@ -4,6 +4,7 @@ decoding, the deterministic mode's bits, the paged engine, and experts split ove
 (Parity of each family's logits is tests/test_models.py's.)"""
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -52,6 +53,39 @@ def test_every_form_computes_each_token_s_experts(form):
     np.testing.assert_allclose(np.asarray(halves), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", moe.FORMS)
+def test_every_form_computes_int8_experts(form):
+    """Experts in int8 (a scale per expert per output channel): each form, on one device and
+    as two devices' halves, computes what its weights dequantised compute (to float32's
+    rounding), and what the float weights compute within int8's error; with gpt-oss's biases
+    and clamp too. A scale applied to the wrong expert's rows, or to the wrong channels, would
+    miss both."""
+    from specjax.quant import CONTRACTED, quantize_array
+
+    rng = np.random.RandomState(0)
+    N, k, E, X, I = 5, 3, 8, 6, 5  # 15 assignments: the sliced form's size of pass
+    x = jnp.asarray(rng.randn(N, E), jnp.float32)
+    scales = rng.choice([0.1, 1.0, 10.0], (X, 1, 1))  # experts of different magnitudes: per-expert scales matter
+    gate, up = (jnp.asarray(rng.randn(X, E, I) * scales, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.randn(X, I, E) * scales, jnp.float32)
+    weights = jnp.asarray(rng.rand(N, k), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice([0, 1, 3, 4, 5], k, replace=False) for _ in range(N)]), jnp.int32)
+    q = tuple(quantize_array(w, CONTRACTED[n], jnp.float32)
+              for w, n in zip((gate, up, down), ("experts_gate", "experts_up", "experts_down")))
+    dq = tuple(w.dequantize() for w in q)
+    bias = tuple(jnp.asarray(rng.randn(X, n), jnp.float32) for n in (I, I, E))
+    act = functools.partial(moe.clamped_swiglu, limit=2.0, alpha=1.702)
+    run = jax.jit(lambda s, w, b: moe.experts_out(x, weights, experts, *w, form=form, first=s, bias=b, act=act))
+    want = np.asarray(run(0, dq, bias))
+    bound = dict(rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(run(0, q, bias)), want, **bound)
+    halves = sum(run(s, *jax.tree.map(lambda v: v[s:s + 3], (q, bias))) for s in (0, 3))
+    np.testing.assert_allclose(np.asarray(halves), want, **bound)
+    exact = _reference(x, weights, experts, gate, up, down)
+    err = np.abs(np.asarray(jax.jit(moe.experts_out, static_argnums=6)(x, weights, experts, *q, form)) - exact).max()
+    assert 0 < err < 0.02 * np.abs(exact).max()
+
+
 def test_the_form_follows_the_pass():
     assert moe.choose_form("cpu", 8) == moe.choose_form("tpu", moe.SLICED) == "sliced"
     assert moe.choose_form("gpu", moe.SLICED + 1) == "grouped"
@@ -68,7 +102,7 @@ def test_router_renormalises_only_where_the_config_says(hf_folder):
         assert np.allclose(np.asarray(weights.sum(-1)), 1.0) == normed
 
 
-@pytest.mark.parametrize("arch,tree", [("qwen3_moe", None), ("mixtral", specjax.Tree(3, 2, 6)),
+@pytest.mark.parametrize("arch,tree", [("qwen3_moe", None), ("mixtral", specjax.Tree(3, 2, 6)), ("glm4_moe", None),
                                        pytest.param("qwen2_moe", None, marks=pytest.mark.slow)])
 def test_speculative_greedy_over_a_moe_target_equals_transformers(arch, tree, hf_folder):
     """A noisy copy drafting a chain (K=3) or a tree for a MoE target: transformers' greedy rows."""
@@ -110,7 +144,8 @@ def test_the_paged_engine_over_a_moe_target_equals_generate_alone(hf_folder):
 def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folder):
     """On 8 emulated devices, meshes with 8, 2 and 4 expert devices (beside data and model):
     logits equal one device's, each device holds its share of the experts, and no
-    collective moves anything a weight's size (the shares are summed: one [N, E] a layer)."""
+    collective moves anything a weight's size (the shares are summed: one [N, E] a layer);
+    int8 experts (values and scales each split) on the 2x2x2 mesh alike."""
     folder = hf_folder("qwen3_moe")[0]
     child = Path(__file__).parent / "moe_sharded_check.py"
     result = subprocess.run([sys.executable, str(child), str(folder)], capture_output=True, text=True, timeout=600,
@@ -118,6 +153,7 @@ def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folde
     assert result.returncode == 0, result.stderr[-3000:]
     findings = json.loads(result.stdout.strip().splitlines()[-1])
     X = 8
+    assert "2x2x2 int8" in findings
     for mesh, found in findings.items():
         experts = int(mesh.split("x")[1])
         assert found["max_diff"] < 1e-5, (mesh, found)

@@ -146,8 +146,18 @@ CONFIGS = {
         routed_scaling_factor=2.5, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 8,
                          "beta_fast": 4.0, "beta_slow": 0.25, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # GLM-4.5 (glm4_moe): GQA (4 heads over 2) with q/k/v biases and q/k norms, rotary over half
+    # of each 16-lane head; a dense first layer, then DeepSeek-V3's experts: 8 in 4 groups, a
+    # token's 3 from its 2 best groups (by e_score_correction_bias), a shared expert, weights
+    # renormalised and scaled by 2.5.
+    "glm4_moe": lambda: tr.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+        first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0, max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
 }
-CLASSES = {"deepseek_v3": tr.DeepseekV3ForCausalLM, "deepseek_v3_q": tr.DeepseekV3ForCausalLM,
+CLASSES = {"deepseek_v3": tr.DeepseekV3ForCausalLM, "glm4_moe": tr.Glm4MoeForCausalLM, "deepseek_v3_q": tr.DeepseekV3ForCausalLM,
            "deepseek_v3_moe": tr.DeepseekV3ForCausalLM,
            "gpt2": tr.GPT2LMHeadModel, "gpt2_untied": tr.GPT2LMHeadModel,
            "llama": tr.LlamaForCausalLM, "llama3": tr.LlamaForCausalLM, "llama_yarn": tr.LlamaForCausalLM,

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, Pending, Placement, join, write
-from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
+from specjax.config import ModelConfig
+from specjax.rope import rope_cos_sin_factor, rope_inv_freq
 from specjax.models.attention import values
 from specjax.models.layers import MLP, Norm, rotary_angles, softcap
 from specjax.models.moe import MoE

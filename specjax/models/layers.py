@@ -3,8 +3,9 @@ MLPs (attention itself, and the choice of its kernel, is models/attention.py's).
 
 Families differ here, each in a named piece: `Norm` (LayerNorm, RMSNorm, Gemma's (1 + w)
 RMSNorm), the MLP's activation (gelu_new, SiLU, tanh gelu), attention's score scale and
-soft-cap (Gemma), q/k norms (Qwen3, Gemma 3), and Gemma's post-norms, which its attention
-and MLP apply to their own outputs.
+soft-cap (Gemma), q/k norms (Qwen3, Gemma 3, GLM-4.5), a rotary over part of each head
+(GLM-4.5: `rotary`), and Gemma's post-norms, which its attention and MLP apply to their own
+outputs.
 
 Each weight is declared once, with its shape in the axis letters of DESIGN.md
 (E residual width, H query heads, G key/value heads, D head dim, F MLP width). The
@@ -121,11 +122,12 @@ class Norm(nn.Module):
 
 
 def rotary_angles(positions, inv_freq, factor: float = 1.0):
-    """(cos, sin) float32 [B, T, 1, D] of the rotary angles at positions int32 [B, T] for
-    inverse frequencies float32 [D/2], both multiplied by factor (YaRN's attention factor:
+    """(cos, sin) float32 [B, T, 1, D'] of the rotary angles at positions int32 [B, T] for
+    inverse frequencies float32 [D'/2] (D' the lanes rotated: `ModelConfig.rotary_dim`, D but
+    for a partial rotary), both multiplied by factor (YaRN's attention factor:
     `RopeScaling.cos_sin_factor`): computed once per pass and shared by its layers."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D'/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D']
     if factor == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
@@ -134,11 +136,17 @@ def rotary_angles(positions, inv_freq, factor: float = 1.0):
 def rotary(x, cos_sin):
     """Rotary embedding with split halves (transformers' rotate_half).
 
-    x [B, T, N, D] (N heads), cos_sin: `rotary_angles` of its positions."""
+    x [B, T, N, D] (N heads), cos_sin: `rotary_angles` of its positions, [B, T, 1, D'] each.
+    A partial rotary (D' < D, GLM-4.5's) rotates the first D' lanes, its halves split within
+    them, and passes the other D - D' through unchanged (transformers' apply_rotary_pos_emb
+    with rotary_dim = cos.shape[-1])."""
     cos, sin = cos_sin
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    d = cos.shape[-1]
+    part = x[..., :d].astype(jnp.float32)
+    x1, x2 = jnp.split(part, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    out = (part * cos + rotated * sin).astype(x.dtype)
+    return out if d == x.shape[-1] else jnp.concatenate([out, x[..., d:]], axis=-1)
 
 
 class Attention(nn.Module):

@@ -24,6 +24,12 @@ splitting a fused axis. gpt-oss adds what each form takes beside them: biases of
 expert's three projections (`bias`), its clamped activation (`act`: `clamped_swiglu`),
 and a router with a bias whose top k logits are softmaxed (`route`).
 
+Each of the three may be int8 (quant.py's `Int8`: values [X, ...] and a scale per expert per
+output channel, [X, 1, I] or [X, 1, E]). Every form then reads the int8 values of the experts
+it routes to and converts them inside its matmuls, and applies the scales to those matmuls'
+outputs, each row by its own expert's (`_take` picks an expert's values and scales alike;
+`_ragged` scales ragged_dot's sorted rows); no form writes a dequantised copy of the experts.
+
 With an `expert` mesh axis each device holds X / n experts and computes its own experts'
 assignments, summed over the axis (models/transformer.py builds that program; this module
 computes one device's share given which experts it holds).
@@ -42,6 +48,7 @@ from flax import linen as nn
 
 from specjax.config import ModelConfig
 from specjax.models.layers import MLP, init, matmul
+from specjax.quant import Int8
 
 TILE = 8  # rows of a grouped tile: compute wasted is < one tile per expert used
 SLICED = 16  # at most this many assignments a pass are computed `sliced` (unrolled)
@@ -52,7 +59,7 @@ def route(c: ModelConfig, logits, bias=None):
     """Router logits float32 [N, X] -> (weights float32 [N, k], experts int32 [N, k]):
     Moe.router's "softmax" (over all X, the top k kept, renormalised where norm_topk says),
     "topk_softmax" (gpt-oss: the k largest logits, then a softmax over those k) or
-    "sigmoid_grouped" (DeepSeek-V3; bias: its per-expert bias [X], which only chooses)."""
+    "sigmoid_grouped" (DeepSeek-V3, GLM-4.5; bias: its per-expert bias [X], which only chooses)."""
     m = c.moe
     if m.router == "sigmoid_grouped":
         return _route_grouped(m, logits, bias)
@@ -67,7 +74,7 @@ def route(c: ModelConfig, logits, bias=None):
 
 
 def _route_grouped(m, logits, bias):
-    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; experts
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, GLM-4.5's Glm4MoeTopkRouter): sigmoid scores; experts
     chosen by score + bias within the top_groups groups whose two best biased scores sum
     highest; weighted by their unbiased scores, renormalised where norm_topk, times
     routed_scale."""
@@ -113,18 +120,35 @@ def activation(c: ModelConfig):
         clamped_swiglu, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
 
 
+def _take(w, e):
+    """Expert(s) e of expert weights w [X, ...], float or int8 (an Int8's values and scales
+    alike): w[e]."""
+    return jax.tree.map(lambda a: a[e], w)
+
+
+def _ragged(xs, w, sizes, e):
+    """jax.lax.ragged_dot(xs [A, K], w [X, K, N], sizes) for a float or int8 w: an int8 w's
+    values converted inside the product, its scales [X, 1, N] applied to each sorted row's
+    output by that row's expert e int32 [A] (rows of no group: any, their output dropped)."""
+    if not isinstance(w, Int8):
+        return jax.lax.ragged_dot(xs, w, sizes)
+    out = jax.lax.ragged_dot(xs, w.value.astype(xs.dtype), sizes)
+    return out * w.scale[e, 0].astype(out.dtype)
+
+
 def gathered(x, experts, gate, up, down, bias=None, act=swiglu):
     """x [A, E] (each assignment's token), experts int32 [A] (its expert, in [0, X); one
-    outside: a zero result) -> [A, E], each row by its own expert's weights. bias: None, or
-    the experts' (gate [X, I], up [X, I], down [X, E]) biases; act: the activation."""
+    outside: a zero result) -> [A, E], each row by its own expert's weights (float or int8).
+    bias: None, or the experts' (gate [X, I], up [X, I], down [X, E]) biases; act: the
+    activation."""
     X = gate.shape[0]
     held = (experts >= 0) & (experts < X)
     e = jnp.where(held, experts, 0)
-    g = jnp.einsum("ae,aei->ai", x, gate[e])
-    u = jnp.einsum("ae,aei->ai", x, up[e])
+    g = matmul("ae,aei->ai", x, _take(gate, e))
+    u = matmul("ae,aei->ai", x, _take(up, e))
     if bias is not None:
         g, u = g + bias[0][e], u + bias[1][e]
-    y = jnp.einsum("ai,aie->ae", act(g, u), down[e])
+    y = matmul("ai,aie->ae", act(g, u), _take(down, e))
     if bias is not None:
         y = y + bias[2][e]
     return jnp.where(held[:, None], y, 0)
@@ -139,7 +163,8 @@ def sliced(x, experts, gate, up, down, bias=None, act=swiglu):
     e = jnp.where(held, experts, 0)
     out = []
     for a in range(x.shape[0]):
-        take = lambda w: jax.lax.dynamic_index_in_dim(w, e[a], keepdims=False)  # noqa: E731
+        take = lambda w: jax.tree.map(  # noqa: E731  (an Int8's values and scales alike)
+            lambda v: jax.lax.dynamic_index_in_dim(v, e[a], keepdims=False), w)
         g, u = matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up))
         if bias is not None:
             g, u = g + take(bias[0]), u + take(bias[1])
@@ -167,13 +192,13 @@ def grouped(x, experts, gate, up, down, ragged: bool = False, bias=None, act=swi
     order, sizes = _sorted(experts, X)
     xs = x[order]  # [A, E] in expert order
     if ragged:
-        g = jax.lax.ragged_dot(xs, gate, sizes)
-        u = jax.lax.ragged_dot(xs, up, sizes)
-        if bias is not None:  # each sorted row's expert's (rows of none: any, dropped below)
-            e = jnp.minimum(experts[order], X - 1)
-            e = jnp.where(experts[order] < 0, 0, e)
+        e = jnp.minimum(experts[order], X - 1)  # each sorted row's expert (rows of none: any, dropped below)
+        e = jnp.where(experts[order] < 0, 0, e)
+        g = _ragged(xs, gate, sizes, e)
+        u = _ragged(xs, up, sizes, e)
+        if bias is not None:
             g, u = g + bias[0][e], u + bias[1][e]
-        ys = jax.lax.ragged_dot(act(g, u), down, sizes)  # [A, E]; rows past sum(sizes): 0
+        ys = _ragged(act(g, u), down, sizes, e)  # [A, E]; rows past sum(sizes): 0
         if bias is not None:
             ys = ys + bias[2][e]
     else:
@@ -205,11 +230,11 @@ def _tiled(xs, sizes, gate, up, down, bias=None, act=swiglu):
     def body(t, out):
         e = tile_expert[t]
         rows = jax.lax.dynamic_slice_in_dim(buf, t * m, m)  # [m, E]
-        g = matmul("me,ei->mi", rows, gate[e])
-        u = matmul("me,ei->mi", rows, up[e])
+        g = matmul("me,ei->mi", rows, _take(gate, e))
+        u = matmul("me,ei->mi", rows, _take(up, e))
         if bias is not None:
             g, u = g + bias[0][e], u + bias[1][e]
-        y = matmul("mi,ie->me", act(g, u), down[e])
+        y = matmul("mi,ie->me", act(g, u), _take(down, e))
         if bias is not None:
             y = y + bias[2][e]
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * m, 0)
@@ -252,10 +277,12 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias
     `model`); the float32 shares are summed over `expert` and `model`, one all-reduce of
     its rows [N', E] a layer. No weight moves. An axis a size does not divide leaves that
     size whole (its work then repeated on that axis's devices). bias, act: as `gathered`
-    takes them (the down projection's bias is added by the first device of `model` only)."""
+    takes them (the down projection's bias is added by the first device of `model` only).
+    An int8 weight's scales [X, 1, I] ([X, 1, E]) are split as its values are, so that each
+    device holds the scales of the experts and width it holds (`sharding.scale_spec`)."""
     from jax.sharding import PartitionSpec as P
 
-    from specjax.sharding import DATA, EXPERT, MODEL
+    from specjax.sharding import DATA, EXPERT, MODEL, scale_spec
 
     sizes = dict(mesh.shape)
     N, X, I = x.shape[0], gate.shape[0], gate.shape[2]
@@ -270,7 +297,11 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias
         share = experts_out(x, weights, experts, gate, up, down, form, first, jnp.float32, bias or None, act)
         return jax.lax.psum(share, summed) if summed else share
 
-    specs = (rows, rows, rows, P(held, None, width), P(held, None, width), P(held, width, None))
+    def weight(w, spec):  # an Int8's values as the weight, its scales alike
+        return Int8(spec, scale_spec(spec, w.scale.shape)) if isinstance(w, Int8) else spec
+
+    specs = (rows, rows, rows, weight(gate, P(held, None, width)), weight(up, P(held, None, width)),
+             weight(down, P(held, width, None)))
     if bias is not None:
         specs += (P(held, width), P(held, width), P(held, None))
     out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(
@@ -280,7 +311,7 @@ def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias
 
 class MoE(nn.Module):
     """The experts' MLP of a sparse layer: [B, T, E] -> [B, T, E]. Params: `router` [E, X]
-    (and DeepSeek-V3's `router_bias` [X]: `Moe.router`),
+    (and DeepSeek-V3's and GLM-4.5's `router_bias` [X]: `Moe.router`),
     `experts_gate`, `experts_up` [X, E, I], `experts_down` [X, I, E]; with a shared expert a
     dense MLP `shared` (I_s wide) and, gated, `shared_gate` [E]; gpt-oss's `router_bias` [X]
     (Moe.router_bias) and the experts' `experts_gate_bias`, `experts_up_bias` [X, I],

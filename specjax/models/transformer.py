@@ -36,7 +36,8 @@ from flax import linen as nn
 
 from specjax.backend import Backend
 from specjax.cache import KVCache, Pending, Placement, attention_mask, join, write
-from specjax.config import ModelConfig, rope_cos_sin_factor, rope_inv_freq
+from specjax.config import ModelConfig
+from specjax.rope import rope_cos_sin_factor, rope_inv_freq
 from specjax.models.attention import attention, cached_attention, choose
 from specjax.models.layers import MLP, Attention, Norm, init, matmul, rotary_angles, softcap
 from specjax.models.mla import LatentAttention
