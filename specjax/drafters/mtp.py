@@ -88,11 +88,13 @@ def mtp_input(config: ModelConfig, params: dict, target: Model, tokens, features
 
 
 def mtp_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions, sparse: bool,
-              cache=None, placement=None):
+              cache=None, placement=None, moe_form: str | None = None):
     """`mtp_input` through the block -> (its output x [B, T, E], un-normed: the h of the next
-    depth; cache)."""
+    depth; cache). moe_form: how a sparse block's experts compute (None: by the pass's shape;
+    training takes `moe.differentiable_form`)."""
     x = mtp_input(config, params, target, tokens, features, positions)
-    return run_layer(config, params["layer"], target, x, positions, cache, placement, sparse=sparse)
+    return run_layer(config, params["layer"], target, x, positions, cache, placement, sparse=sparse,
+                     moe_form=moe_form)
 
 
 def mtp_logits(config: ModelConfig, params: dict, target: Model, x):
