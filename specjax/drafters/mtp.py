@@ -188,8 +188,8 @@ class Mtp(Eagle):
         model_type, width and vocabulary, then every weight's shape); its weights in the
         target's dtype."""
         self.signature.check(target, self.name)
-        config = mtp_layer_config(target.config, self.sparse)
-        want = self.param_shapes(config)
+        config = mtp_layer_config(target.config, self.sparse and target.config.moe is not None)
+        want = None if self.sparse and config.moe is None else self.param_shapes(config)
         if want != jax.tree.map(lambda w: tuple(w.shape), self.params):
             raise ValueError(f"this {self.name} layer's weights do not match the target's sizes (heads, latent "
                              f"ranks, MLP or expert widths, norms): it was made for another target")
