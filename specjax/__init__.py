@@ -5,7 +5,7 @@ The public API, re-exports only (and transformers' advisory about torch silenced
 
 import specjax.quiet  # noqa: F401 -- first, before anything imports transformers
 from specjax.cache import KVCache
-from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa,
+from specjax.drafters import (Datastore, Drafter, DraftModel, Eagle, Eagle3, EarlyExit, Lookahead, Medusa, Mtp,
                               PromptLookup, PublishedEagle, PublishedEagle3, Retrieval,
                               load_drafter)
 from specjax.drafters.vocab import draft_vocabulary
@@ -30,7 +30,7 @@ from specjax.version import __version__
 __all__ = [
     "CheckpointError", "CostProfile", "Datastore", "DraftModel", "Drafter", "Eagle", "Eagle3", "EarlyExit", "Engine",
     "GenerateOutput", "GenerationConfig", "Grammar", "GrammarError", "InsufficientMemoryError", "InvalidConfigError", "Int8", "KVCache",
-    "Lookahead", "Medusa", "MemoryEstimate", "Model", "ModelConfig", "PromptLookup", "PublishedEagle", "PublishedEagle3",
+    "Lookahead", "Medusa", "MemoryEstimate", "Model", "Mtp", "ModelConfig", "PromptLookup", "PublishedEagle", "PublishedEagle3",
     "Request", "Retrieval", "Stats",
     "Tree", "UnsafeCheckpointError", "UnsupportedConfigError", "Vocabulary", "__version__", "compile_generate", "draft_vocabulary",
     "estimate_memory", "forward", "gather", "generate", "load_drafter", "load_model", "load_tokenizer", "make_mesh",

@@ -31,7 +31,7 @@ from specjax.folders import (
     check_regular,
     resolve,
 )
-from specjax.layouts import Concat, expected_tensors, layout
+from specjax.layouts import Concat, expected_tensors, layout, mtp_layout
 from specjax.models import ATTENTION, Model, default_dtype, layers
 from specjax.text import load_tokenizer
 
@@ -242,9 +242,10 @@ def params_from_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, dty
     return _params(sources, config, dtype, mesh, rules, progress=False, quantize=quantize)
 
 
-def _check_tensors(sources: dict, config: ModelConfig) -> dict:
+def _check_tensors(sources: dict, config: ModelConfig, mtp_layers: int = 0) -> dict:
     """The sources under their canonical names, once every tensor the layout needs is there
-    with the shape the config implies and none is left unexplained."""
+    with the shape the config implies and none is left unexplained (but the mtp_layers
+    multi-token-prediction layers' after the decoder's, `_mtp_layer`)."""
     sources = {_canonical(name, config): t for name, t in sources.items()}
     if config.num_layers > len(sources):  # every layer has tensors: don't list a billion names
         raise CheckpointError(f"config.json asks for {config.num_layers} layers, but the checkpoint holds "
@@ -254,7 +255,7 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensors the config needs: "
                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    unexpected = sorted(n for n in set(sources) - set(expected) if not _ignorable(n, config))
+    unexpected = sorted(n for n in set(sources) - set(expected) if not _ignorable(n, config, mtp_layers))
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} tensors the config does not "
                               f"explain: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
@@ -274,23 +275,34 @@ def _check_tensors(sources: dict, config: ModelConfig) -> dict:
 
 
 def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, quantize=None,
-            kv_repeat: int = 1) -> dict:
+            kv_repeat: int = 1, mtp_layers: int = 0) -> dict:
     """Checks every tensor against the layout, then converts and places one parameter of one
     layer at a time, each straight into its device buffer (and with a mesh, its shards).
-    kv_repeat: copies of each kv head in the q/k/v weights (see sharding.kv_repeat)."""
+    kv_repeat: copies of each kv head in the q/k/v weights (see sharding.kv_repeat).
+    mtp_layers: the multi-token-prediction layers config.json declares (num_nextn_predict_layers),
+    whose tensors the model leaves to its MTP drafter (drafters/mtp.py)."""
     quant.check_method(quantize)
-    sources = _check_tensors(sources, config)
+    sources = _check_tensors(sources, config, mtp_layers)
+    jobs = [(w, i) for w in layout(config) for i in w.indices(config.num_layers)]
+    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
+    _convert(sources, jobs, lambda i: params if i is None else params["layers"][i], dtype, mesh, rules, progress,
+             quantize, kv_repeat)
+    return params
+
+
+def _convert(sources: dict, jobs: list, tree_of, dtype, mesh=None, rules=None, progress=None, quantize=None,
+             kv_repeat: int = 1):
+    """Converts and places the (Weights, layer number) jobs' parameters, one at a time, into
+    tree_of(layer number) (a dict; tree_of(None): the one whole-model parameters go into),
+    then closes every source. The sources are checked already."""
     dtype = np.dtype(dtype)
     stats["elements_read"] = 0
-    specs = layout(config)
-    jobs = [(w, i) for w in specs for i in w.indices(config.num_layers)]
     total = sum(sources[n].nbytes for w, i in jobs for n in w.names(i))
     bar = None
     if progress or (progress is None and total >= PROGRESS_BYTES):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading")
-    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     try:
         for w, i in jobs:
             stored = [sources[n] for n in w.names(i)]
@@ -302,7 +314,7 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, qu
                     return x
 
                 full_path = path if i is None else ("layers", str(i)) + path
-                tree = params if i is None else params["layers"][i]
+                tree = tree_of(i)
                 if quantize and quant.quantizable(path):
                     _set(tree, path, _quantized(view, stored, dtype, full_path, mesh, rules))
                 else:
@@ -316,7 +328,6 @@ def _params(sources: dict, config: ModelConfig, dtype, mesh, rules, progress, qu
             bar.close()
         for s in sources.values():
             s.close()
-    return params
 
 
 def _assemble(view, stored, dtype, path, mesh, rules) -> jax.Array:
@@ -447,10 +458,90 @@ def load_model(path: str | os.PathLike, dtype=None, mesh=None, rules=None,
     sources = read_sources(folder)
     rules = None if mesh is None else tuple(rules or sharding.DEFAULT_RULES)
     repeat = sharding.kv_repeat(config, mesh, rules) if mesh is not None and duplicate_kv_heads else 1
-    params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize, repeat)
+    params = _params(sources, config, dtype or default_dtype(), mesh, rules, progress, quantize, repeat,
+                     declared_mtp_layers(hf_config))
     if repeat > 1:
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat)
     return Model(config, params, generation, rules=rules, attention=attention)
+
+
+def declared_mtp_layers(hf_config: dict) -> int:
+    """The multi-token-prediction layers config.json declares (num_nextn_predict_layers; its
+    type checked with the other counts, hf_config.py), 0 where it names none."""
+    return hf_config.get("num_nextn_predict_layers") or 0
+
+
+def read_mtp(folder: Path, layer: int | None, dtype) -> tuple[ModelConfig, int, dict]:
+    """MTP layer `layer` (0 .. n-1, stored as layer L + layer; None: the only one) of a target's folder whose
+    config.json declares n = num_nextn_predict_layers, read through the table of
+    `layouts.mtp_layout` as `load_model` reads a model: every tensor of that layer there with
+    the shape the target's config implies, floating, none unexplained, then placed in dtype.
+    Its shared_head.head (and embed_tokens, where it has one) is left out where it equals the
+    target's own lm_head (embedding), as DeepSeek-V3's copies do: the drafter then reads the
+    target's. Returns (the target's config, n, the layer's params: `mtp_layout`'s paths)."""
+    hf_config = _read_hf_config(folder)
+    config = ModelConfig.from_hf_config(hf_config)
+    n = declared_mtp_layers(hf_config)
+    L = config.num_layers
+    if n == 0:
+        raise CheckpointError(f"{folder}/config.json declares no multi-token-prediction layers "
+                              f"(num_nextn_predict_layers is {hf_config.get('num_nextn_predict_layers')!r}): this "
+                              f"target ships no MTP drafter; train one with `specjax train-mtp`")
+    if layer is None and n > 1:
+        raise ValueError(f"{folder} ships {n} MTP layers (stored as layers {L}..{L + n - 1}); specjax drafts every "
+                         f"depth with one of them, re-applied: choose it with Mtp.load(folder, layer=k), k in "
+                         f"0..{n - 1} (0: the one trained for the next token but one)")
+    layer = 0 if layer is None else layer
+    if type(layer) is not int or not 0 <= layer < n:
+        raise ValueError(f"{folder} has {n} MTP layer(s) (0..{n - 1}, stored as layers {L}..{L + n - 1}); "
+                         f"layer {layer!r} is none of them")
+    sources = {_canonical(name, config): t for name, t in read_sources(folder).items()}
+    i = L + layer
+    prefix = f"model.layers.{i}."
+    mine = {name: t for name, t in sources.items() if name.startswith(prefix)}
+    embedding = prefix + "embed_tokens.weight" in mine
+    specs = mtp_layout(config, n, (i,), embedding)
+    expected = {name.format(i=i): shape for w in specs for name, shape in w.hf}
+    where = (f"{folder}: config.json declares {n} multi-token-prediction layer(s) after its {L} decoder layers, "
+             f"but MTP layer {layer} (model.layers.{i}.*)")
+    missing = sorted(set(expected) - set(mine))
+    if missing:
+        found = "has no tensors at all" if not mine else f"lacks {len(missing)} tensors its config implies"
+        raise CheckpointError(f"{where} {found}: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    unexplained = sorted(name for name in set(mine) - set(expected) if not name.endswith(IGNORED_SUFFIXES))
+    if unexplained:
+        raise CheckpointError(f"{where} has {len(unexplained)} tensors the config does not explain: "
+                              f"{unexplained[:8]}{' ...' if len(unexplained) > 8 else ''}")
+    for name, shape in expected.items():
+        if tuple(mine[name].shape) != tuple(shape):
+            raise CheckpointError(f"{folder}: tensor {name} (MTP layer {layer}) has shape {list(mine[name].shape)}, "
+                                  f"but the target's config implies {list(shape)}")
+        if not jnp.issubdtype(mine[name].dtype, jnp.floating):
+            raise CheckpointError(f"{folder}: tensor {name} is {mine[name].dtype}, not a floating-point type")
+    copies = {"head": ("shared_head.head.weight",
+                       "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"),
+              "embedding": ("embed_tokens.weight", "model.embed_tokens.weight")}
+    shared = {path for path, (own, target) in copies.items()
+              if prefix + own in mine and _same_tensor(mine[prefix + own], sources.get(target))}
+    jobs = [(w, i) for w in specs if w.paths[0][0] not in shared]
+    params: dict = {}
+    for name, t in sources.items():
+        if name not in mine:
+            t.close()
+    _convert(mine, jobs, lambda _: params, dtype)
+    return config, n, params
+
+
+def _same_tensor(a, b, rows: int = 4096) -> bool:
+    """Whether two stored tensors hold the same values (b may be None), compared a block of
+    rows at a time (no copy of either is held whole)."""
+    if b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    x, y = a.array(), b.array()
+    same = all(np.array_equal(x[r:r + rows], y[r:r + rows]) for r in range(0, max(x.shape[0], 1), rows))
+    a.release()
+    b.release()
+    return same
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -525,22 +616,27 @@ def _canonical(name: str, config: ModelConfig) -> str:
     return name
 
 
-def _ignorable(name: str, config: ModelConfig) -> bool:
+def _ignorable(name: str, config: ModelConfig, mtp_layers: int = 0) -> bool:
     return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
-            or _mtp_layer(name, config))
+            or _mtp_layer(name, config, mtp_layers) is not None)
 
 
-# The model types whose checkpoints may hold multi-token-prediction modules past the decoder.
+# The model types whose checkpoints hold multi-token-prediction modules past the decoder
+# whatever their config declares (DeepSeek-V3, GLM-4.5).
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 
 
-def _mtp_layer(name: str, config: ModelConfig) -> bool:
-    """A DeepSeek-V3 or GLM-4.5 checkpoint's multi-token-prediction modules
-    (num_nextn_predict_layers) are layers past its decoder's, which transformers does not load
-    either."""
+def _mtp_layer(name: str, config: ModelConfig, mtp_layers: int = 0) -> int | None:
+    """The number of the multi-token-prediction layer (num_nextn_predict_layers: layers L ..
+    L+n-1 after the decoder's L, which transformers does not load either; specjax's MTP
+    drafter does, drafters/mtp.py) a tensor belongs to, or None. A DeepSeek-V3 or GLM-4.5
+    checkpoint's layers past its decoder's are its MTP layers whatever it declares."""
     parts = name.split(".")
-    return (config.model_type in MTP_MODEL_TYPES and parts[:2] == ["model", "layers"] and len(parts) > 2
-            and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
+    if not (parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit()):
+        return None
+    i = int(parts[2])
+    last = float("inf") if config.model_type in MTP_MODEL_TYPES else config.num_layers + mtp_layers
+    return i if config.num_layers <= i < last else None
 
 
 def _set(tree: dict, path: tuple[str, ...], value):

@@ -349,6 +349,48 @@ def layout(c: ModelConfig) -> list[Weights]:
     return gpt2_layout(c) if c.family == "gpt2" else llama_layout(c)
 
 
+def mtp_block_config(c: ModelConfig, count: int) -> ModelConfig:
+    """The target's config grown by its `count` multi-token-prediction (MTP) layers, layers
+    L .. L+count-1 after its L: whose table (`layout`) names their decoder blocks' tensors
+    as the target's layers' are named, each block's MLP sparse where `ModelConfig.sparse`
+    says of its number (DeepSeek-V3's rule: every layer from first_k_dense_replace on). Full
+    attention everywhere (layer_types dropped: they list the target's layers alone)."""
+    return dataclasses.replace(c, num_layers=c.num_layers + count, layer_types=None)
+
+
+def mtp_layout(c: ModelConfig, count: int, layers: tuple[int, ...] | None = None,
+               embedding: bool = False) -> list[Weights]:
+    """The tensors of a target's MTP layers as DeepSeek-V3 ships them (and Kimi-K2 and
+    GLM-4.5), layer L+k for k < count (`layers`: those numbers alone; None: all):
+    model.layers.{i}.enorm.weight, .hnorm.weight [E], eh_proj.weight [E, 2E] (its input the
+    normed embedding, then the normed hidden state), a decoder block named as the target's
+    layers are (.self_attn.*, .mlp.*, .input_layernorm, .post_attention_layernorm: `layout`
+    of `mtp_block_config`), shared_head.norm.weight [E], shared_head.head.weight [V, E] and,
+    with embedding (DeepSeek-V3's files), embed_tokens.weight [V, E]. Paths are inside one
+    MTP layer's params: enorm, hnorm {scale}, eh_proj {kernel [2E, E]}, layer (the block's),
+    head_norm {scale}, head {kernel [E, V]}, embedding [V, E]."""
+    E, V, L = c.hidden_size, c.vocab_size, c.num_layers
+    grown = mtp_block_config(c, count)
+    on = tuple(range(L, L + count)) if layers is None else tuple(layers)
+    if not set(on) <= set(range(L, L + count)):
+        raise ValueError(f"MTP layers are {L}..{L + count - 1}, not {sorted(set(on) - set(range(L, L + count)))}")
+    P = "model.layers.{i}."
+    out = []
+    for w in layout(grown):
+        if not w.per_layer:  # the target's own embedding, final norm and head
+            continue
+        mine = tuple(i for i in w.indices(grown.num_layers) if i in on)
+        if mine:
+            out.append(dataclasses.replace(w, paths=tuple(("layer",) + p for p in w.paths), layers=mine))
+    own = [_same(("enorm", "scale"), P + "enorm.weight", (E,)), _same(("hnorm", "scale"), P + "hnorm.weight", (E,)),
+           _linear(("eh_proj", "kernel"), P + "eh_proj.weight", 2 * E, (E,)),
+           _same(("head_norm", "scale"), P + "shared_head.norm.weight", (E,)),
+           _linear(("head", "kernel"), P + "shared_head.head.weight", E, (V,))]
+    if embedding:
+        own.append(_same(("embedding",), P + "embed_tokens.weight", (V, E)))
+    return out + [dataclasses.replace(w, layers=on) for w in own]
+
+
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name the config implies, with its shape."""
     out = {}

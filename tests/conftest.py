@@ -49,7 +49,8 @@ FAST = {"test_config.py": set(), "test_house.py": set(), "test_text.py": set(), 
 # longest going first keeps one worker from running a long module alone at the end.
 LONGEST_FIRST = ("test_serve.py", "test_engine.py", "test_tree.py", "test_generate.py", "test_aot.py",
                  "test_sharding.py", "test_long_context.py", "test_grammar.py", "test_engine_pages.py",
-                 "test_heads.py", "test_drafters.py", "test_published.py", "test_sampling.py", "test_logprobs.py",
+                 "test_heads.py", "test_mtp.py", "test_drafters.py", "test_published.py", "test_sampling.py",
+                 "test_logprobs.py",
                  "test_cli.py", "test_exact.py")
 
 

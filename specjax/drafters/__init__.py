@@ -45,11 +45,12 @@ from specjax.drafters.early_exit import EarlyExit
 from specjax.drafters.lookahead import Lookahead
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.model import DraftModel
+from specjax.drafters.mtp import Mtp
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.published import PublishedEagle, PublishedEagle3
 from specjax.drafters.retrieval import Datastore, Retrieval
 from specjax.drafters.load import load_drafter
 
 __all__ = ["Branch", "Datastore", "Drafter", "DraftModel", "DraftRequest", "Eagle", "Eagle3", "EarlyExit",
-           "Features", "Lookahead", "Medusa", "PromptLookup", "Proposal", "PublishedEagle", "PublishedEagle3",
+           "Features", "Lookahead", "Medusa", "Mtp", "PromptLookup", "Proposal", "PublishedEagle", "PublishedEagle3",
            "Retrieval", "load_drafter"]

@@ -78,7 +78,8 @@ def run_layer(config: ModelConfig, layer_params: dict, target: Model, x, positio
     target's Model.attention does. Shared by EAGLE and EAGLE-3, and published heads (whose
     attention reads `attn_input` or an un-normed x: `Block`'s options, `block`)."""
     backend = target.runs_on
-    kernels = takes_kernels(target.attention, x.dtype, backend)
+    # (No fused kernel takes latent attention's keys: its passes attend portably, as transformer.decode's.)
+    kernels = takes_kernels(target.attention, x.dtype, backend) and config.mla is None
     view = pass_view(config, positions, cache, placement, backend, x.dtype if kernels else None)
     layer_params = jax.tree.map(lambda w: w.astype(x.dtype), layer_params)
     kv = None if cache is None else (cache.k[0], cache.v[0])

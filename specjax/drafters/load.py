@@ -1,6 +1,7 @@
 """`load_drafter`: a trained drafter's folder (drafter.json + drafter.safetensors) read back
-as the drafter its record names, a published EAGLE-3 head's as a `PublishedEagle3`, or a
-draft model's folder as a `DraftModel` (with its saved vocabulary); a hub id's the same. It
+as the drafter its record names, a published EAGLE-3 head's as a `PublishedEagle3`, a
+target's folder that ships multi-token-prediction layers as an `Mtp`, or a draft model's
+folder as a `DraftModel` (with its saved vocabulary); a hub id's the same. It
 dispatches on the record's kind; the file formats and their checks live in trained.py and
 formats.py, each drafter's own reading in medusa.py / eagle.py, a draft model's in model.py."""
 
@@ -15,14 +16,22 @@ from specjax.drafters.eagle3 import Eagle3
 from specjax.drafters.medusa import Medusa
 from specjax.drafters.formats import published_format, read_published
 from specjax.drafters.model import DraftModel
+from specjax.drafters.mtp import Mtp
 from specjax.drafters.trained import READABLE_FORMATS, RECORD, WEIGHTS, read_params, read_signature
 from specjax.folders import HUB_PATTERNS, _is_hub_id, resolve
 from specjax.hf import CheckpointError, _read_json, check_regular
 
 
-def load_drafter(path, tree=None, **model_kwargs):
+def load_drafter(path, tree=None, mtp: bool | None = None, **model_kwargs):
     """The drafter saved in a folder (or a hub id's), drafting `tree` (None: a chain). Bad
     files raise CheckpointError.
+
+    - A target's own folder whose config.json declares multi-token-prediction layers
+      (num_nextn_predict_layers > 0: DeepSeek-V3/R1, Kimi-K2, GLM-4.5, or one `specjax
+      train-mtp` wrote): its MTP layer, a `specjax.Mtp` (`Mtp.load`; dtype= the one
+      model_kwargs it takes; a folder of several MTP layers: `Mtp.load(path, layer=k)`).
+      mtp=True asks for that (and says so where the folder has none); mtp=False reads such
+      a folder as a draft model instead; None (the default): the MTP layer where declared.
 
     - Trained heads saved with `drafter.save(path)` (drafter.json + drafter.safetensors): a
       `specjax.Medusa`, `specjax.Eagle` or `specjax.Eagle3`. Their weights are float32 on
@@ -41,6 +50,12 @@ def load_drafter(path, tree=None, **model_kwargs):
       from the model's whole vocabulary instead (slower where the head is a large share of a
       draft step)."""
     folder = drafter_folder(path)
+    if mtp or (mtp is None and folder.is_dir() and not _exists(folder / RECORD) and declares_mtp(folder)):
+        extra = sorted(set(model_kwargs) - {"dtype"})
+        if extra:
+            raise TypeError(f"load_drafter: {', '.join(extra)} apply to a draft model's folder; {folder}'s MTP layer "
+                            f"takes dtype= alone")
+        return Mtp.load(folder, tree, **model_kwargs)
     if folder.is_dir() and not _exists(folder / RECORD) and (folder / "config.json").exists():
         if published_format(folder) is not None:
             if model_kwargs:
@@ -52,6 +67,16 @@ def load_drafter(path, tree=None, **model_kwargs):
         raise TypeError(f"load_drafter: {', '.join(sorted(model_kwargs))} apply to a draft model's folder "
                         f"(load_model's arguments); {folder} is not one")
     return _load_trained(folder, tree)
+
+
+def declares_mtp(folder: Path) -> bool:
+    """Whether a folder's config.json declares multi-token-prediction layers
+    (num_nextn_predict_layers > 0)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return False
+    count = _read_json(config_file).get("num_nextn_predict_layers")
+    return isinstance(count, int) and not isinstance(count, bool) and count > 0
 
 
 def drafter_folder(path) -> Path:

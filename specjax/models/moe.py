@@ -100,6 +100,13 @@ def choose_form(platform: str, assignments: int) -> str:
     return "ragged_dot" if platform == "tpu" else "grouped"
 
 
+def differentiable_form(platform: str) -> str:
+    """A form reverse-mode differentiation runs through, for training: ragged_dot on a TPU
+    (its grouped matmul), gathered elsewhere (`grouped` loops over a count of tiles known
+    only at run time, which jax.grad refuses)."""
+    return "ragged_dot" if platform == "tpu" else "gathered"
+
+
 def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 

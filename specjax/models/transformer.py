@@ -65,6 +65,7 @@ class Block(nn.Module):
     attn_norm: bool = True
     attn_in_size: int | None = None
     sparse: bool = False  # its MLP is the config's mixture of experts (models/moe.py)
+    moe_form: str | None = None  # how its experts compute (moe.FORMS; None: by the pass's shape)
 
     @nn.compact
     def __call__(self, x, cos_sin, view: "View", sliding: bool, cache_kv=None, tree_kv=None, attn_input=None):
@@ -102,7 +103,8 @@ class Block(nn.Module):
                                        pages=view.pages, sinks=sinks)
         x = x + attn.project_out(out)
         h = Norm(self.config, name="mlp_norm")(x)
-        x = x + (MoE(self.config, name="moe")(h, platform=backend.platform, mesh=backend.mesh) if self.sparse
+        x = x + (MoE(self.config, name="moe")(h, self.moe_form, platform=backend.platform, mesh=backend.mesh)
+                 if self.sparse
                  else MLP(self.config, name="mlp")(h))
         return x, cache_kv, fresh
 

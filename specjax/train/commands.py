@@ -1,5 +1,5 @@
 """The training commands of `specjax`: train (a target from scratch), distill (a draft),
-train-medusa and train-eagle (draft heads on a frozen target) and export (a run's latest
+train-medusa, train-eagle and train-mtp (draft heads on a frozen target) and export (a run's latest
 checkpoint as a Hugging Face folder): their flags and what they run. cli.py registers them
 (`add_commands`); this module knows nothing of generate, bench or datastores.
 """
@@ -15,7 +15,7 @@ from specjax import flags
 
 
 def add_commands(sub):
-    """Registers train, distill, train-medusa, train-eagle and export on the command's subparsers."""
+    """Registers train, distill, train-medusa, train-eagle, train-mtp and export on the command's subparsers."""
     p = sub.add_parser("train", help="train a Llama-family target from scratch on the stdlib")
     _add_train_args(p, steps=1000, lr=1.5e-3)
     flags.add_mesh_args(p)
@@ -75,6 +75,25 @@ def add_commands(sub):
                                 "in speculators' format, which vLLM serves; --feature-layers then 1..L-1 "
                                 "(hidden_states indices, the inputs of those layers)")
         p.set_defaults(run=_train_heads, kind=kind)
+
+    p = sub.add_parser("train-mtp", help="train a multi-token-prediction layer for a frozen target that ships none, "
+                                         "written beside a copy of it as DeepSeek-V3 ships one")
+    p.add_argument("--target", default="checkpoints/target",
+                   help="the frozen target's folder, with its tokenizer (default: checkpoints/target)")
+    _add_train_args(p, steps=1000, lr=1e-3)
+    _add_loss_args(p)
+    p.add_argument("--probe-prompts", type=int, default=4,
+                   help="held-out prompts on which each evaluation runs the real loop")
+    p.add_argument("--on-policy", type=int, default=0, metavar="N",
+                   help="also train on N continuations of training windows written by the target (batches of 64, "
+                        "greedy and temperature 1 in turn); 0: the corpus only")
+    p.add_argument("--on-policy-repeat", type=int, default=4, metavar="R",
+                   help="copies of those continuations in the training stream (their share of the windows)")
+    p.add_argument("--random-init", action="store_true",
+                   help="start the layer's decoder block from random weights (default: a copy of the target's last "
+                        "layer, where that is of the block's kind, dense or experts)")
+    flags.add_mesh_args(p, "; the layer is replicated")
+    p.set_defaults(run=_train_mtp)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
     p.add_argument("run_dir", metavar="RUN", help="the run directory (a train, distill or train-* --out)")
@@ -206,6 +225,36 @@ def _train_heads(args):
         out = drafter.replace(signature=dataclasses.replace(drafter.signature, name=str(args.target))).save(
             Path(args.out) / "drafter")
         print(f"saved to {out}; last evaluation: {json.dumps(metrics)}")
+
+
+def _train_mtp(args):
+    """train-mtp: the layer trained on the frozen target, then `RUN/hf`: a copy of the target's
+    folder with the layer written into it (`Mtp.save`), which `load_drafter` reads back."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import specjax
+    from specjax.folders import resolve
+    from specjax.train import data, heads
+
+    mesh = flags.mesh(args)
+    target = specjax.load_model(args.target, dtype=jnp.float32, mesh=mesh)
+    tokenizer, stream, held, held_modules = _in_turn(lambda: data.prepare(args.out, tokenizer_folder=args.target))
+    if args.on_policy:
+        stream = _with_continuations(args, target, tokenizer, stream, mesh)
+    probe = np.array(data.held_out_prompts(tokenizer, args.probe_prompts, 64, seed=1), np.int32)
+    drafter, metrics = heads.train_mtp(target, stream, held, _train_config(args), args.out,
+                                       record={"held_out_modules": held_modules, "target": str(args.target)},
+                                       probe_prompts=probe, mesh=mesh, from_last_layer=not args.random_init)
+    drafter = drafter.replace(params=specjax.gather(drafter.params))  # whole in every process
+    if jax.process_index() == 0:  # one process writes
+        out = Path(args.out) / "hf"
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(resolve(args.target), out)  # (a hub cache's links copied as files)
+        drafter.save(out)
+        print(f"saved the target with its MTP layer to {out}; last evaluation: {json.dumps(metrics)}")
 
 
 def _in_turn(prepare):

@@ -1,5 +1,6 @@
-"""Training draft heads (Medusa, EAGLE, EAGLE-3) on a frozen target by self-distillation:
-each head learns the target's own distribution at the position it guesses, on the corpus.
+"""Training draft heads (Medusa, EAGLE, EAGLE-3, an MTP layer) on a frozen target by
+self-distillation: each head learns the target's own distribution at the position it
+guesses, on the corpus (and on the target's own continuations, where the command mixes them in).
 EAGLE-3 learns it over several unrolled drafting steps ("training-time test"), each step
 reading the drafter's own outputs of the step before, weighted 0.8^j as its authors do.
 Both run through the shared `fit` loop (optax, orbax checkpoints with exact resume,
@@ -26,8 +27,10 @@ from specjax.drafters.eagle import Eagle, eagle_step
 from specjax.drafters.eagle3 import Eagle3, unrolled
 from specjax.drafters.published import PublishedEagle3
 from specjax.drafters.medusa import Medusa, heads_logits
+from specjax.drafters.mtp import Mtp, mtp_layer, mtp_logits
 from specjax.drafters.vocab import draft_vocabulary
 from specjax.models import Model, apply
+from specjax.models.moe import differentiable_form
 from specjax.sharding import replicate
 from specjax.train import losses
 from specjax.train.loop import TrainConfig, fit
@@ -139,6 +142,31 @@ def eagle3_objective(target: Model, drafter: Eagle3, cfg: TrainConfig, steps: in
     return loss_fn, metrics_fn
 
 
+def mtp_objective(target: Model, drafter: Mtp, cfg: TrainConfig):
+    """(loss_fn, metrics_fn) over an MTP layer's params and batches [B, T+1]. At position t,
+    from (token t+1, the target's final-normed h_t), it learns the target's distribution at
+    t+1, i.e. of token t+2 (KL), as DeepSeek-V3's depth-1 MTP module does; the target's head
+    and embedding stay frozen (they are not in params)."""
+    def run(params, batch):
+        p, h = _target_pass(target, batch)
+        T = batch.shape[1] - 1
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch.shape[0], T))
+        x, _ = mtp_layer(drafter.config, params, target, batch[:, 1:], h[:, :-1], positions, drafter.sparse,
+                         moe_form=differentiable_form(target.runs_on.platform))
+        return mtp_logits(drafter.config, params, target, x), p[:, 1:]  # [B, T, V] each: token t+2's
+
+    def loss_fn(params, batch):
+        q, p = run(params, batch)
+        return losses.distill_loss(q, p, None, cfg.loss, cfg.temperature)
+
+    def metrics_fn(params, batch):
+        q, p = run(params, batch)
+        return {"loss": losses.distill_loss(q, p, None, "kl"),
+                "depth_1": (jnp.argmax(q, -1) == jnp.argmax(p, -1)).mean()}
+
+    return loss_fn, metrics_fn
+
+
 def acceptance_probe(target: Model, prompts: np.ndarray, make: Callable[[dict], object],
                      max_new_tokens: int = 64, mesh=None) -> Callable[[dict], dict]:
     """probe(params) -> what the drafter (make(params)) gets in the real loop, greedy, on
@@ -230,3 +258,20 @@ def train_eagle3(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: T
                         {"eagle3": drafter.config.to_hf_config(), "feature_layers": list(drafter.feature_layers),
                          "ttt_steps": steps, "draft_vocab": draft_vocab, "published": published}, stream, held_out,
                         cfg, run_dir, record, log, progress, probe_prompts, Tree.chain(6, "sampled"), mesh)
+
+
+def train_mtp(target: Model, stream: np.ndarray, held_out: np.ndarray, cfg: TrainConfig,
+              run_dir: str | Path, key=None, record: dict | None = None,
+              log: Callable[[str], None] = print, progress: bool = True,
+              probe_prompts: np.ndarray | None = None, mesh=None, from_last_layer: bool = True) -> tuple[Mtp, dict]:
+    """Trains a multi-token-prediction layer for a target that ships none, on the frozen
+    target (`mtp_objective`); resumes from run_dir's latest checkpoint. It starts as
+    `Mtp.init` makes it (its block a copy of the target's last layer where from_last_layer
+    and that layer is of its kind, else random). probe_prompts [B, P]: held-out prompts on
+    which each evaluation runs the real loop (a chain of 3). `Mtp.save` writes the result
+    beside its target, in DeepSeek-V3's layout."""
+    drafter = Mtp.init(target, jax.random.key(0) if key is None else key, from_last_layer=from_last_layer)
+    return _fit_drafter(drafter, target, mtp_objective(target, drafter, cfg), "mtp",
+                        {"mtp": drafter.config.to_hf_config(), "sparse": drafter.sparse,
+                         "from_last_layer": from_last_layer}, stream, held_out, cfg, run_dir, record, log, progress,
+                        probe_prompts, Tree.chain(3, "sampled"), mesh)
