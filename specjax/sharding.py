@@ -66,8 +66,10 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "fc_bias": ("mlp",),
     "down_bias": ("embed",),
     "proj_bias": ("embed",),
-    # a mixture of experts (models/moe.py): whole experts over `expert`, each one's width over
-    # `model`, never E (their matmuls run by hand, models/moe.split_experts_out: no fallback to E)
+    # a mixture of experts (models/moe.py): whole experts over `expert` (a mesh without one:
+    # over `model`: whole experts, not slices of each one's width, which a TPU's grouped matmul
+    # wants in multiples of 128), their width over `model` where the experts leave it free;
+    # never E (their matmuls run by hand, models/moe.split_experts_out: no fallback to E)
     "router": ("embed", "routes"),  # small: every device holds it whole, and routes its tokens itself
     "experts_gate": ("experts", "expert_embed", "expert_mlp"),
     "experts_up": ("experts", "expert_embed", "expert_mlp"),
@@ -132,6 +134,8 @@ def spec(shape: Sequence[int], logical: Sequence[str], mesh: Mesh,
     used = set()
     for i, (size, name) in enumerate(zip(shape, logical)):
         axis = table.get(name)
+        if axis == EXPERT and mesh.shape.get(EXPERT, 1) == 1:  # no expert axis: experts over `model`
+            axis = MODEL
         if axis in mesh.shape and axis not in used and size % mesh.shape[axis] == 0:
             out[i] = axis
             used.add(axis)

@@ -29,7 +29,7 @@ expected = {q: np.asarray(run(specjax.load_model(folder, quantize=q), tokens)) f
 alone = specjax.load_model(folder)
 largest_weight = max(int(np.prod(x.shape)) for layer in alone.params["layers"] for x in jax.tree.leaves(layer))
 findings = {}
-for d, e, m, q in ((1, 8, 1, None), (2, 2, 2, None), (2, 4, 1, None), (2, 2, 2, "int8")):
+for d, e, m, q in ((1, 8, 1, None), (2, 2, 2, None), (2, 4, 1, None), (2, 1, 4, None), (2, 2, 2, "int8")):
     mesh = specjax.make_mesh(data=d, model=m, expert=e)
     model = specjax.load_model(folder, mesh=mesh, quantize=q).on(Backend.of(None, mesh))
     gate = model.params["layers"][0]["moe"]["experts_gate"]

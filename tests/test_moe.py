@@ -142,7 +142,8 @@ def test_the_paged_engine_over_a_moe_target_equals_generate_alone(hf_folder):
 
 
 def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folder):
-    """On 8 emulated devices, meshes with 8, 2 and 4 expert devices (beside data and model):
+    """On 8 emulated devices, meshes with 8, 2 and 4 expert devices (beside data and model) and
+    one without an expert axis (2x1x4: the experts over `model`, whole):
     logits equal one device's, each device holds its share of the experts, and no
     collective moves anything a weight's size (the shares are summed: one [N, E] a layer);
     int8 experts (values and scales each split) on the 2x2x2 mesh alike."""
@@ -155,7 +156,8 @@ def test_experts_split_over_an_expert_axis_compute_what_one_device_does(hf_folde
     X = 8
     assert "2x2x2 int8" in findings
     for mesh, found in findings.items():
-        experts = int(mesh.split("x")[1])
+        data, expert, model = (int(n) for n in mesh.split()[0].split("x"))
+        experts = expert if expert > 1 else model  # no expert axis: the experts lie over `model`, whole
         assert found["max_diff"] < 1e-5, (mesh, found)
         assert found["experts_per_device"] == X // experts, (mesh, found)
         assert found["largest_collective"] < found["largest_weight"], (mesh, found)

@@ -161,22 +161,27 @@ def gathered(x, experts, gate, up, down, bias=None, act=swiglu):
     return jnp.where(held[:, None], y, 0)
 
 
-def sliced(x, experts, gate, up, down, bias=None, act=swiglu):
+def sliced(x, experts, gate, up, down, bias=None, act=swiglu, some_elsewhere: bool = False):
     """`gathered`'s result with each assignment's expert weights taken by a dynamic slice
     of its own (an unrolled loop: few assignments only), which every compiler reads in place.
-    bias, act: as `gathered` takes them."""
-    X = gate.shape[0]
+    bias, act: as `gathered` takes them. some_elsewhere: some experts lie on other devices
+    (`split_experts_out`): an assignment to one of them is skipped by a branch, reading
+    nothing, rather than computed on a stand-in expert and dropped."""
+    X = gate.shape[0] if not isinstance(gate, Int8) else gate.value.shape[0]
     held = (experts >= 0) & (experts < X)
     e = jnp.where(held, experts, 0)
     out = []
     for a in range(x.shape[0]):
-        take = lambda w: jax.tree.map(  # noqa: E731  (an Int8's values and scales alike)
-            lambda v: jax.lax.dynamic_index_in_dim(v, e[a], keepdims=False), w)
-        g, u = matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up))
-        if bias is not None:
-            g, u = g + take(bias[0]), u + take(bias[1])
-        y = matmul("i,ie->e", act(g, u), take(down))
-        out.append(y if bias is None else y + take(bias[2]))
+        def one(a=a):
+            take = lambda w: jax.tree.map(  # noqa: E731  (an Int8's values and scales alike)
+                lambda v: jax.lax.dynamic_index_in_dim(v, e[a], keepdims=False), w)
+            g, u = matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up))
+            if bias is not None:
+                g, u = g + take(bias[0]), u + take(bias[1])
+            y = matmul("i,ie->e", act(g, u), take(down))
+            return y if bias is None else y + take(bias[2])
+
+        out.append(jax.lax.cond(held[a], one, lambda: jnp.zeros_like(x[a])) if some_elsewhere else one())
     return jnp.where(held[:, None], jnp.stack(out), 0)
 
 
@@ -256,18 +261,20 @@ def _count_at_most(ends, j):
     return (ends[None, :] <= j[:, None]).sum(-1).astype(jnp.int32)
 
 
-def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dtype=None, bias=None, act=swiglu):
+def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dtype=None, bias=None, act=swiglu,
+                some_elsewhere: bool = False):
     """The routed experts' weighted sum: x [N, E], weights float32 [N, k], experts int32
     [N, k] -> [N, E] (in out_dtype, default x's). first: the index of the first expert this
     device holds (gate etc. are its experts [X', ...]); assignments to experts it does not
-    hold add nothing here. bias, act: as `gathered` takes them (the device's experts' biases)."""
+    hold add nothing here (some_elsewhere: there are such experts, `sliced` skips theirs).
+    bias, act: as `gathered` takes them (the device's experts' biases)."""
     N, k = experts.shape
     local = (experts - first).reshape(N * k)
     rows = jnp.repeat(x, k, axis=0)  # [N k, E]
     if form == "gathered":
         y = gathered(rows, local, gate, up, down, bias, act)
     elif form == "sliced":
-        y = sliced(rows, local, gate, up, down, bias, act)
+        y = sliced(rows, local, gate, up, down, bias, act, some_elsewhere)
     elif form in ("grouped", "ragged_dot"):
         y = grouped(rows, local, gate, up, down, form == "ragged_dot", bias, act)
     else:
@@ -276,32 +283,37 @@ def experts_out(x, weights, experts, gate, up, down, form: str, first=0, out_dty
     return y.sum(1).astype(out_dtype or x.dtype)
 
 
-def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias=None, act=swiglu):
+def split_experts_out(x, weights, experts, gate, up, down, form: str, mesh, bias=None, act=swiglu, rules=None):
     """`experts_out` on a mesh, each device computing by hand (a fully manual shard_map, so
     that no collective of XLA's choosing lands inside the grouped form's loop, whose trip
-    count differs between devices): its rows (over `data`), its experts (X / n over
-    `expert`: `first` is its first) and its slice of each expert's width (I / m over
-    `model`); the float32 shares are summed over `expert` and `model`, one all-reduce of
-    its rows [N', E] a layer. No weight moves. An axis a size does not divide leaves that
-    size whole (its work then repeated on that axis's devices). bias, act: as `gathered`
-    takes them (the down projection's bias is added by the first device of `model` only).
-    An int8 weight's scales [X, 1, I] ([X, 1, E]) are split as its values are, so that each
-    device holds the scales of the experts and width it holds (`sharding.scale_spec`)."""
+    count differs between devices): its rows (over `data`), its experts and its slice of
+    each expert's width, as the weights lie by `rules` (the model's; default
+    sharding.DEFAULT_RULES: experts over `expert`, else over `model`; the width over `model`
+    where the experts do not take it). `first` is a device's first expert; the float32
+    shares are summed over the axes the experts and width split, one all-reduce of its rows
+    [N', E] a layer. No weight moves. bias, act: as `gathered` takes them (the down
+    projection's bias is added by the first device of the width's axis only). An int8
+    weight's scales [X, 1, I] ([X, 1, E]) are split as its values are, so that each device
+    holds the scales of the experts and width it holds (`sharding.scale_spec`)."""
     from jax.sharding import PartitionSpec as P
 
-    from specjax.sharding import DATA, EXPERT, MODEL, scale_spec
+    from specjax import sharding
+    from specjax.sharding import DATA, scale_spec
 
-    sizes = dict(mesh.shape)
-    N, X, I = x.shape[0], gate.shape[0], gate.shape[2]
-    over = lambda axis, n: axis if sizes.get(axis, 1) > 1 and n % sizes[axis] == 0 else None  # noqa: E731
-    rows, held, width = P(over(DATA, N)), over(EXPERT, X), over(MODEL, I)
+    N = x.shape[0]
+    value = lambda w: w.value if isinstance(w, Int8) else w  # noqa: E731
+    laid = sharding.spec(value(gate).shape, sharding.LOGICAL_AXES["experts_gate"], mesh,
+                         rules or sharding.DEFAULT_RULES)
+    held, width = laid[0], laid[2]  # the mesh axes (or None) the experts and their width lie over
+    rows = P(DATA if mesh.shape.get(DATA, 1) > 1 and N % mesh.shape[DATA] == 0 else None)
     summed = tuple(a for a in (held, width) if a is not None)
 
     def local(x, weights, experts, gate, up, down, *bias):
-        first = 0 if held is None else jax.lax.axis_index(EXPERT) * gate.shape[0]
+        first = 0 if held is None else jax.lax.axis_index(held) * value(gate).shape[0]
         if bias and width is not None:  # the width's shares sum: one of them adds down's bias
-            bias = bias[:2] + (bias[2] * (jax.lax.axis_index(MODEL) == 0).astype(bias[2].dtype),)
-        share = experts_out(x, weights, experts, gate, up, down, form, first, jnp.float32, bias or None, act)
+            bias = bias[:2] + (bias[2] * (jax.lax.axis_index(width) == 0).astype(bias[2].dtype),)
+        share = experts_out(x, weights, experts, gate, up, down, form, first, jnp.float32, bias or None, act,
+                            some_elsewhere=held is not None)
         return jax.lax.psum(share, summed) if summed else share
 
     def weight(w, spec):  # an Int8's values as the weight, its scales alike
@@ -327,7 +339,7 @@ class MoE(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, form: str | None = None, platform: str = "cpu", mesh=None):
+    def __call__(self, x, form: str | None = None, platform: str = "cpu", mesh=None, rules=None):
         """form: one of FORMS, or None: `choose_form` for the pass's shape on `platform`.
         mesh: the program's, whose `expert` axis (if any, and > 1) splits the experts."""
         c = self.config
@@ -353,7 +365,7 @@ class MoE(nn.Module):
             for name, shape in (("gate", (X, I)), ("up", (X, I)), ("down", (X, E))))
         form = form or choose_form(platform, B * T * m.top_k)
         if mesh is not None and mesh.size > 1:
-            out = split_experts_out(rows, weights, chosen, gate, up, down, form, mesh, biases, activation(c))
+            out = split_experts_out(rows, weights, chosen, gate, up, down, form, mesh, biases, activation(c), rules)
         else:
             out = experts_out(rows, weights, chosen, gate, up, down, form, bias=biases, act=activation(c))
         out = out.reshape(B, T, E)

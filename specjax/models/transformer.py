@@ -103,7 +103,8 @@ class Block(nn.Module):
                                        pages=view.pages, sinks=sinks)
         x = x + attn.project_out(out)
         h = Norm(self.config, name="mlp_norm")(x)
-        x = x + (MoE(self.config, name="moe")(h, self.moe_form, platform=backend.platform, mesh=backend.mesh)
+        x = x + (MoE(self.config, name="moe")(h, self.moe_form, platform=backend.platform, mesh=backend.mesh,
+                                                 rules=view.rules)
                  if self.sparse
                  else MLP(self.config, name="mlp")(h))
         return x, cache_kv, fresh
