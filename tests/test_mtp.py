@@ -211,7 +211,9 @@ def test_a_trained_layer_drafts_exactly_and_is_accepted_often(trained):
 
 
 def test_the_paged_engine_with_the_layer_equals_generate_alone(trained):
-    """Paged caches (the target's and the layer's), a shared prefix cached, staggered requests."""
+    """Paged caches (the target's and the layer's), a shared prefix cached, staggered requests;
+    then `specjax serve`'s app over the same engine answers a completion over HTTP with
+    generate's tokens (their text, under a tokenizer with a text for every id)."""
     from tests.test_engine import _alone, _staggered
 
     target, folder, *_ = trained
@@ -229,6 +231,24 @@ def test_the_paged_engine_with_the_layer_equals_generate_alone(trained):
     print(f"engine with the MTP layer: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prefix tokens "
           f"found cached")
     assert stats["free_pages"] == 12 and stats["prefix_cache_hits"] >= 16  # the shared prefix's two full pages
+    # `specjax serve`'s app over the same engine: a completion of token ids, over HTTP
+    from specjax.serve.api import Server
+    from tests.test_serve import Live
+
+    corpus = Path(specjax.__file__).with_name("theory.py").read_text().splitlines()
+    tokenizer = tiny.save_tokenizer(folder.parent / "served_tokenizer", corpus, vocab_size=tiny.VOCAB)
+    assert len(tokenizer) == tiny.VOCAB  # every id the model may answer has a token's text
+    prompt, budget, _ = requests[1]
+    with engine:
+        live = Live(Server(engine, tokenizer, "tiny-moe-mtp"))
+        try:
+            answer = live.client().completions.create(model="tiny-moe-mtp", prompt=prompt, max_tokens=budget,
+                                                      temperature=0)
+        finally:
+            live.stop()
+    alone = _alone(target, prompt, budget, ())
+    assert answer.usage.completion_tokens == len(alone)
+    assert answer.choices[0].text == tokenizer.decode(alone, skip_special_tokens=True)
 
 
 # ---- any target whose block specjax runs; files refused by name --------------------------------
