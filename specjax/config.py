@@ -484,8 +484,8 @@ class ModelConfig:
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=E,
             num_layers=hf["num_hidden_layers"], num_heads=H, num_kv_heads=G, head_dim=head_dim,
-            intermediate_size=(hf.get("intermediate_size") or hf_config.DEFAULT_INTERMEDIATE.get(model_type)
-                               or hf["moe_intermediate_size"]),
+            intermediate_size=(hf["intermediate_size"] if moe is None else hf.get("intermediate_size")
+                               or hf_config.DEFAULT_INTERMEDIATE.get(model_type) or hf["moe_intermediate_size"]),
             max_position_embeddings=hf.get("max_position_embeddings",
                                            hf_config.DEFAULT_POSITIONS.get(model_type, 2048)),
             norm_eps=float(hf.get("rms_norm_eps", hf_config.DEFAULT_NORM_EPS.get(model_type, 1e-6))),
