@@ -135,6 +135,6 @@ def test_every_python_block_of_the_readme_and_guides_runs_from_anywhere(tmp_path
             exec(compile(code, f"{file}:{line}", "exec"), dict(names))
         except Exception as e:  # noqa: BLE001 - named with its block
             pytest.fail(f"{file}:{line}: {type(e).__name__}: {e}")
-    assert len(skipped) <= 4, skipped
+    assert len(skipped) <= 5, skipped  # (the fifth: the MTP drafter of a 700 GB DeepSeek-V3, which tests/test_mtp.py runs tiny)
     clients = {code for file, _, code, why in blocks if why is not None and "OpenAI(" in code}
     assert len(clients) == 1  # the serving guide's is the README's, which tests/test_serve.py runs

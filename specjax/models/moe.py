@@ -135,11 +135,13 @@ def _take(w, e):
 
 def _ragged(xs, w, sizes, e):
     """jax.lax.ragged_dot(xs [A, K], w [X, K, N], sizes) for a float or int8 w: an int8 w's
-    values converted inside the product, its scales [X, 1, N] applied to each sorted row's
-    output by that row's expert e int32 [A] (rows of no group: any, their output dropped)."""
+    values go into the product as they are (a converted copy of every expert, written each
+    pass, was what a TPU program of int8 experts moved most: `specjax plan`), its scales
+    [X, 1, N] applied to each sorted row's output by that row's expert e int32 [A] (rows of
+    no group: any, their output dropped)."""
     if not isinstance(w, Int8):
         return jax.lax.ragged_dot(xs, w, sizes)
-    out = jax.lax.ragged_dot(xs, w.value.astype(xs.dtype), sizes)
+    out = jax.lax.ragged_dot(xs, w.value, sizes, preferred_element_type=xs.dtype)
     return out * w.scale[e, 0].astype(out.dtype)
 
 
