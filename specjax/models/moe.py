@@ -153,14 +153,21 @@ def gathered(x, experts, gate, up, down, bias=None, act=swiglu):
     X = gate.shape[0]
     held = (experts >= 0) & (experts < X)
     e = jnp.where(held, experts, 0)
-    g = matmul("ae,aei->ai", x, _take(gate, e))
-    u = matmul("ae,aei->ai", x, _take(up, e))
-    if bias is not None:
-        g, u = g + bias[0][e], u + bias[1][e]
-    y = matmul("ai,aie->ae", act(g, u), _take(down, e))
-    if bias is not None:
-        y = y + bias[2][e]
+    y = _ffn(x, _take(gate, e), _take(up, e), _take(down, e), None if bias is None else [b[e] for b in bias], act,
+             per_row=True)
     return jnp.where(held[:, None], y, 0)
+
+
+def _ffn(x, gate, up, down, bias, act, per_row: bool = False):
+    """One expert's MLP of rows x [..., E] with its weights taken (gate, up [E, I], down
+    [I, E], float or int8; per_row: each row its own, [A, E, I] and [A, I, E] for x [A, E])
+    and its biases taken alike (gate's, up's, down's; or None) -> [..., E]."""
+    into, out = ("ae,aei->ai", "ai,aie->ae") if per_row else ("...e,ei->...i", "...i,ie->...e")
+    g, u = matmul(into, x, gate), matmul(into, x, up)
+    if bias is not None:
+        g, u = g + bias[0], u + bias[1]
+    y = matmul(out, act(g, u), down)
+    return y if bias is None else y + bias[2]
 
 
 def sliced(x, experts, gate, up, down, bias=None, act=swiglu, some_elsewhere: bool = False):
@@ -177,11 +184,7 @@ def sliced(x, experts, gate, up, down, bias=None, act=swiglu, some_elsewhere: bo
         def one(a=a):
             take = lambda w: jax.tree.map(  # noqa: E731  (an Int8's values and scales alike)
                 lambda v: jax.lax.dynamic_index_in_dim(v, e[a], keepdims=False), w)
-            g, u = matmul("e,ei->i", x[a], take(gate)), matmul("e,ei->i", x[a], take(up))
-            if bias is not None:
-                g, u = g + take(bias[0]), u + take(bias[1])
-            y = matmul("i,ie->e", act(g, u), take(down))
-            return y if bias is None else y + take(bias[2])
+            return _ffn(x[a], take(gate), take(up), take(down), None if bias is None else [take(b) for b in bias], act)
 
         out.append(jax.lax.cond(held[a], one, lambda: jnp.zeros_like(x[a])) if some_elsewhere else one())
     return jnp.where(held[:, None], jnp.stack(out), 0)
@@ -244,13 +247,8 @@ def _tiled(xs, sizes, gate, up, down, bias=None, act=swiglu):
     def body(t, out):
         e = tile_expert[t]
         rows = jax.lax.dynamic_slice_in_dim(buf, t * m, m)  # [m, E]
-        g = matmul("me,ei->mi", rows, _take(gate, e))
-        u = matmul("me,ei->mi", rows, _take(up, e))
-        if bias is not None:
-            g, u = g + bias[0][e], u + bias[1][e]
-        y = matmul("mi,ie->me", act(g, u), _take(down, e))
-        if bias is not None:
-            y = y + bias[2][e]
+        y = _ffn(rows, _take(gate, e), _take(up, e), _take(down, e), None if bias is None else [b[e] for b in bias],
+                 act)
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * m, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(buf))
