@@ -23,7 +23,7 @@ def test_forward_matches_transformers(arch, hf_folder):
     np.testing.assert_allclose(np.asarray(specjax.forward(model, tokens)), ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3_moe"])
 def test_ragged_batch_matches_each_row_alone(arch, hf_folder):
     """Right-padded rows of different lengths in one batch give each row's own logits."""
     folder, torch_model = hf_folder(arch)

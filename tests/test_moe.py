@@ -119,6 +119,19 @@ def test_speculative_greedy_over_a_moe_target_equals_transformers(arch, tree, hf
     assert 0 < out.stats.accepted.sum() < out.stats.drafted.sum()  # both paths ran
 
 
+def test_eagle3_over_a_moe_target_equals_plain_greedy(hf_folder):
+    """An EAGLE-3 head (reading three of the target's layers' states, experts among them)
+    drafting chains for a MoE target: the target's own greedy rows."""
+    target = specjax.load_model(hf_folder("qwen3_moe")[0])
+    rng = np.random.RandomState(9)
+    padded, lengths = specjax.pad_prompts([list(rng.randint(2, tiny.VOCAB, n)) for n in (9, 5)], bucket=16)
+    plain = specjax.generate(target, padded, lengths, max_new_tokens=MAX_NEW)
+    out = specjax.generate(target, padded, lengths, draft=specjax.Eagle3.init(target, jax.random.key(2)),
+                           max_new_tokens=MAX_NEW, num_draft_tokens=3)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.num_tokens, plain.num_tokens)
+
+
 def test_a_moe_token_gets_the_same_bits_from_every_pass(hf_folder):
     """deterministic=True over a MoE target in bfloat16: a step, a verification pass, a row
     alone, a full pass and a longer cache give the same bits (test_exact's check)."""

@@ -140,11 +140,11 @@ def test_argmax_is_jnp_argmax():
 V, ROWS, PROMPT = 8, 6000, [1, 2, 3, 1, 2]
 
 
-def _tiny(seed, std, base=None):
+def _tiny(seed, std, base=None, moe=None):
     config = specjax.ModelConfig(
-        model_type="llama", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
+        model_type="llama" if moe is None else "qwen3_moe", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
         num_kv_heads=1, head_dim=8, intermediate_size=24, max_position_embeddings=64,
-        norm_eps=1e-6, tie_word_embeddings=False)
+        norm_eps=1e-6, tie_word_embeddings=False, moe=moe)
     model = specjax.models.init(config, jax.random.key(seed), jnp.float32)
     rng = np.random.RandomState(seed)
     base = model.params if base is None else base.params
@@ -202,6 +202,16 @@ def test_speculative_sampling_is_exact(tiny_pair, temperature, top_k, top_p):
                          ids=["early_exit", "prompt_lookup"])
 def test_sampling_is_exact_with_other_drafters(tiny_pair, drafter):
     _check_exact(tiny_pair[0], drafter, *SETTINGS[3])
+
+
+def test_sampling_is_exact_over_a_moe_target():
+    """A mixture of experts (4 experts, top 2, renormalised) as the target, a noisy copy
+    drafting: the first two tokens' joint distribution is the target's."""
+    from specjax.config import Moe
+
+    moe = Moe(num_experts=4, top_k=2, expert_size=12, norm_topk=True)
+    target = _tiny(3, 0.6, moe=moe)
+    _check_exact(target, _tiny(4, 0.15, base=target, moe=moe), *SETTINGS[3])
 
 
 def _check_exact(target, draft, temperature, top_k, top_p):

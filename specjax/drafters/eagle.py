@@ -26,6 +26,7 @@ from flax import struct
 
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
+from specjax.hf_config import UnsupportedConfigError
 from specjax.drafters import trained
 from specjax.drafters.base import DraftRequest, Drafter, Resume, grow, grow_cache_length, shape_for
 from specjax.layouts import from_layout2_layer, fuse_legacy_layer
@@ -46,8 +47,15 @@ def _as(w, dtype):
 
 
 def layer_config(target: ModelConfig) -> ModelConfig:
-    """The drafter's one layer: the target's family and sizes, full attention."""
-    return dataclasses.replace(target, num_layers=1, layer_types=None, sliding_window=None)
+    """The drafter's one layer: the target's family and sizes, full attention, a dense MLP
+    (intermediate_size wide) where the target's are experts (as EAGLE-3 heads for MoE
+    targets are trained). Latent attention (a DeepSeek-V3 target) is refused: its heads
+    draft with the target's own MTP layer (`specjax.Mtp`)."""
+    if target.mla is not None:
+        raise UnsupportedConfigError(f"EAGLE heads for a {target.model_type} target (latent attention) are not "
+                                     f"supported: draft with its MTP layer (specjax.Mtp, specjax.load_drafter of its "
+                                     f"folder) or a draft model")
+    return dataclasses.replace(target, num_layers=1, layer_types=None, sliding_window=None, moe=None)
 
 
 def eagle_layer(config: ModelConfig, params: dict, target: Model, tokens, features, positions,
