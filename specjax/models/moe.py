@@ -30,12 +30,13 @@ it routes to and converts them inside its matmuls, and applies the scales to tho
 outputs, each row by its own expert's (`_take` picks an expert's values and scales alike;
 `_ragged` scales ragged_dot's sorted rows); no form writes a dequantised copy of the experts.
 
-With an `expert` mesh axis each device holds X / n experts and computes its own experts'
-assignments, summed over the axis (models/transformer.py builds that program; this module
-computes one device's share given which experts it holds).
+On a mesh (`split_experts_out`) each device holds a share of the experts (X / n over the
+`expert` axis, or over `model` where the mesh has none) and of each one's width, computes
+its rows' assignments to its own experts by hand in a manual shard_map, and the shares are
+summed: one all-reduce of the rows' activations a layer, no weight moved.
 
-It knows nothing of caches, attention, checkpoints or which platform runs it beyond the
-form its caller asks for.
+It knows nothing of caches, attention or checkpoints, and of the program only the platform
+and mesh its caller passes.
 """
 
 from __future__ import annotations
