@@ -164,11 +164,7 @@ def trained(hf_folder, tmp_path_factory):
 
     source = hf_folder("deepseek_v3_moe")[0]
     target = specjax.load_model(source, dtype=jnp.float32)
-    rows = 40
-    prompts = np.random.RandomState(0).randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
-    out = specjax.generate(target, prompts, np.full(rows, 2, np.int32), max_new_tokens=40)
-    text = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
-    stream, held = text[:32].reshape(-1), text[32:].reshape(-1)
+    stream, held = tiny.own_text(target)
     cfg = TrainConfig(steps=40, batch=8, seq_len=32, lr=1e-2, warmup=5, eval_every=40, eval_batches=2,
                       checkpoint_every=40)
     drafter, _ = heads.train_mtp(target, stream, held, cfg, tmp_path_factory.mktemp("run"), progress=False,
@@ -180,7 +176,7 @@ def trained(hf_folder, tmp_path_factory):
     folder = tmp_path_factory.mktemp("with_mtp") / "target"
     shutil.copytree(source, folder)
     drafter.save(folder)
-    return target, folder, before, after, text[32:]
+    return target, folder, before, after, held.reshape(8, -1)
 
 
 def test_training_lowers_the_loss_and_the_saved_layer_loads_back(trained):

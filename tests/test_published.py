@@ -420,11 +420,7 @@ def test_a_head_specjax_trains_is_written_as_vllm_reads_it(target, tmp_path):
     from specjax.train import TrainConfig, heads
 
     model = target[0]
-    rows = 40
-    prompts = np.random.RandomState(0).randint(2, tiny.VOCAB, (rows, 2)).astype(np.int32)
-    out = specjax.generate(model, prompts, np.full(rows, 2, np.int32), max_new_tokens=40)
-    text = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
-    stream, held = text[:32].reshape(-1), text[32:].reshape(-1)
+    stream, held = tiny.own_text(model)
     cfg = TrainConfig(steps=60, batch=8, seq_len=32, lr=1e-2, warmup=5, eval_every=60, eval_batches=2,
                       checkpoint_every=60)
     quiet = dict(progress=False, log=lambda s: None, probe_prompts=held[:4 * 16].reshape(4, 16), draft_vocab=64,

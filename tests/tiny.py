@@ -245,3 +245,16 @@ def save_tokenizer(folder, corpus, vocab_size=90, chat_template=None):
         fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return fast
+
+
+def own_text(model, rows: int = 40, new_tokens: int = 40):
+    """A model's own greedy text from random two-token prompts, for training a drafter on it:
+    (stream [32 (2 + new_tokens)], held-out [(rows - 32) (2 + new_tokens)]), rows 0..31 and the rest."""
+    import numpy as np
+
+    import specjax
+
+    prompts = np.random.RandomState(0).randint(2, VOCAB, (rows, 2)).astype(np.int32)
+    out = specjax.generate(model, prompts, np.full(rows, 2, np.int32), max_new_tokens=new_tokens)
+    text = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    return text[:32].reshape(-1), text[32:].reshape(-1)
