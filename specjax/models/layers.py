@@ -74,6 +74,18 @@ def gate_up_matmul(x, w):
     return out.reshape(2, *x.shape[:-1], out.shape[-1])
 
 
+def heads_out(out, w):
+    """Per-head outputs [B, T, H, D] times an output projection w [H, D, E] (float or int8)
+    -> [B, T, E], as one [H D, E] matmul (a free reshape of the weight): contracted over
+    (h, d) as two axes, XLA transposed the whole weight on every pass to match the
+    activations' layout, on a CPU, and on a GPU behind cuDNN's head-major output
+    (docs/bench/gpu_compiled.txt); flat, only the activations can move."""
+    B, T, H, D = out.shape
+    w = (Int8(w.value.reshape(H * D, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8)
+         else w.reshape(H * D, -1))
+    return matmul("btk,ke->bte", out.reshape(B, T, H * D), w)
+
+
 def softcap(x, cap: float):
     """cap * tanh(x / cap): Gemma 2's smooth bound on attention scores and logits."""
     return cap * jnp.tanh(x / cap)
@@ -216,15 +228,7 @@ class Attention(nn.Module):
     def project_out(self, out):
         """Attention's per-head output [B, T, H, D] -> [B, T, E] (Gemma's normed)."""
         c = self.config
-        B, T, H, D = out.shape
-        w = self.o_kernel
-        # One [H D, E] matmul (a free reshape of the weight): contracted over (h, d) as two axes,
-        # XLA transposed the whole weight on every pass to match the activations' layout, on
-        # a CPU, and on a GPU behind cuDNN's head-major output (docs/bench/gpu_compiled.txt);
-        # flat, only the activations can move.
-        w = (Int8(w.value.reshape(H * D, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8)
-             else w.reshape(H * D, -1))
-        out = matmul("btk,ke->bte", out.reshape(B, T, H * D), w)
+        out = heads_out(out, self.o_kernel)
         if c.out_bias:
             out = out + self.o_bias
         return self.post_norm(out) if c.family == "gemma" else out

@@ -36,8 +36,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from specjax.config import ModelConfig
-from specjax.models.layers import Norm, init, matmul, rotary
-from specjax.quant import Int8
+from specjax.models.layers import Norm, heads_out, init, matmul, rotary
 
 
 def deinterleave(x):
@@ -115,10 +114,5 @@ class LatentAttention(nn.Module):
         """The attention's output over the latent keys [B, T, H, r + rope] -> [B, T, E]: its
         latent lanes through each head's W_UV, then o_proj."""
         c = self.config
-        B, T, H, _ = out.shape
         heads = matmul("bthr,hvr->bthv", out[..., :c.mla.kv_lora_rank], self.v_b_kernel)  # [B, T, H, v]
-        # One [H v, E] matmul, as layers.Attention.project_out multiplies its o_kernel.
-        w, V = self.o_kernel, c.mla.v_head_dim
-        w = (Int8(w.value.reshape(H * V, -1), w.scale.reshape(1, -1)) if isinstance(w, Int8)
-             else w.reshape(H * V, -1))
-        return matmul("btk,ke->bte", heads.reshape(B, T, H * V), w)
+        return heads_out(heads, self.o_kernel)
