@@ -5,9 +5,12 @@ greedy, logprobs on. Each request's tokens and log-probabilities are compared wi
 `generate` on it alone (a cancelled one's: the first tokens it got), and the engine's rules
 are checked every turn (`Scheduler.check`, `Runner.check`: the device's table is the host's
 before every run, a row not live is done). tests/tiny.py's Llama, a draft near it or an
-untrained EAGLE-3 layer (whose draft cache a wrong chunk start would corrupt).
+untrained EAGLE-3 layer (whose draft cache a wrong chunk start would corrupt); or its
+mixtures of experts (Qwen3-MoE; DeepSeek-V3's, with latent attention, and an untrained MTP
+layer of its own).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python docs/bench/engine_churn.py [--draft none|model|eagle3]
+    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python docs/bench/engine_churn.py [--target llama|qwen3_moe|deepseek_v3_moe]
+        [--draft none|model|eagle3|mtp]
         [--slots 4] [--requests 40] [--seeds 0,1,2]
 """
 
@@ -89,23 +92,26 @@ def churn(engine, target, seed, requests, cache):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft", default="none", choices=["none", "model", "eagle3"])
+    p.add_argument("--target", default="llama", choices=["llama", "qwen3_moe", "deepseek_v3_moe"],
+                   help="tests/tiny.py's model (a mixture of experts; DeepSeek-V3's latent attention too)")
+    p.add_argument("--draft", default="none", choices=["none", "model", "eagle3", "mtp"])
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--kv-pages", type=int, default=48)
     args = p.parse_args()
     folder = tempfile.mkdtemp()
-    tiny.build("llama").save_pretrained(folder)
+    tiny.build(args.target).save_pretrained(folder)
     target = specjax.load_model(folder)
-    draft = {"none": None, "model": tiny.noisy(target, 0.002, 1),
-             "eagle3": Eagle3.init(target, jax.random.key(1))}[args.draft]
+    draft = {"none": lambda: None, "model": lambda: tiny.noisy(target, 0.002, 1),
+             "eagle3": lambda: Eagle3.init(target, jax.random.key(1)),
+             "mtp": lambda: specjax.Mtp.init(target, jax.random.key(1))}[args.draft]()
     engine = specjax.Engine(target, draft=draft, slots=args.slots, max_len=128, steps_per_call=4,
                             kv_pages=args.kv_pages, page_size=8, prefill_chunk=16, max_logprobs=0,
                             num_draft_tokens=None if draft is None else (3,) * args.slots)
     cache = {}
     for seed in (int(s) for s in args.seeds.split(",")):
-        print(f"draft {args.draft}, {args.slots} slots, {args.kv_pages} pages of 8, seed {seed}:",
+        print(f"{args.target}, draft {args.draft}, {args.slots} slots, {args.kv_pages} pages of 8, seed {seed}:",
               churn(engine, target, seed, args.requests, cache), flush=True)
 
 
